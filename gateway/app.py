@@ -1,0 +1,94 @@
+"""Build the Starlette app from a config: routes, and the lifespan that owns every resource."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from .config import GatewayConfig
+from .dispatch import Dispatcher
+from .metrics import GatewayMetrics
+from .pools import HealthChecker, Pools
+from .service import Gateway, build_pipeline
+from .tokenizer import ModelTokenizer, Tokenizers
+from .upstream import Upstream, make_session
+
+
+def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None) -> Starlette:
+    """The gateway app; ``tokenizers`` may be injected (tests), else loaded at startup."""
+    state: dict[str, Gateway] = {}
+    created = int(time.time())
+    # Built now so that a bad policy name fails before the server binds its port.
+    pipeline = build_pipeline(cfg.routing)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        toks = tokenizers
+        if toks is None:
+            loaded = await asyncio.gather(
+                *(asyncio.to_thread(ModelTokenizer.load, m) for m in cfg.models)
+            )
+            toks = Tokenizers(loaded, cfg.tokenizer)
+        pools = Pools(cfg.pools.prefill.endpoints, cfg.pools.decode.endpoints)
+        session = make_session()
+        health = HealthChecker(pools, session, cfg.health.path, cfg.health.interval_s, cfg.health.timeout_s)
+        state["gw"] = Gateway(
+            cfg, toks, pools, pipeline, Dispatcher(Upstream(session, cfg.timeouts), pools), GatewayMetrics(pools)
+        )
+        await health.start()
+        try:
+            yield
+        finally:
+            await health.stop()
+            await session.close()
+            toks.close()
+
+    async def chat(request: Request) -> Response:
+        return await state["gw"].chat(request)
+
+    async def completions(request: Request) -> Response:
+        return await state["gw"].completions(request)
+
+    async def models(request: Request) -> Response:
+        data = [
+            {"id": m.name, "object": "model", "created": created, "owned_by": "pdgate",
+             "root": m.name, "parent": None, "max_model_len": m.max_model_len}
+            for m in cfg.models
+        ]
+        return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        pools = state["gw"].pools
+        body = {
+            "ready": pools.ready(),
+            "pools": {
+                name: {"healthy": sum(e.healthy for e in eps), "total": len(eps)}
+                for name, eps in (("prefill", pools.prefill), ("decode", pools.decode))
+            },
+        }
+        return JSONResponse(body, status_code=200 if body["ready"] else 503)
+
+    async def metrics(request: Request) -> Response:
+        gw = state["gw"]
+        return Response(gw.metrics.render(), media_type=gw.metrics.content_type)
+
+    routes = [
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)

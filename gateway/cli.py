@@ -1,0 +1,93 @@
+"""``pdgate``: serve the gateway, run the local demo, run one simulated engine, check a config."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .config import ConfigError, load_config
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import create_app
+
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return 2
+    host = args.host or cfg.server.host
+    port = args.port if args.port is not None else cfg.server.port
+    level = cfg.server.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app = create_app(cfg)
+    except ValueError as err:  # e.g. an unknown policy name
+        print(f"{args.config}: {err}", file=sys.stderr)
+        return 2
+    uvicorn.run(
+        app, host=host, port=port, loop="uvloop", http="httptools", access_log=False,
+        log_level=cfg.server.log_level.lower(), server_header=False, timeout_graceful_shutdown=30,
+    )
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from .service import build_pipeline
+
+    try:
+        cfg = load_config(args.config)
+        build_pipeline(cfg.routing)
+    except (ConfigError, ValueError) as err:
+        print(err, file=sys.stderr)
+        return 1
+    print(f"{args.config}: OK ({len(cfg.models)} model(s), {len(cfg.pools.prefill.endpoints)} prefill and "
+          f"{len(cfg.pools.decode.endpoints)} decode endpoint(s))")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sim"]:  # the simulator owns its flags
+        from sim.cli import main as sim_main
+
+        return sim_main(argv[1:])
+
+    parser = argparse.ArgumentParser(prog="pdgate", description="Disaggregated prefill/decode gateway for vLLM")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the gateway")
+    serve.add_argument("--config", required=True, help="YAML config file")
+    serve.add_argument("--host", help="override server.host")
+    serve.add_argument("--port", type=int, help="override server.port")
+    serve.set_defaults(func=_serve)
+
+    demo = sub.add_parser("demo", help="gateway + simulated prefill and decode engines on this machine")
+    demo.add_argument("--port", type=int, default=8000)
+    demo.add_argument("--host", default="127.0.0.1")
+    demo.add_argument("--prefill", type=int, default=2, help="simulated prefill engines")
+    demo.add_argument("--decode", type=int, default=2, help="simulated decode engines")
+    demo.add_argument("--threshold", type=int, default=4096, help="P/D from this many prompt tokens")
+    demo.set_defaults(func=_demo)
+
+    sub.add_parser("sim", help="run one simulated vLLM engine (see `pdgate sim --help`)")
+
+    check = sub.add_parser("check-config", help="validate a config file and exit")
+    check.add_argument("config")
+    check.set_defaults(func=_check)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""The gateway's YAML configuration: one validated, immutable object.
+
+Everything the service needs is read from one file and validated up front (unknown keys are
+errors, so a typo fails loudly instead of being ignored). ``load_config`` turns a path into a
+``GatewayConfig`` or raises ``ConfigError`` whose message names the failing location.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerConfig(_Strict):
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=0, le=65535)
+    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="larger request bodies get 413")
+    log_level: str = "info"
+
+
+class ModelConfig(_Strict):
+    name: str = Field(min_length=1, description="the model name clients send")
+    tokenizer: str = Field(min_length=1, description="local folder or hub name of the model's tokenizer")
+    tokenizer_revision: str | None = None
+    trust_remote_code: bool = False
+    max_model_len: int = Field(gt=0, description="context length the engines serve")
+    chat_template: str | None = Field(
+        None, description="path to a Jinja chat template, as given to vLLM's --chat-template"
+    )
+
+
+def _check_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"endpoint {url!r} must be an http(s) URL with a host")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"endpoint {url!r} must be a base URL (no path, query or fragment)")
+    return url.rstrip("/")
+
+
+class PoolConfig(_Strict):
+    endpoints: list[str] = Field(default_factory=list)
+
+    @field_validator("endpoints")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        cleaned = [_check_url(u) for u in urls]
+        if len(set(cleaned)) != len(cleaned):
+            raise ValueError("an endpoint is listed twice")
+        return cleaned
+
+
+class PoolsConfig(_Strict):
+    prefill: PoolConfig = PoolConfig()
+    decode: PoolConfig
+
+    @model_validator(mode="after")
+    def _decode_needed(self) -> PoolsConfig:
+        if not self.decode.endpoints:
+            raise ValueError("pools.decode needs at least one endpoint (every request ends on one)")
+        return self
+
+
+class HealthConfig(_Strict):
+    interval_s: float = Field(2.0, gt=0)
+    timeout_s: float = Field(1.0, gt=0)
+    path: str = "/health"
+
+
+class PolicySpec(BaseModel):
+    """A policy by registry name plus its own parameters (validated by the policy)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    name: str
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class RoutingConfig(_Strict):
+    decider: PolicySpec = PolicySpec(name="token_threshold")
+    picker: PolicySpec = PolicySpec(name="least_inflight")
+
+
+class TimeoutsConfig(_Strict):
+    connect_s: float = Field(5.0, gt=0, description="TCP connect to an engine")
+    prefill_s: float = Field(600.0, gt=0, description="whole prefill leg")
+    decode_idle_s: float = Field(600.0, gt=0, description="wait for the decode leg's next bytes")
+
+
+class TokenizerConfig(_Strict):
+    workers: int = Field(2, ge=1, description="threads that tokenize off the event loop")
+    inline_max_chars: int = Field(
+        512, ge=0, description="prompts this short are tokenized inline (cheaper than a thread hop)"
+    )
+
+
+class GatewayConfig(_Strict):
+    server: ServerConfig = ServerConfig()
+    models: list[ModelConfig] = Field(min_length=1)
+    pools: PoolsConfig
+    health: HealthConfig = HealthConfig()
+    routing: RoutingConfig = RoutingConfig()
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+
+    @model_validator(mode="after")
+    def _unique_models(self) -> GatewayConfig:
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError("two models share a name")
+        return self
+
+    def model(self, name: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.name == name), None)
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message says where and why."""
+
+
+def _format_errors(source: str, err: ValidationError) -> str:
+    lines = [f"{source}: invalid configuration"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        lines.append(f"  {loc}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def parse_config(data: Any, source: str = "<config>") -> GatewayConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping")
+    try:
+        return GatewayConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(source, err)) from None
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read ({err.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}:{where} YAML syntax error: {getattr(err, 'problem', err)}") from None
+    return parse_config(data, str(path))

@@ -1,0 +1,134 @@
+"""``pdgate demo``: the whole system on one machine, no GPU: simulated prefill and decode engines
+behind a real gateway. Every process it starts is stopped on Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+MODEL = "demo"
+MAX_MODEL_LEN = 32768
+# Latencies of the simulated engines: roughly a mid-size model on one GPU, so that streaming is visible.
+SIM_TIMING = ["--prefill-time-per-token", "0.00005", "--decode-time-per-token", "0.02",
+              "--kv-transfer-time-per-token", "0.000005", "--default-max-tokens", "32"]
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("PDGATE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdgate"
+    )
+    return Path(base)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Child side: get SIGTERM if the demo itself is killed (Linux), so no engine is left behind."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: the simulated engine exited with {proc.returncode}")
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as resp:
+            if resp.status == 200:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} did not become ready")
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + 5
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _curls(port: int) -> str:
+    base = f"http://127.0.0.1:{port}"
+    short = (f"curl -si {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+             f"  -d '{{\"model\": \"{MODEL}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'")
+    long_body = (
+        "python3 -c 'import json; print(json.dumps({\"model\": \"" + MODEL + "\", \"stream\": True, "
+        "\"messages\": [{\"role\": \"user\", \"content\": \"Summarize this. \" + \"The quick brown fox "
+        "jumps over the lazy dog. \" * 600}]}))'"
+    )
+    long = (f"curl -siN {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f"  -d \"$({long_body})\"")
+    return (f"Short prompt (goes direct to a decode engine):\n  {short}\n\n"
+            f"Long prompt, streamed (goes prefill -> decode):\n  {long}\n\n"
+            f"The response header x-pdgate-path says which path a request took; "
+            f"metrics at {base}/metrics.")
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from sim.tinymodel import build_tokenizer
+
+    from .app import create_app
+    from .config import parse_config
+
+    tokenizer = build_tokenizer(cache_dir() / "demo-tokenizer")
+    procs: list[subprocess.Popen] = []
+    logs = tempfile.mkdtemp(prefix="pdgate-demo-")
+    pools: dict[str, list[str]] = {"prefill": [], "decode": []}
+    try:
+        for role, count in (("prefill", args.prefill), ("decode", args.decode)):
+            for i in range(count):
+                port, kv_port = _free_port(), _free_port()
+                argv = [sys.executable, "-m", "sim", "--role", role, "--port", str(port), "--kv-port",
+                        str(kv_port), "--model", MODEL, "--tokenizer", str(tokenizer),
+                        "--max-model-len", str(MAX_MODEL_LEN), *SIM_TIMING]
+                with open(os.path.join(logs, f"{role}-{i}.log"), "wb") as log:
+                    procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                                  preexec_fn=_die_with_parent))
+                pools[role].append(f"http://127.0.0.1:{port}")
+        for proc, url in zip(procs, pools["prefill"] + pools["decode"], strict=False):
+            _wait_ready(url + "/health", proc)
+        cfg = parse_config({
+            "server": {"host": args.host, "port": args.port},
+            "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": MAX_MODEL_LEN}],
+            "pools": {"prefill": {"endpoints": pools["prefill"]}, "decode": {"endpoints": pools["decode"]}},
+            "routing": {"decider": {"name": "token_threshold", "threshold": args.threshold}},
+        }, "demo")
+        config_path = os.path.join(logs, "gateway.yaml")
+        Path(config_path).write_text(yaml.safe_dump(cfg.model_dump(exclude_none=True), sort_keys=False))
+        print(f"pdgate demo: {args.prefill} prefill + {args.decode} decode simulated engines, "
+              f"gateway on http://{args.host}:{args.port} (P/D from {args.threshold} prompt tokens)")
+        print(f"config: {config_path}   engine logs: {logs}\n")
+        print(_curls(args.port), "\n\nCtrl-C stops everything.\n", flush=True)
+        server = uvicorn.Server(uvicorn.Config(
+            create_app(cfg), host=args.host, port=args.port, loop="uvloop", http="httptools",
+            access_log=False, log_level="warning", server_header=False,
+        ))
+        server.run()  # returns on SIGINT/SIGTERM
+        return 0 if server.started else 1
+    finally:
+        _stop(procs)
+        print("pdgate demo: stopped all engines.", flush=True)

@@ -1,0 +1,180 @@
+"""Reading an OpenAI request body: parse, type-check the fields the gateway relies on, strip what
+clients must never set.
+
+Fields it does not know are left untouched for vLLM (which has many extensions); fields it does
+know are checked here so that a bad request gets a clear 400 and never reaches an engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from .errors import APIError, bad_request
+
+Kind = Literal["chat", "completion"]
+
+# Names hosts and ports an engine will connect to: only the gateway may set it.
+RESERVED_FIELDS = ("kv_transfer_params",)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _opt(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or check(v)
+
+
+def _str_list(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(s, str) for s in v)
+
+
+# field -> (check, what it must be)
+_COMMON: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "stream": (_opt(lambda v: isinstance(v, bool)), "a boolean"),
+    "stream_options": (_opt(lambda v: isinstance(v, dict)), "an object"),
+    "max_tokens": (_opt(lambda v: _is_int(v) and v >= 0), "a non-negative integer"),
+    "max_completion_tokens": (_opt(lambda v: _is_int(v) and v >= 0), "a non-negative integer"),
+    "min_tokens": (_opt(lambda v: _is_int(v) and v >= 0), "a non-negative integer"),
+    "n": (_opt(lambda v: _is_int(v) and v >= 1), "an integer >= 1"),
+    "temperature": (_opt(lambda v: _is_num(v) and v >= 0), "a number >= 0"),
+    "top_p": (_opt(lambda v: _is_num(v) and 0 < v <= 1), "a number in (0, 1]"),
+    "top_k": (_opt(_is_int), "an integer"),
+    "presence_penalty": (_opt(_is_num), "a number"),
+    "frequency_penalty": (_opt(_is_num), "a number"),
+    "seed": (_opt(_is_int), "an integer"),
+    "stop": (_opt(lambda v: isinstance(v, str) or _str_list(v)), "a string or a list of strings"),
+    "user": (_opt(lambda v: isinstance(v, str)), "a string"),
+    "add_special_tokens": (_opt(lambda v: isinstance(v, bool)), "a boolean"),
+    "truncate_prompt_tokens": (_opt(lambda v: _is_int(v) and v >= -1), "an integer >= -1"),
+    "truncation_side": (_opt(lambda v: v in ("left", "right")), "'left' or 'right'"),
+}
+_CHAT: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "logprobs": (_opt(lambda v: isinstance(v, bool)), "a boolean"),
+    "top_logprobs": (_opt(lambda v: _is_int(v) and v >= 0), "a non-negative integer"),
+    "add_generation_prompt": (_opt(lambda v: isinstance(v, bool)), "a boolean"),
+    "continue_final_message": (_opt(lambda v: isinstance(v, bool)), "a boolean"),
+    "chat_template": (_opt(lambda v: isinstance(v, str)), "a string"),
+    "chat_template_kwargs": (_opt(lambda v: isinstance(v, dict)), "an object"),
+    "tools": (_opt(lambda v: isinstance(v, list) and all(isinstance(t, dict) for t in v)), "a list of objects"),
+    "documents": (_opt(lambda v: isinstance(v, list)), "a list"),
+    "reasoning_effort": (_opt(lambda v: isinstance(v, str)), "a string"),
+}
+_COMPLETION: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "logprobs": (_opt(lambda v: _is_int(v) and v >= 0), "a non-negative integer"),
+    "echo": (_opt(lambda v: isinstance(v, bool)), "a boolean"),
+    "suffix": (_opt(lambda v: isinstance(v, str)), "a string"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """A checked request body; ``body`` is what goes upstream (reserved fields removed)."""
+
+    kind: Kind
+    body: dict[str, Any]
+    model: str
+    stream: bool
+
+    @property
+    def prompts(self) -> list[str] | list[list[int]]:
+        """Completion prompts as a list (one entry per prompt); empty for chat."""
+        prompt = self.body.get("prompt")
+        if self.kind == "chat":
+            return []
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and all(_is_int(t) for t in prompt):
+            return [prompt]
+        return list(prompt)
+
+
+def parse_body(raw: bytes, kind: Kind) -> ParsedRequest:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as err:
+        raise bad_request(f"The request body is not valid JSON: {err}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    for name in RESERVED_FIELDS:
+        body.pop(name, None)
+
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("`model` is required and must be a non-empty string.", param="model")
+    checks = {**_COMMON, **(_CHAT if kind == "chat" else _COMPLETION)}
+    for name, (check, what) in checks.items():
+        if name in body and not check(body[name]):
+            raise bad_request(f"`{name}` must be {what}.", param=name)
+    opts = body.get("stream_options")
+    if opts is not None and "include_usage" in opts and not isinstance(opts["include_usage"], bool):
+        raise bad_request("`stream_options.include_usage` must be a boolean.", param="stream_options")
+    if kind == "chat":
+        _check_messages(body.get("messages"))
+        if body.get("add_generation_prompt") and body.get("continue_final_message"):
+            raise bad_request(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                param="continue_final_message",
+            )
+    else:
+        _check_prompt(body.get("prompt"))
+    return ParsedRequest(kind=kind, body=body, model=model, stream=bool(body.get("stream")))
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("`messages` is required and must be a non-empty list.", param="messages")
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise bad_request(f"`{where}` must be an object.", param=where)
+        if not isinstance(msg.get("role"), str):
+            raise bad_request(f"`{where}.role` is required and must be a string.", param=f"{where}.role")
+        content = msg.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise bad_request(f"`{where}.content` must be a string or a list of parts.", param=where)
+        for j, part in enumerate(content):
+            if isinstance(part, str):
+                continue
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise bad_request(
+                    f"`{where}.content[{j}]` must be an object with a `type`.", param=f"{where}.content"
+                )
+            if part["type"] == "text" and not isinstance(part.get("text"), str):
+                raise bad_request(
+                    f"`{where}.content[{j}].text` must be a string.", param=f"{where}.content"
+                )
+
+
+def _check_prompt(prompt: Any) -> None:
+    ok = (
+        (isinstance(prompt, str))
+        or (isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt))
+        or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt))
+        or (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p) for p in prompt)
+        )
+    )
+    if not ok:
+        raise bad_request(
+            "`prompt` is required and must be a string, a list of strings, a list of token ids "
+            "or a list of token-id lists.",
+            param="prompt",
+        )
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"The request body is larger than this gateway accepts ({limit} bytes).",
+                    code="request_too_large")

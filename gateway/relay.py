@@ -1,0 +1,121 @@
+"""Relay the decode engine's answer to the client, and abort everything if the client leaves.
+
+The response object runs the whole upstream exchange (prefill leg included) in a task while a
+second task waits for the client's ``http.disconnect``: whichever ends first wins. Cancelling the
+exchange closes the upstream connections, and vLLM aborts a request whose connection closes, so a
+departed client never leaves an engine working or KV blocks held. Streams go out chunk by chunk,
+as they arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+import orjson
+from starlette.types import Receive, Scope, Send
+
+from .dispatch import DecodeStream
+from .errors import APIError
+from .upstream import transport_error
+
+log = logging.getLogger(__name__)
+
+CLIENT_CLOSED = 499  # nginx's code for "client closed the request", used in metrics only
+
+
+@dataclass
+class Outcome:
+    status: int = 0
+    error: str = ""
+
+
+@dataclass
+class RelayResponse:
+    """An ASGI response whose body comes from ``start()``, an upstream exchange yet to run."""
+
+    start: Callable[[], Awaitable[DecodeStream]]
+    stream: bool
+    headers: dict[str, str]
+    on_done: Callable[[Outcome], None]
+    outcome: Outcome = field(default_factory=Outcome)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        work = asyncio.ensure_future(self._exchange(send))
+        gone = asyncio.ensure_future(_client_gone(receive))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                work.cancel()
+                self.outcome = Outcome(CLIENT_CLOSED, "client disconnected")
+            await asyncio.gather(work, return_exceptions=True)
+            if work.done() and not work.cancelled() and work.exception():
+                log.error("relay failed", exc_info=work.exception())
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+            self.on_done(self.outcome)
+
+    async def _exchange(self, send: Send) -> None:
+        try:
+            upstream = await self.start()
+        except APIError as err:
+            self.outcome = Outcome(err.status, err.message)
+            await _send_error(send, err, self.headers)
+            return
+        clean = False
+        try:
+            clean = await self._relay(upstream, send)
+        finally:
+            upstream.close(reuse=clean)
+
+    async def _relay(self, up: DecodeStream, send: Send) -> bool:
+        """Send the engine's answer on; True when it arrived whole (the connection is reusable)."""
+        resp = up.resp
+        headers = [(k.encode(), v.encode()) for k, v in self.headers.items()]
+        headers.append((b"content-type", resp.headers.get("Content-Type", "application/json").encode()))
+        if not self.stream:
+            try:
+                body = await resp.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+                failed = transport_error(err, "decode")
+                self.outcome = Outcome(502, failed.message)
+                await _send_error(send, failed, self.headers)
+                return False
+            headers.append((b"content-length", str(len(body)).encode()))
+            await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+            self.outcome = Outcome(resp.status)
+            return True
+        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+        self.outcome = Outcome(resp.status)
+        try:
+            async for chunk in resp.content.iter_any():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            # Headers are gone already: end the stream with an error event, never a silent cut.
+            cut = transport_error(err, "decode")
+            self.outcome = Outcome(502, cut.message)
+            await send({"type": "http.response.body", "body": cut.sse_event(), "more_body": False})
+            return False
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return True
+
+
+async def _client_gone(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _send_error(send: Send, err: APIError, headers: dict[str, str]) -> None:
+    body = orjson.dumps(err.body())
+    raw_headers = [(k.encode(), v.encode()) for k, v in headers.items()]
+    raw_headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": err.status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,82 @@
+"""Settings of one simulated vLLM engine (what ``pdgate sim ...`` parses into)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+ROLES = ("prefill", "decode", "both")
+
+
+@dataclass
+class SimConfig:
+    """Everything one simulated engine needs; the defaults match ``sim.cli``'s.
+
+    Times are seconds. All latency knobs at 0 make the engine "instant": every request
+    still goes through the scheduler, the KV accounting and (for P/D) the side channel.
+    """
+
+    role: str = "both"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = "sim"
+    tokenizer: str | None = None
+    max_model_len: int = 8192
+    block_size: int = 16
+    num_gpu_blocks: int = 8192
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    prefill_time_per_token: float = 0.0
+    decode_time_per_token: float = 0.0
+    kv_transfer_time_per_token: float = 0.0
+    kv_host: str | None = None
+    kv_port: int = 0
+    kv_expiry: float = 480.0
+    kv_handshake_timeout: float = 5.0
+    kv_bytes_per_token: int = 512
+    default_max_tokens: int = 16
+    engine_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    enable_request_id_headers: bool = False
+    log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.num_gpu_blocks < 2:
+            raise ValueError("num_gpu_blocks must be at least 2 (block 0 is vLLM's null block)")
+        for name in (
+            "prefill_time_per_token",
+            "decode_time_per_token",
+            "kv_transfer_time_per_token",
+            "kv_handshake_timeout",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative")
+        if self.kv_expiry <= 0:
+            raise ValueError("kv_expiry must be positive")
+        if self.default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be at least 1")
+        if not 0 <= self.kv_port <= 65535:
+            raise ValueError("kv_port must be in 0..65535")
+
+    @property
+    def advertised_kv_host(self) -> str:
+        """The host a decode engine is told to dial (``remote_host``)."""
+        return self.kv_host or self.host
+
+    @property
+    def instant(self) -> bool:
+        return (
+            self.prefill_time_per_token == 0
+            and self.decode_time_per_token == 0
+            and self.kv_transfer_time_per_token == 0
+        )
+
+    def accepts_prefill_legs(self) -> bool:
+        return self.role in ("prefill", "both")
+
+    def accepts_decode_legs(self) -> bool:
+        return self.role in ("decode", "both")

@@ -1,0 +1,182 @@
+"""Prompt tokenization and the simulator's deterministic output text.
+
+With ``--tokenizer DIR`` the engine loads the Hugging Face tokenizer in DIR the way vLLM
+does (``AutoTokenizer``): completion strings are encoded with ``add_special_tokens=True``
+(vLLM's default), chat messages go through the tokenizer's chat template with
+``add_generation_prompt=True`` by default and are encoded without extra special tokens.
+
+Without a tokenizer the engine counts **one token per 4 bytes of UTF-8**
+(``ceil(len(text.encode()) / 4)``); each token id is the little-endian value of its
+4-byte slice, and chat messages are laid out with a small built-in ChatML-like template
+(the one ``sim.tinymodel`` gives its tokenizer). Token-id prompts are used as given.
+
+Output text is a function of the prompt: every output token is one "word piece" (a
+leading space and a short lowercase word) picked by a PRNG seeded from the prompt's
+token ids. With a tokenizer the pieces are real vocabulary entries, so output token
+ids decode to the output text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from array import array
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+_WORDS = (
+    "the of and to in is was for on are with as his they be at one have this from "
+    "or had by hot word but what some we can out other were all there when up use your "
+    "how said an each she which do their time if will way about many then them write "
+    "would like so these her long make thing see him two has look more day could go come "
+    "did number sound no most people my over know water than call first who may down side "
+    "been now find any new work part take get place made live where after back little only "
+    "round man year came show every good me give our under name very through just form "
+    "sentence great think say help low line differ turn cause much mean before move right "
+    "boy old too same tell does set three want air well also play small end put home read "
+    "hand port large spell add even land here must big high such follow act why ask men "
+    "change went light kind off need house picture try us again animal point mother world "
+    "near build self earth father head stand own page should country found answer school "
+    "grow study still learn plant cover food sun four between state keep eye never last "
+    "let thought city tree cross farm hard start might story saw far sea draw left late run"
+).split()
+
+_PIECE_RE = re.compile(r" [a-z]{2,10}")
+_MASK64 = (1 << 64) - 1
+
+
+class OutputVocab:
+    """The word pieces generated text is made of, with their token ids."""
+
+    def __init__(self, ids: Sequence[int], pieces: Sequence[str]) -> None:
+        if not ids or len(ids) != len(pieces):
+            raise ValueError("output vocabulary must be non-empty, ids and pieces aligned")
+        self.ids = list(ids)
+        self.pieces = list(pieces)
+        self.size = len(self.ids)
+
+
+def prompt_seed(token_ids: Sequence[int], salt: bytes = b"") -> int:
+    """A 64-bit seed that depends only on the token ids (and an optional salt)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(salt)
+    h.update(array("Q", (t & _MASK64 for t in token_ids)).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def tokens_digest(token_ids: Sequence[int]) -> str:
+    """What the KV side channel compares: a digest of the token ids the KV was computed from."""
+    return hashlib.blake2b(array("Q", (t & _MASK64 for t in token_ids)).tobytes(), digest_size=16).hexdigest()
+
+
+def output_index(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): the position-th output choice for a seed."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+class ByteTokenizer:
+    """No tokenizer given: 4 UTF-8 bytes per token."""
+
+    kind = "bytes"
+    max_token_id: int | None = None  # no vocabulary: token-id prompts are not range-checked
+    max_chars_per_token: int | None = None
+
+    def __init__(self) -> None:
+        self.output_vocab = OutputVocab(range(len(_WORDS)), [" " + w for w in _WORDS])
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        pad = (-len(data)) % 4
+        if pad:
+            data += b"\0" * pad
+        arr = array("I")
+        arr.frombytes(data)
+        if arr.itemsize != 4:  # pragma: no cover - every supported platform has 4-byte "I"
+            raise RuntimeError("array('I') is not 4 bytes wide here")
+        return arr.tolist()
+
+    def apply_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **_: Any,
+    ) -> list[int]:
+        parts = ["<s>"]
+        for i, msg in enumerate(messages):
+            parts.append(f"<|{msg['role']}|>\n")
+            parts.append(msg["content"])
+            if not (continue_final_message and i == len(messages) - 1):
+                parts.append("</s>\n")
+        if add_generation_prompt:
+            parts.append("<|assistant|>\n")
+        return self.encode("".join(parts), add_special_tokens=False)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        raw = array("I", ids).tobytes().rstrip(b"\0")
+        return raw.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer folder, used the way vLLM uses it."""
+
+    kind = "hf"
+
+    def __init__(self, path: str | Path) -> None:
+        from transformers import AutoTokenizer  # heavy import: only when asked for
+
+        self.tok = AutoTokenizer.from_pretrained(str(path))
+        vocab = self.tok.get_vocab()
+        self.max_token_id = max(vocab.values()) if vocab else 0
+        self.max_chars_per_token = max((len(t) for t in vocab), default=1)
+        self.output_vocab = self._build_output_vocab()
+
+    def _build_output_vocab(self) -> OutputVocab:
+        ids: list[int] = []
+        pieces: list[str] = []
+        special = set(self.tok.all_special_ids)
+        for tid in range(min(self.max_token_id + 1, 50_000)):
+            if tid in special:
+                continue
+            piece = self.tok.decode([tid])
+            if _PIECE_RE.fullmatch(piece):
+                ids.append(tid)
+                pieces.append(piece)
+                if len(ids) >= 512:
+                    break
+        if len(ids) < 16:  # an exotic vocabulary: fall back to plain words
+            return OutputVocab(range(len(_WORDS)), [" " + w for w in _WORDS])
+        return OutputVocab(ids, pieces)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def apply_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **kwargs: Any,
+    ) -> list[int]:
+        out = self.tok.apply_chat_template(
+            messages,
+            tokenize=True,
+            return_dict=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **kwargs,
+        )
+        if isinstance(out, dict) or hasattr(out, "keys"):  # transformers returning a BatchEncoding
+            out = out["input_ids"]
+        return [int(t) for t in out]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids))
+
+
+def load_tokenizer(path: str | None) -> ByteTokenizer | HFTokenizer:
+    return HFTokenizer(path) if path else ByteTokenizer()

@@ -1,0 +1,190 @@
+"""The gateway's own logic against scripted engines on loopback.
+
+(respx only mocks httpx; the gateway's upstream client is aiohttp, see the README's numbers.)"""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from starlette.testclient import TestClient
+
+from gateway.app import create_app
+from gateway.config import parse_config
+from tests.promtext import sample
+
+from .scripted_engine import ScriptedEngine
+
+THRESHOLD = 64
+KV = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
+      "remote_engine_id": "e-1", "remote_request_id": "r-1", "remote_host": "10.0.0.1",
+      "remote_port": 5600, "tp_size": 1, "some_future_field": {"x": 1}}
+PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+              "remote_block_ids": None, "remote_host": None, "remote_port": None}
+LONG = "def handler(request):\n    return request.body\n" * 40  # well over THRESHOLD tokens
+
+
+def completion(text="ok", kv=None):
+    return {"id": "cmpl-1", "object": "text_completion", "model": "tiny",
+            "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            "kv_transfer_params": kv}
+
+
+@pytest.fixture(scope="module")
+def engines():
+    prefill, decode = ScriptedEngine().start(), ScriptedEngine().start()
+    yield prefill, decode
+    prefill.stop()
+    decode.stop()
+
+
+@pytest.fixture
+def prefill(engines):
+    engines[0].reset()
+    return engines[0]
+
+
+@pytest.fixture
+def decode(engines):
+    engines[1].reset()
+    return engines[1]
+
+
+@pytest.fixture(scope="module")
+def client(tokenizer_dir, engines):
+    cfg = parse_config({
+        "server": {"max_body_bytes": 20000},
+        "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}],
+        "pools": {"prefill": {"endpoints": [engines[0].url]}, "decode": {"endpoints": [engines[1].url]}},
+        "routing": {"decider": {"name": "token_threshold", "threshold": THRESHOLD}},
+    })
+    with TestClient(create_app(cfg)) as c:
+        yield c
+
+
+def test_short_prompt_goes_direct(client, prefill, decode):
+    decode.reply("/v1/completions", completion("hi"))
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4})
+    assert r.status_code == 200
+    assert r.headers["x-pdgate-path"] == "direct"
+    assert r.json()["choices"][0]["text"] == "hi"
+    [sent] = decode.posts("/v1/completions")
+    assert sent.body == {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+    assert prefill.requests == []
+
+
+def test_long_prompt_runs_the_nixl_handshake(client, prefill, decode):
+    prefill.reply("/v1/completions", completion("x", kv=KV))
+    decode.reply("/v1/completions", completion("decoded"))
+    sent = {"model": "tiny", "prompt": LONG, "max_tokens": 50, "min_tokens": 5, "stream": False,
+            "stream_options": None, "vllm_extension": {"keep": True}}
+    r = client.post("/v1/completions", json=sent)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-pdgate-path"] == "pd"
+    [pre_leg] = prefill.posts("/v1/completions")
+    [dec_leg] = decode.posts("/v1/completions")
+    pre, dec = pre_leg.body, dec_leg.body
+    # prefill leg: one token, not streamed, no min_tokens/stream_options, asks for remote decode
+    assert pre == {"model": "tiny", "prompt": LONG, "max_tokens": 1, "stream": False,
+                   "vllm_extension": {"keep": True},
+                   "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                                          "remote_engine_id": None, "remote_block_ids": None,
+                                          "remote_host": None, "remote_port": None}}
+    # decode leg: the client's body as sent, plus the prefill's params verbatim
+    assert dec == {**sent, "kv_transfer_params": KV}
+    assert pre_leg.headers["x-request-id"] == dec_leg.headers["x-request-id"] == r.headers["x-request-id"]
+    assert r.json()["choices"][0]["text"] == "decoded"
+
+
+def test_chat_max_completion_tokens_is_one_on_prefill(client, prefill, decode):
+    prefill.reply("/v1/chat/completions", completion(kv=KV))
+    decode.reply("/v1/chat/completions", completion())
+    r = client.post("/v1/chat/completions", json={
+        "model": "tiny", "max_completion_tokens": 30, "messages": [{"role": "user", "content": LONG}]})
+    assert r.headers["x-pdgate-path"] == "pd"
+    [pre] = [r.body for r in prefill.posts("/v1/chat/completions")]
+    [dec] = [r.body for r in decode.posts("/v1/chat/completions")]
+    assert pre["max_completion_tokens"] == 1 and pre["max_tokens"] == 1
+    assert dec["max_completion_tokens"] == 30 and "max_tokens" not in dec
+
+
+@pytest.mark.parametrize("prompt", ["short", LONG])
+def test_client_kv_transfer_params_never_reach_an_engine(client, prefill, decode, prompt):
+    prefill.reply("/v1/completions", completion(kv=KV))
+    decode.reply("/v1/completions", completion())
+    evil = {"do_remote_prefill": True, "remote_host": "169.254.169.254", "remote_port": 80,
+            "remote_engine_id": "x", "remote_block_ids": [[1]]}
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "kv_transfer_params": evil})
+    assert r.status_code == 200
+    sent = prefill.requests + decode.requests
+    assert len(sent) == (2 if prompt == LONG else 1)
+    for leg in sent:
+        assert "169.254.169.254" not in orjson.dumps(leg.body).decode()
+        assert leg.body.get("kv_transfer_params") in (None, KV, {**PREFILL_KV})
+
+
+def test_prefill_without_kv_params_is_a_clear_502(client, prefill, decode):
+    prefill.reply("/v1/completions", completion(kv=None))
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": LONG})
+    assert r.status_code == 502
+    assert "kv_transfer_params" in r.json()["error"]["message"]
+    assert decode.requests == []
+
+
+def test_engine_errors(client, decode):
+    decode.reply("/v1/completions", {"error": {"message": "temperature is bad", "type": "BadRequestError",
+                                               "code": 400}}, status=400)
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "temperature is bad"
+    decode.reply("/v1/completions", status=500, raw=b"boom")
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+    assert r.status_code == 502 and "HTTP 500" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"[1, 2]", 400, "JSON object"),
+        (b'{"model": "nope", "prompt": "x"}', 404, "does not exist"),
+        (b'{"model": "tiny", "prompt": "x", "max_tokens": "ten"}', 400, "max_tokens"),
+        (b'{"model": "tiny", "prompt": "x", "stream": "yes"}', 400, "stream"),
+        (b'{"model": "tiny", "prompt": {"a": 1}}', 400, "prompt"),
+        (b'{"model": "tiny", "prompt": [1, 2, 99999]}', 400, "out of vocabulary"),
+        (b'{"model": "tiny", "prompt": "' + b"word " * 3000 + b'"}', 400, "maximum context length"),
+        (b'{"model": "tiny", "prompt": "' + b"x" * 30000 + b'"}', 413, "larger than"),
+    ],
+)
+def test_bad_input_gets_a_clear_error_and_no_upstream_call(client, prefill, decode, body, status, needle):
+    r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"]
+    assert prefill.requests == decode.requests == []
+
+
+def test_bad_chat_input(client, prefill, decode):
+    for body, needle in [
+        ({"model": "tiny"}, "messages"),
+        ({"model": "tiny", "messages": []}, "messages"),
+        ({"model": "tiny", "messages": [{"content": "x"}]}, "role"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": 5}]}, "content"),
+    ]:
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], body
+    assert prefill.requests == decode.requests == []
+
+
+def test_models_and_metrics(client, decode):
+    decode.reply("/v1/completions", completion())
+    assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+
+    def count(**labels):
+        return sample(client.get("/metrics").text, "pdgate_requests_total", **labels)
+
+    ok, unknown = count(model="tiny", path="direct", status="200"), count(path="none", status="404")
+    client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+    client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+    assert count(model="tiny", path="direct", status="200") == ok + 1
+    # a name a client made up never becomes a label value (unbounded cardinality)
+    assert count(model="unknown", path="none", status="404") == unknown + 1
