@@ -62,11 +62,12 @@ class PoolsConfig(_Strict):
     prefill: PoolConfig = PoolConfig()
     decode: PoolConfig
 
-    @model_validator(mode="after")
-    def _decode_needed(self) -> PoolsConfig:
-        if not self.decode.endpoints:
-            raise ValueError("pools.decode needs at least one endpoint (every request ends on one)")
-        return self
+    @field_validator("decode")
+    @classmethod
+    def _decode_needed(cls, decode: PoolConfig) -> PoolConfig:
+        if not decode.endpoints:
+            raise ValueError("needs at least one endpoint (every request ends on a decode engine)")
+        return decode
 
 
 class HealthConfig(_Strict):
@@ -132,7 +133,7 @@ def _format_errors(source: str, err: ValidationError) -> str:
     lines = [f"{source}: invalid configuration"]
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        lines.append(f"  {loc}: {e['msg']}")
+        lines.append(f"  {loc}: {e['msg'].removeprefix('Value error, ')}")
     return "\n".join(lines)
 
 
