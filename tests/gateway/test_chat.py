@@ -11,7 +11,8 @@ from gateway.protocol import parse_body
 from gateway.tokenizer import ModelTokenizer
 
 LOOPS_PARTS = "{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endfor %}"
-ALIASED = "{% set msgs = messages %}{% for m in msgs %}{% for p in m.content | list %}{{ p.text }}{% endfor %}{% endfor %}"
+ALIASED = ("{% set msgs = messages %}{% for m in msgs %}{% for p in m.content | list %}{{ p.text }}"
+           "{% endfor %}{% endfor %}")
 STRING = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 
 

@@ -101,5 +101,7 @@ def test_registry_loads_third_party_entry_points(monkeypatch):
         def load(self):
             return Always
 
-    monkeypatch.setattr(registry, "entry_points", lambda group: [FakeEntryPoint()] if group == "pdgate.policies" else [])
+    monkeypatch.setattr(
+        registry, "entry_points", lambda group: [FakeEntryPoint()] if group == "pdgate.policies" else []
+    )
     assert registry.build("always_pd", {}, Decider).decide(ctx(1), POOLS).path is Path.PD
