@@ -1,0 +1,233 @@
+"""Latency and CPU the gateway adds over calling an engine directly.
+
+Against an instant simulated engine (all latencies 0), the same requests go to the engine directly
+(A) and through the gateway (B), alternating A/B in rounds so both see the same machine noise.
+Reported: added p50/p99 latency at concurrency 1 and 32, non-streaming and 16-token streams, plus
+the gateway's CPU time per request (utime+stime from /proc). Also the P/D path at concurrency 1.
+
+    python -m bench.overhead [--requests 2000] [--out docs/benchmarks/overhead.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from gateway.demo import cache_dir
+from sim.tinymodel import build_tokenizer
+from tests.procs import ProcGroup, free_port
+
+MODEL = "bench"
+STREAM_TOKENS = 16
+
+
+@dataclass
+class Row:
+    target: str  # "engine" or "gateway" or "gateway-pd"
+    stream: bool
+    concurrency: int
+    requests: int
+    p50_ms: float
+    p99_ms: float
+    ttfb_p50_ms: float
+    cpu_us_per_req: float | None
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _one(session: aiohttp.ClientSession, url: str, body: bytes) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    ttfb = 0.0
+    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+        async for _ in resp.content.iter_any():
+            if not ttfb:
+                ttfb = time.perf_counter() - t0
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: HTTP {resp.status}")
+    return time.perf_counter() - t0, ttfb
+
+
+async def _run(url: str, body: bytes, n: int, concurrency: int) -> tuple[list[float], list[float]]:
+    lat: list[float] = []
+    ttfb: list[float] = []
+    conn = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        for _ in range(min(50, n)):  # warm connections and caches
+            await _one(session, url, body)
+        todo = iter(range(n))
+
+        async def worker() -> None:
+            for _ in todo:
+                total, first = await _one(session, url, body)
+                lat.append(total)
+                ttfb.append(first)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return lat, ttfb
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000
+
+
+def _body(stream: bool) -> bytes:
+    return json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "What is disaggregated prefill?"}],
+            "max_tokens": STREAM_TOKENS,
+            "stream": stream,
+        }
+    ).encode()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=2000, help="per configuration and round")
+    parser.add_argument("--rounds", type=int, default=3, help="A/B alternations")
+    parser.add_argument("--out", default="docs/benchmarks/overhead.json")
+    args = parser.parse_args(argv)
+
+    tokenizer = build_tokenizer(cache_dir() / "demo-tokenizer")
+    logs = Path(tempfile.mkdtemp(prefix="pdgate-bench-"))
+    group = ProcGroup(logs)
+    try:
+        ports = {name: (free_port(), free_port()) for name in ("decode", "prefill")}
+        for role, (port, kv_port) in ports.items():
+            p = group.start(
+                f"sim-{role}",
+                [
+                    sys.executable,
+                    "-m",
+                    "sim",
+                    "--role",
+                    "both",
+                    "--port",
+                    str(port),
+                    "--kv-port",
+                    str(kv_port),
+                    "--model",
+                    MODEL,
+                    "--tokenizer",
+                    str(tokenizer),
+                    "--default-max-tokens",
+                    str(STREAM_TOKENS),
+                ],
+            )
+            p.wait_http(f"http://127.0.0.1:{port}/health")
+        gws = {}
+        for name, threshold in (("gateway", 1_000_000), ("gateway-pd", 1)):
+            gw_port = free_port()
+            cfg = {
+                "server": {"host": "127.0.0.1", "port": gw_port, "log_level": "warning"},
+                "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": 8192}],
+                "pools": {
+                    "prefill": {"endpoints": [f"http://127.0.0.1:{ports['prefill'][0]}"]},
+                    "decode": {"endpoints": [f"http://127.0.0.1:{ports['decode'][0]}"]},
+                },
+                "routing": {"decider": {"name": "token_threshold", "threshold": threshold}},
+            }
+            (logs / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+            proc = group.start(name, [sys.executable, "-m", "gateway", "serve", "--config", str(logs / f"{name}.yaml")])
+            proc.wait_http(f"http://127.0.0.1:{gw_port}/ready", timeout=60)
+            gws[name] = (proc, f"http://127.0.0.1:{gw_port}/v1/chat/completions")
+        engine_url = f"http://127.0.0.1:{ports['decode'][0]}/v1/chat/completions"
+
+        plan = [(stream, conc) for stream in (False, True) for conc in (1, 32)]
+        samples: dict[tuple, tuple[list[float], list[float], float, int]] = {}
+
+        def add(key, lat, ttfb, cpu):
+            old = samples.get(key, ([], [], 0.0, 0))
+            samples[key] = (old[0] + lat, old[1] + ttfb, old[2] + cpu, old[3] + len(lat))
+
+        for rnd in range(args.rounds):
+            for stream, conc in plan:
+                body = _body(stream)
+                targets = [("engine", engine_url, None), ("gateway", gws["gateway"][1], gws["gateway"][0].pid)]
+                if conc == 1:
+                    targets.append(("gateway-pd", gws["gateway-pd"][1], gws["gateway-pd"][0].pid))
+                for name, url, pid in targets if rnd % 2 == 0 else reversed(targets):
+                    cpu0 = _cpu_seconds(pid) if pid else 0.0
+                    lat, ttfb = asyncio.run(_run(url, body, args.requests, conc))
+                    cpu = (_cpu_seconds(pid) - cpu0) if pid else 0.0
+                    add((name, stream, conc), lat, ttfb, cpu)
+                    print(
+                        f"round {rnd + 1}/{args.rounds} {name:10s} stream={stream!s:5s} c={conc:<3d} "
+                        f"p50={_pct(lat, 0.5):.3f} ms",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+
+        order = sorted(samples.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0]))
+        rows = [
+            Row(
+                name,
+                stream,
+                conc,
+                n,
+                _pct(lat, 0.5),
+                _pct(lat, 0.99),
+                _pct(ttfb, 0.5),
+                (cpu / n * 1e6) if name != "engine" else None,
+            )
+            for (name, stream, conc), (lat, ttfb, cpu, n) in order
+        ]
+    finally:
+        group.stop_all()
+
+    added = []
+    for stream, conc in plan:
+        base = next(r for r in rows if r.target == "engine" and r.stream == stream and r.concurrency == conc)
+        for r in rows:
+            if r.target != "engine" and r.stream == stream and r.concurrency == conc:
+                added.append(
+                    {
+                        "path": "pd" if r.target == "gateway-pd" else "direct",
+                        "stream": stream,
+                        "concurrency": conc,
+                        "added_p50_ms": round(r.p50_ms - base.p50_ms, 3),
+                        "added_p99_ms": round(r.p99_ms - base.p99_ms, 3),
+                        "added_ttfb_p50_ms": round(r.ttfb_p50_ms - base.ttfb_p50_ms, 3),
+                        "gateway_cpu_us_per_req": round(r.cpu_us_per_req or 0, 1),
+                        "engine_p50_ms": round(base.p50_ms, 3),
+                    }
+                )
+    result = {
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "requests_per_cell": args.requests * args.rounds,
+        "stream_tokens": STREAM_TOKENS,
+        "rows": [asdict(r) for r in rows],
+        "added": added,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        "| path | stream | concurrency | engine p50 ms | added p50 ms | added p99 ms | added TTFB p50 ms "
+        "| gateway CPU us/req |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for a in added:
+        print(
+            f"| {a['path']} | {'16 chunks' if a['stream'] else 'no'} | {a['concurrency']} | {a['engine_p50_ms']} | "
+            f"{a['added_p50_ms']} | {a['added_p99_ms']} | {a['added_ttfb_p50_ms']} | {a['gateway_cpu_us_per_req']} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""A gateway in front of simulated engines, all real processes on loopback."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import yaml
+
+from tests.procs import Proc, ProcGroup, free_port
+
+
+@dataclass
+class Sim:
+    proc: Proc
+    port: int
+    kv_port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def requests(self) -> list[dict]:
+        data = httpx.get(self.url + "/sim/requests", timeout=10).json()
+        return data["requests"] if isinstance(data, dict) else data
+
+    def clear(self) -> None:
+        httpx.delete(self.url + "/sim/requests", timeout=10)
+
+    def metrics(self) -> str:
+        return httpx.get(self.url + "/metrics", timeout=10).text
+
+
+@dataclass
+class Cluster:
+    group: ProcGroup
+    tokenizer: Path
+    model: str = "tiny"
+    prefill: list[Sim] = field(default_factory=list)
+    decode: list[Sim] = field(default_factory=list)
+    gateway: Proc | None = None
+    gateway_port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+    def start_sim(self, role: str, *extra: str, port: int | None = None, kv_port: int | None = None) -> Sim:
+        port, kv_port = port or free_port(), kv_port or free_port()
+        name = f"sim-{role}-{port}"
+        proc = self.group.start(name, [
+            sys.executable, "-m", "sim", "--role", role, "--port", str(port), "--kv-port", str(kv_port),
+            "--model", self.model, "--tokenizer", str(self.tokenizer), "--max-model-len", "4096", *extra,
+        ])
+        sim = Sim(proc, port, kv_port)
+        proc.wait_http(sim.url + "/health")
+        return sim
+
+    def start_gateway(self, threshold: int, **overrides) -> None:
+        self.gateway_port = free_port()
+        cfg = {
+            "server": {"host": "127.0.0.1", "port": self.gateway_port, "max_body_bytes": 1_000_000},
+            "models": [{"name": self.model, "tokenizer": str(self.tokenizer), "max_model_len": 4096}],
+            "pools": {"prefill": {"endpoints": [s.url for s in self.prefill]},
+                      "decode": {"endpoints": [s.url for s in self.decode]}},
+            "routing": {"decider": {"name": "token_threshold", "threshold": threshold}},
+            "health": {"interval_s": 0.3, "timeout_s": 0.5},
+            **overrides,
+        }
+        path = self.group.log_dir / f"gateway-{self.gateway_port}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        self.gateway = self.group.start("gateway", [sys.executable, "-m", "gateway", "serve", "--config", str(path)])
+        self.gateway.wait_http(self.url + "/ready", timeout=60)
