@@ -94,6 +94,11 @@ def run_demo(args: argparse.Namespace) -> int:
     from .app import create_app
     from .config import parse_config
 
+    def _exit(signum: int, frame: object) -> None:
+        raise SystemExit(0)
+
+    # uvicorn hands a captured SIGTERM back to this handler after its graceful shutdown.
+    signal.signal(signal.SIGTERM, _exit)
     tokenizer = build_tokenizer(cache_dir() / "demo-tokenizer")
     procs: list[subprocess.Popen] = []
     logs = tempfile.mkdtemp(prefix="pdgate-demo-")
@@ -129,6 +134,8 @@ def run_demo(args: argparse.Namespace) -> int:
         ))
         server.run()  # returns on SIGINT/SIGTERM
         return 0 if server.started else 1
+    except KeyboardInterrupt:
+        return 0
     finally:
         _stop(procs)
         print("pdgate demo: stopped all engines.", flush=True)
