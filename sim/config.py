@@ -31,7 +31,7 @@ class SimConfig:
     kv_transfer_time_per_token: float = 0.0
     kv_host: str | None = None
     kv_port: int = 0
-    kv_expiry: float = 480.0
+    kv_expiry: float = 30.0  # vLLM 0.32: kv_lease_duration, renewed by queued decode legs
     kv_handshake_timeout: float = 5.0
     kv_bytes_per_token: int = 512
     default_max_tokens: int = 16
@@ -47,6 +47,12 @@ class SimConfig:
                 raise ValueError(f"{name} must be at least 1")
         if self.num_gpu_blocks < 2:
             raise ValueError("num_gpu_blocks must be at least 2 (block 0 is vLLM's null block)")
+        if (self.num_gpu_blocks - 1) * self.block_size < self.max_model_len:
+            # vLLM refuses to start in this case too: one full-length request must fit.
+            raise ValueError(
+                f"max_model_len {self.max_model_len} is larger than the KV cache "
+                f"({(self.num_gpu_blocks - 1) * self.block_size} tokens in {self.num_gpu_blocks - 1} blocks)"
+            )
         for name in (
             "prefill_time_per_token",
             "decode_time_per_token",

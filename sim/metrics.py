@@ -8,6 +8,9 @@ convention, which vLLM shares).
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from typing import Any
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -66,7 +69,7 @@ def cache_config_labels(cfg: SimConfig) -> dict[str, str]:
     """The label set of vllm:cache_config_info: vLLM stringifies every CacheConfig field."""
     return {
         "block_size": str(cfg.block_size),
-        "user_specified_block_size": "True",
+        "user_specified_block_size": str(cfg.block_size != 16),
         "kv_cache_layout": "None",
         "prefix_match_unit": "None",
         "gpu_memory_utilization": "0.92",
@@ -83,7 +86,7 @@ def cache_config_labels(cfg: SimConfig) -> dict[str, str]:
         "skip_page_size_padded": "None",
         "mamba_block_size": "None",
         "mamba_cache_dtype": "auto",
-        "mamba_ssm_cache_dtype": "auto",
+        "mamba_ssm_cache_dtype": "float32",
         "mamba_cache_mode": "none",
         "enable_mamba_shared_prefix_checkpoint": "False",
         "replayssm_buffer_len": "16",
@@ -92,13 +95,13 @@ def cache_config_labels(cfg: SimConfig) -> dict[str, str]:
         "num_gpu_blocks": str(cfg.num_gpu_blocks),
         "num_cpu_blocks": "None",
         "effective_attention_block_size": str(cfg.block_size),
-        "kv_cache_size_tokens": str((cfg.num_gpu_blocks - 1) * cfg.block_size),
-        "kv_cache_max_concurrency": str(round((cfg.num_gpu_blocks - 1) * cfg.block_size / cfg.max_model_len, 2)),
-        "hash_block_size": str(cfg.block_size),
+        "kv_cache_size_tokens": str(cfg.num_gpu_blocks * cfg.block_size),
+        "kv_cache_max_concurrency": str(round(cfg.num_gpu_blocks * cfg.block_size / cfg.max_model_len, 2)),
+        "hash_block_size": "None",
         "cache_hit_alignment_tokens": "None",
         "kv_sharing_fast_prefill": "False",
         "swa_bounded_replay": "True",
-        "kv_cache_memory_bytes": "None",
+        "kv_cache_memory_bytes": str(cfg.num_gpu_blocks * cfg.block_size * cfg.kv_bytes_per_token),
         "kv_offloading_size": "None",
         "kv_offloading_backend": "native",
         "_block_size_resolved": "True",
@@ -106,8 +109,58 @@ def cache_config_labels(cfg: SimConfig) -> dict[str, str]:
     }
 
 
+class _LazyCounter:
+    """Counts in a plain int; handed to prometheus_client when scraped (keeps the hot path cheap)."""
+
+    __slots__ = ("child", "pending")
+
+    def __init__(self, child: Any) -> None:
+        self.child = child
+        self.pending = 0
+
+    def inc(self, amount: float = 1) -> None:
+        self.pending += amount
+
+    def flush(self) -> None:
+        if self.pending:
+            self.child.inc(self.pending)
+            self.pending = 0
+
+
+class _LazyHistogram:
+    """Counts observations per bucket in Python; added to the prometheus_client histogram
+    on scrape (through its per-bucket values, which is what ``observe`` updates)."""
+
+    __slots__ = ("bounds", "child", "counts", "total")
+
+    def __init__(self, child: Any) -> None:
+        self.child = child
+        self.bounds: list[float] = list(child._upper_bounds)  # ends with +Inf
+        self.counts = [0] * len(self.bounds)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def flush(self) -> None:
+        if not any(self.counts):
+            return
+        child = self.child
+        child._sum.inc(self.total)
+        for i, c in enumerate(self.counts):
+            if c:
+                child._buckets[i].inc(c)
+        self.counts = [0] * len(self.bounds)
+        self.total = 0.0
+
+
 class SimMetrics:
-    """All of one engine's metrics, pre-bound to its label values."""
+    """All of one engine's metrics, pre-bound to its label values.
+
+    Counters and histograms the engine touches per token are lazy: values accumulate in
+    Python and reach the prometheus_client objects when ``render()`` runs.
+    """
 
     def __init__(self, cfg: SimConfig) -> None:
         self.registry = reg = CollectorRegistry(auto_describe=True)
@@ -120,11 +173,18 @@ class SimMetrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, names, registry=reg, multiprocess_mode="mostrecent").labels(*lv)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, names, registry=reg).labels(*lv)
+        self._lazy: list[_LazyCounter | _LazyHistogram] = []
 
-        def hist(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(name, doc, names, registry=reg, buckets=buckets).labels(*lv)
+        def lazy(child: Any, kind: type) -> Any:
+            obj = kind(child)
+            self._lazy.append(obj)
+            return obj
+
+        def counter(name: str, doc: str) -> _LazyCounter:
+            return lazy(Counter(name, doc, names, registry=reg).labels(*lv), _LazyCounter)
+
+        def hist(name: str, doc: str, buckets: list[float]) -> _LazyHistogram:
+            return lazy(Histogram(name, doc, names, registry=reg, buckets=buckets).labels(*lv), _LazyHistogram)
 
         # Scheduler state
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
@@ -167,9 +227,7 @@ class SimMetrics:
         self.prefix_queries = counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
         )
-        self.prefix_hits = counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
-        )
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.ext_prefix_queries = counter(
             "vllm:external_prefix_cache_queries",
             "External prefix cache queries from KV connector cross-instance cache sharing, in "
@@ -189,10 +247,8 @@ class SimMetrics:
         by_source = Counter(
             "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", [*names, "source"], registry=reg
         )
-        self.prompt_by_source = {s: by_source.labels(*lv, s) for s in PROMPT_SOURCES}
-        self.prompt_cached = counter(
-            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
-        )
+        self.prompt_by_source = {s: lazy(by_source.labels(*lv, s), _LazyCounter) for s in PROMPT_SOURCES}
+        self.prompt_cached = counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).")
         cached_by_source = Counter(
             "vllm:prompt_tokens_cached_by_source",
             "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), "
@@ -202,7 +258,7 @@ class SimMetrics:
             [*names, "source"],
             registry=reg,
         )
-        self.cached_by_source = {s: cached_by_source.labels(*lv, s) for s in CACHE_HIT_SOURCES}
+        self.cached_by_source = {s: lazy(cached_by_source.labels(*lv, s), _LazyCounter) for s in CACHE_HIT_SOURCES}
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         success = Counter(
             "vllm:request_success",
@@ -210,7 +266,7 @@ class SimMetrics:
             [*names, "finished_reason"],
             registry=reg,
         )
-        self.success = {r: success.labels(*lv, r) for r in FINISH_REASONS}
+        self.success = {r: lazy(success.labels(*lv, r), _LazyCounter) for r in FINISH_REASONS}
         admission = Counter(
             "vllm:admission_rejections",
             "Number of admission attempts rejected by a queue limit, by reason.",
@@ -219,6 +275,19 @@ class SimMetrics:
         )
         for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):
             admission.labels(cfg.model, reason)
+
+        # Performance estimates (always 0 here)
+        for what, doc in (
+            ("flops", "floating point operations"),
+            ("read_bytes", "bytes read from memory"),
+            ("write_bytes", "bytes written to memory"),
+        ):
+            Counter(
+                f"vllm:estimated_{what}_per_gpu_total",
+                f"Estimated number of {doc} per GPU (for Model Flops Utilization calculations).",
+                names,
+                registry=reg,
+            ).labels(*lv)
 
         # Histograms of counts
         token_buckets = build_1_2_5_buckets(cfg.max_model_len)
@@ -244,7 +313,9 @@ class SimMetrics:
         )
 
         # Histograms of timing intervals
-        self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.ttft = hist(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
         self.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
         self.tpot = hist(
             "vllm:request_time_per_output_token_seconds",
@@ -336,5 +407,10 @@ class SimMetrics:
             "transfer finished. Counted per notification (one per remote rank), not per request.",
         )
 
+    def flush(self) -> None:
+        for obj in self._lazy:
+            obj.flush()
+
     def render(self) -> bytes:
+        self.flush()
         return generate_latest(self.registry)

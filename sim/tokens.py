@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-_WORDS = (
+_WORDS_TEXT = (
     "the of and to in is was for on are with as his they be at one have this from "
     "or had by hot word but what some we can out other were all there when up use your "
     "how said an each she which do their time if will way about many then them write "
@@ -40,7 +40,8 @@ _WORDS = (
     "near build self earth father head stand own page should country found answer school "
     "grow study still learn plant cover food sun four between state keep eye never last "
     "let thought city tree cross farm hard start might story saw far sea draw left late run"
-).split()
+)
+_WORDS = tuple(_WORDS_TEXT.split())
 
 _PIECE_RE = re.compile(r" [a-z]{2,10}")
 _MASK64 = (1 << 64) - 1
@@ -61,13 +62,22 @@ def prompt_seed(token_ids: Sequence[int], salt: bytes = b"") -> int:
     """A 64-bit seed that depends only on the token ids (and an optional salt)."""
     h = hashlib.blake2b(digest_size=8)
     h.update(salt)
-    h.update(array("Q", (t & _MASK64 for t in token_ids)).tobytes())
+    h.update(array("Q", token_ids).tobytes())
     return int.from_bytes(h.digest(), "little")
 
 
-def tokens_digest(token_ids: Sequence[int]) -> str:
-    """What the KV side channel compares: a digest of the token ids the KV was computed from."""
-    return hashlib.blake2b(array("Q", (t & _MASK64 for t in token_ids)).tobytes(), digest_size=16).hexdigest()
+def block_chain(token_ids: Sequence[int], block_size: int, n_blocks: int | None = None) -> list[str]:
+    """One tag per KV block: a digest of every token up to the end of that block (like vLLM's
+    chained block hashes). Two blocks hold the same KV iff their tags are equal."""
+    n = len(token_ids)
+    count = -(-n // block_size) if n_blocks is None else min(n_blocks, -(-n // block_size))
+    h = hashlib.blake2b(digest_size=12)
+    out = []
+    for i in range(count):
+        h.update(array("Q", token_ids[i * block_size : (i + 1) * block_size]).tobytes())
+        h.update(b"|")
+        out.append(h.copy().hexdigest())
+    return out
 
 
 def output_index(seed: int, position: int) -> int:

@@ -1,0 +1,114 @@
+"""Command line of the simulator: ``python -m sim ...`` or ``pdgate sim ...``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from sim.config import ROLES, SimConfig
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    d = SimConfig.__dataclass_fields__
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="A vLLM 0.32-compatible engine simulator (OpenAI API, /metrics, NIXL-style P/D handshake).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--role", choices=ROLES, default="both", help="which P/D legs this engine accepts")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP (and side-channel) bind address")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--model", default="sim", help="served model name")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="Hugging Face tokenizer folder; without it a token is 4 bytes of UTF-8 (ceil(len/4))",
+    )
+    p.add_argument("--max-model-len", type=int, default=d["max_model_len"].default)
+    p.add_argument("--block-size", type=int, default=d["block_size"].default, help="tokens per KV block")
+    p.add_argument(
+        "--num-gpu-blocks", type=int, default=d["num_gpu_blocks"].default, help="KV blocks (incl. null block)"
+    )
+    p.add_argument(
+        "--max-num-seqs", type=int, default=d["max_num_seqs"].default, help="running requests; beyond, they wait"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d["max_num_batched_tokens"].default,
+        help="token budget of one engine step (chunked prefill)",
+    )
+    p.add_argument("--prefill-time-per-token", type=float, default=0.0, help="seconds of step time per prompt token")
+    p.add_argument(
+        "--decode-time-per-token", type=float, default=0.0, help="seconds per decode step (inter-token latency)"
+    )
+    p.add_argument(
+        "--kv-transfer-time-per-token", type=float, default=0.0, help="seconds per pulled prompt token (decode side)"
+    )
+    p.add_argument("--kv-host", default=None, help="host advertised as remote_host (default: --host)")
+    p.add_argument("--kv-port", type=int, default=0, help="side-channel port (0: pick a free one)")
+    p.add_argument(
+        "--kv-expiry", type=float, default=d["kv_expiry"].default, help="seconds prefill blocks wait for a pull"
+    )
+    p.add_argument(
+        "--kv-handshake-timeout",
+        type=float,
+        default=d["kv_handshake_timeout"].default,
+        help="seconds a decode leg keeps trying an unreachable side channel",
+    )
+    p.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=d["kv_bytes_per_token"].default,
+        help="KV size per token for vllm:nixl_bytes_transferred",
+    )
+    p.add_argument("--default-max-tokens", type=int, default=d["default_max_tokens"].default)
+    p.add_argument("--engine-id", default=None, help="NIXL engine id (default: random uuid4)")
+    p.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="echo X-Request-Id on responses (vLLM's flag of the same name)",
+    )
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    kw = {k: v for k, v in vars(args).items() if v is not None}
+    return SimConfig(**kw)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Parse ``argv`` (default: sys.argv[1:]) and serve until interrupted."""
+    if prog is None:
+        prog = "python -m sim" if sys.argv[0].endswith("__main__.py") else "pdgate sim"
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvicorn
+
+    from sim.app import create_app
+
+    app = create_app(cfg)
+    uvicorn.run(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        loop="uvloop",
+        http="httptools",
+        access_log=False,
+        log_level=cfg.log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=2,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,746 @@
+"""The simulated engine core: scheduler loop, KV block accounting, latency model, P/D legs.
+
+Model (a small cousin of vLLM's v1 scheduler):
+
+* Every request choice is one :class:`Seq` (one engine request). Its tokens are the prompt
+  plus what it has generated; ``num_computed`` counts tokens whose KV exists.
+* One asyncio task runs *steps*. A step schedules the running seqs (each computes what it
+  is missing: its prompt chunk while prefilling, one token while decoding) and admits
+  waiting seqs while there is a free slot (``max_num_seqs``), token budget
+  (``max_num_batched_tokens``) and free KV blocks. The step lasts
+  ``prefill_tokens * prefill_time_per_token + (decode_time_per_token if any seq decodes)``,
+  so a long prefill stalls every decoding stream in the same engine (the interference
+  that P/D disaggregation removes). A seq that has computed all its tokens samples one.
+* KV blocks are ``block_size`` tokens; block 0 is vLLM's null block, so
+  ``kv_cache_usage_perc = 1 - free / (num_gpu_blocks - 1)``. A running seq that cannot
+  grow preempts the newest running seq (recompute, counted in vllm:num_preemptions).
+* Prefill leg (``kv_transfer_params.do_remote_decode``): runs like any request, then its
+  blocks are *held* under its internal request id instead of freed, and the response
+  carries the handle. Held blocks are released when a decode engine notifies (after
+  pulling, or when it drops the request) or after ``kv_expiry`` seconds
+  (vllm:nixl_num_kv_expired_reqs); decode engines waiting to run extend the lease
+  with heartbeats.
+* Decode leg (``do_remote_prefill``): once admitted it allocates blocks for its prompt and
+  pulls the prefill engine's KV over the side channel (:mod:`sim.kv`): a read, the
+  transfer time, then a notify that frees the remote blocks. Its prompt tokens count as
+  ``external_kv_transfer``; it recomputes the last prompt token locally and decodes.
+* Failures, as in vLLM 0.32 (``kv_load_failure_policy=fail``): a side channel that does not
+  answer within ``kv_handshake_timeout`` (vLLM: its 5 s ZMQ receive timeout), an answering
+  engine that is not ``remote_engine_id``, or block ids outside the remote pool finish the
+  decode leg with finish_reason ``error``: HTTP 500 "Internal server error" (streaming: an
+  error event, then ``[DONE]``), vllm:nixl_num_failed_transfers +1 and
+  vllm:request_success{finished_reason="error"} +1. After a failed handshake (unreachable,
+  wrong engine) the prefill blocks wait for their expiry; after bad block ids they are
+  released (as observed on vLLM 0.32). An unknown or expired ``remote_request_id`` is *not* an
+  error: NIXL reads blocks by id, so the decode runs on whatever the blocks hold (this
+  prompt's KV if they were not reused since, otherwise someone else's, which changes the
+  output text) and the prefill engine counts vllm:nixl_num_notifications_after_expiry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from sim.config import SimConfig
+from sim.kv import KVClient, KVError
+from sim.metrics import SimMetrics
+from sim.tokens import OutputVocab, block_chain, output_index, prompt_seed
+
+log = logging.getLogger("sim.engine")
+
+PLAIN, PREFILL, DECODE = "plain", "prefill", "decode"
+WAITING, REMOTE_KV, RUNNING, FINISHED = "waiting", "remote_kv", "running", "finished"
+
+_now = time.monotonic
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Collector:
+    """Wakes the HTTP side of one request when any of its seqs produced or finished."""
+
+    __slots__ = ("done", "event", "pending")
+
+    def __init__(self, n: int) -> None:
+        self.event = asyncio.Event()
+        self.pending = n
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+
+class Seq:
+    """One engine request (one prompt, one choice)."""
+
+    __slots__ = (
+        "arrival",
+        "blocks",
+        "collector",
+        "counted_prompt",
+        "error",
+        "external_tokens",
+        "final_sent",
+        "finish_reason",
+        "finished_t",
+        "first_token_t",
+        "ignore_eos",
+        "in_prefill",
+        "kind",
+        "kv_in",
+        "kv_out",
+        "kv_pulled",
+        "last_token_t",
+        "max_tokens",
+        "min_tokens",
+        "n_param",
+        "num_computed",
+        "num_preemptions",
+        "output_ids",
+        "pieces",
+        "prompt_ids",
+        "prompt_len",
+        "pull_task",
+        "remote_released",
+        "req_id",
+        "scheduled_t",
+        "seed",
+        "state",
+        "stop_reason",
+        "stop_strs",
+        "stop_token_ids",
+        "text_len_sent",
+        "tokens_sent",
+    )
+
+    def __init__(
+        self,
+        req_id: str,
+        prompt_ids: list[int],
+        max_tokens: int,
+        *,
+        kind: str = PLAIN,
+        min_tokens: int = 0,
+        choice: int = 0,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        kv_in: dict[str, Any] | None = None,
+        n_param: int = 1,
+        collector: Collector | None = None,
+    ) -> None:
+        self.req_id = req_id
+        self.prompt_ids = prompt_ids
+        self.prompt_len = len(prompt_ids)
+        self.max_tokens = max_tokens
+        self.min_tokens = min_tokens
+        self.kind = kind
+        self.stop_strs = tuple(stop)
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.ignore_eos = ignore_eos
+        self.kv_in = kv_in
+        self.n_param = n_param
+        self.collector = collector
+        self.seed = prompt_seed(prompt_ids, salt=choice.to_bytes(4, "little") if choice else b"")
+        self.state = WAITING
+        self.arrival = _now()
+        self.scheduled_t: float | None = None
+        self.first_token_t: float | None = None
+        self.last_token_t: float | None = None
+        self.finished_t: float | None = None
+        self.output_ids: list[int] = []
+        self.pieces: list[str] = []
+        self.num_computed = 0
+        self.blocks: list[int] = []
+        self.in_prefill = True
+        self.counted_prompt = False
+        self.external_tokens = 0
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.kv_out: dict[str, Any] | None = None
+        self.kv_pulled = False
+        self.remote_released = False
+        self.pull_task: asyncio.Task | None = None
+        self.error: str | None = None
+        self.tokens_sent = 0  # streaming bookkeeping (sim.app)
+        self.text_len_sent = 0
+        self.final_sent = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.state == FINISHED
+
+    def text(self) -> str:
+        text = "".join(self.pieces)
+        if self.finish_reason == "stop" and isinstance(self.stop_reason, str):
+            cut = text.find(self.stop_reason)
+            if cut >= 0:
+                text = text[:cut]
+        return text
+
+
+@dataclass
+class Held:
+    """A prefill leg's blocks kept for a decode engine to pull."""
+
+    request_id: str
+    block_ids: list[int]
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+
+class Engine:
+    def __init__(
+        self,
+        cfg: SimConfig,
+        metrics: SimMetrics,
+        vocab: OutputVocab,
+        kv_client: KVClient | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.m = metrics
+        self.vocab = vocab
+        self.kv = kv_client or KVClient(connect_timeout=cfg.kv_handshake_timeout)
+        self.kv_port = 0  # set once the side channel listens
+        self.free_blocks: deque[int] = deque(range(1, cfg.num_gpu_blocks))
+        self.total_blocks = cfg.num_gpu_blocks - 1
+        # What each block holds: (seq whose KV it is, its index in that seq, tokens computed).
+        # Like real KV memory it keeps its content after release, until reallocated.
+        self.block_src: list[tuple[Seq, int, int] | None] = [None] * cfg.num_gpu_blocks
+        self.waiting: deque[Seq] = deque()
+        self.ready_kv: deque[Seq] = deque()
+        self.remote_kv: set[Seq] = set()
+        self.running: list[Seq] = []
+        self.held: dict[str, Held] = {}
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._bg: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._loop(), name="sim-engine-loop"),
+            asyncio.create_task(self._heartbeat_loop(), name="sim-kv-heartbeats"),
+        ]
+
+    async def stop(self) -> None:
+        for t in self._tasks + list(self._bg):
+            t.cancel()
+        for t in self._tasks + list(self._bg):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for h in self.held.values():
+            if h.timer:
+                h.timer.cancel()
+        await self.kv.close()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+        return task
+
+    # ------------------------------------------------------------------ state
+    def kv_usage(self) -> float:
+        return 1.0 - len(self.free_blocks) / self.total_blocks
+
+    def update_gauges(self) -> None:
+        m = self.m
+        capacity = len(self.waiting) + len(self.ready_kv)
+        deferred = len(self.remote_kv)
+        m.running.set(len(self.running))
+        m.waiting.set(capacity + deferred)
+        m.waiting_capacity.set(capacity)
+        m.waiting_deferred.set(deferred)
+        m.kv_fetch["waiting_to_start"].set(sum(1 for s in self.waiting if s.kind == DECODE and not s.kv_pulled))
+        m.kv_fetch["in_progress"].set(deferred)
+        m.kv_fetch["completed_waiting"].set(len(self.ready_kv))
+        m.kv_usage.set(self.kv_usage())
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, seq: Seq) -> None:
+        self.waiting.append(seq)
+        self._wake.set()
+
+    def abort(self, seq: Seq) -> None:
+        """Client went away: drop the seq now and give its blocks back."""
+        if seq.state == FINISHED:
+            return
+        state = seq.state
+        if state == WAITING:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(seq)
+            with contextlib.suppress(ValueError):
+                self.ready_kv.remove(seq)
+        elif state == RUNNING:
+            with contextlib.suppress(ValueError):
+                self.running.remove(seq)
+        elif state == REMOTE_KV:
+            self.remote_kv.discard(seq)
+            if seq.pull_task is not None:
+                seq.pull_task.cancel()  # its finally-clause notifies the prefill engine
+        self._free(seq)
+        seq.state = FINISHED
+        seq.finish_reason = "abort"
+        seq.finished_t = _now()
+        if seq.kind == DECODE and not seq.kv_pulled and state == WAITING:
+            # Never scheduled: tell the prefill engine to drop its blocks (vLLM sends a
+            # notification with no read for requests aborted before their transfer).
+            self._release_remote(seq)
+        self._done(seq)
+        self._wake.set()
+
+    def _done(self, seq: Seq) -> None:
+        c = seq.collector
+        if c is not None:
+            c.pending -= 1
+            c.event.set()
+            if c.pending <= 0 and not c.done.done():
+                c.done.set_result(None)
+
+    # ------------------------------------------------------------------ blocks
+    def _grow(self, seq: Seq, n_tokens: int) -> bool:
+        need = cdiv(n_tokens, self.cfg.block_size) - len(seq.blocks)
+        if need <= 0:
+            return True
+        free = self.free_blocks
+        if need > len(free):
+            return False
+        pop = free.popleft
+        src = self.block_src
+        for _ in range(need):
+            b = pop()
+            src[b] = None  # about to be overwritten
+            seq.blocks.append(b)
+        return True
+
+    def _record_content(self, seq: Seq) -> None:
+        src = self.block_src
+        upto = seq.num_computed
+        bs = self.cfg.block_size
+        for i, b in enumerate(seq.blocks):
+            src[b] = (seq, i, upto) if upto > i * bs else None
+
+    def _free(self, seq: Seq) -> None:
+        if seq.blocks:
+            self._record_content(seq)
+            self.free_blocks.extend(seq.blocks)
+            seq.blocks = []
+
+    def _preempt(self, seq: Seq) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.num_computed = 0
+        seq.in_prefill = True
+        seq.state = WAITING
+        seq.num_preemptions += 1
+        self.m.preemptions.inc()
+        self.waiting.appendleft(seq)
+
+    # ------------------------------------------------------------------ the step loop
+    async def _loop(self) -> None:
+        cfg = self.cfg
+        m = self.m
+        while True:
+            if not (self.running or self.waiting or self.ready_kv):
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch: list[tuple[Seq, int]] = []
+            budget = cfg.max_num_batched_tokens
+            prefill_tokens = 0
+            decode_tokens = 0
+            now = _now()
+
+            for seq in list(self.running):
+                if seq.state != RUNNING:
+                    continue  # preempted by an earlier seq of this step
+                if budget <= 0:
+                    break
+                chunk = min(seq.num_tokens - seq.num_computed, budget)
+                while not self._grow(seq, seq.num_computed + chunk):
+                    self._preempt(self.running[-1])
+                    if seq.state != RUNNING:
+                        break
+                if seq.state != RUNNING:
+                    continue
+                batch.append((seq, chunk))
+                budget -= chunk
+                if seq.in_prefill:
+                    prefill_tokens += chunk
+                else:
+                    decode_tokens += chunk
+
+            while budget > 0 and len(self.running) < cfg.max_num_seqs:
+                queue = self.ready_kv or self.waiting
+                if not queue:
+                    break
+                seq = queue[0]
+                if seq.kind == DECODE and not seq.kv_pulled:
+                    # Allocate for the prompt, then load its KV from the prefill engine.
+                    if not self._grow(seq, seq.prompt_len):
+                        break
+                    queue.popleft()
+                    seq.state = REMOTE_KV
+                    seq.scheduled_t = now
+                    # vLLM counts the connector's hit when it schedules the load, not after it.
+                    m.ext_prefix_queries.inc(seq.prompt_len)
+                    m.ext_prefix_hits.inc(seq.prompt_len)
+                    m.cached_by_source["p2p"].inc(seq.prompt_len)
+                    self.remote_kv.add(seq)
+                    seq.pull_task = self._spawn(self._pull(seq))
+                    continue
+                chunk = min(seq.num_tokens - seq.num_computed, budget)
+                if not self._grow(seq, seq.num_computed + chunk):
+                    break
+                queue.popleft()
+                seq.state = RUNNING
+                if seq.scheduled_t is None:
+                    seq.scheduled_t = now
+                    m.ext_prefix_queries.inc(seq.prompt_len)
+                self.running.append(seq)
+                batch.append((seq, chunk))
+                budget -= chunk
+                prefill_tokens += chunk
+
+            if not batch:
+                # Nothing can run (no blocks, or only KV loads in flight): wait for a change.
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+
+            step = prefill_tokens * cfg.prefill_time_per_token
+            if decode_tokens:
+                step += cfg.decode_time_per_token
+            await asyncio.sleep(step)
+
+            now = _now()
+            generated = 0
+            for seq, chunk in batch:
+                if seq.state != RUNNING:
+                    continue  # aborted during the step
+                seq.num_computed += chunk
+                if seq.num_computed >= seq.num_tokens:
+                    self._sample(seq, now)
+                    generated += 1
+            m.iteration_tokens.observe(prefill_tokens + generated)
+
+    # ------------------------------------------------------------------ tokens
+    def _sample(self, seq: Seq, now: float) -> None:
+        m = self.m
+        k = len(seq.output_ids)
+        idx = output_index(seq.seed, k) % self.vocab.size
+        tid = self.vocab.ids[idx]
+        seq.output_ids.append(tid)
+        seq.pieces.append(self.vocab.pieces[idx])
+        if seq.first_token_t is None:
+            seq.first_token_t = now
+            m.ttft.observe(now - seq.arrival)
+        else:
+            m.itl.observe(now - seq.last_token_t)
+        if not seq.counted_prompt:
+            seq.counted_prompt = True
+            ext = seq.external_tokens
+            m.prompt_tokens.inc(seq.prompt_len)
+            m.prompt_by_source["local_compute"].inc(seq.prompt_len - ext)
+            m.prompt_by_source["external_kv_transfer"].inc(ext)
+            m.prompt_cached.inc(ext)
+        seq.last_token_t = now
+        seq.in_prefill = False
+        m.generation_tokens.inc()
+
+        n_out = k + 1
+        reason: str | None = None
+        if n_out > seq.min_tokens:
+            if tid in seq.stop_token_ids:
+                reason, seq.stop_reason = "stop", tid
+            elif seq.stop_strs:
+                text = "".join(seq.pieces)
+                tail_from = max(0, len(text) - len(seq.pieces[-1]) - max(map(len, seq.stop_strs)))
+                for s in seq.stop_strs:
+                    if s and text.find(s, tail_from) >= 0:
+                        reason, seq.stop_reason = "stop", s
+                        break
+        if reason is None and (n_out >= seq.max_tokens or seq.num_tokens >= self.cfg.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self._finish(seq, reason, now)
+        elif seq.collector is not None:
+            seq.collector.event.set()
+
+    def _finish(self, seq: Seq, reason: str, now: float) -> None:
+        m = self.m
+        if seq.state == RUNNING:
+            self.running.remove(seq)
+        elif seq.state == REMOTE_KV:
+            self.remote_kv.discard(seq)
+        seq.state = FINISHED
+        seq.finish_reason = reason
+        seq.finished_t = now
+        if seq.kind == PREFILL and reason in ("length", "stop") and seq.blocks:
+            self._hold(seq)
+        else:
+            self._free(seq)
+        m.success[reason].inc()
+        m.e2e.observe(now - seq.arrival)
+        sched = seq.scheduled_t if seq.scheduled_t is not None else now
+        m.queue_time.observe(sched - seq.arrival)
+        first = seq.first_token_t if seq.first_token_t is not None else now
+        last = seq.last_token_t if seq.last_token_t is not None else now
+        m.prefill_time.observe(first - sched)
+        m.inference_time.observe(last - sched)
+        m.decode_time.observe(last - first)
+        n_out = len(seq.output_ids)
+        m.tpot.observe((last - first) / (n_out - 1) if n_out > 1 else 0.0)
+        m.req_prompt_tokens.observe(seq.prompt_len)
+        m.req_generation_tokens.observe(n_out)
+        m.req_preemptions.observe(seq.num_preemptions)
+        m.prefill_kv_computed.observe(seq.prompt_len - seq.external_tokens)
+        m.req_max_gen_tokens.observe(n_out)
+        m.req_params_n.observe(seq.n_param)
+        m.req_params_max_tokens.observe(seq.max_tokens)
+        self._done(seq)
+        self._wake.set()
+
+    # ------------------------------------------------------------------ prefill side
+    def _hold(self, seq: Seq) -> None:
+        cfg = self.cfg
+        self._record_content(seq)
+        held = Held(request_id=seq.req_id, block_ids=seq.blocks)
+        seq.blocks = []
+        held.timer = asyncio.get_running_loop().call_later(cfg.kv_expiry, self._expire, seq.req_id)
+        self.held[seq.req_id] = held
+        seq.kv_out = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [list(held.block_ids)],
+            "remote_engine_id": cfg.engine_id,
+            "remote_request_id": seq.req_id,
+            "remote_host": cfg.advertised_kv_host,
+            "remote_port": self.kv_port,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": seq.num_computed,
+            "remote_blocks_expiry_time": None,
+            "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": 0,
+        }
+
+    def _release_held(self, request_id: str) -> bool:
+        held = self.held.pop(request_id, None)
+        if held is None:
+            return False
+        if held.timer is not None:
+            held.timer.cancel()
+        self.free_blocks.extend(held.block_ids)
+        self._wake.set()
+        return True
+
+    def _expire(self, request_id: str) -> None:
+        if self._release_held(request_id):
+            self.m.nixl_kv_expired.inc()
+            log.warning("Releasing expired KV blocks for request %s (no decode engine pulled them)", request_id)
+
+    # Side-channel operations (called by sim.kv.KVServer) --------------------
+    def kv_read(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """A decode engine reads blocks by id. Like a NIXL READ it gets whatever the blocks
+        hold now (``tags`` describe that KV), whether or not the handle is still known."""
+        own = self.cfg.engine_id
+        if msg.get("engine_id") != own:
+            return {"status": "engine_mismatch", "engine_id": own}
+        groups = msg.get("block_ids")
+        limit = self.cfg.num_gpu_blocks
+        try:
+            flat = [b for g in groups for b in g]
+            if not all(type(b) is int and 0 <= b < limit for b in flat):
+                raise ValueError
+        except (TypeError, ValueError):
+            return {"status": "bad_blocks", "engine_id": own}
+        held = self.held.get(msg.get("request_id"))
+        known = held is not None and held.block_ids[: len(flat)] == flat
+        n_req = msg.get("num_tokens")
+        bs = self.cfg.block_size
+        chains: dict[int, list[str]] = {}
+        tags: list[str | None] = []
+        for i, b in enumerate(flat):
+            src = self.block_src[b]
+            if src is None or src[1] != i:
+                tags.append(None)  # garbage, or KV of another position
+                continue
+            seq, _, upto = src
+            chain = chains.get(id(seq))
+            if chain is None:
+                n = min(upto, n_req) if isinstance(n_req, int) and n_req > 0 else upto
+                chain = chains[id(seq)] = block_chain((seq.prompt_ids + seq.output_ids)[:n], bs)
+            tags.append(chain[i] if i < len(chain) else None)
+        return {"status": "ok" if known else "unknown", "engine_id": own, "block_size": bs, "tags": tags}
+
+    def kv_notify(self, msg: dict[str, Any]) -> dict[str, Any]:
+        own = self.cfg.engine_id
+        if msg.get("engine_id") != own:
+            return {"status": "engine_mismatch", "engine_id": own}
+        if self._release_held(msg.get("request_id")):
+            return {"status": "ok", "engine_id": own}
+        self.m.nixl_notifs_after_expiry.inc()
+        log.error(
+            "Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode "
+            "worker. They may have expired.",
+            msg.get("request_id"),
+        )
+        return {"status": "unknown", "engine_id": own}
+
+    def kv_heartbeat(self, msg: dict[str, Any]) -> dict[str, Any]:
+        own = self.cfg.engine_id
+        if msg.get("engine_id") != own:
+            return {"status": "engine_mismatch", "engine_id": own}
+        loop = asyncio.get_running_loop()
+        extension = self.cfg.kv_expiry * 2 / 3
+        for rid in msg.get("request_ids") or ():
+            held = self.held.get(rid)
+            if held is None or held.timer is None:
+                continue
+            if held.timer.when() < loop.time() + extension:
+                held.timer.cancel()
+                held.timer = loop.call_later(extension, self._expire, rid)
+        return {"status": "ok", "engine_id": own}
+
+    # ------------------------------------------------------------------ decode side
+    @staticmethod
+    def _remote(seq: Seq) -> tuple[str, int, str, str]:
+        kv = seq.kv_in or {}
+        return kv["remote_host"], int(kv["remote_port"]), kv["remote_engine_id"], kv["remote_request_id"]
+
+    def _release_remote(self, seq: Seq) -> None:
+        if seq.remote_released or seq.kv_in is None:
+            return
+        seq.remote_released = True
+        self.release_remote(seq.kv_in)
+
+    def release_remote(self, kv: dict[str, Any]) -> None:
+        """Tell a prefill engine to drop the blocks a decode leg's kv_transfer_params name."""
+        try:
+            host, port = kv["remote_host"], int(kv["remote_port"])
+            engine_id, rid = kv["remote_engine_id"], kv["remote_request_id"]
+        except (KeyError, TypeError, ValueError):
+            return
+        self._spawn(self._notify(host, port, engine_id, rid))
+
+    async def _notify(self, host: str, port: int, engine_id: str, rid: str) -> None:
+        try:
+            reply = await self.kv.call(host, port, {"op": "notify", "engine_id": engine_id, "request_id": rid})
+            if reply.get("status") == "engine_mismatch":
+                raise KVError("engine id mismatch on notify")
+        except (KVError, OSError) as e:
+            self.m.nixl_failed_notifications.inc()
+            self.m.nixl_failed_transfers.inc()
+            log.error("KV notification to %s:%s failed (%s); its blocks will be freed after expiry", host, port, e)
+
+    async def _pull(self, seq: Seq) -> None:
+        m = self.m
+        cfg = self.cfg
+        host, port, engine_id, rid = self._remote(seq)
+        groups = (seq.kv_in or {}).get("remote_block_ids") or []
+        read_done = False
+        try:
+            t0 = _now()
+            try:
+                reply = await self.kv.call(
+                    host,
+                    port,
+                    {
+                        "op": "read",
+                        "engine_id": engine_id,
+                        "request_id": rid,
+                        "block_ids": groups,
+                        "num_tokens": seq.prompt_len,
+                    },
+                )
+            except (KVError, OSError) as e:
+                # vLLM: handshake failed -> the request fails (kv_load_failure_policy=fail).
+                m.nixl_failed_transfers.inc()
+                seq.remote_released = True  # nothing reached the prefill engine
+                log.error("NIXL transfer failure: handshake_failed with %s:%s (%s)", host, port, e)
+                self._fail(seq, f"KV handshake with {host}:{port} failed: {e}")
+                return
+            status = reply.get("status")
+            if reply.get("engine_id") != engine_id:
+                m.nixl_failed_transfers.inc()
+                seq.remote_released = True
+                log.error(
+                    "NIXL transfer failure: Remote NIXL agent engine ID mismatch. Expected %s, received %s.",
+                    engine_id,
+                    reply.get("engine_id"),
+                )
+                self._fail(seq, "Remote NIXL agent engine ID mismatch")
+                return
+            if status == "bad_blocks":
+                # Observed with vLLM 0.32: the request fails, and the prefill engine's blocks for
+                # that handle are released right away (the finally-clause notifies).
+                m.nixl_failed_transfers.inc()
+                log.error("NIXL transfer failure: transfer_setup_failed for %s (bad block ids)", rid)
+                self._fail(seq, "KV transfer setup failed: invalid remote block ids")
+                return
+            read_done = True
+            post = _now() - t0
+            n_ext = seq.prompt_len
+            if cfg.kv_transfer_time_per_token:
+                await asyncio.sleep(n_ext * cfg.kv_transfer_time_per_token)
+            xfer = _now() - t0
+            expected = block_chain(seq.prompt_ids, int(reply.get("block_size") or cfg.block_size))
+            tags = reply.get("tags") or []
+            if tags[: len(expected)] != expected:
+                # The blocks held someone else's KV (or nothing): the output is garbage, but
+                # different garbage than a correct run (that is how to spot it from outside).
+                seq.seed = prompt_seed(seq.prompt_ids, salt=b"foreign-kv:" + orjson.dumps(tags))
+            n_blocks = sum(len(g) for g in groups)
+            m.nixl_xfer_time.observe(xfer)
+            m.nixl_post_time.observe(post)
+            m.nixl_bytes.observe(n_blocks * cfg.block_size * cfg.kv_bytes_per_token)
+            m.nixl_descriptors.observe(n_blocks * 2)
+            seq.external_tokens = n_ext
+            seq.num_computed = n_ext - 1  # a full hit recomputes the last prompt token
+            seq.kv_pulled = True
+            self.remote_kv.discard(seq)
+            seq.state = WAITING
+            self.ready_kv.append(seq)
+            self._wake.set()
+        finally:
+            if read_done or seq.state == FINISHED:
+                # After the read (or if dropped mid-way) the prefill engine gets its
+                # notification and frees the blocks.
+                self._release_remote(seq)
+
+    def _fail(self, seq: Seq, why: str) -> None:
+        seq.error = why
+        self._finish(seq, "error", _now())
+
+    # ------------------------------------------------------------------ heartbeats
+    async def _heartbeat_loop(self) -> None:
+        """Decode legs still queued keep their remote KV alive (vLLM's lease heartbeats)."""
+        interval = max(self.cfg.kv_expiry / 6, 0.05)
+        while True:
+            await asyncio.sleep(interval)
+            by_peer: dict[tuple[str, int, str], list[str]] = {}
+            for seq in self.waiting:
+                if seq.kind == DECODE and not seq.kv_pulled and seq.kv_in is not None:
+                    host, port, engine_id, rid = self._remote(seq)
+                    by_peer.setdefault((host, port, engine_id), []).append(rid)
+            for (host, port, engine_id), rids in by_peer.items():
+                self._spawn(self._heartbeat(host, port, engine_id, rids))
+
+    async def _heartbeat(self, host: str, port: int, engine_id: str, rids: list[str]) -> None:
+        with contextlib.suppress(KVError, OSError):
+            await self.kv.call(host, port, {"op": "hb", "engine_id": engine_id, "request_ids": rids})

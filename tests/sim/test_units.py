@@ -1,0 +1,324 @@
+"""Unit tests of the simulator's pieces: config, CLI, tokens, request parsing, metrics, side-channel codec."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from sim import protocol as P
+from sim.cli import build_parser, config_from_args
+from sim.config import SimConfig
+from sim.kv import KVClient, KVError, KVServer, encode_frame, read_frame
+from sim.metrics import SimMetrics, build_1_2_5_buckets
+from sim.tokens import ByteTokenizer, HFTokenizer, block_chain, output_index, prompt_seed
+
+# ------------------------------------------------------------------------------ config / CLI
+
+
+def test_cli_defaults():
+    cfg = config_from_args(build_parser().parse_args([]))
+    assert (cfg.role, cfg.host, cfg.model, cfg.tokenizer) == ("both", "127.0.0.1", "sim", None)
+    assert (cfg.max_model_len, cfg.block_size, cfg.num_gpu_blocks, cfg.max_num_seqs) == (8192, 16, 8192, 256)
+    assert (cfg.prefill_time_per_token, cfg.decode_time_per_token, cfg.kv_transfer_time_per_token) == (0, 0, 0)
+    assert (cfg.kv_port, cfg.kv_expiry, cfg.default_max_tokens) == (0, 30, 16)
+    assert cfg.advertised_kv_host == "127.0.0.1" and cfg.instant
+    assert len(cfg.engine_id) == 36  # a uuid4
+
+
+def test_cli_parses_the_argv_it_is_given():
+    argv = (
+        "--role prefill --port 9 --model m --max-model-len 64 --block-size 8 --num-gpu-blocks 20 "
+        "--max-num-seqs 3 --prefill-time-per-token 0.1 --decode-time-per-token 0.2 "
+        "--kv-transfer-time-per-token 0.3 --kv-host node-a --kv-port 77 --kv-expiry 5 "
+        "--default-max-tokens 4 --engine-id E"
+    )
+    args = build_parser().parse_args(argv.split())
+    cfg = config_from_args(args)
+    assert cfg.role == "prefill" and cfg.port == 9 and cfg.model == "m" and cfg.engine_id == "E"
+    assert cfg.advertised_kv_host == "node-a" and cfg.kv_port == 77 and not cfg.instant
+    assert cfg.accepts_prefill_legs() and not cfg.accepts_decode_legs()
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"role": "router"}, {"block_size": 0}, {"num_gpu_blocks": 1}, {"kv_expiry": 0},
+     {"prefill_time_per_token": -1}, {"max_model_len": 1000, "num_gpu_blocks": 10, "block_size": 16}],
+)  # fmt: skip
+def test_config_rejects_nonsense(kw):
+    with pytest.raises(ValueError):
+        SimConfig(**kw)
+
+
+def test_cli_main_reports_bad_config():
+    from sim.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--block-size", "0"])
+    assert exc.value.code == 2
+
+
+# ------------------------------------------------------------------------------ tokens
+
+
+@pytest.mark.parametrize("text", ["", "a", "abcd", "abcde", "héllo wörld", "日本語のテキスト" * 7])
+def test_byte_tokenizer_counts_four_bytes_per_token(text):
+    tok = ByteTokenizer()
+    assert len(tok.encode(text)) == math.ceil(len(text.encode()) / 4)
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_byte_tokenizer_chat_layout():
+    tok = ByteTokenizer()
+    ids = tok.apply_chat([{"role": "user", "content": "hi"}])
+    assert tok.decode(ids) == "<s><|user|>\nhi</s>\n<|assistant|>\n"
+    assert tok.decode(tok.apply_chat([{"role": "user", "content": "hi"}], add_generation_prompt=False)).endswith(
+        "</s>\n"
+    )
+
+
+def test_output_is_a_function_of_the_prompt_tokens():
+    a, b = prompt_seed([1, 2, 3]), prompt_seed([1, 2, 3])
+    assert a == b != prompt_seed([1, 2, 4]) != prompt_seed([1, 2, 3], salt=b"x")
+    assert [output_index(a, i) for i in range(5)] == [output_index(b, i) for i in range(5)]
+    assert len({output_index(a, i) % 97 for i in range(50)}) > 10  # not stuck on one word
+    chain = block_chain(list(range(10)), 4)
+    assert len(chain) == 3 and chain == block_chain(list(range(10)), 4)
+    assert block_chain(list(range(8)), 4) == chain[:2]  # chained: a block's tag covers its prefix
+    assert block_chain([0, 1, 2, 3, 9, 9], 4)[0] == chain[0] and block_chain([0, 1, 2, 3, 9, 9], 4)[1] != chain[1]
+
+
+def test_hf_tokenizer_like_vllm(sim_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(str(sim_tokenizer_dir))
+    tok = HFTokenizer(sim_tokenizer_dir)
+    text = "def f(x):\n    return x + 1\n"
+    assert tok.encode(text) == ref.encode(text, add_special_tokens=True)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    rendered = ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat(msgs) == ref.encode(rendered, add_special_tokens=False)
+    vocab = tok.output_vocab
+    assert vocab.size >= 16
+    for tid, piece in zip(vocab.ids[:20], vocab.pieces[:20], strict=True):
+        assert ref.decode([tid]) == piece and piece.startswith(" ")
+    assert tok.max_token_id == len(ref) - 1
+
+
+# ------------------------------------------------------------------------------ request parsing
+
+CFG = SimConfig(max_model_len=64, model="m", role="both")
+TOK = ByteTokenizer()
+
+
+def err(fn, body, cfg=CFG, header=None) -> P.ApiError:
+    with pytest.raises(P.ApiError) as exc:
+        fn(body, cfg, TOK, header)
+    return exc.value
+
+
+def test_completion_parse_basics():
+    job = P.parse_completion({"prompt": "abcdefgh", "max_tokens": 3, "model": "m"}, CFG, TOK, "rid-1")
+    assert job.prompts == [TOK.encode("abcdefgh")] and job.max_tokens == [3] and job.kind == "plain"
+    assert job.response_id == "cmpl-rid-1" and not job.stream
+    [internal] = P.internal_ids(job)
+    assert internal.startswith("cmpl-rid-1-0-") and len(internal) == len("cmpl-rid-1-0-") + 8
+    job = P.parse_completion({"prompt": [5, 6, 7], "request_id": "body-id"}, CFG, TOK, None)
+    assert job.prompts == [[5, 6, 7]] and job.max_tokens == [16] and job.response_id == "cmpl-body-id"
+    job = P.parse_completion({"prompt": ["ab", "cd"], "n": 2}, CFG, TOK, None)
+    assert len(job.prompts) == 2 and job.n == 2 and len(P.internal_ids(job)) == 2
+    assert len(P.parse_completion({"prompt": "x"}, CFG, TOK, None).base_id) == 16  # vLLM's random_uuid()
+    job = P.parse_completion({"prompt": "x" * 200, "max_tokens": 1000}, SimConfig(), TOK, None)
+    assert job.max_tokens == [1000]
+    job = P.parse_completion({"prompt": "x" * 200, "max_tokens": 60}, CFG, TOK, None)
+    assert job.max_tokens == [64 - 50]  # clamped to the context left
+
+
+def test_prompt_too_long_like_vllm():
+    e = err(P.parse_completion, {"prompt": [1] * 70})
+    assert e.status == 400 and e.err_type == "BadRequestError" and e.param == "input_tokens"
+    assert e.message == (
+        "This model's maximum context length is 64 tokens. However, your prompt contains 70 input "
+        "tokens, which exceeds this limit even without any output tokens. Please reduce the length "
+        "of the input prompt. (parameter=input_tokens, value=70)"
+    )
+    # vLLM says "at least" whenever the count is max+1 (where its truncating encoder stops)
+    assert "contains at least 65 input tokens" in err(P.parse_completion, {"prompt": [1] * 65}).message
+    e = err(P.parse_completion, {"prompt": "x" * 400})  # text prompts are encoded with max_length+1
+    assert "contains at least 65 input tokens" in e.message
+    e = err(P.parse_completion, {"prompt": [1] * 64})  # no room for one output token
+    assert e.message == "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"
+    e = err(P.parse_chat, {"messages": [{"role": "user", "content": "y" * 400}]})
+    assert e.param == "input_tokens" and "However, your prompt contains at least 65 input tokens" in e.message
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "err_type", "param", "needle"),
+    [
+        ({"prompt": "x", "model": "other"}, 404, "NotFoundError", "model", "The model `other` does not exist."),
+        ({"prompt": "x", "max_tokens": 65}, 400, "BadRequestError", "max_tokens", "cannot be greater than"),
+        ({"prompt": "x", "max_tokens": 0}, 400, "BadRequestError", "max_tokens", "must be at least 1"),
+        ({"prompt": "x", "min_tokens": 20, "max_tokens": 5}, 400, "BadRequestError", None, "min_tokens must be"),
+        ({"prompt": ""}, 400, "BadRequestError", "prompt", "must be provided and non-empty. (parameter=prompt)"),
+        ({"prompt": []}, 400, "BadRequestError", None, "You must pass at least one prompt"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "BadRequestError", "stream_options",
+         "Stream options can only be defined when `stream=True`. (parameter=stream_options)"),
+        ({"prompt": "x", "max_tokens": "nine"}, 400, "Bad Request", "body.max_tokens", "valid integer"),
+        ({"prompt": [1, -2]}, 400, "Bad Request", "body.prompt", "greater than or equal to 0"),
+        ({"prompt": "x", "echo": True}, 400, "BadRequestError", "echo", "not supported by the simulator"),
+        ({"prompt": "x", "kv_transfer_params": {"do_remote_prefill": True}}, 400, "BadRequestError",
+         "kv_transfer_params", "needs remote_block_ids"),
+    ],
+)  # fmt: skip
+def test_completion_errors_like_vllm(body, status, err_type, param, needle):
+    e = err(P.parse_completion, body)
+    assert (e.status, e.err_type, e.param) == (status, err_type, param)
+    assert needle in e.message
+    assert e.body() == {"error": {"message": e.message, "type": err_type, "param": param, "code": status}}
+
+
+def test_roles_refuse_the_other_leg():
+    prefill_leg = {"prompt": "x", "kv_transfer_params": {"do_remote_decode": True}}
+    decode_leg = {
+        "prompt": "x",
+        "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [[1]], "remote_engine_id": "e",
+                               "remote_request_id": "r", "remote_host": "h", "remote_port": 1},
+    }  # fmt: skip
+    assert P.parse_completion(prefill_leg, SimConfig(role="prefill"), TOK, None).kind == "prefill"
+    assert P.parse_completion(decode_leg, SimConfig(role="decode"), TOK, None).kind == "decode"
+    e = err(P.parse_completion, prefill_leg, SimConfig(role="decode"))
+    assert e.status == 400 and "role 'decode'" in e.message and "refuses prefill legs" in e.message
+    e = err(P.parse_completion, decode_leg, SimConfig(role="prefill"))
+    assert e.status == 400 and "refuses decode legs" in e.message
+    both = SimConfig(role="both")
+    assert P.parse_completion(prefill_leg, both, TOK, None).kind == "prefill"
+    assert P.parse_completion({**prefill_leg, "kv_transfer_params": {}}, both, TOK, None).kind == "plain"
+    e = err(P.parse_completion, {**prefill_leg, "n": 2}, both)
+    assert "not supported" in e.message
+
+
+def test_chat_parse():
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_completion_tokens": 4}
+    job = P.parse_chat(body, CFG, TOK, None)
+    assert job.prompts == [TOK.apply_chat([{"role": "user", "content": "hi"}])] and job.max_tokens == [4]
+    assert job.role == "assistant" and job.response_id.startswith("chatcmpl-")
+    [internal] = P.internal_ids(job)
+    assert internal.startswith(job.response_id + "-")
+    job = P.parse_chat({**body, "add_generation_prompt": False}, CFG, TOK, None)
+    assert job.role == "user"
+    e = err(P.parse_chat, {"messages": "nope"})
+    assert e.status == 400
+    e = err(P.parse_chat, {"prompt": "x"})
+    assert e.status == 400 and "Field required" in e.message
+
+
+def test_chat_reuses_prompt_token_ids_from_kv_transfer_params():
+    kv = {"do_remote_prefill": True, "remote_block_ids": [[1]], "remote_engine_id": "e", "remote_request_id": "r",
+          "remote_host": "h", "remote_port": 1, "prompt_token_ids": [7, 8, 9]}  # fmt: skip
+    body = {"messages": [{"role": "user", "content": "ignored"}], "kv_transfer_params": kv}
+    job = P.parse_chat(body, CFG, TOK, None)
+    assert job.prompts == [[7, 8, 9]] and "prompt_token_ids" not in job.kv_in
+    assert "prompt_token_ids" in body["kv_transfer_params"]  # the received body is left alone
+    e = err(P.parse_chat, {**body, "kv_transfer_params": {**kv, "prompt_token_ids": []}})
+    assert e.param == "kv_transfer_params.prompt_token_ids"
+
+
+def test_lax_integers_like_pydantic():
+    assert P.parse_completion({"prompt": "x", "max_tokens": "9"}, CFG, TOK, None).max_tokens == [9]
+    assert P.parse_completion({"prompt": "x", "max_tokens": 3.0}, CFG, TOK, None).max_tokens == [3]
+
+
+def test_empty_token_prompt_is_a_late_engine_error():
+    job = P.parse_completion({"prompt": [[]]}, CFG, TOK, None)
+    with pytest.raises(P.ApiError) as exc:
+        P.check_engine_prompt(job.prompts[0])
+    assert exc.value.late and exc.value.message == "The decoder prompt cannot be empty"
+    assert exc.value.sse().startswith(b'data: {"error": {"message": "The decoder prompt cannot be empty"')
+
+
+# ------------------------------------------------------------------------------ metrics
+
+
+def test_metrics_have_vllm_names_types_and_labels():
+    cfg = SimConfig(model="tiny", block_size=32, num_gpu_blocks=100, max_model_len=1000)
+    m = SimMetrics(cfg)
+    m.generation_tokens.inc(3)
+    m.prompt_by_source["external_kv_transfer"].inc(7)
+    for v in (0.0005, 0.02, 0.02, 3.0):
+        m.ttft.observe(v)
+    m.success["length"].inc()
+    fams = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+    expect = {
+        "vllm:num_requests_running": "gauge",
+        "vllm:num_requests_waiting": "gauge",
+        "vllm:kv_cache_usage_perc": "gauge",
+        "vllm:cache_config_info": "gauge",
+        "vllm:prefix_cache_queries": "counter",
+        "vllm:prefix_cache_hits": "counter",
+        "vllm:prompt_tokens": "counter",
+        "vllm:generation_tokens": "counter",
+        "vllm:request_success": "counter",
+        "vllm:prompt_tokens_by_source": "counter",
+        "vllm:time_to_first_token_seconds": "histogram",
+        "vllm:inter_token_latency_seconds": "histogram",
+        "vllm:e2e_request_latency_seconds": "histogram",
+        "vllm:request_queue_time_seconds": "histogram",
+        "vllm:request_prefill_time_seconds": "histogram",
+        "vllm:nixl_xfer_time_seconds": "histogram",
+        "vllm:nixl_bytes_transferred": "histogram",
+        "vllm:nixl_num_failed_transfers": "counter",
+        "vllm:nixl_num_kv_expired_reqs": "counter",
+    }
+    for name, typ in expect.items():
+        assert fams[name].type == typ, name
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
+    lv = (("engine", "0"), ("model_name", "tiny"))
+    assert samples[("vllm:generation_tokens_total", lv)] == 3
+    assert samples[("vllm:prompt_tokens_by_source_total", (*lv[:1], *lv[1:], ("source", "external_kv_transfer")))] == 7
+    assert samples[("vllm:request_success_total", (lv[0], ("finished_reason", "length"), lv[1]))] == 1
+    for reason in ("stop", "abort", "error", "repetition"):
+        assert samples[("vllm:request_success_total", (lv[0], ("finished_reason", reason), lv[1]))] == 0
+    # lazy histograms land in the right cumulative buckets
+    ttft = fams["vllm:time_to_first_token_seconds"].samples
+    b = {s.labels["le"]: s.value for s in ttft if s.name.endswith("_bucket")}
+    assert (b["0.001"], b["0.01"], b["0.02"], b["2.5"], b["5.0"], b["+Inf"]) == (1, 1, 3, 3, 4, 4)
+    [info] = fams["vllm:cache_config_info"].samples
+    assert info.labels["block_size"] == "32" and info.labels["num_gpu_blocks"] == "100"
+    assert info.labels["engine"] == "0" and info.value == 1
+    assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+
+
+# ------------------------------------------------------------------------------ side channel
+
+
+async def test_frames_roundtrip_and_server_dispatch():
+    server = KVServer({"echo": lambda m: {"status": "ok", "got": m["x"]}}, "127.0.0.1", 0)
+    port = await server.start()
+    client = KVClient(connect_timeout=2)
+    try:
+        assert await client.call("127.0.0.1", port, {"op": "echo", "x": [1, "é"]}) == {"status": "ok", "got": [1, "é"]}
+        assert (await client.call("127.0.0.1", port, {"op": "nope"}))["status"] == "bad_request"
+        # the pooled connection is reused, and a dead pooled connection is replaced
+        for w in list(server._conns):
+            w.close()
+        await asyncio.sleep(0.05)
+        assert (await client.call("127.0.0.1", port, {"op": "echo", "x": 2}))["got"] == 2
+    finally:
+        await client.close()
+        await server.close()
+    reader = asyncio.StreamReader()
+    reader.feed_data(encode_frame({"a": 1}))
+    assert await read_frame(reader) == {"a": 1}
+
+
+async def test_client_retries_an_unreachable_peer_until_its_timeout():
+    from tests.procs import free_port
+
+    client = KVClient(connect_timeout=0.3)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(KVError):
+        await client.call("127.0.0.1", free_port(), {"op": "read"})
+    assert 0.25 <= loop.time() - t0 < 2
