@@ -9,12 +9,14 @@ from collections.abc import AsyncIterator
 
 import orjson
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .config import GatewayConfig
 from .dispatch import Dispatcher
+from .errors import APIError, error_response
 from .metrics import GatewayMetrics
 from .pools import HealthChecker, Pools
 from .service import Gateway, build_pipeline
@@ -91,4 +93,8 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None) -> Star
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
+
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})

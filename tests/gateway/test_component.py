@@ -188,3 +188,10 @@ def test_models_and_metrics(client, decode):
     assert count(model="tiny", path="direct", status="200") == ok + 1
     # a name a client made up never becomes a label value (unbounded cardinality)
     assert count(model="unknown", path="none", status="404") == unknown + 1
+
+
+def test_unknown_routes_answer_in_openai_shape(client):
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and "Not Found" in r.json()["error"]["message"]
+    r = client.get("/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
