@@ -84,6 +84,21 @@ class ParsedRequest:
     model: str
     stream: bool
 
+    def local_only(self) -> str | None:
+        """Why this request cannot take the P/D path (None when it can).
+
+        One prefill hands over one sequence's KV, so several prompts or choices stay local; and
+        prompt logprobs / echo make the decode engine recompute the prompt anyway.
+        """
+        body = self.body
+        if self.kind == "completion" and len(self.prompts) > 1:
+            return "batch_prompts"
+        if (body.get("n") or 1) > 1 or (body.get("best_of") or 1) > 1 or body.get("use_beam_search"):
+            return "multiple_sequences"
+        if body.get("prompt_logprobs") is not None or body.get("echo"):
+            return "prompt_logprobs"
+        return None
+
     @property
     def prompts(self) -> list[str] | list[list[int]]:
         """Completion prompts as a list (one entry per prompt); empty for chat."""
@@ -117,6 +132,9 @@ def parse_body(raw: bytes, kind: Kind) -> ParsedRequest:
     opts = body.get("stream_options")
     if opts is not None and "include_usage" in opts and not isinstance(opts["include_usage"], bool):
         raise bad_request("`stream_options.include_usage` must be a boolean.", param="stream_options")
+    # The prefill leg drops stream_options, so vLLM would only object on the decode leg: check here.
+    if opts and not body.get("stream"):
+        raise bad_request("Stream options can only be defined when `stream=True`.", param="stream_options")
     if kind == "chat":
         _check_messages(body.get("messages"))
         if body.get("add_generation_prompt") and body.get("continue_final_message"):
@@ -173,6 +191,50 @@ def _check_prompt(prompt: Any) -> None:
             "or a list of token-id lists.",
             param="prompt",
         )
+
+
+def check_lengths(req: ParsedRequest, prompts: list[list[int]], max_model_len: int) -> None:
+    """vLLM's length rules, applied before any leg starts.
+
+    The prefill leg rewrites max_tokens and drops min_tokens, so a request vLLM would refuse for
+    them would only fail on the decode leg, after a wasted prefill: the gateway refuses it first,
+    with vLLM's wording.
+    """
+    body = req.body
+    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_out = body.get(param)
+    min_out = body.get("min_tokens") or 0
+    if max_out is not None:
+        if max_out < 1:
+            raise bad_request(f"max_tokens must be at least 1, got {max_out}.", param="max_tokens")
+        if max_out > max_model_len:
+            raise bad_request(
+                f"{param}={max_out} cannot be greater than max_model_len={max_model_len}. "
+                "Please request fewer output tokens.",
+                param=param,
+            )
+    for ids in prompts:
+        n = len(ids)
+        if n > max_model_len:
+            # vLLM tokenizes text with truncation at max_model_len + 1, hence its "at least".
+            shown = f"at least {max_model_len + 1}" if req.kind == "chat" or isinstance(req.prompts[0], str) else n
+            raise APIError(
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+                f"contains {shown} input tokens, which exceeds this limit even without any output tokens. "
+                "Please reduce the length of the input prompt.",
+                param="input_tokens",
+                code="context_length_exceeded",
+            )
+        room = max_model_len - n
+        if room < 1:
+            raise bad_request("max_tokens must be at least 1, got 0.", param="max_tokens")
+        effective = room if max_out is None else min(max_out, room)
+        if min_out > effective:
+            raise bad_request(
+                f"min_tokens must be less than or equal to max_tokens={effective}, got {min_out}.",
+                param="min_tokens",
+            )
 
 
 def too_large(limit: int) -> APIError:

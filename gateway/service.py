@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 
@@ -32,6 +33,17 @@ def build_pipeline(cfg: RoutingConfig) -> RoutingPipeline:
         decider=build(cfg.decider.name, cfg.decider.params, Decider),
         picker=build(cfg.picker.name, cfg.picker.params, Picker),
     )
+
+
+_SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def _request_id(client_id: str | None) -> str:
+    """The client's X-Request-Id when it is a sane token (vLLM builds its response ids from it and
+    suffixes its internal ids, so reuse cannot collide inside an engine), else a fresh one."""
+    if client_id and _SAFE_ID.fullmatch(client_id):
+        return client_id
+    return uuid.uuid4().hex
 
 
 class Gateway:
@@ -68,13 +80,12 @@ class Gateway:
                                code="model_not_found")
             model = req.model  # only configured names become metric labels
             prompts = await self.tokenizers.prompt_ids(tok, req)
-            request_id = uuid.uuid4().hex
+            request_id = _request_id(request.headers.get("x-request-id"))
             ctx = RequestContext(
                 model=req.model,
                 request_id=request_id,
                 token_ids=prompts[0],
-                num_prompts=len(prompts),
-                n=req.body.get("n") or 1,
+                local_only=req.local_only(),
                 headers=request.headers,
             )
             try:

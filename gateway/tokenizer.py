@@ -17,8 +17,8 @@ from typing import Any
 
 from . import chat
 from .config import ModelConfig, TokenizerConfig
-from .errors import APIError, bad_request
-from .protocol import ParsedRequest
+from .errors import bad_request
+from .protocol import ParsedRequest, check_lengths
 
 log = logging.getLogger(__name__)
 
@@ -100,17 +100,7 @@ class ModelTokenizer:
         keep = body.get("truncate_prompt_tokens")
         if keep is not None:
             prompts = [self._truncate(ids, keep, body.get("truncation_side")) for ids in prompts]
-        limit = self.cfg.max_model_len
-        for ids in prompts:
-            if len(ids) > limit:
-                raise APIError(
-                    400,
-                    f"This model's maximum context length is {limit} tokens. However, your prompt "
-                    f"contains {len(ids)} input tokens, which exceeds this limit even without any "
-                    "output tokens. Please reduce the length of the input prompt.",
-                    param="input_tokens",
-                    code="context_length_exceeded",
-                )
+        check_lengths(req, prompts, self.cfg.max_model_len)
         return prompts
 
     def _truncate(self, ids: list[int], keep: int, side: str | None) -> list[int]:

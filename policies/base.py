@@ -39,8 +39,7 @@ class RequestContext:
     model: str
     request_id: str
     token_ids: Sequence[int]  # the (first) prompt's tokens, exactly as the engine will see them
-    num_prompts: int = 1
-    n: int = 1  # choices requested
+    local_only: str | None = None  # why the request cannot take the P/D path, if it cannot
     headers: Mapping[str, str] = field(default_factory=dict)
 
     @property

