@@ -118,18 +118,20 @@ def counters(pair: Pair, gw: Gateway) -> Counters:
 
 def expect_pd(pair: Pair, gw: Gateway, before: Counters, prompt_tokens: int) -> None:
     """One P/D request: the decode engine pulled exactly this prompt's KV from the prefill engine."""
-    want = (before.xfers + 1, before.external + prompt_tokens)
+    want = (before.xfers + 1, before.external + prompt_tokens, before.gw_pd + 1)
     now = before
-    # Engine counters are published with the engine's stats, a moment after the response.
+
+    # Engine counters are published with the engine's stats, and the gateway counts a stream once
+    # its last byte is sent: both a moment after the client has the response.
     def settled() -> bool:
         nonlocal now
         now = counters(pair, gw)
-        return (now.xfers, now.external) == want
+        return (now.xfers, now.external, now.gw_pd) == want
     assert E.wait_until(settled), f"decode engine after a P/D request: {now}, expected xfers/external {want}"
     assert now.failed == 0, f"NIXL transfers failed: {now.failed}"
     assert now.decode_local == before.decode_local  # nothing prefilled locally on the decode engine
     assert now.prefill_prompt == before.prefill_prompt + prompt_tokens  # the prefill engine did it
-    assert now.gw_pd == before.gw_pd + 1 and now.gw_direct == before.gw_direct
+    assert now.gw_direct == before.gw_direct
     # The prefill engine frees the blocks once the decode engine says it has read them.
     assert E.wait_until(lambda: pair.prefill.metric(E.KV_USAGE) == 0, timeout=10), (
         f"prefill engine still holds KV: {E.KV_USAGE}={pair.prefill.metric(E.KV_USAGE)}"
@@ -144,11 +146,12 @@ def expect_direct(pair: Pair, gw: Gateway, before: Counters, prompt_tokens: int)
     def settled() -> bool:
         nonlocal now
         now = counters(pair, gw)
-        return now.decode_local == want
+        return (now.decode_local, now.gw_direct) == (want, before.gw_direct + 1)
+
     assert E.wait_until(settled), f"decode engine after a direct request: {now}, expected local_compute {want}"
     assert (now.xfers, now.external, now.failed) == (before.xfers, before.external, 0)
     assert now.prefill_prompt == before.prefill_prompt  # the prefill engine never saw it
-    assert now.gw_direct == before.gw_direct + 1 and now.gw_pd == before.gw_pd
+    assert now.gw_pd == before.gw_pd
 
 
 def expect(pair: Pair, gw: Gateway, before: Counters, path: str, prompt_tokens: int) -> None:
