@@ -81,7 +81,7 @@ class HealthChecker:
                     ep.mark_up()
                 else:
                     ep.mark_down(f"health check answered {resp.status}")
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
+        except (TimeoutError, aiohttp.ClientError, OSError) as err:
             ep.mark_down(f"health check failed: {type(err).__name__}")
 
     async def probe_all(self) -> None:

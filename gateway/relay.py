@@ -1,8 +1,8 @@
 """Relay the decode engine's answer to the client, and abort everything if the client leaves.
 
-The response object runs the whole upstream exchange (prefill leg included) in a task while a
-second task waits for the client's ``http.disconnect``: whichever ends first wins. Cancelling the
-exchange closes the upstream connections, and vLLM aborts a request whose connection closes, so a
+The response object runs the whole upstream exchange (prefill leg included) while a watcher task
+waits for the client's ``http.disconnect`` and, if it comes first, cancels the exchange. That
+closes the upstream connections, and vLLM aborts a request whose connection closes, so a
 departed client never leaves an engine working or KV blocks held. Streams go out chunk by chunk,
 as they arrive.
 """
@@ -44,20 +44,19 @@ class RelayResponse:
     outcome: Outcome = field(default_factory=Outcome)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        work = asyncio.ensure_future(self._exchange(send))
-        gone = asyncio.ensure_future(_client_gone(receive))
+        task = asyncio.current_task()
+        assert task is not None
+        left = asyncio.Event()
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, task, left))
         try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():
-                work.cancel()
-                self.outcome = Outcome(CLIENT_CLOSED, "client disconnected")
-            await asyncio.gather(work, return_exceptions=True)
-            if work.done() and not work.cancelled() and work.exception():
-                log.error("relay failed", exc_info=work.exception())
+            await self._exchange(send)
+        except asyncio.CancelledError:
+            if not left.is_set():
+                raise  # the server is shutting down: not ours to swallow
+            task.uncancel()
+            self.outcome = Outcome(CLIENT_CLOSED, "client disconnected")
         finally:
-            gone.cancel()
-            if not work.done():
-                work.cancel()
+            watcher.cancel()
             self.on_done(self.outcome)
 
     async def _exchange(self, send: Send) -> None:
@@ -81,7 +80,7 @@ class RelayResponse:
         if not self.stream:
             try:
                 body = await resp.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            except (TimeoutError, aiohttp.ClientError) as err:
                 failed = transport_error(err, "decode")
                 self.outcome = Outcome(502, failed.message)
                 await _send_error(send, failed, self.headers)
@@ -96,7 +95,7 @@ class RelayResponse:
         try:
             async for chunk in resp.content.iter_any():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+        except (TimeoutError, aiohttp.ClientError) as err:
             # Headers are gone already: end the stream with an error event, never a silent cut.
             cut = transport_error(err, "decode")
             self.outcome = Outcome(502, cut.message)
@@ -106,10 +105,13 @@ class RelayResponse:
         return True
 
 
-async def _client_gone(receive: Receive) -> None:
+async def _watch_disconnect(receive: Receive, task: asyncio.Task, left: asyncio.Event) -> None:
+    """Cancel ``task`` (the exchange, and so both upstream legs) when the client disconnects."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
+            left.set()
+            task.cancel()
             return
 
 

@@ -28,6 +28,10 @@ class ModelTokenizer:
 
     def __init__(self, hf_tokenizer: Any, cfg: ModelConfig) -> None:
         self.hf = hf_tokenizer
+        # The Rust tokenizer underneath: encoding through it directly gives the same ids as the
+        # transformers wrapper (which calls it) at well under half the cost per request.
+        self.backend = hf_tokenizer.backend_tokenizer
+        self.vocab_size = len(hf_tokenizer)  # added tokens included
         self.cfg = cfg
         self.default_template: str | None = None
         if cfg.chat_template:
@@ -43,10 +47,6 @@ class ModelTokenizer:
             cfg.tokenizer, revision=cfg.tokenizer_revision, trust_remote_code=cfg.trust_remote_code
         )
         return cls(hf, cfg)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.hf)
 
     # -- chat -------------------------------------------------------------------------------
     def chat_ids(self, body: dict[str, Any]) -> list[int]:
@@ -64,24 +64,24 @@ class ModelTokenizer:
         conversation = chat.normalize_messages(body["messages"], fmt, template)
         try:
             kwargs = chat.template_kwargs(body, template)
-            ids = self.hf.apply_chat_template(
+            # vLLM asks for tokenize=True, which renders and then encodes without special tokens.
+            text = self.hf.apply_chat_template(
                 conversation,
                 tools=chat.normalize_tools(body.get("tools")),
                 chat_template=template,
-                tokenize=True,
-                return_dict=False,
+                tokenize=False,
                 **kwargs,
             )
         except chat.ChatTemplateError as err:
             raise bad_request(str(err), param="chat_template_kwargs") from None
         except Exception as err:  # templates raise to reject input (e.g. bad role order)
             raise bad_request(f"The chat template rejected the request: {err}", param="messages") from None
-        return list(ids)
+        return self.backend.encode(text, add_special_tokens=False).ids
 
     # -- completions ------------------------------------------------------------------------
     def completion_ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
         if isinstance(prompt, str):
-            return self.hf.encode(prompt, add_special_tokens=add_special_tokens)
+            return self.backend.encode(prompt, add_special_tokens=add_special_tokens).ids
         vocab = self.vocab_size
         bad = next((t for t in prompt if t >= vocab), None)
         if bad is not None:

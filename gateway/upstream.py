@@ -50,12 +50,12 @@ class Upstream:
         except aiohttp.ClientConnectorError as err:
             ep.mark_down(f"connect failed: {err.os_error or err}")
             raise EngineError(502, f"Could not reach a {leg} engine.", code="engine_unreachable") from None
-        except (asyncio.TimeoutError, aiohttp.ClientError) as err:
+        except (TimeoutError, aiohttp.ClientError) as err:
             raise transport_error(err, leg) from None
         if resp.status >= 400:
             try:
                 raw = await resp.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 raw = b""
             finally:
                 resp.close()
@@ -65,7 +65,7 @@ class Upstream:
     async def read_json(self, resp: aiohttp.ClientResponse, leg: str) -> dict[str, Any]:
         try:
             raw = await resp.read()
-        except (asyncio.TimeoutError, aiohttp.ClientError) as err:
+        except (TimeoutError, aiohttp.ClientError) as err:
             raise transport_error(err, leg) from None
         try:
             data = orjson.loads(raw)
