@@ -83,6 +83,7 @@ class ParsedRequest:
     body: dict[str, Any]
     model: str
     stream: bool
+    raw_size: int = 0  # bytes of the JSON body: a cheap bound on the work tokenizing it takes
 
     def local_only(self) -> str | None:
         """Why this request cannot take the P/D path (None when it can).
@@ -144,7 +145,7 @@ def parse_body(raw: bytes, kind: Kind) -> ParsedRequest:
             )
     else:
         _check_prompt(body.get("prompt"))
-    return ParsedRequest(kind=kind, body=body, model=model, stream=bool(body.get("stream")))
+    return ParsedRequest(kind=kind, body=body, model=model, stream=bool(body.get("stream")), raw_size=len(raw))
 
 
 def _check_messages(messages: Any) -> None:

@@ -26,6 +26,7 @@ from .tokenizer import Tokenizers
 log = logging.getLogger(__name__)
 
 PATH_HEADER = "x-pdgate-path"
+TOKENS_HEADER = "x-pdgate-prompt-tokens"  # the gateway's own count, comparable with usage.prompt_tokens
 
 
 def build_pipeline(cfg: RoutingConfig) -> RoutingPipeline:
@@ -110,7 +111,8 @@ class Gateway:
         return RelayResponse(  # type: ignore[return-value]
             start=lambda: self.dispatcher.run(decision, req, path, request_id),
             stream=req.stream,
-            headers={PATH_HEADER: decision.path.value, "x-request-id": request_id},
+            headers={PATH_HEADER: decision.path.value, "x-request-id": request_id,
+                     TOKENS_HEADER: str(len(prompts[0]))},
             on_done=done,
         )
 
