@@ -26,13 +26,12 @@ from .upstream import Upstream, make_session
 
 def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None) -> Starlette:
     """The gateway app; ``tokenizers`` may be injected (tests), else loaded at startup."""
-    state: dict[str, Gateway] = {}
     created = int(time.time())
     # Built now so that a bad policy name fails before the server binds its port.
     pipeline = build_pipeline(cfg.routing)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Gateway]]:
         toks = tokenizers
         if toks is None:
             loaded = await asyncio.gather(
@@ -41,23 +40,23 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None) -> Star
             toks = Tokenizers(loaded, cfg.tokenizer)
         pools = Pools(cfg.pools.prefill.endpoints, cfg.pools.decode.endpoints)
         session = make_session()
-        health = HealthChecker(pools, session, cfg.health.path, cfg.health.interval_s, cfg.health.timeout_s)
-        state["gw"] = Gateway(
+        health = HealthChecker(pools, session, cfg.health)
+        gw = Gateway(
             cfg, toks, pools, pipeline, Dispatcher(Upstream(session, cfg.timeouts), pools), GatewayMetrics(pools)
         )
         await health.start()
         try:
-            yield
+            yield {"gw": gw}
         finally:
             await health.stop()
             await session.close()
             toks.close()
 
     async def chat(request: Request) -> Response:
-        return await state["gw"].chat(request)
+        return await request.state.gw.chat(request)
 
     async def completions(request: Request) -> Response:
-        return await state["gw"].completions(request)
+        return await request.state.gw.completions(request)
 
     async def models(request: Request) -> Response:
         data = [
@@ -71,7 +70,7 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None) -> Star
         return JSONResponse({"status": "ok"})
 
     async def ready(request: Request) -> Response:
-        pools = state["gw"].pools
+        pools = request.state.gw.pools
         body = {
             "ready": pools.ready(),
             "pools": {
@@ -82,7 +81,7 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None) -> Star
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
     async def metrics(request: Request) -> Response:
-        gw = state["gw"]
+        gw = request.state.gw
         return Response(gw.metrics.render(), media_type=gw.metrics.content_type)
 
     routes = [

@@ -72,8 +72,9 @@ class PoolsConfig(_Strict):
 
 class HealthConfig(_Strict):
     interval_s: float = Field(2.0, gt=0)
-    timeout_s: float = Field(1.0, gt=0)
+    timeout_s: float = Field(2.0, gt=0)
     path: str = "/health"
+    failures_to_mark_down: int = Field(2, ge=1, description="consecutive failed probes before an endpoint is skipped")
 
 
 class PolicySpec(BaseModel):

@@ -8,6 +8,7 @@ Both legs carry the same X-Request-Id. The direct path is step 3 without params.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -53,7 +54,7 @@ class DecodeStream:
             self.resp.release()
         else:  # dropping the connection is how vLLM learns to abort the request
             self.resp.close()
-        self.endpoint.in_flight -= 1
+        self.endpoint.release()
 
 
 class Dispatcher:
@@ -98,9 +99,9 @@ class Dispatcher:
 
 
 @contextmanager
-def _in_flight(ep: Endpoint):
+def _in_flight(ep: Endpoint) -> Iterator[Callable[[], None]]:
     """Count a request on ``ep`` until the block ends, unless ``keep()`` hands the count on."""
-    ep.in_flight += 1
+    ep.acquire()
     kept = False
 
     def keep() -> None:
@@ -111,4 +112,4 @@ def _in_flight(ep: Endpoint):
         yield keep
     finally:
         if not kept:
-            ep.in_flight -= 1
+            ep.release()

@@ -11,6 +11,8 @@ import aiohttp
 
 from policies.base import EndpointView, PoolSnapshot
 
+from .config import HealthConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -21,9 +23,16 @@ class Endpoint:
     healthy: bool = False  # unknown until the first probe answers
     in_flight: int = 0
     last_error: str = ""
+    failed_probes: int = 0
 
     def view(self) -> EndpointView:
         return EndpointView(self.url, self.pool, self.healthy, self.in_flight)
+
+    def acquire(self) -> None:
+        self.in_flight += 1
+
+    def release(self) -> None:
+        self.in_flight -= 1
 
     def mark_down(self, why: str) -> None:
         if self.healthy:
@@ -60,37 +69,42 @@ class Pools:
 
 
 class HealthChecker:
-    """Probes every endpoint's health path on an interval; an endpoint that fails is skipped
-    by routing until a probe succeeds again."""
+    """Probes every endpoint's health path on an interval; an endpoint that keeps failing is
+    skipped by routing until a probe succeeds again."""
 
-    def __init__(
-        self, pools: Pools, session: aiohttp.ClientSession, path: str, interval_s: float, timeout_s: float
-    ) -> None:
+    def __init__(self, pools: Pools, session: aiohttp.ClientSession, cfg: HealthConfig) -> None:
         self._pools = pools
         self._session = session
-        self._path = path
-        self._interval = interval_s
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._cfg = cfg
+        self._timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
         self._task: asyncio.Task | None = None
 
     async def probe(self, ep: Endpoint) -> None:
         try:
-            async with self._session.get(ep.url + self._path, timeout=self._timeout) as resp:
+            async with self._session.get(ep.url + self._cfg.path, timeout=self._timeout) as resp:
                 await resp.read()
-                if resp.status == 200:
-                    ep.mark_up()
-                else:
-                    ep.mark_down(f"health check answered {resp.status}")
-        except (TimeoutError, aiohttp.ClientError, OSError) as err:
-            ep.mark_down(f"health check failed: {type(err).__name__}")
+                ok, why = resp.status == 200, f"health check answered {resp.status}"
+        except (aiohttp.ClientError, TimeoutError, OSError) as err:
+            ok, why = False, f"health check failed: {type(err).__name__}"
+        if ok:
+            ep.failed_probes = 0
+            ep.mark_up()
+            return
+        ep.failed_probes += 1
+        # A busy engine can miss one probe; only a run of failures (or a refused request) takes it out.
+        if ep.failed_probes >= self._cfg.failures_to_mark_down or not ep.healthy:
+            ep.mark_down(why)
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(ep) for ep in self._pools.all()))
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self._interval)
-            await self.probe_all()
+            await asyncio.sleep(self._cfg.interval_s)
+            try:
+                await self.probe_all()
+            except Exception:  # one bad round must not stop health checking for good
+                log.exception("health check round failed")
 
     async def start(self) -> None:
         await self.probe_all()  # so /ready is truthful from the first request

@@ -17,8 +17,11 @@ from .errors import APIError, bad_request
 
 Kind = Literal["chat", "completion"]
 
-# Names hosts and ports an engine will connect to: only the gateway may set it.
-RESERVED_FIELDS = ("kv_transfer_params",)
+# They name hosts and ports an engine will connect to (KV and encoder-cache transfer), or steer
+# its KV connector: only the gateway may set them, at the top level or through vllm_xargs (which
+# vLLM merges into the engine's request arguments).
+RESERVED_FIELDS = ("kv_transfer_params", "ec_transfer_params")
+RESERVED_XARGS = ("kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode")
 
 
 def _is_int(v: Any) -> bool:
@@ -56,6 +59,10 @@ _COMMON: dict[str, tuple[Callable[[Any], bool], str]] = {
     "add_special_tokens": (_opt(lambda v: isinstance(v, bool)), "a boolean"),
     "truncate_prompt_tokens": (_opt(lambda v: _is_int(v) and v >= -1), "an integer >= -1"),
     "truncation_side": (_opt(lambda v: v in ("left", "right")), "'left' or 'right'"),
+    "best_of": (_opt(lambda v: _is_int(v) and v >= 1), "an integer >= 1"),
+    "use_beam_search": (_opt(lambda v: isinstance(v, bool)), "a boolean"),
+    "prompt_logprobs": (_opt(lambda v: _is_int(v) and v >= -1), "an integer >= -1"),
+    "vllm_xargs": (_opt(lambda v: isinstance(v, dict)), "an object"),
 }
 _CHAT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logprobs": (_opt(lambda v: isinstance(v, bool)), "a boolean"),
@@ -73,6 +80,10 @@ _COMPLETION: dict[str, tuple[Callable[[Any], bool], str]] = {
     "echo": (_opt(lambda v: isinstance(v, bool)), "a boolean"),
     "suffix": (_opt(lambda v: isinstance(v, str)), "a string"),
 }
+
+
+_CHAT_CHECKS = {**_COMMON, **_CHAT}
+_COMPLETION_CHECKS = {**_COMMON, **_COMPLETION}
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,12 +133,15 @@ def parse_body(raw: bytes, kind: Kind) -> ParsedRequest:
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
     for name in RESERVED_FIELDS:
         body.pop(name, None)
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict):
+        for name in RESERVED_XARGS:
+            xargs.pop(name, None)
 
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("`model` is required and must be a non-empty string.", param="model")
-    checks = {**_COMMON, **(_CHAT if kind == "chat" else _COMPLETION)}
-    for name, (check, what) in checks.items():
+    for name, (check, what) in (_CHAT_CHECKS if kind == "chat" else _COMPLETION_CHECKS).items():
         if name in body and not check(body[name]):
             raise bad_request(f"`{name}` must be {what}.", param=name)
     opts = body.get("stream_options")

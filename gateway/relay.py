@@ -42,6 +42,7 @@ class RelayResponse:
     headers: dict[str, str]
     on_done: Callable[[Outcome], None]
     outcome: Outcome = field(default_factory=Outcome)
+    _started: bool = False  # response headers have gone to the client
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
@@ -60,17 +61,34 @@ class RelayResponse:
             self.on_done(self.outcome)
 
     async def _exchange(self, send: Send) -> None:
+        self._started = False
         try:
             upstream = await self.start()
         except APIError as err:
             self.outcome = Outcome(err.status, err.message)
             await _send_error(send, err, self.headers)
             return
+        except Exception:
+            log.exception("upstream exchange failed")
+            await self._internal_error(send)
+            return
         clean = False
         try:
             clean = await self._relay(upstream, send)
+        except Exception:
+            log.exception("relaying the decode answer failed")
+            await self._internal_error(send)
         finally:
             upstream.close(reuse=clean)
+
+    async def _internal_error(self, send: Send) -> None:
+        """A bug, not the client's or an engine's doing: still an OpenAI-shaped answer, never a hang."""
+        err = APIError(500, "The gateway failed to handle this request.", code="internal_error")
+        self.outcome = Outcome(500, err.message)
+        if not self._started:
+            await _send_error(send, err, self.headers)
+        elif self.stream:
+            await send({"type": "http.response.body", "body": err.sse_event(), "more_body": False})
 
     async def _relay(self, up: DecodeStream, send: Send) -> bool:
         """Send the engine's answer on; True when it arrived whole (the connection is reusable)."""
@@ -86,10 +104,12 @@ class RelayResponse:
                 await _send_error(send, failed, self.headers)
                 return False
             headers.append((b"content-length", str(len(body)).encode()))
+            self._started = True
             await send({"type": "http.response.start", "status": resp.status, "headers": headers})
             await send({"type": "http.response.body", "body": body})
             self.outcome = Outcome(resp.status)
             return True
+        self._started = True
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         self.outcome = Outcome(resp.status)
         try:
@@ -98,7 +118,7 @@ class RelayResponse:
         except (TimeoutError, aiohttp.ClientError) as err:
             # Headers are gone already: end the stream with an error event, never a silent cut.
             cut = transport_error(err, "decode")
-            self.outcome = Outcome(502, cut.message)
+            self.outcome = Outcome(cut.status, cut.message)
             await send({"type": "http.response.body", "body": cut.sse_event(), "more_body": False})
             return False
         await send({"type": "http.response.body", "body": b"", "more_body": False})

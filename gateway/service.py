@@ -30,6 +30,7 @@ TOKENS_HEADER = "x-pdgate-prompt-tokens"  # the gateway's own count, comparable 
 
 
 def build_pipeline(cfg: RoutingConfig) -> RoutingPipeline:
+    """The policies the YAML names; raises PolicyError (a ValueError) for unknown names or params."""
     return RoutingPipeline(
         decider=build(cfg.decider.name, cfg.decider.params, Decider),
         picker=build(cfg.picker.name, cfg.picker.params, Picker),
@@ -48,6 +49,8 @@ def _request_id(client_id: str | None) -> str:
 
 
 class Gateway:
+    """The OpenAI endpoints; every dependency is handed in, so tests can swap any of them."""
+
     def __init__(
         self,
         cfg: GatewayConfig,
@@ -64,13 +67,13 @@ class Gateway:
         self.dispatcher = dispatcher
         self.metrics = metrics
 
-    async def chat(self, request: Request) -> Response:
+    async def chat(self, request: Request) -> Response | RelayResponse:
         return await self._handle(request, "chat", "/v1/chat/completions")
 
-    async def completions(self, request: Request) -> Response:
+    async def completions(self, request: Request) -> Response | RelayResponse:
         return await self._handle(request, "completion", "/v1/completions")
 
-    async def _handle(self, request: Request, kind: Kind, path: str) -> Response:
+    async def _handle(self, request: Request, kind: Kind, path: str) -> Response | RelayResponse:
         started = time.perf_counter()
         model = "unknown"
         try:
@@ -100,6 +103,10 @@ class Gateway:
         except ClientDisconnect:
             self._count(model, "none", 499, started)
             return Response(status_code=499)
+        except Exception:  # a bug: answer in the OpenAI shape and keep the count honest
+            log.exception("request handling failed")
+            self._count(model, "none", 500, started)
+            return error_response(APIError(500, "The gateway failed to handle this request.", code="internal_error"))
 
         self.metrics.decisions.labels(decision.path.value, decision.reason).inc()
         log.debug("request %s: %s (%s) decode=%s prefill=%s", request_id, decision.path.value,
@@ -108,7 +115,7 @@ class Gateway:
         def done(outcome: Outcome) -> None:
             self._count(req.model, decision.path.value, outcome.status, started)
 
-        return RelayResponse(  # type: ignore[return-value]
+        return RelayResponse(
             start=lambda: self.dispatcher.run(decision, req, path, request_id),
             stream=req.stream,
             headers={PATH_HEADER: decision.path.value, "x-request-id": request_id,

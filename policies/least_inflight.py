@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import itertools
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -11,12 +11,15 @@ from .base import EndpointView, RequestContext
 
 @dataclass
 class LeastInflight:
-    # Rotating the start of the scan spreads ties instead of piling them on the first endpoint.
-    _turn: itertools.count = field(default_factory=itertools.count, repr=False)
+    # Ties rotate, per pool: one shared counter would alternate between pools and pin every P/D
+    # request to the same prefill/decode pair.
+    _turns: dict[str, int] = field(default_factory=lambda: defaultdict(int), init=False, repr=False)
 
     def pick(self, ctx: RequestContext, candidates: Sequence[EndpointView]) -> EndpointView:
         if not candidates:
             raise ValueError("no candidates")
-        start = next(self._turn) % len(candidates)
-        rotated = list(candidates[start:]) + list(candidates[:start])
+        pool = candidates[0].pool
+        start = self._turns[pool] % len(candidates)
+        self._turns[pool] += 1
+        rotated = [*candidates[start:], *candidates[:start]]
         return min(rotated, key=lambda e: e.in_flight)

@@ -211,3 +211,30 @@ def test_unhealthy_decode_endpoint_is_skipped_until_it_recovers(cluster, client)
     for _ in range(6):
         chat(client, SHORT)
     assert revived.requests()  # back in rotation
+
+
+def _in_flight(cluster) -> float:
+    return sample(httpx.get(cluster.url + "/metrics").text, "pdgate_endpoint_in_flight_requests")
+
+
+def test_disconnect_during_pd_decode_aborts_the_decode_leg_and_frees_everything(slow):
+    for s in slow.prefill + slow.decode:
+        s.clear()
+    _read_first_chunk_and_leave(slow.url + "/v1/chat/completions",
+                                {"model": "tiny", "messages": [{"role": "user", "content": LONG}],
+                                 "stream": True, "max_tokens": 200})
+    assert wait_for(lambda: [r["status"] for r in slow.decode[0].requests()] == ["aborted"], timeout=5)
+    assert [r["status"] for r in slow.prefill[0].requests()] == ["completed"]
+    assert wait_for(lambda: _in_flight(slow) == 0)
+    for sim in slow.prefill + slow.decode:
+        assert wait_for(lambda sim=sim: sample(sim.metrics(), "vllm:kv_cache_usage_perc") == 0)
+
+
+def test_disconnect_during_a_non_streaming_request_aborts_it(slow):
+    for s in slow.prefill + slow.decode:
+        s.clear()
+    _send_and_hang_up(slow.gateway_port, "/v1/completions",
+                      {"model": "tiny", "prompt": SHORT, "max_tokens": 200}, 0.6)
+    assert wait_for(lambda: [r["status"] for r in slow.decode[0].requests()] == ["aborted"], timeout=5)
+    assert wait_for(lambda: _in_flight(slow) == 0)
+    assert sample(httpx.get(slow.url + "/metrics").text, "pdgate_requests_total", status="499") >= 1

@@ -138,7 +138,7 @@ def test_engine_errors(client, decode):
     assert r.status_code == 400 and r.json()["error"]["message"] == "temperature is bad"
     decode.reply("/v1/completions", status=500, raw=b"boom")
     r = client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
-    assert r.status_code == 502 and "HTTP 500" in r.json()["error"]["message"]
+    assert r.status_code == 502 and "HTTP 500" in r.json()["error"]["message"] and "boom" not in r.text
 
 
 @pytest.mark.parametrize(
@@ -195,3 +195,64 @@ def test_unknown_routes_answer_in_openai_shape(client):
     assert r.status_code == 404 and "Not Found" in r.json()["error"]["message"]
     r = client.get("/v1/completions")
     assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_chunked_body_over_the_limit_is_413(client, prefill, decode):
+    def chunks():
+        for _ in range(30):
+            yield b" " * 1000  # 30 kB, no Content-Length
+
+    r = client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and prefill.requests == decode.requests == []
+
+
+def test_deep_nesting_is_a_clear_400(client, prefill, decode):
+    deep = b'{"model": "tiny", "prompt": "x", "extra": ' + b"[" * 300 + b"]" * 300 + b"}"
+    r = client.post("/v1/completions", content=deep, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"]
+    assert prefill.requests == decode.requests == []
+
+
+def test_prompt_tokens_header(client, decode):
+    decode.reply("/v1/completions", completion())
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7]})
+    assert r.headers["x-pdgate-prompt-tokens"] == "3"
+
+
+def _app(tokenizer_dir, decode_urls, **routing):
+    return create_app(parse_config({
+        "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}],
+        "pools": {"decode": {"endpoints": decode_urls}},
+        "health": {"interval_s": 60},
+        **({"routing": routing} if routing else {}),
+    }))
+
+
+def test_not_ready_without_a_healthy_decode_endpoint(tokenizer_dir):
+    from tests.procs import free_port
+
+    with TestClient(_app(tokenizer_dir, [f"http://127.0.0.1:{free_port()}"])) as c:
+        r = c.get("/ready")
+        assert r.status_code == 503 and r.json()["pools"]["decode"] == {"healthy": 0, "total": 1}
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_endpoint"
+
+
+def test_a_gateway_bug_still_answers_in_openai_shape(tokenizer_dir, engines, monkeypatch):
+    from policies import registry
+
+    class Broken:
+        def decide(self, ctx, pools):
+            raise RuntimeError("bug")
+
+    class EntryPoint:
+        name = "broken"
+
+        def load(self):
+            return Broken
+
+    monkeypatch.setattr(registry, "entry_points", lambda group: [EntryPoint()])
+    with TestClient(_app(tokenizer_dir, [engines[1].url], decider={"name": "broken"})) as c:
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+        assert sample(c.get("/metrics").text, "pdgate_requests_total", status="500") == 1

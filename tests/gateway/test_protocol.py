@@ -53,3 +53,18 @@ def test_token_id_prompts_report_exact_count():
     with pytest.raises(APIError, match="contains 150 input tokens"):
         check_lengths(parse(prompt=[1] * 150), [[1] * 150], 100)
     check_lengths(parse(prompt="x", max_tokens=50, min_tokens=50), [[1] * 50], 100)  # fits exactly
+
+
+def test_transfer_params_cannot_be_smuggled():
+    req = parse(prompt="x", ec_transfer_params={"peer_host": "203.0.113.9"},
+                vllm_xargs={"kv_transfer_params": "x", "ec_transfer_params": "y", "kv_cache_report_mode": "z",
+                            "my_arg": 1})
+    assert "ec_transfer_params" not in req.body
+    assert req.body["vllm_xargs"] == {"my_arg": 1}
+
+
+@pytest.mark.parametrize("field", [{"best_of": "3"}, {"use_beam_search": 1}, {"prompt_logprobs": "2"},
+                                   {"vllm_xargs": "kv"}])
+def test_fields_that_steer_routing_are_type_checked(field):
+    with pytest.raises(APIError):
+        parse(prompt="x", **field)

@@ -104,3 +104,16 @@ def test_registry_loads_third_party_entry_points(monkeypatch):
         registry, "entry_points", lambda group: [FakeEntryPoint()] if group == "pdgate.policies" else []
     )
     assert registry.build("always_pd", {}, Decider).decide(ctx(1), POOLS).path is Path.PD
+
+
+def test_pd_picks_spread_over_both_pools():
+    """With no load, successive P/D requests visit every prefill and every decode endpoint."""
+    pools = PoolSnapshot(prefill=(ep("p0", "prefill"), ep("p1", "prefill")), decode=(ep("d0"), ep("d1")))
+    pipe = pipeline()
+    pairs = {(d.prefill.url, d.decode.url) for d in (pipe.route(ctx(50), pools) for _ in range(8))}
+    assert {p for p, _ in pairs} == {"p0", "p1"} and {d for _, d in pairs} == {"d0", "d1"}
+
+
+def test_least_inflight_takes_no_config():
+    with pytest.raises(registry.PolicyError):
+        registry.build("least_inflight", {"_turns": {}}, Picker)
