@@ -107,3 +107,14 @@ class ProcGroup:
 
 
 PYTHON = sys.executable
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until it is true (True) or ``timeout`` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)

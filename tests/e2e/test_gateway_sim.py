@@ -11,7 +11,7 @@ import openai
 import orjson
 import pytest
 
-from tests.procs import ProcGroup
+from tests.procs import ProcGroup, wait_for
 from tests.promtext import sample
 
 from .cluster import Cluster
@@ -151,15 +151,6 @@ def slow(tokenizer_dir, tmp_path_factory):
         yield c
     finally:
         group.stop_all()
-
-
-def wait_for(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _send_and_hang_up(port: int, path: str, body: dict, after: float) -> None:

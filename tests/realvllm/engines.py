@@ -30,7 +30,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.procs import Proc, ProcGroup, free_port
+from gateway.demo import cache_dir  # the same folder scripts/vllm-cpu-venv.sh uses
+from tests.procs import Proc, ProcGroup, free_port, wait_for
 from tests.promtext import sample
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,13 +51,6 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 
 class SetupError(RuntimeError):
     """The venv, the model or an engine could not be made ready; the message says why."""
-
-
-def cache_dir() -> Path:
-    if os.environ.get("PDGATE_CACHE_DIR"):
-        return Path(os.environ["PDGATE_CACHE_DIR"])
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "pdgate"
 
 
 def ensure_venv() -> Path:
@@ -249,10 +243,4 @@ def engine_cores() -> tuple[int, int]:
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 20.0, interval: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval)
+    return wait_for(predicate, timeout, interval)

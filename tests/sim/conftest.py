@@ -9,9 +9,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.procs import Proc, ProcGroup, free_port
+from tests.promtext import sample
 
 
 @pytest.fixture(scope="session")
@@ -21,14 +21,7 @@ def sim_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tokenizer(tmp_path_factory.mktemp("sim-tokenizer"))
 
 
-def metric(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples called ``name`` whose labels include ``labels`` (0 if none)."""
-    total = 0.0
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
+metric = sample  # Prometheus text -> one summed sample (tests/promtext.py)
 
 
 @dataclass

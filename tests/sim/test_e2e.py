@@ -11,18 +11,12 @@ import openai
 import orjson
 import pytest
 
-from tests.procs import free_port
+from gateway.dispatch import PREFILL_KV_PARAMS
+from tests.procs import free_port, wait_for
 
 pytestmark = pytest.mark.e2e
 
-PREFILL_KV = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+PREFILL_KV = PREFILL_KV_PARAMS  # what the gateway's prefill leg sends
 PROMPT = "The decode pool streams tokens while the prefill pool computes the KV cache. " * 4
 KV_FIELDS = [
     "do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id",
@@ -51,15 +45,6 @@ def sse_events(text: str) -> list:
     events = [e for e in text.split("\n\n") if e]
     assert all(e.startswith("data: ") for e in events)
     return [e[6:] if e[6:] == "[DONE]" else json.loads(e[6:]) for e in events]
-
-
-def wait_for(pred, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_full_handshake_by_hand(sims):
