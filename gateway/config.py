@@ -8,7 +8,7 @@ errors, so a typo fails loudly instead of being ignored). ``load_config`` turns 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -27,13 +27,41 @@ class ServerConfig(_Strict):
 
 
 class ModelConfig(_Strict):
+    """One served model. The chat fields mirror the engines' vLLM flags: set them as the engines
+    are started, or the gateway's token counts drift from the engines'."""
+
     name: str = Field(min_length=1, description="the model name clients send")
     tokenizer: str = Field(min_length=1, description="local folder or hub name of the model's tokenizer")
     tokenizer_revision: str | None = None
     trust_remote_code: bool = False
     max_model_len: int = Field(gt=0, description="context length the engines serve")
     chat_template: str | None = Field(
-        None, description="path to a Jinja chat template, as given to vLLM's --chat-template"
+        None,
+        description="vLLM --chat-template: a path to a Jinja chat template, or the template itself "
+        "(any value with braces or a newline that is not a readable file)",
+    )
+    chat_template_content_format: Literal["auto", "string", "openai"] = Field(
+        "auto",
+        description="vLLM --chat-template-content-format: whether message content reaches the template as "
+        "one string or as a list of parts ('auto' detects it from the template)",
+    )
+    default_chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="vLLM --default-chat-template-kwargs: template kwargs every request gets unless its "
+        "chat_template_kwargs override them (e.g. {enable_thinking: false})",
+    )
+    exclude_tools_when_tool_choice_none: bool = Field(
+        False, description="vLLM --exclude-tools-when-tool-choice-none: tool_choice 'none' hides the tools"
+    )
+    trust_request_chat_template: bool = Field(
+        False,
+        description="vLLM --trust-request-chat-template: use a request's own chat_template instead of "
+        "refusing the request",
+    )
+    tokenizer_mode: str = Field(
+        "auto",
+        description="vLLM --tokenizer-mode. Modes with their own chat renderer or tokenizer (mistral, "
+        "deepseek_v32, deepseek_v4, kimi_k3, cohere, ...) make the gateway's counts approximate",
     )
 
 
@@ -101,8 +129,10 @@ class TimeoutsConfig(_Strict):
 
 class TokenizerConfig(_Strict):
     workers: int = Field(2, ge=1, description="threads that tokenize off the event loop")
-    inline_max_chars: int = Field(
-        512, ge=0, description="prompts this short are tokenized inline (cheaper than a thread hop)"
+    inline_max_bytes: int = Field(
+        256, ge=0,  # measured: the largest body whose parse + tokenize stays under ~100 us
+        description="request bodies this small are tokenized on the event loop (cheaper than a thread hop); "
+        "larger ones on the tokenizer threads",
     )
 
 

@@ -183,7 +183,8 @@ def _check_messages(messages: Any) -> None:
                 raise bad_request(
                     f"`{where}.content[{j}]` must be an object with a `type`.", param=f"{where}.content"
                 )
-            if part["type"] == "text" and not isinstance(part.get("text"), str):
+            # vLLM skips a text part whose text is missing or null, and refuses other types.
+            if part["type"] == "text" and part.get("text") is not None and not isinstance(part["text"], str):
                 raise bad_request(
                     f"`{where}.content[{j}].text` must be a string.", param=f"{where}.content"
                 )

@@ -43,6 +43,7 @@ class RelayResponse:
     on_done: Callable[[Outcome], None]
     outcome: Outcome = field(default_factory=Outcome)
     _started: bool = False  # response headers have gone to the client
+    _finished: bool = False  # the whole answer (an SSE stream through [DONE]) has gone to the client
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
@@ -55,7 +56,8 @@ class RelayResponse:
             if not left.is_set():
                 raise  # the server is shutting down: not ours to swallow
             task.uncancel()
-            self.outcome = Outcome(CLIENT_CLOSED, "client disconnected")
+            if not self._finished:  # a client that hangs up after [DONE] got its whole answer
+                self.outcome = Outcome(CLIENT_CLOSED, "client disconnected")
         finally:
             watcher.cancel()
             self.on_done(self.outcome)
@@ -108,6 +110,7 @@ class RelayResponse:
             await send({"type": "http.response.start", "status": resp.status, "headers": headers})
             await send({"type": "http.response.body", "body": body})
             self.outcome = Outcome(resp.status)
+            self._finished = True
             return True
         self._started = True
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
@@ -115,6 +118,8 @@ class RelayResponse:
         try:
             async for chunk in resp.content.iter_any():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if chunk.endswith(b"data: [DONE]\n\n"):
+                    self._finished = True
         except (TimeoutError, aiohttp.ClientError) as err:
             # Headers are gone already: end the stream with an error event, never a silent cut.
             cut = transport_error(err, "decode")

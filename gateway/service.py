@@ -115,11 +115,13 @@ class Gateway:
         def done(outcome: Outcome) -> None:
             self._count(req.model, decision.path.value, outcome.status, started)
 
+        headers = {PATH_HEADER: decision.path.value, "x-request-id": request_id, TOKENS_HEADER: str(len(prompts[0]))}
+        if prompts.approximate_reason:
+            headers[TOKENS_HEADER + "-approximate"] = prompts.approximate_reason
         return RelayResponse(
             start=lambda: self.dispatcher.run(decision, req, path, request_id),
             stream=req.stream,
-            headers={PATH_HEADER: decision.path.value, "x-request-id": request_id,
-                     TOKENS_HEADER: str(len(prompts[0]))},
+            headers=headers,
             on_done=done,
         )
 

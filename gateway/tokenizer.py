@@ -1,134 +1,317 @@
 """Token ids of a request's prompt, computed the way the engine computes them.
 
-Loading uses transformers' AutoTokenizer (a local folder or a hub name). Tokenizing a long prompt
-takes milliseconds, so it runs on a small thread pool (the Rust tokenizer releases the GIL) and
-never on the event loop; prompts below ``inline_max_chars`` are cheaper to tokenize in place than
-to hand to a thread (see the README's benchmark figures).
+Loading mirrors vLLM's: transformers' AutoTokenizer (a local folder or a hub name) with
+``truncation_side="left"``, as vLLM loads tokenizers for generative models. Chat prompts follow
+``gateway.chat``'s rules, are rendered to text and encoded by the Rust tokenizer directly (the same
+ids as the transformers wrapper, at well under half the cost). Truncation and length checks follow
+vLLM's ``TokenizeParams`` (``vllm/renderers/params.py``).
+
+Tokenizing a long prompt takes milliseconds, so ``Tokenizers`` runs it on a small thread pool (the
+Rust tokenizer releases the GIL) and never on the event loop; request bodies of at most
+``inline_max_bytes`` are cheaper to tokenize in place than to hand to a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import json
 import logging
-from collections.abc import Sequence
+import queue
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import chat
 from .config import ModelConfig, TokenizerConfig
-from .errors import bad_request
+from .errors import APIError, bad_request
 from .protocol import ParsedRequest, check_lengths
 
 log = logging.getLogger(__name__)
+
+# vLLM renders these models' chat prompts with its own Python code (or tokenizer) instead of the
+# Jinja chat template, so the gateway's chat counts for them are approximate.
+_RENDERER_ARCHITECTURES = {
+    "DeepseekV32ForCausalLM": "deepseek_v32",
+    "DeepseekV4ForCausalLM": "deepseek_v4",
+    "DeepseekV4ForConditionalGeneration": "deepseek_v4",
+    "DeepseekV41ForCausalLM": "deepseek_v41",
+    "KimiK3ForConditionalGeneration": "kimi_k3",
+    "MoonshotKimiaForCausalLM": "kimi_audio",
+    "InklingForCausalLM": "inkling",
+    "InklingForConditionalGeneration": "inkling",
+}
+_PLAIN_TOKENIZER_MODES = frozenset({"auto", "hf"})
+# Renderers that still tokenize with the model's Hugging Face tokenizer: only chat counts differ.
+_HF_TOKENIZER_RENDERERS = frozenset({"harmony", "kimi_k3", "cohere", "inkling"})
+EMPTY_PROMPT = "The decoder prompt cannot be empty"
+
+
+class PromptIds(list[list[int]]):
+    """One token-id list per prompt (chat has one), as returned by ``prompt_ids``.
+
+    ``approximate`` is True when the engine's count will differ from ``len(ids)``: media parts
+    (the engine expands them into placeholder tokens the gateway cannot count) or a model vLLM
+    renders with its own code; ``approximate_reason`` says which. The ids are still the text's.
+    """
+
+    def __init__(self, prompts: Iterable[list[int]], approximate_reason: str | None = None) -> None:
+        super().__init__(prompts)
+        self.approximate_reason = approximate_reason
+
+    @property
+    def approximate(self) -> bool:
+        return self.approximate_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class _Truncation:
+    """A request's truncate_prompt_tokens, resolved as vLLM resolves it."""
+
+    keep: int | None  # tokens to keep; None: no truncation
+    side: str | None  # the side the request asked for; None: the tokenizer's (left)
+
+
+def load_template(value: str | None) -> str | None:
+    """A template as vLLM's --chat-template takes it: a file's text, else the value itself when it
+    looks like a template (has braces or a newline)."""
+    if value is None:
+        return None
+    try:
+        return Path(value).read_text(encoding="utf-8")
+    except (OSError, ValueError) as err:
+        if any(c in value for c in "{}\n"):
+            return value
+        raise ValueError(f"chat_template {value!r} looks like a file path, but it cannot be read: {err}") from None
+
+
+def _model_config(cfg: ModelConfig) -> dict[str, Any]:
+    """The model's config.json next to its tokenizer, if there is one (no download)."""
+    from transformers.utils import cached_file
+
+    try:
+        path = cached_file(cfg.tokenizer, "config.json", revision=cfg.tokenizer_revision,
+                           _raise_exceptions_for_missing_entries=False, local_files_only=True)
+        return json.loads(Path(path).read_text(encoding="utf-8")) if path else {}
+    except Exception:  # no config, or one we cannot read: nothing to detect from
+        return {}
+
+
+def detect_renderer(cfg: ModelConfig) -> str | None:
+    """Which of vLLM's own chat renderers this model gets (None: the Jinja template)."""
+    if cfg.tokenizer_mode not in _PLAIN_TOKENIZER_MODES:
+        return cfg.tokenizer_mode
+    config = _model_config(cfg)
+    if config.get("model_type") == "gpt_oss":
+        return "harmony"
+    for arch in config.get("architectures") or ():
+        if arch in _RENDERER_ARCHITECTURES:
+            return _RENDERER_ARCHITECTURES[arch]
+    folder = Path(cfg.tokenizer)
+    if (
+        cfg.tokenizer_mode == "auto"
+        and folder.is_dir()
+        and any(folder.glob("consolidated*.safetensors"))
+        and ((folder / "tekken.json").exists() or any(folder.glob("tokenizer.model.v*")))
+    ):
+        return "mistral"  # vLLM then uses mistral_common's tokenizer and renderer
+    return None
 
 
 class ModelTokenizer:
     """One model's tokenizer and chat template, with vLLM's prompt rules."""
 
-    def __init__(self, hf_tokenizer: Any, cfg: ModelConfig) -> None:
+    def __init__(self, hf_tokenizer: Any, cfg: ModelConfig, renderer: str | None = None) -> None:
         self.hf = hf_tokenizer
-        # The Rust tokenizer underneath: encoding through it directly gives the same ids as the
-        # transformers wrapper (which calls it) at well under half the cost per request.
-        self.backend = hf_tokenizer.backend_tokenizer
-        self.vocab_size = len(hf_tokenizer)  # added tokens included
         self.cfg = cfg
-        self.default_template: str | None = None
-        if cfg.chat_template:
-            self.default_template = Path(cfg.chat_template).read_text(encoding="utf-8")
-        elif isinstance(getattr(hf_tokenizer, "chat_template", None), str):
-            self.default_template = hf_tokenizer.chat_template
+        # The Rust tokenizer underneath. A tokenizer.json may carry truncation or padding settings
+        # that the transformers wrapper switches off on every call; encoding directly, do the same.
+        self.backend = hf_tokenizer.backend_tokenizer
+        if self.backend.truncation is not None:
+            self.backend.no_truncation()
+        if self.backend.padding is not None:
+            self.backend.no_padding()
+        self.server_template = load_template(cfg.chat_template)
+        self.default_side: str = getattr(hf_tokenizer, "truncation_side", None) or "left"
+        # vLLM refuses text longer than max_model_len x the longest vocabulary entry before it
+        # tokenizes; this is the same bound, so the gateway refuses exactly that text.
+        self.max_chars_per_token = max((len(t) for t in hf_tokenizer.get_vocab()), default=1)
+        self.renderer = renderer
+        self._tokenizing_copies: queue.SimpleQueue[Any] = queue.SimpleQueue()  # see _tokenize_chat
+        if renderer is not None:
+            log.warning("model %s: vLLM renders its chat prompts with its own %r renderer; the gateway's "
+                        "chat token counts for it are approximate", cfg.name, renderer)
 
     @classmethod
     def load(cls, cfg: ModelConfig) -> ModelTokenizer:
         from transformers import AutoTokenizer  # heavy import: only when a gateway starts
 
         hf = AutoTokenizer.from_pretrained(
-            cfg.tokenizer, revision=cfg.tokenizer_revision, trust_remote_code=cfg.trust_remote_code
+            cfg.tokenizer, revision=cfg.tokenizer_revision, trust_remote_code=cfg.trust_remote_code,
+            truncation_side="left",
         )
-        return cls(hf, cfg)
+        return cls(hf, cfg, detect_renderer(cfg))
 
-    # -- chat -------------------------------------------------------------------------------
-    def chat_ids(self, body: dict[str, Any]) -> list[int]:
-        if body.get("chat_template") is not None:
-            # vLLM refuses request templates unless started with --trust-request-chat-template.
+    # -- both ---------------------------------------------------------------------------------
+    def prompt_ids(self, req: ParsedRequest) -> PromptIds:
+        """One token list per prompt, truncated and length-checked as vLLM does (see PromptIds)."""
+        body = req.body
+        trunc = self._truncation(req)
+        reason = None
+        if req.kind == "chat":
+            rendered, media = self._render_chat(body)
+            if isinstance(rendered, str):
+                add_special = bool(body.get("add_special_tokens") or False)
+                prompts = [self._text_ids(rendered, add_special, trunc)]
+            else:
+                prompts = [self._truncate(rendered, trunc)]
+            reason = "multimodal" if media else self.renderer
+        else:
+            add_special = body.get("add_special_tokens") is not False
+            prompts = [
+                self._text_ids(p, add_special, trunc) if isinstance(p, str) else self._truncate(list(p), trunc)
+                for p in req.prompts
+            ]
+            if self.renderer not in _HF_TOKENIZER_RENDERERS:
+                reason = self.renderer  # vLLM tokenizes with that mode's own tokenizer
+        if reason in (None, "multimodal"):
+            # A model-specific renderer may count more or fewer tokens than this: let its engine judge.
+            check_lengths(req, prompts, self.cfg.max_model_len)
+        if reason is None and not all(prompts):
+            raise bad_request(EMPTY_PROMPT)
+        return PromptIds(prompts, reason)
+
+    # -- chat ---------------------------------------------------------------------------------
+    def _render_chat(self, body: dict[str, Any]) -> tuple[str | list[int], bool]:
+        """The rendered prompt (text to encode, or ids when the template call tokenized), and
+        whether the messages have media parts."""
+        cfg = self.cfg
+        self._refuse_untrusted_template(body)
+        tools = body.get("tools")
+        if tools is not None and body.get("tool_choice") == "none" and cfg.exclude_tools_when_tool_choice_none:
+            tools = None
+        merged = chat.merged_kwargs(body, chat.normalize_tools(tools), cfg.default_chat_template_kwargs)
+        given = body.get("chat_template") or self.server_template or merged.get("chat_template")
+        try:
+            template = chat.select_template(given, self.hf.chat_template, merged.get("tools"))
+            fmt = cfg.chat_template_content_format
+            if fmt == "auto":
+                fmt = chat.detect_content_format(template)
+            conversation, media = chat.normalize_messages(body["messages"], fmt)
+            conversation = chat.for_template(conversation, template)
+            args = chat.render_args(merged, template)
+            if args.tokenizer_args:
+                return self._tokenize_chat(conversation, template, args), media
+            text = self.hf.apply_chat_template(
+                conversation, tools=args.tools, chat_template=template, tokenize=False, **args.kwargs
+            )
+        except chat.ChatTemplateError as err:
+            raise bad_request(str(err), param=err.param) from None
+        except Exception as err:  # templates raise to reject input (e.g. bad role order); vLLM answers 400
+            raise bad_request(chat.template_error_reason(err)) from None
+        if args.tokenize:  # the template call would have encoded without special tokens
+            return self.backend.encode(text, add_special_tokens=False).ids, media
+        return text, media
+
+    def _refuse_untrusted_template(self, body: dict[str, Any]) -> None:
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not self.cfg.trust_request_chat_template and (
+            body.get("chat_template") is not None or kwargs.get("chat_template") is not None
+        ):
             raise bad_request(
                 "Chat template is passed with request, but --trust-request-chat-template is not set. "
                 "Refused request with untrusted chat template.",
                 param="chat_template",
             )
-        template = self.default_template
-        if template is None:
-            raise bad_request("This model has no chat template; use /v1/completions.", param="messages")
-        fmt = chat.detect_content_format(template)
-        conversation = chat.normalize_messages(body["messages"], fmt, template)
+
+    def _tokenize_chat(self, conversation: list[dict], template: str, args: chat.RenderArgs) -> list[int]:
+        """apply_chat_template(tokenize=True) for kwargs only it honours (truncation, max_length,
+        padding, tokenizer_kwargs). The transformers wrapper stores those settings in its Rust
+        tokenizer, so each call borrows a private copy (as vLLM does): the hot path's tokenizer never
+        sees them, and concurrent calls never wait for each other."""
         try:
-            kwargs = chat.template_kwargs(body, template)
-            # vLLM asks for tokenize=True, which renders and then encodes without special tokens.
-            text = self.hf.apply_chat_template(
-                conversation,
-                tools=chat.normalize_tools(body.get("tools")),
-                chat_template=template,
-                tokenize=False,
-                **kwargs,
-            )
-        except chat.ChatTemplateError as err:
-            raise bad_request(str(err), param="chat_template_kwargs") from None
-        except Exception as err:  # templates raise to reject input (e.g. bad role order)
-            raise bad_request(f"The chat template rejected the request: {err}", param="messages") from None
-        return self.backend.encode(text, add_special_tokens=False).ids
+            hf = self._tokenizing_copies.get_nowait()
+        except queue.Empty:
+            hf = copy.deepcopy(self.hf)
+        try:
+            ids = hf.apply_chat_template(conversation, tools=args.tools, chat_template=template, tokenize=True,
+                                         **args.kwargs)
+        finally:
+            self._tokenizing_copies.put(hf)
+        return [int(t) for t in ids]
 
-    # -- completions ------------------------------------------------------------------------
-    def completion_ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
-        if isinstance(prompt, str):
-            return self.backend.encode(prompt, add_special_tokens=add_special_tokens).ids
-        vocab = self.vocab_size
-        bad = next((t for t in prompt if t >= vocab), None)
-        if bad is not None:
-            raise bad_request(f"Token id {bad} is out of vocabulary (size {vocab}).", param="prompt")
-        return list(prompt)
-
-    # -- both ---------------------------------------------------------------------------------
-    def prompt_ids(self, req: ParsedRequest) -> list[list[int]]:
-        """One token list per prompt (chat has one), truncated and length-checked as vLLM does."""
-        body = req.body
-        if req.kind == "chat":
-            prompts = [self.chat_ids(body)]
-        else:
-            add_special = body.get("add_special_tokens", True)
-            prompts = [self.completion_ids(p, add_special) for p in req.prompts]
+    # -- truncation and length ----------------------------------------------------------------
+    def _truncation(self, req: ParsedRequest) -> _Truncation:
+        body, max_len = req.body, self.cfg.max_model_len
         keep = body.get("truncate_prompt_tokens")
-        if keep is not None:
-            prompts = [self._truncate(ids, keep, body.get("truncation_side")) for ids in prompts]
-        check_lengths(req, prompts, self.cfg.max_model_len)
-        return prompts
-
-    def _truncate(self, ids: list[int], keep: int, side: str | None) -> list[int]:
-        if keep == -1:
-            keep = self.cfg.max_model_len - 1
-        if keep > self.cfg.max_model_len:
+        if keep is None:
+            return _Truncation(None, None)
+        if keep > max_len:
             raise bad_request(
-                f"truncate_prompt_tokens={keep} cannot be greater than max_model_len = "
-                f"{self.cfg.max_model_len}. Please request a smaller truncation size.",
+                f"truncate_prompt_tokens={keep} cannot be greater than max_model_len = {max_len}. "
+                "Please request a smaller truncation size.",
                 param="truncate_prompt_tokens",
             )
-        if len(ids) <= keep:
+        if keep < 0:  # -1: as much as fits, leaving room for one output token when any is asked for
+            keep = max_len - 1 if _max_output(req) else max_len
+        return _Truncation(keep, body.get("truncation_side"))
+
+    def _text_ids(self, text: str, add_special: bool, trunc: _Truncation) -> list[int]:
+        if trunc.keep == 0:
+            return []  # vLLM cuts whatever the tokenizer returned down to nothing
+        limit = self.cfg.max_model_len * self.max_chars_per_token
+        if len(text) > limit and self.renderer is None:  # another tokenizer may have another bound
+            if trunc.keep is None:
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {self.cfg.max_model_len} tokens. However, your "
+                    f"prompt contains {len(text)} characters (more than {limit} characters, which is the upper "
+                    f"bound for {self.cfg.max_model_len} input tokens). Please reduce the length of the input "
+                    "prompt.",
+                    param="input_text",
+                    code="context_length_exceeded",
+                )
+            if trunc.side == "left":
+                text = text[-limit:]
+            elif trunc.side == "right":
+                text = text[:limit]
+        if trunc.keep is None or trunc.side is not None:
+            return self._truncate(self.backend.encode(text, add_special_tokens=add_special).ids, trunc)
+        # vLLM has the tokenizer truncate: the special tokens stay, the text is cut on its side.
+        enc = self.backend.encode(text, add_special_tokens=False)
+        specials = self.backend.num_special_tokens_to_add(False) if add_special else 0
+        enc.truncate(max(trunc.keep - specials, 0), direction=self.default_side)
+        return self._truncate(self.backend.post_process(enc, add_special_tokens=add_special).ids, trunc)
+
+    def _truncate(self, ids: list[int], trunc: _Truncation) -> list[int]:
+        keep = trunc.keep
+        if keep is None or len(ids) <= keep:
             return ids
-        side = side or getattr(self.hf, "truncation_side", "right")
-        return ids[-keep:] if side == "left" else ids[:keep]
+        if keep == 0:
+            return []
+        return ids[-keep:] if (trunc.side or self.default_side) == "left" else ids[:keep]
 
 
-def _prompt_chars(req: ParsedRequest) -> int:
+def _max_output(req: ParsedRequest) -> int:
+    """The output budget vLLM's TokenizeParams sees (completions default max_tokens to 16)."""
+    body = req.body
     if req.kind == "chat":
-        total = 0
-        for m in req.body["messages"]:
-            content = m.get("content")
-            if isinstance(content, str):
-                total += len(content)
-            elif isinstance(content, list):
-                total += sum(len(p.get("text", "")) if isinstance(p, dict) else len(p) for p in content)
-        return total + 64 * len(req.body.get("tools") or ())
-    return sum(len(p) if isinstance(p, str) else 0 for p in req.prompts)
+        value = body.get("max_completion_tokens")
+        if value is None:
+            value = body.get("max_tokens")
+    else:
+        value = body.get("max_tokens")
+        if value is None:
+            value = 16
+    return value or 0
+
+
+def _tokenizes_in_template(req: ParsedRequest) -> bool:
+    """Requests whose template call tokenizes may first copy the tokenizer: never on the loop."""
+    kwargs = req.body.get("chat_template_kwargs") if req.kind == "chat" else None
+    return isinstance(kwargs, dict) and bool(kwargs.get("tokenize"))
 
 
 class Tokenizers:
@@ -142,8 +325,13 @@ class Tokenizers:
     def get(self, model: str) -> ModelTokenizer | None:
         return self._by_name.get(model)
 
-    async def prompt_ids(self, tok: ModelTokenizer, req: ParsedRequest) -> list[list[int]]:
-        if _prompt_chars(req) <= self._cfg.inline_max_chars:
+    async def prompt_ids(self, tok: ModelTokenizer, req: ParsedRequest) -> PromptIds:
+        """``tok.prompt_ids(req)``, inline for small bodies, else on the pool.
+
+        The body's size bounds the work: it counts everything that gets rendered or tokenized
+        (text, token-id lists, tools, documents), unlike any count of prompt characters.
+        """
+        if req.raw_size <= self._cfg.inline_max_bytes and not _tokenizes_in_template(req):
             return tok.prompt_ids(req)
         return await asyncio.get_running_loop().run_in_executor(self._pool, tok.prompt_ids, req)
 

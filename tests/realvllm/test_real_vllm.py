@@ -273,3 +273,76 @@ def test_client_kv_transfer_params_never_reach_the_engine(vllm_pair, gateway, cl
     assert out.usage.prompt_tokens == 60
     assert httpx.get(vllm_pair.decode.url + "/health", timeout=10).status_code == 200
     expect_direct(vllm_pair, gateway, before, 60)
+
+
+# -- prompt-token parity: the gateway's count is the engine's ---------------------------------------
+
+_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+_CALL = {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3, "big": 123456789012345678901}'}}
+_BILLING = "x-anthropic-billing-header: cc_version=2.1; cch=0f3a9"
+PARITY_CASES = {
+    "system-multi-turn": {"messages": [
+        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime."},
+        {"role": "assistant", "content": "Seven."}, {"role": "user", "content": "Another one?"}]},
+    "content-parts": {"messages": [
+        {"role": "system", "content": [{"type": "text", "text": _BILLING}, {"type": "text", "text": "Be kind."}]},
+        {"role": "user", "content": [{"type": "text", "text": "first"}, {"type": "input_text", "text": "second"},
+                                     {"type": "text", "text": ""}, {"type": "refusal", "refusal": "third"},
+                                     {"type": "thinking", "thinking": "fourth"}]}]},
+    "developer-role": {"messages": [
+        {"role": "user", "content": "hi"}, {"role": "developer", "content": "Answer in French."},
+        {"role": "system", "content": _BILLING + "\nsystem rules"}]},
+    "tool-calls-and-results": {"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [_CALL]},
+        {"role": "tool", "tool_call_id": "call_1",
+         "content": [{"type": "text", "text": "sunny"}, {"type": "text", "text": "21C"}]},
+        {"role": "user", "content": "Thanks", "name": "ann", "task": "chat"}]},
+    "tools-given": {"messages": [{"role": "user", "content": "Weather?"}], "tools": [_TOOL], "tool_choice": "none"},
+    "kwargs-tools-override": {"messages": [{"role": "user", "content": "Weather?"}], "tools": [_TOOL],
+                              "tool_choice": "none", "chat_template_kwargs": {"tools": [{"name": "other"}]}},
+    "empty-tool-calls": {"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "tool_calls": []},
+        {"role": "user", "content": "bye"}]},
+    "null-content": {"messages": [
+        {"role": "user", "content": "ping"}, {"role": "assistant", "content": None, "reasoning_content": "hm"},
+        {"role": "user", "content": "pong"}]},
+    "continue-final-message": {"messages": [
+        {"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "one two"}],
+        "add_generation_prompt": False, "continue_final_message": True},
+    "chat-template-kwargs": {"messages": [{"role": "user", "content": "hello"}],
+                             "chat_template_kwargs": {"enable_thinking": False, "custom_flag": "x"}},
+    "template-call-truncates": {"messages": [{"role": "user", "content": "one two three four five six"}],
+                                "chat_template_kwargs": {"tokenize": True, "truncation": True, "max_length": 5}},
+}
+
+
+def _engine_count(pair: Pair, body: dict) -> int:
+    r = pair.decode.http.post(pair.decode.url + "/tokenize", json={"model": E.MODEL_NAME, **body})
+    assert r.status_code == 200, r.text
+    return r.json()["count"]
+
+
+@pytest.mark.parametrize("case", list(PARITY_CASES), ids=list(PARITY_CASES))
+def test_chat_prompt_tokens_match_the_engine(vllm_pair, gateway, case):
+    """The gateway's own count (x-pdgate-prompt-tokens) equals the engine's /tokenize count for the
+    same conversation and options, and the engine's usage for the request the gateway relayed."""
+    body = PARITY_CASES[case]
+    want = _engine_count(vllm_pair, body)
+    r = httpx.post(gateway.url + "/v1/chat/completions", timeout=E.REQUEST_TIMEOUT_S,
+                   json={"model": E.MODEL_NAME, "max_tokens": 1, **body})
+    assert r.status_code == 200, r.text
+    assert int(r.headers["x-pdgate-prompt-tokens"]) == want
+    assert r.json()["usage"]["prompt_tokens"] == want
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_completion_prompt_tokens_match_the_engine(vllm_pair, gateway, add_special_tokens):
+    body = {"prompt": "def main():\n    return 0\n", "add_special_tokens": add_special_tokens}
+    want = _engine_count(vllm_pair, body)
+    r = httpx.post(gateway.url + "/v1/completions", timeout=E.REQUEST_TIMEOUT_S,
+                   json={"model": E.MODEL_NAME, "max_tokens": 1, **body})
+    assert r.status_code == 200, r.text
+    assert int(r.headers["x-pdgate-prompt-tokens"]) == want == r.json()["usage"]["prompt_tokens"]
