@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
 from starlette.applications import Starlette
@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .config import GatewayConfig
 from .dispatch import Dispatcher
@@ -24,7 +25,7 @@ from .tokenizer import ModelTokenizer, Tokenizers
 from .upstream import Upstream, make_session
 
 
-def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None) -> Starlette:
+def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None) -> FastPath:
     """The gateway app; ``tokenizers`` may be injected (tests), else loaded at startup."""
     created = int(time.time())
     # Built now so that a bad policy name fails before the server binds its port.
@@ -52,10 +53,10 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None) -> Star
             await session.close()
             toks.close()
 
-    async def chat(request: Request) -> Response:
+    async def chat(request: Request) -> ASGIApp:
         return await request.state.gw.chat(request)
 
-    async def completions(request: Request) -> Response:
+    async def completions(request: Request) -> ASGIApp:
         return await request.state.gw.completions(request)
 
     async def models(request: Request) -> Response:
@@ -96,4 +97,24 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None) -> Star
         assert isinstance(exc, HTTPException)
         return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
 
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    return FastPath(app, {"/v1/chat/completions": chat, "/v1/completions": completions})
+
+
+class FastPath:
+    """POSTs to the two inference routes go straight to their handler, past Starlette's router and
+    middleware (which wrap every ``send`` of every streamed chunk); the handlers answer their own
+    errors. Everything else, lifespan included, is the Starlette app's."""
+
+    def __init__(self, app: Starlette, routes: dict[str, Callable[[Request], Awaitable[ASGIApp]]]) -> None:
+        self.app = app
+        self._routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            handler = self._routes.get(scope["path"])
+            if handler is not None:
+                response = await handler(Request(scope, receive))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
