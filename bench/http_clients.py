@@ -1,0 +1,102 @@
+"""Why the gateway's upstream client is aiohttp: per-request cost of httpx vs aiohttp.
+
+Both clients post the same small JSON body over one keep-alive connection to a minimal local
+HTTP server at concurrency 1, alternating in rounds; reported are p50/p99 latency and CPU time
+per request (client and server share this process, so both columns include the server's part).
+
+    python -m bench.http_clients [--requests 3000] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import resource
+import sys
+import time
+
+import aiohttp
+import httpx
+import uvloop
+
+BODY = b'{"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"hi"}]}'
+RESPONSE = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(BODY), BODY)
+PAYLOAD = b'{"model":"m","prompt":"hello world","max_tokens":16}'
+
+
+async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answers every request with RESPONSE (enough HTTP/1.1 for a keep-alive client)."""
+    buf = b""
+    try:
+        while True:
+            while b"\r\n\r\n" not in buf:
+                chunk = await reader.read(65536)
+                if not chunk:
+                    return
+                buf += chunk
+            head, _, buf = buf.partition(b"\r\n\r\n")
+            length = next(
+                (
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                ),
+                0,
+            )
+            while len(buf) < length:
+                buf += await reader.read(65536)
+            buf = buf[length:]
+            writer.write(RESPONSE)
+            await writer.drain()
+    except ConnectionError:
+        pass
+    finally:
+        writer.close()
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+async def main(requests: int, rounds: int) -> None:
+    server = await asyncio.start_server(_serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions"
+    headers = {"content-type": "application/json"}
+    async with httpx.AsyncClient() as hx, aiohttp.ClientSession() as ah:
+
+        async def with_httpx() -> None:
+            r = await hx.post(url, content=PAYLOAD, headers=headers)
+            await r.aread()
+
+        async def with_aiohttp() -> None:
+            async with ah.post(url, data=PAYLOAD, headers=headers) as r:
+                await r.read()
+
+        print("| client | round | p50 us | p99 us | CPU us/request |\n|---|---|---|---|---|")
+        for rnd in range(rounds):
+            for name, call in (("httpx", with_httpx), ("aiohttp", with_aiohttp)):
+                for _ in range(200):
+                    await call()
+                lat, c0 = [], _cpu()
+                for _ in range(requests):
+                    t0 = time.perf_counter()
+                    await call()
+                    lat.append(time.perf_counter() - t0)
+                cpu = (_cpu() - c0) / requests
+                lat.sort()
+                print(
+                    f"| {name} | {rnd + 1} | {lat[len(lat) // 2] * 1e6:.0f} | {lat[int(len(lat) * 0.99)] * 1e6:.0f} "
+                    f"| {cpu * 1e6:.0f} |"
+                )
+    server.close()
+    await server.wait_closed()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    uvloop.run(main(args.requests, args.rounds))
+    sys.exit(0)
