@@ -63,7 +63,6 @@ class RelayResponse:
             self.on_done(self.outcome)
 
     async def _exchange(self, send: Send) -> None:
-        self._started = False
         try:
             upstream = await self.start()
         except APIError as err:
