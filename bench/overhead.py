@@ -100,7 +100,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=2000, help="per configuration and round")
     parser.add_argument("--rounds", type=int, default=3, help="A/B alternations")
     parser.add_argument("--out", default="docs/benchmarks/overhead.json")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="give the gateway the last core and the engines and load generator the others "
+        "(as in a deployment where the gateway has cores of its own)",
+    )
     args = parser.parse_args(argv)
+    cores = sorted(os.sched_getaffinity(0))
+    others = set(cores[:-1]) or set(cores)
+    if args.pin:
+        os.sched_setaffinity(0, others)  # children inherit it; the gateways are moved below
 
     tokenizer = build_tokenizer(cache_dir() / "demo-tokenizer")
     logs = Path(tempfile.mkdtemp(prefix="pdgate-bench-"))
@@ -144,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
             (logs / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
             proc = group.start(name, [sys.executable, "-m", "gateway", "serve", "--config", str(logs / f"{name}.yaml")])
             proc.wait_http(f"http://127.0.0.1:{gw_port}/ready", timeout=60)
+            if args.pin:
+                for tid in os.listdir(f"/proc/{proc.pid}/task"):
+                    os.sched_setaffinity(int(tid), {cores[-1]})
             gws[name] = (proc, f"http://127.0.0.1:{gw_port}/v1/chat/completions")
         engine_url = f"http://127.0.0.1:{ports['decode'][0]}/v1/chat/completions"
 
@@ -208,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
     result = {
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "pinned": args.pin,
         "requests_per_cell": args.requests * args.rounds,
         "stream_tokens": STREAM_TOKENS,
         "rows": [asdict(r) for r in rows],
