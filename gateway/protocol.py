@@ -8,7 +8,7 @@ know are checked here so that a bad request gets a clear 400 and never reaches a
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
@@ -95,6 +95,8 @@ class ParsedRequest:
     model: str
     stream: bool
     raw_size: int = 0  # bytes of the JSON body: a cheap bound on the work tokenizing it takes
+    # Completion prompts, one entry per prompt (classified once; empty for chat).
+    prompts: list[str] | list[list[int]] = field(default_factory=list)
 
     def local_only(self) -> str | None:
         """Why this request cannot take the P/D path (None when it can).
@@ -110,18 +112,6 @@ class ParsedRequest:
         if body.get("prompt_logprobs") is not None or body.get("echo"):
             return "prompt_logprobs"
         return None
-
-    @property
-    def prompts(self) -> list[str] | list[list[int]]:
-        """Completion prompts as a list (one entry per prompt); empty for chat."""
-        prompt = self.body.get("prompt")
-        if self.kind == "chat":
-            return []
-        if isinstance(prompt, str):
-            return [prompt]
-        if prompt and all(_is_int(t) for t in prompt):
-            return [prompt]
-        return list(prompt)
 
 
 def parse_body(raw: bytes, kind: Kind) -> ParsedRequest:
@@ -157,9 +147,12 @@ def parse_body(raw: bytes, kind: Kind) -> ParsedRequest:
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                 param="continue_final_message",
             )
+        prompts: list[str] | list[list[int]] = []
     else:
-        _check_prompt(body.get("prompt"))
-    return ParsedRequest(kind=kind, body=body, model=model, stream=bool(body.get("stream")), raw_size=len(raw))
+        prompts = _prompt_list(body.get("prompt"))
+    return ParsedRequest(
+        kind=kind, body=body, model=model, stream=bool(body.get("stream")), raw_size=len(raw), prompts=prompts
+    )
 
 
 def _check_messages(messages: Any) -> None:
@@ -190,23 +183,22 @@ def _check_messages(messages: Any) -> None:
                 )
 
 
-def _check_prompt(prompt: Any) -> None:
-    ok = (
-        (isinstance(prompt, str))
-        or (isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt))
-        or (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt))
-        or (
-            isinstance(prompt, list)
-            and prompt
-            and all(isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p) for p in prompt)
-        )
+def _prompt_list(prompt: Any) -> list[str] | list[list[int]]:
+    """The completion prompt(s) as one list entry per prompt, checked in a single pass each."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(_is_int(t) and t >= 0 for t in prompt):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p) for p in prompt):
+            return list(prompt)
+    raise bad_request(
+        "`prompt` is required and must be a string, a list of strings, a list of token ids "
+        "or a list of token-id lists.",
+        param="prompt",
     )
-    if not ok:
-        raise bad_request(
-            "`prompt` is required and must be a string, a list of strings, a list of token ids "
-            "or a list of token-id lists.",
-            param="prompt",
-        )
 
 
 def check_lengths(req: ParsedRequest, prompts: list[list[int]], max_model_len: int) -> None:

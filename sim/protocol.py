@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from gateway.chat import detect_content_format, normalize_messages
 from sim.config import SimConfig
 from sim.engine import DECODE, PLAIN, PREFILL, Seq
 from sim.tokens import ByteTokenizer, HFTokenizer
@@ -441,6 +442,11 @@ def parse_chat(body: Any, cfg: SimConfig, tok: ByteTokenizer | HFTokenizer, head
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise schema_error("Input should be a valid message with a role", f"body.messages.{i}")
         conversation.append({"role": msg["role"], "content": _message_text(msg.get("content"), i)})
+    template = getattr(getattr(tok, "tok", None), "chat_template", None)
+    if isinstance(template, str):
+        # Hand the template the conversation exactly as vLLM does (joined text, or content parts
+        # when the template loops over them): the same rules the gateway counts tokens with.
+        conversation, _ = normalize_messages(messages, detect_content_format(template))
     add_gen = body.get("add_generation_prompt", True) is not False
     cont = bool(body.get("continue_final_message"))
     if cont and add_gen:

@@ -103,9 +103,20 @@ def test_completions_stream_and_not(cluster, client, prompt):
     assert chunks[-1].usage.prompt_tokens == out.usage.prompt_tokens
 
 
-def test_gateway_token_count_equals_engine_count(cluster, client):
-    out = client.completions.create(model="tiny", prompt=[1, 2, 3, 4, 5], max_tokens=1)
-    assert out.usage.prompt_tokens == 5
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "And now?"}],
+        [{"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "two"}]}],
+        [{"role": "user", "content": SHORT}, {"role": "assistant", "content": None}],
+    ],
+    ids=["multi-turn", "content-parts", "null-content"],
+)
+def test_gateway_token_count_equals_engine_count(cluster, client, messages):
+    """The gateway's own count (its header) equals what the engine bills in usage."""
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=messages, max_tokens=1)
+    assert int(raw.headers["x-pdgate-prompt-tokens"]) == raw.parse().usage.prompt_tokens
 
 
 @pytest.mark.parametrize("content", [SHORT, LONG])
