@@ -1,0 +1,319 @@
+"""Prefix-cache block hashes, computed exactly as vLLM 0.32 computes them.
+
+vLLM keys its prefix cache by chained block hashes: block ``i`` (``block_size`` prompt tokens)
+hashes ``(parent hash, tuple(its token ids), extra keys)`` with the engine's
+``--prefix-caching-hash-algo``; the first block's parent is ``NONE_HASH``, the same algorithm
+applied to a seed string. Its KV cache events (``BlockStored``) publish these hashes, by default
+(``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) as the unsigned 64-bit integer made of the last
+8 bytes of the digest. ``block_hashes`` returns exactly those values, so the gateway can look the
+engine's events up with hashes of the prompts it routes.
+
+Engine settings the ``HashSpec`` must mirror for the hashes to be equal:
+
+- ``--block-size`` (the engine's KV block size; ``vllm:cache_config_info`` shows it);
+- ``--prefix-caching-hash-algo`` (``sha256`` default, ``sha256_cbor``, ``xxhash``, ``xxhash_cbor``);
+- ``PYTHONHASHSEED`` of the engine processes: it is the ``NONE_HASH`` seed when set. When it is
+  unset, sha256/sha256_cbor engines use the fixed seed ``"vllm-none-hash"`` (reproducible, so
+  ``seed=None`` matches them), but xxhash engines draw a random seed per process: their hashes
+  cannot be reproduced, ``HashSpec.reproducible`` is False, and the KV event subscriber
+  translates engine hashes into the gateway's own chain from each event's token ids and parent
+  hash instead (see ``gateway/kvevents.py``);
+- ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` (``int_hashes``): 1 (default) publishes ints, 0 bytes.
+
+Serialization facts (vLLM ``vllm/utils/hashing.py``, ``vllm/v1/core/kv_cache_utils.py``):
+``sha256``/``xxhash`` hash ``pickle.dumps(obj, protocol=5)``; the ``*_cbor`` variants hash
+canonical CBOR of the same object; xxhash means the 128-bit ``xxh3_128`` digest. The object is
+``(parent_digest: bytes, tokens: tuple[int, ...], extra_keys: tuple | None)`` per block, and the
+seed string itself for ``NONE_HASH``. Extra keys, in order: ``("lora", name, path)`` on every block
+of a LoRA request, multimodal keys, ``("cache_salt", salt)`` on the first block only, prompt
+embedding digests. The gateway supports LoRA and cache_salt; prompts with media or embeddings
+are out of scope (their hashes depend on processed media the gateway never sees).
+
+Hashing is memoized per ``HashSpec`` in a bounded LRU keyed by ``(parent digest, block tokens,
+extra keys)``: when a conversation comes back with one more turn, only its new blocks are hashed.
+Token ids must be Python ints (what the tokenizers library returns): numpy integers pickle
+differently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import struct
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+BlockHash = int | bytes
+"""A block hash as vLLM publishes it in KV events: a 64-bit int (default) or the digest bytes."""
+
+Digest = bytes
+"""The full digest of one block, the value chained into the next block's hash."""
+
+HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
+HASH_ALGOS: tuple[str, ...] = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # vLLM's seed for cryptographic algos without PYTHONHASHSEED
+_PICKLE_PROTOCOL = 5  # pickle.HIGHEST_PROTOCOL on the Pythons vLLM 0.32 supports
+_MASK64 = (1 << 64) - 1
+
+
+# -- canonical CBOR for the few shapes a block key holds -------------------------------------------
+
+def _cbor_head(major: int, n: int) -> bytes:
+    if n < 24:
+        return bytes((major << 5 | n,))
+    if n < 0x100:
+        return bytes((major << 5 | 24, n))
+    if n < 0x10000:
+        return bytes((major << 5 | 25,)) + struct.pack(">H", n)
+    if n < 0x100000000:
+        return bytes((major << 5 | 26,)) + struct.pack(">I", n)
+    if n <= _MASK64:
+        return bytes((major << 5 | 27,)) + struct.pack(">Q", n)
+    raise ValueError(f"integer {n} does not fit CBOR's 64-bit head")
+
+
+class _Cbor:
+    """Canonical CBOR (what ``cbor2.dumps(obj, canonical=True)`` writes) for the shapes a block
+    key holds: None, bool, int, str, bytes, tuples and lists. Token ids' encodings are cached,
+    which makes the common case (a tuple of token ids) a run of dict lookups."""
+
+    __slots__ = ("_ints",)
+    _MAX_CACHED = 1 << 20
+
+    def __init__(self) -> None:
+        self._ints: dict[int, bytes] = {}
+
+    def dumps(self, obj: Any) -> bytes:
+        out: list[bytes] = []
+        self._encode(obj, out)
+        return b"".join(out)
+
+    def _int(self, n: int) -> bytes:
+        enc = self._ints.get(n)
+        if enc is None:
+            enc = _cbor_head(0, n) if n >= 0 else _cbor_head(1, -1 - n)
+            if len(self._ints) < self._MAX_CACHED:
+                self._ints[n] = enc
+        return enc
+
+    def _encode(self, obj: Any, out: list[bytes]) -> None:
+        if obj is None:
+            out.append(b"\xf6")
+        elif obj is True:
+            out.append(b"\xf5")
+        elif obj is False:
+            out.append(b"\xf4")
+        elif isinstance(obj, int):
+            out.append(self._int(obj))
+        elif isinstance(obj, bytes):
+            out.append(_cbor_head(2, len(obj)))
+            out.append(obj)
+        elif isinstance(obj, str):
+            raw = obj.encode("utf-8")
+            out.append(_cbor_head(3, len(raw)))
+            out.append(raw)
+        elif isinstance(obj, tuple | list):
+            out.append(_cbor_head(4, len(obj)))
+            ints = self._ints
+            for item in obj:
+                enc = ints.get(item) if type(item) is int else None
+                if enc is not None:
+                    out.append(enc)
+                else:
+                    self._encode(item, out)
+        else:
+            raise TypeError(f"cannot CBOR-encode a {type(obj).__name__} in a block key")
+
+
+def cbor_dumps(obj: Any) -> bytes:
+    """Canonical CBOR of ``obj`` (no cache; for tests and one-off use)."""
+    return _Cbor().dumps(obj)
+
+
+def _pickle_dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=_PICKLE_PROTOCOL)
+
+
+def _xxh3_128() -> Callable[[bytes], bytes]:
+    try:
+        import xxhash  # optional: only engines run with an xxhash algo need it
+    except ImportError:
+        raise ImportError(
+            "hash algo xxhash/xxhash_cbor needs the 'xxhash' package (pip install xxhash)"
+        ) from None
+    return xxhash.xxh3_128_digest
+
+
+def _digest_fn(algo: str) -> Callable[[Any], bytes]:
+    serialize = _Cbor().dumps if algo.endswith("_cbor") else _pickle_dumps
+    if algo.startswith("sha256"):
+        return lambda obj: hashlib.sha256(serialize(obj)).digest()
+    xxh = _xxh3_128()
+    return lambda obj: xxh(serialize(obj))
+
+
+class _LRU:
+    """A small bounded LRU map (dict order is recency order)."""
+
+    __slots__ = ("_data", "maxsize")
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._data: OrderedDict[Any, Digest] = OrderedDict()
+
+    def get(self, key: Any) -> Digest | None:
+        value = self._data.get(key)
+        if value is not None:
+            self._data.move_to_end(key)
+        return value
+
+    def put(self, key: Any, value: Digest) -> None:
+        self._data[key] = value
+        if len(self._data) > self.maxsize:
+            self._data.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def clear(self) -> None:
+        self._data.clear()
+
+
+@dataclass(frozen=True, eq=False)
+class HashSpec:
+    """How one group of engines hashes prefix-cache blocks (see the module docstring).
+
+    ``block_size``: the engine's KV block size. ``algo``: its ``--prefix-caching-hash-algo``.
+    ``seed``: its ``PYTHONHASHSEED``, or None when unset. ``int_hashes``: its
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` (default on). ``hash_block_size``: only for hybrid
+    models whose hash granularity (``prefix_match_unit``) is finer than the block size; each block
+    hash is then the chained hash at the block's end boundary. ``memo_size``: blocks remembered.
+    """
+
+    block_size: int
+    algo: HashAlgo = "sha256"
+    seed: str | None = None
+    int_hashes: bool = True
+    hash_block_size: int | None = None
+    memo_size: int = 65536
+    _digest: Callable[[Any], bytes] = field(init=False, repr=False)
+    _none_hash: Digest = field(init=False, repr=False)
+    _memo: _LRU = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.algo not in HASH_ALGOS:
+            raise ValueError(f"unknown prefix caching hash algo {self.algo!r}; expected one of {HASH_ALGOS}")
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+        unit = self.hash_block_size or self.block_size
+        if unit <= 0 or self.block_size % unit:
+            raise ValueError(f"block_size {self.block_size} must be a multiple of hash_block_size {unit}")
+        # An engine whose NONE_HASH is random cannot be reproduced: the gateway keeps its own
+        # (sha256, default seed) chain and relies on event translation.
+        algo = self.algo if self.reproducible else "sha256"
+        digest = _digest_fn(algo)
+        seed = self.seed if self.seed is not None else DEFAULT_NONE_HASH_SEED
+        object.__setattr__(self, "_digest", digest)
+        object.__setattr__(self, "_none_hash", digest(seed))
+        object.__setattr__(self, "_memo", _LRU(self.memo_size))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HashSpec) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def _key(self) -> tuple:
+        return (self.block_size, self.algo, self.seed, self.int_hashes, self.hash_block_size or self.block_size)
+
+    @property
+    def reproducible(self) -> bool:
+        """Whether the gateway's hashes equal the engine's (False: xxhash without PYTHONHASHSEED)."""
+        return self.seed is not None or not self.algo.startswith("xxhash")
+
+    @property
+    def unit(self) -> int:
+        """Tokens per hashed unit (``hash_block_size``, normally the block size)."""
+        return self.hash_block_size or self.block_size
+
+    @property
+    def none_hash(self) -> Digest:
+        return self._none_hash
+
+    def external(self, digest: Digest) -> BlockHash:
+        """The value vLLM publishes in KV events for a block digest."""
+        if self.int_hashes:
+            return int.from_bytes(digest[-8:], "big")
+        return digest
+
+    def memo_len(self) -> int:
+        return len(self._memo)
+
+    def clear_memo(self) -> None:
+        self._memo.clear()
+
+
+def block_digests(
+    token_ids: Sequence[int],
+    spec: HashSpec,
+    *,
+    parent: Digest | None = None,
+    first_extra: tuple[Any, ...] | None = None,
+    every_extra: tuple[Any, ...] | None = None,
+) -> list[Digest]:
+    """Chained digests of the full ``spec.unit``-token units of ``token_ids`` (hash granularity).
+
+    ``parent`` continues a chain (None: the prompt starts here). ``first_extra`` are extra keys of
+    the first unit only (cache_salt), ``every_extra`` of every unit (LoRA); both already tagged.
+    """
+    unit = spec.unit
+    digest, memo = spec._digest, spec._memo
+    prev = parent if parent is not None else spec._none_hash
+    out: list[Digest] = []
+    for start in range(0, len(token_ids) - unit + 1, unit):
+        tokens = tuple(token_ids[start : start + unit])
+        if first_extra and start == 0 and parent is None:
+            extra: tuple[Any, ...] | None = (every_extra or ()) + first_extra  # vLLM's order
+        else:
+            extra = every_extra or None
+        key = (prev, tokens, extra)
+        h = memo.get(key)
+        if h is None:
+            h = digest(key)
+            memo.put(key, h)
+        out.append(h)
+        prev = h
+    return out
+
+
+def extra_keys(cache_salt: str | None = None, lora: tuple[str, str] | None = None) -> tuple[
+    tuple[Any, ...] | None, tuple[Any, ...] | None
+]:
+    """vLLM's tagged extra keys for a request: (first block's, every block's)."""
+    every = (("lora", lora[0], lora[1]),) if lora else None
+    first = (("cache_salt", cache_salt),) if cache_salt else None
+    return first, every
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    spec: HashSpec,
+    *,
+    cache_salt: str | None = None,
+    lora: tuple[str, str] | None = None,
+) -> list[BlockHash]:
+    """The hashes vLLM publishes in ``BlockStored`` for the full blocks of this prompt, in order.
+
+    ``cache_salt``: the request's ``cache_salt`` field. ``lora``: (adapter name, adapter path) of
+    a LoRA request, as the engine registered it.
+    """
+    first, every = extra_keys(cache_salt, lora)
+    digests = block_digests(token_ids, spec, first_extra=first, every_extra=every)
+    step = spec.block_size // spec.unit
+    if step != 1:
+        digests = digests[step - 1 :: step]
+    if not spec.int_hashes:
+        return list(digests)
+    return [int.from_bytes(d[-8:], "big") for d in digests]
