@@ -1,0 +1,144 @@
+"""PrefixIndex: leading-block matches from two sources, aging, bounds, lifecycle."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from policies.blockhash import HashSpec, block_hashes
+from policies.prefix_index import IndexStats, PrefixIndex, PrefixStore
+
+A, B, C = "http://a:8000", "http://b:8000", "http://c:8000"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def test_is_a_prefix_store() -> None:
+    assert isinstance(PrefixIndex(), PrefixStore)
+
+
+def test_match_counts_leading_blocks_only(clock: Clock) -> None:
+    idx = PrefixIndex(clock=clock)
+    idx.stored(A, [1, 2, 3])
+    idx.stored(B, [1, 2])
+    idx.stored(B, [4])  # B holds block 4 but not 3: only its leading run counts
+    idx.stored(C, [2, 3])  # C lacks block 1: no leading blocks at all
+    assert idx.match([1, 2, 3, 4]) == {A: 3, B: 2}
+    assert idx.match([9, 1, 2]) == {}
+    assert idx.match([]) == {}
+
+
+def test_approximate_entries_age_out(clock: Clock) -> None:
+    idx = PrefixIndex(approx_ttl_s=60, clock=clock)
+    idx.learn(A, [1, 2, 3])
+    assert idx.match([1, 2, 3, 4]) == {A: 3}
+    clock.now += 30
+    idx.learn(A, [1])  # refreshes block 1 only
+    clock.now += 31
+    assert idx.match([1, 2, 3]) == {A: 1}
+    clock.now += 60
+    assert idx.match([1, 2, 3]) == {}
+    idx.learn(B, [7])  # learning prunes what has expired
+    assert idx.stats().approximate == 1
+
+
+def test_approximate_lru_bound(clock: Clock) -> None:
+    idx = PrefixIndex(max_approx_entries=5, clock=clock)
+    idx.learn(A, [1, 2, 3])
+    clock.now += 1
+    idx.learn(B, [1, 2, 3])  # 6 entries: A's block 1 (least recently learned) goes
+    stats = idx.stats()
+    assert stats.approximate == 5
+    assert stats.approximate_by_url == {A: 2, B: 3}
+    assert idx.match([1, 2, 3]) == {B: 3}
+
+
+def test_live_feed_trusts_events_after_the_young_window(clock: Clock) -> None:
+    idx = PrefixIndex(young_s=5, clock=clock)
+    idx.set_precise(A, True)
+    idx.learn(A, [1, 2, 3])
+    idx.learn(B, [1, 2, 3])  # B has no feed: its history counts for the whole TTL
+    assert idx.match([1, 2, 3]) == {A: 3, B: 3}  # young: the BlockStored may not be in yet
+    idx.stored(A, [1, 2])
+    clock.now += 6
+    assert idx.match([1, 2, 3]) == {A: 2, B: 3}  # old: only what the engine said it stored
+    idx.removed(A, [2])
+    assert idx.match([1, 2, 3]) == {A: 1, B: 3}
+    idx.set_precise(A, False)  # feed lost: history counts again
+    assert idx.match([1, 2, 3]) == {A: 3, B: 3}
+    assert idx.is_precise(B) is False
+
+
+def test_cleared_and_forget(clock: Clock) -> None:
+    idx = PrefixIndex(clock=clock)
+    idx.stored(A, [1, 2])
+    idx.stored(B, [1, 2])
+    idx.learn(A, [5])
+    idx.cleared(A)
+    assert idx.match([1, 2]) == {B: 2}
+    assert idx.match([5]) == {A: 1}  # history is not an engine's cache: cleared keeps it
+    idx.set_precise(A, True)
+    idx.forget(A)
+    assert idx.match([5]) == {}
+    assert idx.stats() == IndexStats(approximate=0, precise=2, live_feeds=0, precise_by_url={B: 2})
+    idx.cleared("http://unknown")  # no-op
+    idx.removed("http://unknown", [1])
+
+
+def test_stored_twice_and_removed_unknown(clock: Clock) -> None:
+    idx = PrefixIndex(clock=clock)
+    idx.stored(A, [1, 1, 2])
+    idx.stored(A, [1])
+    idx.removed(A, [3])
+    assert idx.stats().precise == 2
+    idx.removed(A, [1, 2])
+    assert idx.stats().precise == 0
+    assert idx.match([1]) == {}
+
+
+def test_precise_cap_per_endpoint(clock: Clock) -> None:
+    idx = PrefixIndex(max_precise_per_url=3, clock=clock)
+    idx.stored(A, [1, 2, 3, 4])
+    idx.stored(B, [1])
+    assert idx.stats().precise_by_url == {A: 3, B: 1}
+    assert idx.precise_evicted == 1
+    assert idx.match([1]) == {B: 1}
+
+
+def test_mixed_sources_chain(clock: Clock) -> None:
+    idx = PrefixIndex(clock=clock)
+    idx.stored(A, [1])
+    idx.learn(A, [2])
+    assert idx.match([1, 2, 3]) == {A: 2}
+
+
+def test_match_speed_8k_prompt() -> None:
+    """Hash + score of an 8k-token prompt against a populated index: well under 5 ms."""
+    spec = HashSpec(block_size=16)
+    rng = random.Random(3)
+    idx = PrefixIndex()
+    for n in range(8):
+        idx.learn(f"http://e{n}", block_hashes([rng.randrange(150_000) for _ in range(8192)], spec))
+    prompt = [rng.randrange(150_000) for _ in range(8192)]
+    hashes = block_hashes(prompt, spec)
+    for url in ("http://e0", "http://e1"):
+        idx.stored(url, hashes)
+    idx.learn("http://e2", hashes[:300])
+    t0 = time.perf_counter()
+    got = idx.match(block_hashes(prompt, spec))
+    took = time.perf_counter() - t0
+    assert got == {"http://e0": 512, "http://e1": 512, "http://e2": 300}
+    assert took < 0.05, took  # 10x slack for loaded CI machines
