@@ -48,6 +48,7 @@ from sim import protocol as P
 from sim.config import SimConfig
 from sim.engine import DECODE, Collector, Engine, Seq
 from sim.kv import KVServer
+from sim.kv_events import EventSink, ZmqEventPublisher
 from sim.metrics import SimMetrics
 from sim.tokens import load_tokenizer
 
@@ -108,12 +109,17 @@ class Records:
 class SimState:
     """Everything one app instance owns (no module-level state)."""
 
-    def __init__(self, cfg: SimConfig) -> None:
+    def __init__(self, cfg: SimConfig, event_sink: EventSink | None = None) -> None:
+        """``event_sink``: receives KV events instead of a ZMQ publisher (in-process tests)."""
         self.cfg = cfg
+        self.event_sink = event_sink
         self.metrics = SimMetrics(cfg)
         self.tok = load_tokenizer(cfg.tokenizer)
         self.engine: Engine | None = None
         self.kv_server: KVServer | None = None
+        self.publisher: ZmqEventPublisher | None = (
+            ZmqEventPublisher(cfg.kv_events_config, bind_host=cfg.host) if cfg.kv_events_config.active else None
+        )
         self.records = Records()
         digest = hashlib.sha256(
             f"{cfg.model}|{cfg.max_model_len}|{cfg.block_size}|{cfg.tokenizer}".encode()
@@ -122,7 +128,10 @@ class SimState:
         self.created = int(time.time())
 
     async def start(self) -> None:
-        engine = Engine(self.cfg, self.metrics, self.tok.output_vocab)
+        if self.publisher is not None:
+            await asyncio.to_thread(self.publisher.start)
+        sink = self.event_sink if self.event_sink is not None else self.publisher
+        engine = Engine(self.cfg, self.metrics, self.tok.output_vocab, publisher=sink)
         self.kv_server = KVServer(
             {"read": engine.kv_read, "notify": engine.kv_notify, "hb": engine.kv_heartbeat},
             self.cfg.host,
@@ -145,6 +154,8 @@ class SimState:
             await self.kv_server.close()
         if self.engine is not None:
             await self.engine.stop()
+        if self.publisher is not None:
+            await asyncio.to_thread(self.publisher.shutdown)
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -325,10 +336,11 @@ class GenerateEndpoint:
             rec["error"] = "; ".join(s.error or "" for s in job.seqs if s.error)
             await _send_json(send, 500, INTERNAL_ERROR.body())
             return
+        details = state.cfg.enable_prompt_tokens_details
         if job.endpoint == "completions":
-            body = P.completion_response(job, state.cfg.model, state.fingerprint)
+            body = P.completion_response(job, state.cfg.model, state.fingerprint, details)
         else:
-            body = P.chat_response(job, state.cfg.model, state.fingerprint)
+            body = P.chat_response(job, state.cfg.model, state.fingerprint, details)
         self._finish_record(job, rec, "completed", 200)
         await _send_json(send, 200, body)
 
@@ -449,6 +461,9 @@ class GenerateEndpoint:
                 if job.include_usage:
                     n_prompt = len(job.prompts[0]) if chat else sum(len(p) for p in job.prompts)
                     n_gen = sum(len(s.output_ids) for s in job.seqs)
+                    final_usage = P.usage_short(n_prompt, n_gen)
+                    if state.cfg.enable_prompt_tokens_details:
+                        final_usage["prompt_tokens_details"] = P.prompt_tokens_details(job, stream=True)
                     out.append(
                         P.sse(
                             {
@@ -457,7 +472,7 @@ class GenerateEndpoint:
                                 "created": created,
                                 "model": model,
                                 "choices": [],
-                                "usage": P.usage_short(n_prompt, n_gen),
+                                "usage": final_usage,
                                 "system_fingerprint": fp,
                             }
                         )
@@ -569,12 +584,31 @@ def create_app(cfg: SimConfig) -> Starlette:
                 "running": len(e.running),
                 "waiting": len(e.waiting) + len(e.ready_kv),
                 "kv_loading": len(e.remote_kv),
-                "free_blocks": len(e.free_blocks),
+                "free_blocks": e.pool.num_free,
                 "total_blocks": e.total_blocks,
                 "kv_cache_usage": e.kv_usage(),
                 "held": {rid: len(h.block_ids) for rid, h in e.held.items()},
+                "prefix_caching": cfg.enable_prefix_caching,
+                "cached_blocks": e.pool.num_cached,
+                "kv_events": None
+                if state.publisher is None
+                else {
+                    "endpoint": state.publisher.endpoint,
+                    "replay_endpoint": state.publisher.replay_endpoint,
+                    "topic": cfg.kv_events_config.topic,
+                    "published": state.publisher.published,
+                    "dropped": state.publisher.dropped,
+                },
             }
         )
+
+    async def reset_prefix_cache(request: Request) -> Response:
+        # vLLM's dev route: POST /reset_prefix_cache?reset_running_requests=&reset_external=
+        e = state.engine
+        if e is None:
+            return _json({"detail": "engine not started"}, 503)
+        running = request.query_params.get("reset_running_requests", "false").lower() in ("1", "true", "yes", "on")
+        return _json({"success": e.reset_prefix_cache(reset_running_requests=running)})
 
     async def http_error(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 500)
@@ -599,6 +633,8 @@ def create_app(cfg: SimConfig) -> Starlette:
         Route("/sim/requests", sim_requests, methods=["GET", "DELETE"]),
         Route("/sim/state", sim_state, methods=["GET"]),
     ]
+    if cfg.server_dev_mode:
+        routes.append(Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]))
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.sim = state
     if cfg.enable_request_id_headers:

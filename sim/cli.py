@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
-from sim.config import ROLES, SimConfig
+from sim.config import HASH_ALGOS, ROLES, SimConfig
+from sim.kv_events import KVEventsConfig
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -70,12 +72,40 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         action="store_true",
         help="echo X-Request-Id on responses (vLLM's flag of the same name)",
     )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="automatic prefix caching of full KV blocks (vLLM's flag; on by default)",
+    )
+    p.add_argument(
+        "--prefix-caching-hash-algo",
+        choices=HASH_ALGOS,
+        default="sha256",
+        help="block hash algorithm (vLLM's flag); the NONE_HASH seed is PYTHONHASHSEED when set",
+    )
+    p.add_argument(
+        "--kv-events-config",
+        default=None,
+        help='KV cache events, vLLM\'s JSON: {"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://*:5557", "replay_endpoint": null, "buffer_steps": 10000, "hwm": 100000, '
+        '"max_queue_size": 100000, "topic": ""}',
+    )
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage.prompt_tokens_details with cached_tokens (vLLM's flag)",
+    )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     kw = {k: v for k, v in vars(args).items() if v is not None}
+    if "kv_events_config" in kw:
+        kw["kv_events_config"] = KVEventsConfig.from_json(kw["kv_events_config"])
+    # vLLM mounts its development routes (/reset_prefix_cache, ...) only with this variable.
+    kw["server_dev_mode"] = os.environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0", "false", "False")
     return SimConfig(**kw)
 
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from sim.kv_events import KVEventsConfig
+
 ROLES = ("prefill", "decode", "both")
+HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")  # vLLM 0.32's PrefixCachingHashAlgo
 
 
 @dataclass
@@ -37,6 +40,11 @@ class SimConfig:
     default_max_tokens: int = 16
     engine_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     enable_request_id_headers: bool = False
+    enable_prefix_caching: bool = True  # vLLM 0.32's default for generative models
+    prefix_caching_hash_algo: str = "sha256"
+    kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
+    enable_prompt_tokens_details: bool = False
+    server_dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1: dev routes such as /reset_prefix_cache
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
@@ -67,6 +75,11 @@ class SimConfig:
             raise ValueError("default_max_tokens must be at least 1")
         if not 0 <= self.kv_port <= 65535:
             raise ValueError("kv_port must be in 0..65535")
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(
+                f"prefix_caching_hash_algo must be one of {', '.join(HASH_ALGOS)}, "
+                f"got {self.prefix_caching_hash_algo!r}"
+            )
 
     @property
     def advertised_kv_host(self) -> str:

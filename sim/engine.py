@@ -52,7 +52,9 @@ import orjson
 
 from sim.config import SimConfig
 from sim.kv import KVClient, KVError
+from sim.kv_events import EventSink
 from sim.metrics import SimMetrics
+from sim.prefix import BlockPool, engine_hash_spec, extend_digests
 from sim.tokens import OutputVocab, block_chain, output_index, prompt_seed
 
 log = logging.getLogger("sim.engine")
@@ -84,8 +86,11 @@ class Seq:
     __slots__ = (
         "arrival",
         "blocks",
+        "cached_tokens",
         "collector",
         "counted_prompt",
+        "created_cache_tokens",
+        "digests",
         "error",
         "external_tokens",
         "final_sent",
@@ -99,9 +104,11 @@ class Seq:
         "kv_out",
         "kv_pulled",
         "last_token_t",
+        "local_hit",
         "max_tokens",
         "min_tokens",
         "n_param",
+        "num_cached_blocks",
         "num_computed",
         "num_preemptions",
         "output_ids",
@@ -160,6 +167,11 @@ class Seq:
         self.pieces: list[str] = []
         self.num_computed = 0
         self.blocks: list[int] = []
+        self.digests: list[bytes] = []  # chained block hashes of its full blocks, grown lazily
+        self.num_cached_blocks = 0  # leading blocks registered in the prefix cache
+        self.local_hit = 0  # prompt tokens found in the local prefix cache at first admission
+        self.cached_tokens = 0  # usage.prompt_tokens_details.cached_tokens
+        self.created_cache_tokens = 0  # ... .created_cache_tokens (chat)
         self.in_prefill = True
         self.counted_prompt = False
         self.external_tokens = 0
@@ -208,13 +220,18 @@ class Engine:
         metrics: SimMetrics,
         vocab: OutputVocab,
         kv_client: KVClient | None = None,
+        publisher: EventSink | None = None,
     ) -> None:
         self.cfg = cfg
         self.m = metrics
         self.vocab = vocab
         self.kv = kv_client or KVClient(connect_timeout=cfg.kv_handshake_timeout)
         self.kv_port = 0  # set once the side channel listens
-        self.free_blocks: deque[int] = deque(range(1, cfg.num_gpu_blocks))
+        self.publisher = publisher
+        self.hash_spec = (
+            engine_hash_spec(cfg.block_size, cfg.prefix_caching_hash_algo) if cfg.enable_prefix_caching else None
+        )
+        self.pool = BlockPool(cfg.num_gpu_blocks, cfg.block_size, self.hash_spec, events=publisher is not None)
         self.total_blocks = cfg.num_gpu_blocks - 1
         # What each block holds: (seq whose KV it is, its index in that seq, tokens computed).
         # Like real KV memory it keeps its content after release, until reallocated.
@@ -254,7 +271,30 @@ class Engine:
 
     # ------------------------------------------------------------------ state
     def kv_usage(self) -> float:
-        return 1.0 - len(self.free_blocks) / self.total_blocks
+        return self.pool.usage()
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's ``reset_prefix_cache``: forget every cached block (AllBlocksCleared). Refused
+        while blocks are in use (running requests, held prefill blocks, KV loads); with
+        ``reset_running_requests`` the running requests are preempted first."""
+        if reset_running_requests:
+            while self.running:
+                self._preempt(self.running[-1])
+        ok = self.pool.reset()
+        if ok:
+            log.info("Successfully reset prefix cache")
+        else:
+            log.warning(
+                "Failed to reset prefix cache because some blocks (%d) are not freed yet",
+                self.total_blocks - self.pool.num_free,
+            )
+        self._publish_events()  # vLLM publishes with its next engine step; nothing to wait for here
+        self._wake.set()
+        return ok
+
+    def _publish_events(self) -> None:
+        if self.publisher is not None and self.pool.events:
+            self.publisher.publish(self.pool.take_events())
 
     def update_gauges(self) -> None:
         m = self.m
@@ -315,16 +355,68 @@ class Engine:
         need = cdiv(n_tokens, self.cfg.block_size) - len(seq.blocks)
         if need <= 0:
             return True
-        free = self.free_blocks
-        if need > len(free):
+        new = self.pool.allocate(need)
+        if new is None:
             return False
-        pop = free.popleft
         src = self.block_src
-        for _ in range(need):
-            b = pop()
+        for b in new:
             src[b] = None  # about to be overwritten
-            seq.blocks.append(b)
+        seq.blocks.extend(new)
         return True
+
+    def _lookup(self, seq: Seq) -> list[int]:
+        """Blocks of ``seq``'s longest cached prefix (at most num_tokens - 1 tokens: the last
+        one is always computed, to sample from)."""
+        spec = self.hash_spec
+        if spec is None:
+            return []
+        max_blocks = (seq.num_tokens - 1) // spec.block_size
+        if max_blocks <= 0:
+            return []
+        if len(seq.digests) < max_blocks:
+            extend_digests(seq.digests, seq.prompt_ids + seq.output_ids, max_blocks, spec)
+        return self.pool.lookup(seq.digests, max_blocks)
+
+    def _admit_blocks(self, seq: Seq, hits: list[int], n_tokens: int) -> bool:
+        """Give a newly admitted seq its cache hits plus new blocks up to ``n_tokens``, or
+        nothing if they do not all fit (hits sitting in the free queue count against it)."""
+        pool = self.pool
+        need = cdiv(n_tokens, self.cfg.block_size) - len(hits)
+        if need + pool.evictable(hits) > pool.num_free:
+            return False
+        pool.touch(hits)
+        seq.blocks = list(hits)
+        seq.num_cached_blocks = len(hits)
+        if not self._grow(seq, n_tokens):  # pragma: no cover - checked above
+            raise AssertionError("block accounting is off")
+        return True
+
+    def _cache_blocks(self, seq: Seq, n_tokens: int) -> None:
+        """Register the seq's full blocks up to ``n_tokens`` in the prefix cache (vLLM does it
+        when it schedules the tokens, so the step's BlockStored events cover them)."""
+        spec = self.hash_spec
+        if spec is None:
+            return
+        full = min(n_tokens, seq.num_tokens) // spec.block_size
+        done = seq.num_cached_blocks
+        if full <= done:
+            return
+        tokens = seq.prompt_ids + seq.output_ids if seq.output_ids else seq.prompt_ids
+        extend_digests(seq.digests, tokens, full, spec)
+        self.pool.cache(seq.blocks, seq.digests, done, full, tokens)
+        seq.num_cached_blocks = full
+
+    def _record_admission(self, seq: Seq, local: int) -> None:
+        """Prefix-cache stats at a fresh admission. vLLM keeps requests resumed after a
+        preemption out of the exported counters; their first admission's split holds."""
+        if seq.num_preemptions:
+            return
+        m = self.m
+        seq.local_hit = local
+        if self.hash_spec is not None:
+            m.prefix_queries.inc(seq.num_tokens)
+            m.prefix_hits.inc(local)
+            m.cached_by_source["device"].inc(local)
 
     def _record_content(self, seq: Seq) -> None:
         src = self.block_src
@@ -336,8 +428,9 @@ class Engine:
     def _free(self, seq: Seq) -> None:
         if seq.blocks:
             self._record_content(seq)
-            self.free_blocks.extend(seq.blocks)
+            self.pool.release(seq.blocks)
             seq.blocks = []
+        seq.num_cached_blocks = 0
 
     def _preempt(self, seq: Seq) -> None:
         self.running.remove(seq)
@@ -355,6 +448,7 @@ class Engine:
         m = self.m
         while True:
             if not (self.running or self.waiting or self.ready_kv):
+                self._publish_events()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -376,6 +470,7 @@ class Engine:
                         break
                 if seq.state != RUNNING:
                     continue
+                self._cache_blocks(seq, seq.num_computed + chunk)
                 batch.append((seq, chunk))
                 budget -= chunk
                 if seq.in_prefill:
@@ -388,28 +483,41 @@ class Engine:
                 if not queue:
                     break
                 seq = queue[0]
+                fresh = seq.num_computed == 0  # vLLM looks the prefix cache up for these
+                hits = self._lookup(seq) if fresh else []
+                local = len(hits) * cfg.block_size
                 if seq.kind == DECODE and not seq.kv_pulled:
-                    # Allocate for the prompt, then load its KV from the prefill engine.
-                    if not self._grow(seq, seq.prompt_len):
+                    # Local hits first; the rest of the prompt is loaded from the prefill engine.
+                    if not self._admit_blocks(seq, hits, seq.prompt_len):
                         break
                     queue.popleft()
                     seq.state = REMOTE_KV
                     seq.scheduled_t = now
+                    seq.num_computed = local
+                    self._record_admission(seq, local)
+                    ext = seq.prompt_len - local
                     # vLLM counts the connector's hit when it schedules the load, not after it.
-                    m.ext_prefix_queries.inc(seq.prompt_len)
-                    m.ext_prefix_hits.inc(seq.prompt_len)
-                    m.cached_by_source["p2p"].inc(seq.prompt_len)
+                    m.ext_prefix_queries.inc(ext)
+                    m.ext_prefix_hits.inc(ext)
+                    m.cached_by_source["p2p"].inc(ext)
                     self.remote_kv.add(seq)
-                    seq.pull_task = self._spawn(self._pull(seq))
+                    seq.pull_task = self._spawn(self._pull(seq, len(hits)))
                     continue
-                chunk = min(seq.num_tokens - seq.num_computed, budget)
-                if not self._grow(seq, seq.num_computed + chunk):
+                chunk = min(seq.num_tokens - max(seq.num_computed, local), budget)
+                if fresh:
+                    if not self._admit_blocks(seq, hits, local + chunk):
+                        break
+                    seq.num_computed = local
+                elif not self._grow(seq, seq.num_computed + chunk):
                     break
                 queue.popleft()
                 seq.state = RUNNING
+                if fresh:
+                    self._record_admission(seq, local)
                 if seq.scheduled_t is None:
                     seq.scheduled_t = now
-                    m.ext_prefix_queries.inc(seq.prompt_len)
+                    m.ext_prefix_queries.inc(seq.num_tokens - local)
+                self._cache_blocks(seq, seq.num_computed + chunk)
                 self.running.append(seq)
                 batch.append((seq, chunk))
                 budget -= chunk
@@ -417,6 +525,7 @@ class Engine:
 
             if not batch:
                 # Nothing can run (no blocks, or only KV loads in flight): wait for a change.
+                self._publish_events()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -436,6 +545,7 @@ class Engine:
                     self._sample(seq, now)
                     generated += 1
             m.iteration_tokens.observe(prefill_tokens + generated)
+            self._publish_events()  # one KVEventBatch per step, as vLLM's scheduler does
 
     # ------------------------------------------------------------------ tokens
     def _sample(self, seq: Seq, now: float) -> None:
@@ -452,11 +562,19 @@ class Engine:
             m.itl.observe(now - seq.last_token_t)
         if not seq.counted_prompt:
             seq.counted_prompt = True
-            ext = seq.external_tokens
+            ext, local = seq.external_tokens, seq.local_hit
+            cached = ext + local
             m.prompt_tokens.inc(seq.prompt_len)
-            m.prompt_by_source["local_compute"].inc(seq.prompt_len - ext)
+            m.prompt_by_source["local_compute"].inc(seq.prompt_len - cached)
+            m.prompt_by_source["local_cache_hit"].inc(local)
             m.prompt_by_source["external_kv_transfer"].inc(ext)
-            m.prompt_cached.inc(ext)
+            m.prompt_cached.inc(cached)
+            # Usage details: a decode leg reports the prefill engine's hits (vLLM 0.32 passes
+            # them in kv_transfer_params.remote_prefill_cached_tokens), else its own.
+            remote = (seq.kv_in or {}).get("remote_prefill_cached_tokens") if seq.kind == DECODE else None
+            seq.cached_tokens = remote if type(remote) is int else cached
+            in_cache = min(seq.num_cached_blocks * self.cfg.block_size, seq.prompt_len)
+            seq.created_cache_tokens = max(0, in_cache - cached)
         seq.last_token_t = now
         seq.in_prefill = False
         m.generation_tokens.inc()
@@ -507,7 +625,7 @@ class Engine:
         m.req_prompt_tokens.observe(seq.prompt_len)
         m.req_generation_tokens.observe(n_out)
         m.req_preemptions.observe(seq.num_preemptions)
-        m.prefill_kv_computed.observe(seq.prompt_len - seq.external_tokens)
+        m.prefill_kv_computed.observe(seq.prompt_len - seq.external_tokens - seq.local_hit)
         m.req_max_gen_tokens.observe(n_out)
         m.req_params_n.observe(seq.n_param)
         m.req_params_max_tokens.observe(seq.max_tokens)
@@ -536,7 +654,7 @@ class Engine:
             "remote_num_tokens": seq.num_computed,
             "remote_blocks_expiry_time": None,
             "transfer_mode": "pull",
-            "remote_prefill_cached_tokens": 0,
+            "remote_prefill_cached_tokens": seq.local_hit,
         }
 
     def _release_held(self, request_id: str) -> bool:
@@ -545,7 +663,7 @@ class Engine:
             return False
         if held.timer is not None:
             held.timer.cancel()
-        self.free_blocks.extend(held.block_ids)
+        self.pool.release(held.block_ids)
         self._wake.set()
         return True
 
@@ -557,7 +675,9 @@ class Engine:
     # Side-channel operations (called by sim.kv.KVServer) --------------------
     def kv_read(self, msg: dict[str, Any]) -> dict[str, Any]:
         """A decode engine reads blocks by id. Like a NIXL READ it gets whatever the blocks
-        hold now (``tags`` describe that KV), whether or not the handle is still known."""
+        hold now (``tags`` describe that KV), whether or not the handle is still known.
+        ``first_block``: the position of the first block read in the request (a decode engine
+        with a local prefix hit reads only the blocks after it)."""
         own = self.cfg.engine_id
         if msg.get("engine_id") != own:
             return {"status": "engine_mismatch", "engine_id": own}
@@ -569,13 +689,16 @@ class Engine:
                 raise ValueError
         except (TypeError, ValueError):
             return {"status": "bad_blocks", "engine_id": own}
+        first = msg.get("first_block") or 0
+        if type(first) is not int or first < 0:
+            return {"status": "bad_blocks", "engine_id": own}
         held = self.held.get(msg.get("request_id"))
-        known = held is not None and held.block_ids[: len(flat)] == flat
+        known = held is not None and held.block_ids[first : first + len(flat)] == flat
         n_req = msg.get("num_tokens")
         bs = self.cfg.block_size
         chains: dict[int, list[str]] = {}
         tags: list[str | None] = []
-        for i, b in enumerate(flat):
+        for i, b in enumerate(flat, start=first):
             src = self.block_src[b]
             if src is None or src[1] != i:
                 tags.append(None)  # garbage, or KV of another position
@@ -648,11 +771,15 @@ class Engine:
             self.m.nixl_failed_transfers.inc()
             log.error("KV notification to %s:%s failed (%s); its blocks will be freed after expiry", host, port, e)
 
-    async def _pull(self, seq: Seq) -> None:
+    async def _pull(self, seq: Seq, first_block: int = 0) -> None:
+        """Load the prompt's KV after the first ``first_block`` blocks (a local prefix hit:
+        vLLM's NIXL connector reads only the remote blocks the decode engine lacks)."""
         m = self.m
         cfg = self.cfg
         host, port, engine_id, rid = self._remote(seq)
         groups = (seq.kv_in or {}).get("remote_block_ids") or []
+        if first_block:
+            groups = [g[first_block:] if isinstance(g, list) else g for g in groups]
         read_done = False
         try:
             t0 = _now()
@@ -665,6 +792,7 @@ class Engine:
                         "engine_id": engine_id,
                         "request_id": rid,
                         "block_ids": groups,
+                        "first_block": first_block,
                         "num_tokens": seq.prompt_len,
                     },
                 )
@@ -695,11 +823,11 @@ class Engine:
                 return
             read_done = True
             post = _now() - t0
-            n_ext = seq.prompt_len
+            n_ext = seq.prompt_len - seq.num_computed  # num_computed: the local hit
             if cfg.kv_transfer_time_per_token:
                 await asyncio.sleep(n_ext * cfg.kv_transfer_time_per_token)
             xfer = _now() - t0
-            expected = block_chain(seq.prompt_ids, int(reply.get("block_size") or cfg.block_size))
+            expected = block_chain(seq.prompt_ids, int(reply.get("block_size") or cfg.block_size))[first_block:]
             tags = reply.get("tags") or []
             if tags[: len(expected)] != expected:
                 # The blocks held someone else's KV (or nothing): the output is garbage, but
@@ -711,7 +839,10 @@ class Engine:
             m.nixl_bytes.observe(n_blocks * cfg.block_size * cfg.kv_bytes_per_token)
             m.nixl_descriptors.observe(n_blocks * 2)
             seq.external_tokens = n_ext
-            seq.num_computed = n_ext - 1  # a full hit recomputes the last prompt token
+            # vLLM caches the loaded blocks once they arrived, then recomputes the last prompt
+            # token (a full hit) to sample.
+            self._cache_blocks(seq, seq.prompt_len)
+            seq.num_computed = seq.prompt_len - 1
             seq.kv_pulled = True
             self.remote_kv.discard(seq)
             seq.state = WAITING

@@ -77,9 +77,8 @@ def cache_config_labels(cfg: SimConfig) -> dict[str, str]:
         "is_attention_free": "False",
         "num_gpu_blocks_override": "None",
         "sliding_window": "None",
-        # The simulator has no prefix cache (yet): say so.
-        "enable_prefix_caching": "False",
-        "prefix_caching_hash_algo": "sha256",
+        "enable_prefix_caching": str(cfg.enable_prefix_caching),
+        "prefix_caching_hash_algo": cfg.prefix_caching_hash_algo,
         "prefix_cache_retention_interval": "0",
         "kv_cache_dtype_skip_layers": "[]",
         "mamba_page_size_padded": "None",

@@ -519,14 +519,37 @@ def internal_ids(job: Job) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- responses
-def usage_full(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage_full(
+    prompt_tokens: int, completion_tokens: int, prompt_details: dict[str, Any] | None = None
+) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": prompt_details,
         "completion_tokens_details": None,
     }
+
+
+def prompt_tokens_details(job: Job, *, stream: bool) -> dict[str, Any] | None:
+    """vLLM's ``usage.prompt_tokens_details`` under ``--enable-prompt-tokens-details`` (the
+    caller checks the flag). Chat reports cached and newly cached tokens of the request;
+    completions only the cached tokens of the last prompt. Streamed usage drops null fields."""
+    if not job.seqs:
+        return None
+    if job.endpoint == "chat":
+        seq = job.seqs[0]
+        details: dict[str, Any] = {
+            "cached_tokens": seq.cached_tokens,
+            "created_cache_tokens": seq.created_cache_tokens,
+            "multimodal_tokens": None,
+        }
+    else:
+        seq = job.seqs[(len(job.prompts) - 1) * job.n]
+        details = {"cached_tokens": seq.cached_tokens, "created_cache_tokens": None, "multimodal_tokens": None}
+    if stream:
+        return {k: v for k, v in details.items() if v is not None}
+    return details
 
 
 def usage_short(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
@@ -537,7 +560,7 @@ def usage_short(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     }
 
 
-def completion_response(job: Job, model: str, fingerprint: str | None) -> dict[str, Any]:
+def completion_response(job: Job, model: str, fingerprint: str | None, prompt_details: bool = False) -> dict[str, Any]:
     choices = []
     n_prompt = 0
     n_gen = 0
@@ -567,14 +590,14 @@ def completion_response(job: Job, model: str, fingerprint: str | None) -> dict[s
         "choices": choices,
         "service_tier": None,
         "system_fingerprint": fingerprint,
-        "usage": usage_full(n_prompt, n_gen),
+        "usage": usage_full(n_prompt, n_gen, prompt_tokens_details(job, stream=False) if prompt_details else None),
         "kv_transfer_params": job.seqs[0].kv_out if job.seqs else None,
         "ec_transfer_params": None,
         "metrics": None,
     }
 
 
-def chat_response(job: Job, model: str, fingerprint: str | None) -> dict[str, Any]:
+def chat_response(job: Job, model: str, fingerprint: str | None, prompt_details: bool = False) -> dict[str, Any]:
     choices = []
     for c, seq in enumerate(job.seqs):
         choices.append(
@@ -605,7 +628,9 @@ def chat_response(job: Job, model: str, fingerprint: str | None) -> dict[str, An
         "choices": choices,
         "service_tier": None,
         "system_fingerprint": fingerprint,
-        "usage": usage_full(len(job.prompts[0]), n_gen),
+        "usage": usage_full(
+            len(job.prompts[0]), n_gen, prompt_tokens_details(job, stream=False) if prompt_details else None
+        ),
         "prompt_logprobs": None,
         "prompt_token_ids": job.prompts[0] if job.return_token_ids else None,
         "prompt_text": None,
