@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
+import aiohttp
 import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -15,43 +20,130 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .config import GatewayConfig
+from policies.blockhash import HashSpec
+from policies.prefix_index import PrefixIndex
+
+from .config import AdminConfig, GatewayConfig
 from .dispatch import Dispatcher
+from .enginestats import StatsScraper
 from .errors import APIError, error_response
+from .kvevents import KVEventSubscriber
 from .metrics import GatewayMetrics
 from .pools import HealthChecker, Pools
-from .service import Gateway, build_pipeline
+from .reload import ConfigWatcher, version_of
+from .router import DEFAULT_BLOCK_SIZE, Router, build_pipeline
+from .service import Gateway, Runtime
 from .tokenizer import ModelTokenizer, Tokenizers
 from .upstream import Upstream, make_session
 
+log = logging.getLogger(__name__)
 
-def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None) -> FastPath:
-    """The gateway app; ``tokenizers`` may be injected (tests), else loaded at startup."""
+
+def admin_token(cfg: AdminConfig) -> str | None:
+    """The admin bearer token, or None: admin and debug endpoints are off."""
+    if cfg.token_file:
+        try:
+            token = Path(cfg.token_file).read_text().strip()
+        except OSError as err:
+            raise ValueError(f"admin.token_file: cannot read ({err.strerror})") from None
+        return token or None
+    if cfg.token_env:
+        return os.environ.get(cfg.token_env, "").strip() or None
+    return None
+
+
+def validate(cfg: GatewayConfig) -> None:
+    """Everything about a config that can be checked without engines or tokenizers (used by
+    ``pdgate check-config``, at startup and before a reload takes effect)."""
+    build_pipeline(cfg.routing)
+    Router(cfg.routing, Pools([], []), PrefixIndex())  # the prefix hashing settings
+    admin_token(cfg.admin)
+
+
+class Subscriptions:
+    """One KV-event subscriber per endpoint whose config names a publisher."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self._index = index
+        self._subs: dict[tuple, KVEventSubscriber] = {}
+
+    async def update(self, cfg: GatewayConfig) -> None:
+        p = cfg.routing.prefix
+        spec = HashSpec(block_size=p.block_size or DEFAULT_BLOCK_SIZE, algo=p.hash_algo, seed=p.hash_seed)
+        wanted = {
+            (e.url, e.kv_events, e.kv_events_replay, e.kv_events_topic, spec): e
+            for pool in (cfg.pools.prefill, cfg.pools.decode) for e in pool.endpoints if e.kv_events and p.enabled
+        }
+        for key in [k for k in self._subs if k not in wanted]:
+            await self._subs.pop(key).stop()
+        for key in wanted.keys() - self._subs.keys():
+            url, addr, replay, topic, _ = key
+            sub = KVEventSubscriber(url, addr, index=self._index, replay_endpoint=replay, topic=topic, spec=spec)
+            await sub.start()
+            self._subs[key] = sub
+
+    def all(self) -> list[KVEventSubscriber]:
+        return list(self._subs.values())
+
+    async def close(self) -> None:
+        for sub in self._subs.values():
+            await sub.stop()
+        self._subs.clear()
+
+
+def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
+               config_path: str | Path | None = None, config_version: str | None = None) -> FastPath:
+    """The gateway app; ``tokenizers`` may be injected (tests), else loaded at startup. With
+    ``config_path``, edits of that file are validated and applied while serving."""
     created = int(time.time())
-    # Built now so that a bad policy name fails before the server binds its port.
-    pipeline = build_pipeline(cfg.routing)
+    validate(cfg)  # a bad policy name fails before the server binds its port
+    version = config_version or version_of(orjson.dumps(cfg.model_dump(mode="json")))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Gateway]]:
         toks = tokenizers
         if toks is None:
-            loaded = await asyncio.gather(
-                *(asyncio.to_thread(ModelTokenizer.load, m) for m in cfg.models)
-            )
+            loaded = await asyncio.gather(*(asyncio.to_thread(ModelTokenizer.load, m) for m in cfg.models))
             toks = Tokenizers(loaded, cfg.tokenizer)
-        pools = Pools(cfg.pools.prefill.endpoints, cfg.pools.decode.endpoints)
+        pools = Pools(cfg.pools.prefill.urls, cfg.pools.decode.urls, stats_max_age_s=cfg.signals.max_age_s)
+        index = PrefixIndex(max_approx_entries=cfg.routing.prefix.max_learned_blocks,
+                            approx_ttl_s=cfg.routing.prefix.learned_ttl_s)
         session = make_session()
+        metrics = GatewayMetrics(pools)
+        gw = Gateway(_runtime(cfg, version, session, pools, index, toks), pools, metrics)
+        gw.admin_token = admin_token(cfg.admin)
         health = HealthChecker(pools, session, cfg.health)
-        gw = Gateway(
-            cfg, toks, pools, pipeline, Dispatcher(Upstream(session, cfg.timeouts), pools), GatewayMetrics(pools)
-        )
+        scraper = StatsScraper(pools, session, cfg.signals)
+        subs = Subscriptions(index)
+        metrics.config_loaded(version)
+
+        async def apply(new: GatewayConfig, new_version: str) -> None:
+            await _apply(gw, new, new_version, session, pools, index, subs)
+            health.configure(new.health)
+            scraper.configure(new.signals)
+
+        def reload_result(result: str, message: str) -> None:
+            metrics.reloads.labels(result).inc()
+            if result == "ok":
+                metrics.config_loaded(message)
+
+        watcher = ConfigWatcher(config_path, version, apply, reload_result) if config_path else None
+        gw.watcher = watcher
+        await subs.update(cfg)
         await health.start()
+        scraper.start()
+        if watcher:
+            watcher.start()
         try:
             yield {"gw": gw}
         finally:
+            if watcher:
+                await watcher.stop()
+            await scraper.stop()
             await health.stop()
+            await subs.close()
             await session.close()
-            toks.close()
+            gw.runtime.tokenizers.close()
 
     async def chat(request: Request) -> ASGIApp:
         return await request.state.gw.chat(request)
@@ -63,7 +155,7 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None) -> Fast
         data = [
             {"id": m.name, "object": "model", "created": created, "owned_by": "pdgate",
              "root": m.name, "parent": None, "max_model_len": m.max_model_len}
-            for m in cfg.models
+            for m in request.state.gw.runtime.cfg.models
         ]
         return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
@@ -85,6 +177,37 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None) -> Fast
         gw = request.state.gw
         return Response(gw.metrics.render(), media_type=gw.metrics.content_type)
 
+    def admin(handler: Callable[[Gateway, Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        """Off (404) unless an admin token is configured; then the bearer token must match."""
+
+        async def guarded(request: Request) -> Response:
+            gw: Gateway = request.state.gw
+            if gw.admin_token is None:
+                return error_response(APIError(404, f"{request.method} {request.url.path}: Not Found"))
+            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(given.encode(), gw.admin_token.encode()):
+                return error_response(APIError(401, "A valid admin bearer token is required.",
+                                               type_="authentication_error", code="invalid_admin_token"))
+            try:
+                return await handler(gw, request)
+            except APIError as err:
+                return error_response(err)
+
+        return guarded
+
+    async def admin_config(gw: Gateway, request: Request) -> Response:
+        rt = gw.runtime
+        body = {
+            "version": rt.version,
+            "source": str(config_path) if config_path else None,
+            "last_reload_error": gw.watcher.last_error if gw.watcher else None,
+            "config": rt.cfg.model_dump(mode="json"),
+        }
+        return Response(orjson.dumps(body), media_type="application/json")
+
+    async def debug_route(gw: Gateway, request: Request) -> Response:
+        return Response(orjson.dumps(await gw.explain(request)), media_type="application/json")
+
     routes = [
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
@@ -92,13 +215,53 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None) -> Fast
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/admin/config", admin(admin_config), methods=["GET"]),
+        Route("/debug/route", admin(debug_route), methods=["POST"]),
     ]
+
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
 
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     return FastPath(app, {"/v1/chat/completions": chat, "/v1/completions": completions})
+
+
+def _runtime(cfg: GatewayConfig, version: str, session: aiohttp.ClientSession, pools: Pools, index: PrefixIndex,
+             tokenizers: Tokenizers) -> Runtime:
+    return Runtime(cfg, version, Router(cfg.routing, pools, index),
+                   Dispatcher(Upstream(session, cfg.timeouts), pools), tokenizers)
+
+
+async def _apply(gw: Gateway, new: GatewayConfig, version: str, session: aiohttp.ClientSession, pools: Pools,
+                 index: PrefixIndex, subs: Subscriptions) -> None:
+    """Validate everything first, then swap: a reload that fails at any step changes nothing."""
+    old = gw.runtime
+    validate(new)
+    token = admin_token(new.admin)
+    if new.server != old.cfg.server:
+        log.warning("config reload: the server section changed; it takes effect at the next restart")
+        new = new.model_copy(update={"server": old.cfg.server})
+    tokenizers = old.tokenizers
+    if new.models != old.cfg.models or new.tokenizer != old.cfg.tokenizer:
+        try:
+            loaded = await asyncio.gather(*(
+                asyncio.to_thread(ModelTokenizer.load, m) if (t := old.tokenizers.get(m.name)) is None or t.cfg != m
+                else asyncio.sleep(0, t) for m in new.models
+            ))
+        except Exception as err:  # a missing or broken tokenizer: keep serving the old config
+            raise ValueError(f"models: cannot load a tokenizer ({type(err).__name__}: {err})") from None
+        tokenizers = Tokenizers(loaded, new.tokenizer)
+    # Built against the live pools, so it must come after their update; nothing below can fail.
+    removed = pools.update(new.pools.prefill.urls, new.pools.decode.urls)
+    pools.stats_max_age_s = new.signals.max_age_s
+    for url in {ep.url for ep in removed} - {ep.url for ep in pools.all()}:
+        index.forget(url)
+    gw.runtime = _runtime(new, version, session, pools, index, tokenizers)
+    gw.admin_token = token
+    await subs.update(new)
+    if tokenizers is not old.tokenizers:
+        old.tokenizers.close(cancel=False)  # requests still tokenizing there finish first
 
 
 class FastPath:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from .config import ConfigError, load_config
 
@@ -13,9 +14,14 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app
+    from .reload import version_of
 
     try:
-        cfg = load_config(args.config)
+        raw = Path(args.config).read_bytes()
+        cfg = load_config(args.config, text=raw.decode("utf-8", "replace"))
+    except OSError as err:
+        print(f"{args.config}: cannot read ({err.strerror})", file=sys.stderr)
+        return 2
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
@@ -24,7 +30,7 @@ def _serve(args: argparse.Namespace) -> int:
     level = cfg.server.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        app = create_app(cfg)
+        app = create_app(cfg, config_path=args.config, config_version=version_of(raw))
     except ValueError as err:  # e.g. an unknown policy name
         print(f"{args.config}: {err}", file=sys.stderr)
         return 2
@@ -36,11 +42,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from .service import build_pipeline
+    from .app import validate
 
     try:
         cfg = load_config(args.config)
-        build_pipeline(cfg.routing)
+        validate(cfg)
     except (ConfigError, ValueError) as err:
         print(err, file=sys.stderr)
         return 1

@@ -74,16 +74,51 @@ def _check_url(url: str) -> str:
     return url.rstrip("/")
 
 
+class EndpointConfig(_Strict):
+    """One engine. A bare URL string in the YAML means ``{url: URL}``."""
+
+    url: str
+    kv_events: str | None = Field(
+        None, description="the engine's KV-events publisher (vLLM --kv-events-config endpoint, e.g. "
+        "tcp://10.0.0.5:5557): precise prefix routing from what the engine really cached",
+    )
+    kv_events_replay: str | None = Field(None, description="its replay endpoint, to recover missed events")
+    kv_events_topic: str = ""
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, url: str) -> str:
+        return _check_url(url)
+
+    @field_validator("kv_events", "kv_events_replay")
+    @classmethod
+    def _zmq(cls, addr: str | None) -> str | None:
+        if addr is not None and not addr.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"{addr!r} must be a ZMQ address (tcp://host:port or ipc://path)")
+        return addr
+
+
 class PoolConfig(_Strict):
-    endpoints: list[str] = Field(default_factory=list)
+    endpoints: list[EndpointConfig] = Field(default_factory=list)
+
+    @field_validator("endpoints", mode="before")
+    @classmethod
+    def _bare_urls(cls, items: Any) -> Any:
+        if isinstance(items, list):
+            return [{"url": i} if isinstance(i, str) else i for i in items]
+        return items
 
     @field_validator("endpoints")
     @classmethod
-    def _urls(cls, urls: list[str]) -> list[str]:
-        cleaned = [_check_url(u) for u in urls]
-        if len(set(cleaned)) != len(cleaned):
+    def _unique(cls, eps: list[EndpointConfig]) -> list[EndpointConfig]:
+        urls = [e.url for e in eps]
+        if len(set(urls)) != len(urls):
             raise ValueError("an endpoint is listed twice")
-        return cleaned
+        return eps
+
+    @property
+    def urls(self) -> list[str]:
+        return [e.url for e in self.endpoints]
 
 
 class PoolsConfig(_Strict):
@@ -116,9 +151,68 @@ class PolicySpec(BaseModel):
         return dict(self.model_extra or {})
 
 
+class ScorerSpec(PolicySpec):
+    weight: float = Field(1.0, ge=0, description="the scorer's share of the endpoint's total score")
+
+
+class PoolRoutingConfig(_Strict):
+    """How one pool chooses an endpoint: filters, then weighted scorers, then the picker."""
+
+    filters: list[PolicySpec] = Field(default_factory=list)
+    scorers: list[ScorerSpec] = Field(default_factory=list)
+    picker: PolicySpec = PolicySpec(name="max_score")
+
+
+def _default_scorers() -> list[ScorerSpec]:
+    return [ScorerSpec(name="prefix_affinity", weight=2.0), ScorerSpec(name="load", weight=1.0)]
+
+
+class PrefixConfig(_Strict):
+    """The prefix index: block hashes of real token ids, as the engines compute them."""
+
+    enabled: bool = True
+    block_size: int | None = Field(
+        None, gt=0, description="the engines' KV block size; unset: read from their vllm:cache_config_info "
+        "(16, vLLM's default, until known)",
+    )
+    hash_algo: Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"] = Field(
+        "sha256", description="the engines' --prefix-caching-hash-algo",
+    )
+    hash_seed: str | None = Field(
+        None, description="the engines' PYTHONHASHSEED; needed for hashes equal to the engine's own",
+    )
+    max_learned_blocks: int = Field(
+        200_000, gt=0, description="bound on (endpoint, block) entries learned from routing (~250 bytes each)",
+    )
+    learned_ttl_s: float = Field(
+        600.0, gt=0, description="how long a block learned from routing counts as cached on an engine "
+        "without KV events",
+    )
+
+
 class RoutingConfig(_Strict):
     decider: PolicySpec = PolicySpec(name="token_threshold")
-    picker: PolicySpec = PolicySpec(name="least_inflight")
+    decode: PoolRoutingConfig = PoolRoutingConfig(scorers=_default_scorers())
+    prefill: PoolRoutingConfig = PoolRoutingConfig(scorers=_default_scorers())
+    prefix: PrefixConfig = PrefixConfig()
+    debug_headers: bool = Field(
+        False, description="add x-pdgate-route (reason, numbers, chosen endpoints) to every response",
+    )
+
+
+class SignalsConfig(_Strict):
+    """Engine load scraped from each engine's /metrics."""
+
+    scrape_interval_s: float = Field(1.0, gt=0)
+    scrape_timeout_s: float = Field(1.0, gt=0)
+    max_age_s: float = Field(5.0, gt=0, description="older scraped values are ignored by routing")
+
+
+class AdminConfig(_Strict):
+    """GET /admin/config and POST /debug/route: off unless a token is configured."""
+
+    token_env: str | None = Field(None, description="environment variable holding the admin bearer token")
+    token_file: str | None = Field(None, description="file holding the admin bearer token")
 
 
 class TimeoutsConfig(_Strict):
@@ -144,6 +238,8 @@ class GatewayConfig(_Strict):
     routing: RoutingConfig = RoutingConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
+    signals: SignalsConfig = SignalsConfig()
+    admin: AdminConfig = AdminConfig()
 
     @model_validator(mode="after")
     def _unique_models(self) -> GatewayConfig:
@@ -177,12 +273,14 @@ def parse_config(data: Any, source: str = "<config>") -> GatewayConfig:
         raise ConfigError(_format_errors(source, err)) from None
 
 
-def load_config(path: str | Path) -> GatewayConfig:
+def load_config(path: str | Path, text: str | None = None) -> GatewayConfig:
+    """Parse and validate ``path`` (or ``text``, its content already read)."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as err:
-        raise ConfigError(f"{path}: cannot read ({err.strerror})") from None
+    if text is None:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as err:
+            raise ConfigError(f"{path}: cannot read ({err.strerror})") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:

@@ -37,6 +37,18 @@ class GatewayMetrics:
             ["pool", "endpoint"], registry=self.registry,
         )
 
+        self.reloads = Counter(
+            "pdgate_config_reloads", "Config file reloads by result (ok, rejected)",
+            ["result"], registry=self.registry,
+        )
+        self.config_info = Gauge(
+            "pdgate_config_info", "1 for the version of the config in use", ["version"], registry=self.registry,
+        )
+
+    def config_loaded(self, version: str) -> None:
+        self.config_info.clear()
+        self.config_info.labels(version).set(1)
+
     def render(self) -> bytes:
         for ep in self._pools.all():
             self.healthy.labels(ep.pool, ep.url).set(1 if ep.healthy else 0)

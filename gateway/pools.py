@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -16,6 +17,30 @@ from .config import HealthConfig
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """What an engine last reported on /metrics."""
+
+    running: int
+    waiting: int
+    kv_usage: float | None
+    block_size: int | None
+    at: float  # time.monotonic() of the scrape
+
+
+# Learning the prefill speed: smoothing of the per-token estimate, and the smallest amount of
+# prompt work whose timing says more about the engine than about HTTP overheads.
+_SPEED_ALPHA = 0.2
+_MIN_LEARN_TOKENS = 32
+
+
+@dataclass(slots=True)
+class PrefillTicket:
+    tokens: int
+    ahead: int  # prompt tokens the gateway had already queued on the endpoint
+    started: float
+
+
 @dataclass(eq=False)
 class Endpoint:
     url: str
@@ -24,15 +49,40 @@ class Endpoint:
     in_flight: int = 0
     last_error: str = ""
     failed_probes: int = 0
+    stats: EngineStats | None = None
+    # Uncached prompt tokens sent to the engine whose prefill has not visibly finished.
+    backlog_tokens: int = 0
+    prefill_s_per_token: float | None = None
 
-    def view(self) -> EndpointView:
-        return EndpointView(self.url, self.pool, self.healthy, self.in_flight)
+    def view(self, now: float = 0.0, max_age_s: float = 0.0) -> EndpointView:
+        st = self.stats
+        if st is None or now - st.at > max_age_s:
+            return EndpointView(self.url, self.pool, self.healthy, self.in_flight,
+                                backlog_tokens=self.backlog_tokens, prefill_s_per_token=self.prefill_s_per_token)
+        return EndpointView(self.url, self.pool, self.healthy, self.in_flight, st.running, st.waiting, st.kv_usage,
+                            self.backlog_tokens, self.prefill_s_per_token)
 
     def acquire(self) -> None:
         self.in_flight += 1
 
     def release(self) -> None:
         self.in_flight -= 1
+
+    def start_prefill(self, tokens: int) -> PrefillTicket:
+        ticket = PrefillTicket(tokens, self.backlog_tokens, time.monotonic())
+        self.backlog_tokens += tokens
+        return ticket
+
+    def end_prefill(self, ticket: PrefillTicket, *, learn: bool) -> None:
+        """The prompt is processed (or abandoned). With ``learn``, its timing updates the speed
+        estimate: the engine had ``ahead + tokens`` of prompt work to do before answering."""
+        self.backlog_tokens = max(0, self.backlog_tokens - ticket.tokens)
+        work = ticket.ahead + ticket.tokens
+        if not learn or ticket.tokens < _MIN_LEARN_TOKENS:
+            return
+        sample = (time.monotonic() - ticket.started) / work
+        old = self.prefill_s_per_token
+        self.prefill_s_per_token = sample if old is None else old + _SPEED_ALPHA * (sample - old)
 
     def mark_down(self, why: str) -> None:
         if self.healthy:
@@ -50,10 +100,21 @@ class Endpoint:
 class Pools:
     """The prefill and decode pools; the only owner of endpoint state."""
 
-    def __init__(self, prefill: Iterable[str], decode: Iterable[str]) -> None:
-        self.prefill = [Endpoint(u, "prefill") for u in prefill]
-        self.decode = [Endpoint(u, "decode") for u in decode]
+    def __init__(self, prefill: Iterable[str], decode: Iterable[str], *, stats_max_age_s: float = 5.0) -> None:
+        self.prefill: list[Endpoint] = []
+        self.decode: list[Endpoint] = []
+        self._by_url: dict[tuple[str, str], Endpoint] = {}
+        self.stats_max_age_s = stats_max_age_s
+        self.update(prefill, decode)
+
+    def update(self, prefill: Iterable[str], decode: Iterable[str]) -> list[Endpoint]:
+        """Take new endpoint lists (a config reload): endpoints kept keep their state (health, load,
+        learned speed); requests in flight on removed ones finish normally. Returns the removed."""
+        old = self._by_url
+        self.prefill = [old.get(("prefill", u)) or Endpoint(u, "prefill") for u in prefill]
+        self.decode = [old.get(("decode", u)) or Endpoint(u, "decode") for u in decode]
         self._by_url = {(e.pool, e.url): e for e in self.all()}
+        return [e for key, e in old.items() if key not in self._by_url]
 
     def all(self) -> list[Endpoint]:
         return [*self.prefill, *self.decode]
@@ -62,10 +123,19 @@ class Pools:
         return self._by_url[(view.pool, view.url)]
 
     def snapshot(self) -> PoolSnapshot:
-        return PoolSnapshot(tuple(e.view() for e in self.prefill), tuple(e.view() for e in self.decode))
+        now, age = time.monotonic(), self.stats_max_age_s
+        return PoolSnapshot(tuple(e.view(now, age) for e in self.prefill), tuple(e.view(now, age) for e in self.decode))
 
     def ready(self) -> bool:
         return any(e.healthy for e in self.decode)
+
+    def block_size(self) -> int | None:
+        """The KV block size the engines report (the first one known)."""
+        now = time.monotonic()
+        for e in self.all():
+            if e.stats and e.stats.block_size and now - e.stats.at <= self.stats_max_age_s * 10:
+                return e.stats.block_size
+        return None
 
 
 class HealthChecker:
@@ -75,9 +145,12 @@ class HealthChecker:
     def __init__(self, pools: Pools, session: aiohttp.ClientSession, cfg: HealthConfig) -> None:
         self._pools = pools
         self._session = session
+        self.configure(cfg)
+        self._task: asyncio.Task | None = None
+
+    def configure(self, cfg: HealthConfig) -> None:
         self._cfg = cfg
         self._timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
-        self._task: asyncio.Task | None = None
 
     async def probe(self, ep: Endpoint) -> None:
         try:

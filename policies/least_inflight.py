@@ -1,4 +1,4 @@
-"""Pick the endpoint with the fewest requests the gateway has in flight on it."""
+"""Pick the endpoint with the fewest requests the gateway has in flight on it (scores ignored)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ class LeastInflight:
     # request to the same prefill/decode pair.
     _turns: dict[str, int] = field(default_factory=lambda: defaultdict(int), init=False, repr=False)
 
-    def pick(self, ctx: RequestContext, candidates: Sequence[EndpointView]) -> EndpointView:
+    def pick(self, ctx: RequestContext, candidates: Sequence[EndpointView], scores: Sequence[float]
+             ) -> EndpointView:
         if not candidates:
             raise ValueError("no candidates")
         pool = candidates[0].pool

@@ -1,10 +1,13 @@
-"""Decider then picker: the routing pipeline the YAML describes."""
+"""The routing pipeline the YAML describes: per pool filters -> weighted scorers -> picker, then the
+decider chooses the path once the decode endpoint is known."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-from .base import Decider, Decision, EndpointView, Path, Picker, PoolSnapshot, RequestContext
+from .base import Decider, Decision, EndpointView, Filter, Path, Picker, PoolSnapshot, RequestContext, Scorer
 
 
 class NoEndpointError(RuntimeError):
@@ -12,35 +15,92 @@ class NoEndpointError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Weighted:
+    name: str
+    scorer: Scorer
+    weight: float
+
+
+@dataclass(frozen=True)
+class PoolPipeline:
+    """How one pool chooses an endpoint. A filter that would leave no candidate is skipped for that
+    request (a full cluster should queue, not fail)."""
+
+    picker: Picker
+    filters: tuple[tuple[str, Filter], ...] = ()
+    scorers: tuple[Weighted, ...] = ()
+
+    def choose(self, ctx: RequestContext, endpoints: Sequence[EndpointView], trace: list[dict[str, Any]] | None = None
+               ) -> EndpointView | None:
+        candidates: Sequence[EndpointView] = [e for e in endpoints if e.healthy]
+        if not candidates:
+            return None
+        for name, f in self.filters:
+            kept = f.filter(ctx, candidates)
+            if trace is not None:
+                trace.append({"filter": name, "kept": [e.url for e in kept]})
+            if kept:
+                candidates = kept
+        totals = [0.0] * len(candidates)
+        weight_sum = sum(w.weight for w in self.scorers)
+        for w in self.scorers:
+            scores = w.scorer.score(ctx, candidates)
+            for i, s in enumerate(scores):
+                totals[i] += w.weight * min(max(s, 0.0), 1.0)
+            if trace is not None:
+                trace.append({"scorer": w.name, "weight": w.weight,
+                              "scores": {e.url: round(s, 4) for e, s in zip(candidates, scores, strict=True)}})
+        if weight_sum:
+            totals = [t / weight_sum for t in totals]
+        chosen = self.picker.pick(ctx, candidates, totals)
+        if trace is not None:
+            trace.append({"picked": chosen.url,
+                          "totals": {e.url: round(t, 4) for e, t in zip(candidates, totals, strict=True)}})
+        return chosen
+
+
+@dataclass(frozen=True)
+class Route:
+    """A decision plus, when asked for, how it was reached (for ``POST /debug/route``)."""
+
+    decision: Decision
+    trace: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class RoutingPipeline:
     decider: Decider
-    picker: Picker
+    decode: PoolPipeline
+    prefill: PoolPipeline
 
-    def route(self, ctx: RequestContext, pools: PoolSnapshot) -> Decision:
-        decode = _healthy(pools.decode)
-        if not decode:
+    def route(self, ctx: RequestContext, pools: PoolSnapshot, *, explain: bool = False) -> Route:
+        traces: dict[str, list[dict[str, Any]]] = {"decode": [], "prefill": []} if explain else {}
+        decode = self.decode.choose(ctx, pools.decode, traces.get("decode"))
+        if decode is None:
             raise NoEndpointError("no healthy decode endpoint")
-        choice = self.decider.decide(ctx, pools)
+        fallback: list[str] = []
+        picked: list[EndpointView | None] = []
+
+        def find_prefill() -> EndpointView | None:
+            if not picked:  # at most once per request, however often the decider asks
+                if ctx.local_only:
+                    fallback.append(ctx.local_only)
+                    picked.append(None)
+                else:
+                    ep = self.prefill.choose(ctx, pools.prefill, traces.get("prefill"))
+                    if ep is None:
+                        fallback.append("no_prefill_endpoint")
+                    picked.append(ep)
+            return picked[0]
+
+        choice = self.decider.decide(ctx, decode, find_prefill)
         if choice.path is Path.PD:
-            if ctx.local_only:
-                return self._direct(ctx, decode, ctx.local_only, f"{choice.detail}; {ctx.local_only}")
-            prefill = _healthy(pools.prefill)
-            if not prefill:
-                return self._direct(ctx, decode, "no_prefill_endpoint", f"{choice.detail}; no healthy prefill")
-            return Decision(
-                Path.PD,
-                decode=self.picker.pick(ctx, decode),
-                prefill=self.picker.pick(ctx, prefill),
-                reason=choice.reason,
-                detail=choice.detail,
-            )
-        return self._direct(ctx, decode, choice.reason, choice.detail)
-
-    def _direct(
-        self, ctx: RequestContext, decode: list[EndpointView], reason: str, detail: str
-    ) -> Decision:
-        return Decision(Path.DIRECT, self.picker.pick(ctx, decode), None, reason, detail)
-
-
-def _healthy(endpoints: tuple[EndpointView, ...]) -> list[EndpointView]:
-    return [e for e in endpoints if e.healthy]
+            prefill = find_prefill()
+            if prefill is None:
+                why = fallback[0]
+                decision = Decision(Path.DIRECT, decode, None, why, f"{choice.detail}; {why}")
+            else:
+                decision = Decision(Path.PD, decode, prefill, choice.reason, choice.detail)
+        else:
+            decision = Decision(Path.DIRECT, decode, None, choice.reason, choice.detail)
+        return Route(decision, traces)

@@ -1,4 +1,6 @@
-"""Policies by name: the built-in ones plus third-party ones from the ``pdgate.policies`` entry points."""
+"""Policies by name: the built-in ones plus third-party ones from the ``pdgate.policies`` entry points.
+
+Adding a policy: one module, one test, one line below."""
 
 from __future__ import annotations
 
@@ -6,14 +8,24 @@ from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from typing import Any
 
+from .cost_model import CostModel
 from .least_inflight import LeastInflight
+from .load import Load
+from .max_score import MaxScore
+from .prefix_affinity import PrefixAffinity
+from .session_affinity import SessionAffinity
 from .token_threshold import TokenThreshold
 
 ENTRY_POINT_GROUP = "pdgate.policies"
 
 BUILTIN: Mapping[str, Callable[..., Any]] = {
-    "token_threshold": TokenThreshold,
-    "least_inflight": LeastInflight,
+    "token_threshold": TokenThreshold,  # decider
+    "cost_model": CostModel,  # decider
+    "prefix_affinity": PrefixAffinity,  # scorer
+    "load": Load,  # scorer
+    "session_affinity": SessionAffinity,  # scorer
+    "max_score": MaxScore,  # picker
+    "least_inflight": LeastInflight,  # picker
 }
 
 
@@ -36,9 +48,7 @@ def build(name: str, params: Mapping[str, Any], kind: type) -> Any:
     factory = _lookup(name)
     try:
         policy = factory(**params)
-    except TypeError as err:
-        raise PolicyError(f"policy {name!r}: {err}") from None
-    except ValueError as err:
+    except (TypeError, ValueError) as err:
         raise PolicyError(f"policy {name!r}: {err}") from None
     if not isinstance(policy, kind):
         raise PolicyError(f"policy {name!r} is not a {kind.__name__}")

@@ -1,10 +1,13 @@
-"""P/D when the prompt is long enough for a remote prefill to pay for the KV transfer."""
+"""P/D when the prompt's tokens not already cached on the chosen decode endpoint are enough for a
+remote prefill to pay for the KV transfer. A long prompt whose prefix the decode engine holds goes
+direct: the engine only computes the new tail."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Path, PathChoice, PoolSnapshot, RequestContext
+from .base import EndpointView, Path, PathChoice, PrefillFinder, RequestContext
+from .params import positive_int
 
 # AWS's guidance for disaggregated prefill/decode: it pays off from about 4,000 input tokens.
 DEFAULT_THRESHOLD = 4096
@@ -15,11 +18,14 @@ class TokenThreshold:
     threshold: int = DEFAULT_THRESHOLD
 
     def __post_init__(self) -> None:
-        if not isinstance(self.threshold, int) or isinstance(self.threshold, bool) or self.threshold < 1:
-            raise ValueError("threshold must be a positive integer")
+        positive_int("threshold", self.threshold)
 
-    def decide(self, ctx: RequestContext, pools: PoolSnapshot) -> PathChoice:
+    def decide(self, ctx: RequestContext, decode: EndpointView, prefill: PrefillFinder) -> PathChoice:
         n = ctx.prompt_tokens
+        uncached = ctx.uncached(decode.url)
+        if uncached >= self.threshold:
+            return PathChoice(Path.PD, "long_uncached", f"uncached={uncached}>={self.threshold}")
         if n >= self.threshold:
-            return PathChoice(Path.PD, "long_prompt", f"tokens={n}>={self.threshold}")
-        return PathChoice(Path.DIRECT, "short_prompt", f"tokens={n}<{self.threshold}")
+            return PathChoice(Path.DIRECT, "prefix_cached",
+                              f"uncached={uncached}<{self.threshold} (prompt {n}, cached on decode)")
+        return PathChoice(Path.DIRECT, "short_prompt", f"uncached={uncached}<{self.threshold}")

@@ -42,6 +42,8 @@ class Cluster:
     decode: list[Sim] = field(default_factory=list)
     gateway: Proc | None = None
     gateway_port: int = 0
+    config_path: Path | None = None
+    config: dict = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -71,5 +73,6 @@ class Cluster:
         }
         path = self.group.log_dir / f"gateway-{self.gateway_port}.yaml"
         path.write_text(yaml.safe_dump(cfg))
+        self.config_path, self.config = path, cfg
         self.gateway = self.group.start("gateway", [sys.executable, "-m", "gateway", "serve", "--config", str(path)])
         self.gateway.wait_http(self.url + "/ready", timeout=60)

@@ -56,7 +56,9 @@ def client(tokenizer_dir, engines):
         "server": {"max_body_bytes": 20000},
         "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}],
         "pools": {"prefill": {"endpoints": [engines[0].url]}, "decode": {"endpoints": [engines[1].url]}},
-        "routing": {"decider": {"name": "token_threshold", "threshold": THRESHOLD}},
+        # Stateless routing: these tests are about the handshake, so a repeated prompt must not go
+        # direct because the prefix index remembers it.
+        "routing": {"decider": {"name": "token_threshold", "threshold": THRESHOLD}, "prefix": {"enabled": False}},
     })
     with TestClient(create_app(cfg)) as c:
         yield c
@@ -241,7 +243,7 @@ def test_a_gateway_bug_still_answers_in_openai_shape(tokenizer_dir, engines, mon
     from policies import registry
 
     class Broken:
-        def decide(self, ctx, pools):
+        def decide(self, ctx, decode, prefill):
             raise RuntimeError("bug")
 
     class EntryPoint:

@@ -3,18 +3,25 @@ from __future__ import annotations
 import pytest
 
 from policies import registry
-from policies.base import Decider, EndpointView, Path, Picker, PoolSnapshot, RequestContext
+from policies.base import Decider, EndpointView, Path, PathChoice, Picker, PoolSnapshot, RequestContext, Scorer
 from policies.least_inflight import LeastInflight
-from policies.pipeline import NoEndpointError, RoutingPipeline
+from policies.load import Load
+from policies.max_score import MaxScore
+from policies.pipeline import NoEndpointError, PoolPipeline, RoutingPipeline, Weighted
+from policies.prefix_affinity import PrefixAffinity
 from policies.token_threshold import TokenThreshold
 
 
-def ep(url: str, pool: str = "decode", healthy: bool = True, in_flight: int = 0) -> EndpointView:
-    return EndpointView(url, pool, healthy, in_flight)
+def ep(url: str, pool: str = "decode", healthy: bool = True, in_flight: int = 0, **kw) -> EndpointView:
+    return EndpointView(url, pool, healthy, in_flight, **kw)
 
 
 def ctx(tokens: int, **kw) -> RequestContext:
     return RequestContext(model="m", request_id="r", token_ids=list(range(tokens)), **kw)
+
+
+def no_prefill() -> EndpointView | None:
+    return None
 
 
 POOLS = PoolSnapshot(prefill=(ep("p0", "prefill"),), decode=(ep("d0"), ep("d1")))
@@ -22,10 +29,24 @@ POOLS = PoolSnapshot(prefill=(ep("p0", "prefill"),), decode=(ep("d0"), ep("d1"))
 
 def test_token_threshold_boundary():
     policy = TokenThreshold(threshold=100)
-    assert policy.decide(ctx(99), POOLS).path is Path.DIRECT
-    choice = policy.decide(ctx(100), POOLS)
+    assert policy.decide(ctx(99), ep("d0"), no_prefill).path is Path.DIRECT
+    choice = policy.decide(ctx(100), ep("d0"), no_prefill)
     assert choice.path is Path.PD
-    assert choice.reason == "long_prompt" and choice.detail == "tokens=100>=100"
+    assert choice.reason == "long_uncached" and choice.detail == "uncached=100>=100"
+
+
+def test_token_threshold_counts_only_uncached_tokens_on_the_decode_endpoint():
+    policy = TokenThreshold(threshold=100)
+    c = ctx(150, cached_tokens={"d0": 96, "d1": 16})
+    held = policy.decide(c, ep("d0"), no_prefill)
+    assert held.path is Path.DIRECT and held.reason == "prefix_cached"
+    assert "uncached=54<100" in held.detail
+    assert policy.decide(c, ep("d1"), no_prefill).path is Path.PD  # 134 uncached there
+
+
+def test_fully_cached_prompt_still_computes_its_last_token():
+    c = ctx(32, cached_tokens={"d0": 32})
+    assert c.cached("d0") == 31 and c.uncached("d0") == 1
 
 
 def test_token_threshold_default_is_4096():
@@ -40,34 +61,46 @@ def test_token_threshold_rejects_bad_values(bad):
 
 def test_least_inflight_prefers_idle_and_spreads_ties():
     picker = LeastInflight()
-    assert picker.pick(ctx(1), [ep("a", in_flight=3), ep("b", in_flight=1)]).url == "b"
-    picks = {picker.pick(ctx(1), [ep("a"), ep("b")]).url for _ in range(4)}
+    assert picker.pick(ctx(1), [ep("a", in_flight=3), ep("b", in_flight=1)], [0, 0]).url == "b"
+    picks = {picker.pick(ctx(1), [ep("a"), ep("b")], [0, 0]).url for _ in range(4)}
     assert picks == {"a", "b"}
 
 
-def pipeline(threshold: int = 10) -> RoutingPipeline:
-    return RoutingPipeline(TokenThreshold(threshold), LeastInflight())
+def test_max_score_takes_the_best_and_rotates_ties():
+    picker = MaxScore()
+    assert picker.pick(ctx(1), [ep("a"), ep("b")], [0.2, 0.9]).url == "b"
+    assert {picker.pick(ctx(1), [ep("a"), ep("b")], [0.5, 0.5]).url for _ in range(4)} == {"a", "b"}
+    # among equal scores, fewer requests in flight wins
+    assert picker.pick(ctx(1), [ep("a", in_flight=2), ep("b")], [0.5, 0.5]).url == "b"
+
+
+def pipeline(threshold: int = 10, scorers: tuple[Weighted, ...] = ()) -> RoutingPipeline:
+    return RoutingPipeline(
+        TokenThreshold(threshold),
+        decode=PoolPipeline(MaxScore(), scorers=scorers),
+        prefill=PoolPipeline(MaxScore(), scorers=scorers),
+    )
 
 
 def test_pipeline_pd_picks_both_pools():
-    d = pipeline().route(ctx(50), POOLS)
+    d = pipeline().route(ctx(50), POOLS).decision
     assert d.path is Path.PD and d.prefill.url == "p0" and d.decode.pool == "decode"
 
 
 def test_pipeline_skips_unhealthy_endpoints():
     pools = PoolSnapshot(prefill=(), decode=(ep("d0", healthy=False), ep("d1")))
     for _ in range(3):
-        assert pipeline().route(ctx(1), pools).decode.url == "d1"
+        assert pipeline().route(ctx(1), pools).decision.decode.url == "d1"
 
 
 def test_pipeline_falls_back_to_direct_without_prefill():
     pools = PoolSnapshot(prefill=(ep("p0", "prefill", healthy=False),), decode=(ep("d0"),))
-    d = pipeline().route(ctx(50), pools)
+    d = pipeline().route(ctx(50), pools).decision
     assert d.path is Path.DIRECT and d.reason == "no_prefill_endpoint" and d.prefill is None
 
 
 def test_pipeline_keeps_local_only_requests_direct():
-    d = pipeline().route(ctx(50, local_only="batch_prompts"), POOLS)
+    d = pipeline().route(ctx(50, local_only="batch_prompts"), POOLS).decision
     assert d.path is Path.DIRECT and d.reason == "batch_prompts"
 
 
@@ -76,9 +109,64 @@ def test_pipeline_without_decode_endpoint():
         pipeline().route(ctx(1), PoolSnapshot(prefill=POOLS.prefill, decode=(ep("d0", healthy=False),)))
 
 
+def test_pipeline_weighs_scorers_and_explains():
+    """Prefix affinity (weight 2) beats load (weight 1): the endpoint holding the prompt wins even
+    though it is busier; the trace shows every scorer's view."""
+    scorers = (Weighted("prefix_affinity", PrefixAffinity(), 2.0), Weighted("load", Load(), 1.0))
+    pools = PoolSnapshot(prefill=(), decode=(ep("d0", in_flight=3), ep("d1")))
+    c = ctx(64, cached_tokens={"d0": 48})
+    route = pipeline(1000, scorers).route(c, pools, explain=True)
+    assert route.decision.decode.url == "d0"
+    steps = route.trace["decode"]
+    assert steps[0] == {"scorer": "prefix_affinity", "weight": 2.0, "scores": {"d0": 0.75, "d1": 0.0}}
+    assert steps[1]["scores"] == {"d0": 0.0, "d1": 1.0}
+    assert steps[2]["picked"] == "d0"
+    # without the cached prefix, load decides
+    assert pipeline(1000, scorers).route(ctx(64), pools).decision.decode.url == "d1"
+
+
+def test_pipeline_skips_a_filter_that_would_leave_nothing():
+    class NoneLeft:
+        def filter(self, ctx, candidates):
+            return []
+
+    class OnlyD1:
+        def filter(self, ctx, candidates):
+            return [e for e in candidates if e.url == "d1"]
+
+    pipe = RoutingPipeline(
+        TokenThreshold(10),
+        decode=PoolPipeline(MaxScore(), filters=(("none", NoneLeft()), ("d1", OnlyD1()))),
+        prefill=PoolPipeline(MaxScore()),
+    )
+    assert {pipe.route(ctx(1), POOLS).decision.decode.url for _ in range(4)} == {"d1"}
+
+
+def test_decider_only_asks_for_a_prefill_endpoint_when_it_needs_one():
+    asked = []
+
+    class Probe:
+        def decide(self, ctx, decode, prefill):
+            asked.append(True)
+            return PathChoice(Path.DIRECT, "short_prompt")
+
+    class CountingPicker(MaxScore):
+        calls: list[str] = []
+
+        def pick(self, ctx, candidates, scores):
+            self.calls.append(candidates[0].pool)
+            return super().pick(ctx, candidates, scores)
+
+    picker = CountingPicker()
+    pipe = RoutingPipeline(Probe(), decode=PoolPipeline(picker), prefill=PoolPipeline(picker))
+    pipe.route(ctx(5), POOLS)
+    assert asked and picker.calls == ["decode"]
+
+
 def test_registry_builds_by_name_and_checks_params():
     assert registry.build("token_threshold", {"threshold": 7}, Decider).threshold == 7
     assert isinstance(registry.build("least_inflight", {}, Picker), LeastInflight)
+    assert isinstance(registry.build("prefix_affinity", {}, Scorer), PrefixAffinity)
     with pytest.raises(registry.PolicyError, match="unknown policy 'nope'"):
         registry.build("nope", {}, Decider)
     with pytest.raises(registry.PolicyError, match="token_threshold"):
@@ -89,9 +177,7 @@ def test_registry_builds_by_name_and_checks_params():
 
 def test_registry_loads_third_party_entry_points(monkeypatch):
     class Always:
-        def decide(self, ctx, pools):
-            from policies.base import PathChoice
-
+        def decide(self, ctx, decode, prefill):
             return PathChoice(Path.PD, "always")
 
     class FakeEntryPoint:
@@ -103,14 +189,14 @@ def test_registry_loads_third_party_entry_points(monkeypatch):
     monkeypatch.setattr(
         registry, "entry_points", lambda group: [FakeEntryPoint()] if group == "pdgate.policies" else []
     )
-    assert registry.build("always_pd", {}, Decider).decide(ctx(1), POOLS).path is Path.PD
+    assert registry.build("always_pd", {}, Decider).decide(ctx(1), ep("d0"), no_prefill).path is Path.PD
 
 
 def test_pd_picks_spread_over_both_pools():
     """With no load, successive P/D requests visit every prefill and every decode endpoint."""
     pools = PoolSnapshot(prefill=(ep("p0", "prefill"), ep("p1", "prefill")), decode=(ep("d0"), ep("d1")))
     pipe = pipeline()
-    pairs = {(d.prefill.url, d.decode.url) for d in (pipe.route(ctx(50), pools) for _ in range(8))}
+    pairs = {(d.prefill.url, d.decode.url) for d in (pipe.route(ctx(50), pools).decision for _ in range(8))}
     assert {p for p, _ in pairs} == {"p0", "p1"} and {d for _, d in pairs} == {"d0", "d1"}
 
 

@@ -1,0 +1,94 @@
+"""From a tokenized request to a routing decision: hash the prompt's blocks, ask the prefix index
+which endpoint holds how much of it, run the policy pipeline, and, for requests really sent, teach
+the index where the prompt now lives."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from policies.base import Decider, Filter, Path, Picker, RequestContext, Scorer
+from policies.blockhash import BlockHash, HashSpec, block_hashes
+from policies.pipeline import PoolPipeline, Route, RoutingPipeline, Weighted
+from policies.prefix_index import PrefixIndex
+from policies.registry import build
+
+from .config import PoolRoutingConfig, RoutingConfig
+from .pools import Pools
+
+DEFAULT_BLOCK_SIZE = 16  # vLLM's default on GPUs, until the engines report theirs
+
+
+def _pool_pipeline(cfg: PoolRoutingConfig) -> PoolPipeline:
+    return PoolPipeline(
+        picker=build(cfg.picker.name, cfg.picker.params, Picker),
+        filters=tuple((f.name, build(f.name, f.params, Filter)) for f in cfg.filters),
+        scorers=tuple(Weighted(s.name, build(s.name, s.params, Scorer), s.weight) for s in cfg.scorers),
+    )
+
+
+def build_pipeline(cfg: RoutingConfig) -> RoutingPipeline:
+    """The policies the YAML names; raises PolicyError (a ValueError) for unknown names or params."""
+    return RoutingPipeline(
+        decider=build(cfg.decider.name, cfg.decider.params, Decider),
+        decode=_pool_pipeline(cfg.decode),
+        prefill=_pool_pipeline(cfg.prefill),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    ctx: RequestContext
+    hashes: Sequence[BlockHash]
+    block_size: int
+
+
+class Router:
+    """One config's routing: immutable after construction (a reload builds a new Router), sharing
+    the pools and the prefix index, which outlive reloads."""
+
+    def __init__(self, cfg: RoutingConfig, pools: Pools, index: PrefixIndex) -> None:
+        self.cfg = cfg
+        self.pipeline = build_pipeline(cfg)
+        self._pools = pools
+        self._index = index
+        self._spec: HashSpec | None = None
+        if cfg.prefix.enabled:  # fails now, not on the first request, for an unusable hash algo
+            try:
+                self.hash_spec()
+            except ImportError as err:
+                raise ValueError(f"routing.prefix.hash_algo: {err}") from None
+
+    def hash_spec(self) -> HashSpec | None:
+        """The engines' hashing; one object per block size, as it carries the hash memo that makes
+        a returning conversation cheap."""
+        p = self.cfg.prefix
+        if not p.enabled:
+            return None
+        size = p.block_size or self._pools.block_size() or DEFAULT_BLOCK_SIZE
+        if self._spec is None or self._spec.block_size != size:
+            self._spec = HashSpec(block_size=size, algo=p.hash_algo, seed=p.hash_seed)  # type: ignore[arg-type]
+        return self._spec
+
+    def prepare(self, model: str, request_id: str, token_ids: Sequence[int], local_only: str | None,
+                headers: Mapping[str, str], cache_salt: str | None = None) -> Prepared:
+        spec = self.hash_spec()
+        hashes: Sequence[BlockHash] = ()
+        cached: Mapping[str, int] = {}
+        if spec is not None and len(token_ids) >= spec.block_size:
+            hashes = block_hashes(token_ids, spec, cache_salt=cache_salt)
+            cached = {url: blocks * spec.block_size for url, blocks in self._index.match(hashes).items()}
+        ctx = RequestContext(model, request_id, token_ids, local_only, headers, cached)
+        return Prepared(ctx, hashes, spec.block_size if spec else 0)
+
+    def route(self, prep: Prepared, *, explain: bool = False) -> Route:
+        return self.pipeline.route(prep.ctx, self._pools.snapshot(), explain=explain)
+
+    def learn(self, prep: Prepared, route: Route) -> None:
+        """The engines that will compute or receive this prompt's KV will hold its blocks."""
+        if not prep.hashes:
+            return
+        d = route.decision
+        self._index.learn(d.decode.url, prep.hashes)
+        if d.path is Path.PD and d.prefill is not None:
+            self._index.learn(d.prefill.url, prep.hashes)

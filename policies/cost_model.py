@@ -1,0 +1,68 @@
+"""Take the path with the lower predicted time to first token.
+
+    direct = (backlog(decode) + uncached(decode)) * s_per_token(decode) * decode_prefill_factor
+    pd     = (backlog(prefill) + uncached(prefill)) * s_per_token(prefill)
+             + uncached(decode) * kv_bytes_per_token / bandwidth + pd_overhead_s
+
+``backlog(x)`` is the uncached prompt tokens the gateway has already sent to endpoint x whose
+prefill has not finished (x's queue, as far as this gateway knows); ``uncached(x)`` the prompt
+tokens x does not hold in its prefix cache (the decode engine pulls only the blocks it lacks);
+``s_per_token(x)`` x's prefill speed, learned online from observed prefill legs, else
+``prefill_tokens_per_s``. P/D must win by ``min_gain_s``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import EndpointView, Path, PathChoice, PrefillFinder, RequestContext
+from .params import non_negative, positive
+
+# Llama-3.3-70B in bf16: 2 (K and V) * 80 layers * 8 KV heads * 128 head dim * 2 bytes.
+LLAMA_70B_KV_BYTES_PER_TOKEN = 2 * 80 * 8 * 128 * 2
+
+
+@dataclass(frozen=True)
+class CostModel:
+    kv_bytes_per_token: int = LLAMA_70B_KV_BYTES_PER_TOKEN
+    kv_bandwidth_gbps: float = 400.0  # one EFA link per GPU on p5 nodes (3,200 Gbps per node)
+    prefill_tokens_per_s: float = 10_000.0  # until an endpoint's own speed has been observed
+    decode_prefill_factor: float = 1.0  # prefill on a busy decode engine may run slower
+    pd_overhead_s: float = 0.005  # the extra hop, the one-token prefill answer, the NIXL handshake
+    min_gain_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        positive("kv_bytes_per_token", self.kv_bytes_per_token)
+        positive("kv_bandwidth_gbps", self.kv_bandwidth_gbps)
+        positive("prefill_tokens_per_s", self.prefill_tokens_per_s)
+        positive("decode_prefill_factor", self.decode_prefill_factor)
+        non_negative("pd_overhead_s", self.pd_overhead_s)
+        non_negative("min_gain_s", self.min_gain_s)
+
+    def _spt(self, e: EndpointView, fallback: float | None = None) -> float:
+        if e.prefill_s_per_token is not None:
+            return e.prefill_s_per_token
+        return fallback if fallback is not None else 1.0 / self.prefill_tokens_per_s
+
+    def transfer_s(self, tokens: int) -> float:
+        return tokens * self.kv_bytes_per_token * 8 / (self.kv_bandwidth_gbps * 1e9)
+
+    def predict(self, ctx: RequestContext, decode: EndpointView, prefill: EndpointView) -> tuple[float, float]:
+        """(direct, pd) predicted seconds to first token."""
+        # A decode engine has the same model and usually the same hardware: before its own speed is
+        # known, the prefill engine's learned speed is the better guess.
+        decode_spt = self._spt(decode, prefill.prefill_s_per_token) * self.decode_prefill_factor
+        direct = (decode.backlog_tokens + ctx.uncached(decode.url)) * decode_spt
+        pd = ((prefill.backlog_tokens + ctx.uncached(prefill.url)) * self._spt(prefill)
+              + self.transfer_s(ctx.uncached(decode.url)) + self.pd_overhead_s)
+        return direct, pd
+
+    def decide(self, ctx: RequestContext, decode: EndpointView, prefill: PrefillFinder) -> PathChoice:
+        p = prefill()
+        if p is None:  # the pipeline answers direct and says why P/D was not possible
+            return PathChoice(Path.PD, "pd_unavailable", "no prefill endpoint for this request")
+        direct, pd = self.predict(ctx, decode, p)
+        detail = f"ttft direct={direct * 1000:.1f}ms pd={pd * 1000:.1f}ms"
+        if pd + self.min_gain_s < direct:
+            return PathChoice(Path.PD, "pd_faster", detail)
+        return PathChoice(Path.DIRECT, "direct_faster", detail)

@@ -1,0 +1,35 @@
+"""Pick the candidate with the highest weighted score; near-ties go to the one with fewer requests
+in flight, then rotate (so equal endpoints share the traffic instead of the first taking it all)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .base import EndpointView, RequestContext
+from .params import non_negative
+
+
+@dataclass
+class MaxScore:
+    tie_margin: float = 1e-6  # scores closer than this count as equal
+
+    _turns: dict[str, int] = field(default_factory=lambda: defaultdict(int), init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        non_negative("tie_margin", self.tie_margin)
+
+    def pick(self, ctx: RequestContext, candidates: Sequence[EndpointView], scores: Sequence[float]
+             ) -> EndpointView:
+        if not candidates:
+            raise ValueError("no candidates")
+        best = max(scores) if scores else 0.0
+        top = [e for e, s in zip(candidates, scores or [0.0] * len(candidates), strict=True)
+               if s >= best - self.tie_margin]
+        if len(top) == 1:
+            return top[0]
+        pool = top[0].pool
+        start = self._turns[pool] % len(top)
+        self._turns[pool] += 1
+        return min([*top[start:], *top[:start]], key=lambda e: e.in_flight)

@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+from gateway.enginestats import parse_stats
+
+V1_PAGE = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="128",cache_dtype="auto",enable_prefix_caching="True",engine="0"} 1.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="m"} 0.0
+"""
+
+OLD_PAGE = """\
+vllm:num_requests_running{model_name="m"} 1.0
+vllm:num_requests_waiting{model_name="m"} 0.0
+vllm:gpu_cache_usage_perc{model_name="m"} 0.75
+"""
+
+
+def test_v1_names_are_summed_and_maxed_across_engine_cores():
+    st = parse_stats(V1_PAGE, at=1.0)
+    assert (st.running, st.waiting, st.kv_usage, st.block_size, st.at) == (5, 4, 0.5, 128, 1.0)
+
+
+def test_old_metric_names_still_count():
+    st = parse_stats(OLD_PAGE, at=0.0)
+    assert (st.running, st.waiting, st.kv_usage, st.block_size) == (1, 0, 0.75, None)
+
+
+def test_a_page_without_vllm_signals_is_not_stats():
+    assert parse_stats("# nothing\nprocess_cpu_seconds_total 1.0\n", at=0.0) is None

@@ -1,0 +1,107 @@
+"""The config watcher: in-place edits, ConfigMap symlink swaps, invalid edits."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import yaml
+
+from gateway.config import GatewayConfig
+from gateway.reload import ConfigWatcher, version_of
+
+
+def config(threshold: int) -> dict:
+    return {
+        "models": [{"name": "m", "tokenizer": "t", "max_model_len": 100}],
+        "pools": {"decode": {"endpoints": ["http://127.0.0.1:9"]}},
+        "routing": {"decider": {"name": "token_threshold", "threshold": threshold}},
+    }
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.applied: list[tuple[int, str]] = []
+        self.results: list[tuple[str, str]] = []
+
+    async def apply(self, cfg: GatewayConfig, version: str) -> None:
+        threshold = cfg.routing.decider.params["threshold"]
+        if threshold == 13:
+            raise ValueError("unlucky threshold")  # what apply does for an unusable policy
+        self.applied.append((threshold, version))
+
+    def result(self, result: str, message: str) -> None:
+        self.results.append((result, message))
+
+
+async def wait_for(cond, timeout: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        assert loop.time() < end, "timed out"
+        await asyncio.sleep(0.05)
+
+
+def write(path: Path, data: dict) -> bytes:
+    raw = yaml.safe_dump(data).encode()
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(raw)
+    os.replace(tmp, path)
+    return raw
+
+
+async def test_in_place_edit_invalid_edit_and_same_content(tmp_path):
+    path = tmp_path / "pdgate.yaml"
+    first = write(path, config(100))
+    rec = Recorder()
+    w = ConfigWatcher(path, version_of(first), rec.apply, rec.result, poll_s=0.2)
+    w.start()
+    try:
+        raw = write(path, config(200))
+        await wait_for(lambda: rec.applied)
+        assert rec.applied == [(200, version_of(raw))] and w.version == version_of(raw)
+
+        path.write_text("models: [oops")  # YAML syntax error
+        await wait_for(lambda: any(r == "rejected" for r, _ in rec.results))
+        assert "YAML syntax error" in rec.results[-1][1] and "line" in rec.results[-1][1]
+        assert w.version == version_of(raw) and w.last_error
+
+        write(path, config(13))  # valid YAML, refused by apply
+        await wait_for(lambda: "unlucky" in rec.results[-1][1])
+
+        n = len(rec.results)
+        await asyncio.sleep(0.6)  # polls again: a rejected version is not re-reported
+        assert len(rec.results) == n
+        write(path, config(300))
+        await wait_for(lambda: rec.applied[-1][0] == 300)
+        assert w.last_error is None
+    finally:
+        await w.stop()
+
+
+async def test_configmap_symlink_swap(tmp_path):
+    """Kubernetes mounts a ConfigMap as FILE -> ..data/FILE, ..data -> ..<timestamp>/; an update
+    writes a new timestamped directory and atomically renames a new ..data symlink over the old."""
+    def publish(name: str, data: dict) -> bytes:
+        d = tmp_path / name
+        d.mkdir()
+        raw = yaml.safe_dump(data).encode()
+        (d / "pdgate.yaml").write_bytes(raw)
+        tmp_link = tmp_path / "..data_tmp"
+        tmp_link.symlink_to(name)
+        os.replace(tmp_link, tmp_path / "..data")
+        return raw
+
+    first = publish("..2026_11_29_1", config(100))
+    (tmp_path / "pdgate.yaml").symlink_to("..data/pdgate.yaml")
+    rec = Recorder()
+    w = ConfigWatcher(tmp_path / "pdgate.yaml", version_of(first), rec.apply, rec.result, poll_s=5.0)
+    w.start()
+    try:
+        await asyncio.sleep(0.3)
+        raw = publish("..2026_11_29_2", config(777))
+        await wait_for(lambda: rec.applied, timeout=4.0)  # before the 5 s poll: the swap's event did it
+        assert rec.applied == [(777, version_of(raw))]
+    finally:
+        await w.stop()

@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import pytest
+
+from policies.load import Load
+
+from .helpers import ctx, ep
+
+
+def test_idle_endpoints_score_the_same():
+    assert Load().score(ctx(1), [ep("a"), ep("b")]) == [1.0, 1.0]
+
+
+def test_engine_reported_queue_counts_beyond_the_gateways_own_requests():
+    """Another client (or another gateway replica) filled b's queue: the scraped waiting count
+    makes a score lower even though this gateway has nothing in flight there."""
+    scores = Load().score(ctx(1), [ep("a", in_flight=1), ep("b", waiting=6, running=8)])
+    assert scores[0] > scores[1]
+
+
+def test_kv_usage_counts():
+    scores = Load().score(ctx(1), [ep("a", kv_usage=0.95), ep("b", kv_usage=0.1)])
+    assert scores[1] > scores[0]
+
+
+def test_unknown_engine_stats_do_not_penalize():
+    assert Load().score(ctx(1), [ep("a", running=None), ep("b", running=0)]) == [1.0, 1.0]
+
+
+def test_rejects_negative_weights():
+    with pytest.raises(ValueError, match="waiting_weight"):
+        Load(waiting_weight=-1)
