@@ -24,7 +24,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,15 +138,19 @@ class Engine:
         return r.json()["count"]
 
 
-def engine_argv(venv: Path, model_dir: Path, port: int) -> list[str]:
-    kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-    return [
+def engine_argv(
+    venv: Path, model_dir: Path, port: int, *, nixl: bool = True, extra_args: Sequence[str] = ()
+) -> list[str]:
+    argv = [
         str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", MODEL_NAME,
         "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
-        "--kv-transfer-config", json.dumps(kv),
     ]
+    if nixl:
+        kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+        argv += ["--kv-transfer-config", json.dumps(kv)]
+    return argv + list(extra_args)
 
 
 def engine_env(cache_root: Path, side_channel_port: int, core: int) -> dict[str, str]:
@@ -161,13 +165,27 @@ def engine_env(cache_root: Path, side_channel_port: int, core: int) -> dict[str,
     }
 
 
-def start_engine(group: ProcGroup, role: str, venv: Path, model_dir: Path, work: Path, core: int) -> Engine:
-    port, side = free_port(), free_port()
+def start_engine(
+    group: ProcGroup,
+    role: str,
+    venv: Path,
+    model_dir: Path,
+    work: Path,
+    core: int,
+    *,
+    nixl: bool = True,
+    extra_args: Sequence[str] = (),
+    extra_env: dict[str, str] | None = None,
+    port: int | None = None,
+) -> Engine:
+    """Start one engine (not waiting for it). ``nixl=False`` leaves the NixlConnector out (single
+    engines: no busy-spinning progress thread); ``port`` reuses a port (an engine restart)."""
+    port, side = port or free_port(), free_port()
     cache_root = work / f"vllm-cache-{role}"
     cache_root.mkdir(parents=True, exist_ok=True)
-    proc = group.start(
-        f"vllm-{role}", engine_argv(venv, model_dir, port), env=engine_env(cache_root, side, core), cwd=str(work)
-    )
+    env = {**engine_env(cache_root, side, core), **(extra_env or {})}
+    argv = engine_argv(venv, model_dir, port, nixl=nixl, extra_args=extra_args)
+    proc = group.start(f"vllm-{role}", argv, env=env, cwd=str(work))
     return Engine(role, proc, port, side, core, httpx.Client(timeout=REQUEST_TIMEOUT_S))
 
 
