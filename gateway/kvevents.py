@@ -17,6 +17,9 @@ Wire protocol (vLLM 0.32, ``vllm/distributed/kv_events.py``, ``vllm/config/kv_ev
 - ROUTER replay socket: send ``(b"", start_seq as 8-byte big-endian)`` from a DEALER; the engine
   answers every buffered batch with ``seq >= start_seq`` as ``(b"", topic, seq, payload)`` (older
   vLLM: ``(b"", seq, payload)``) and ends with ``seq = -1`` (signed) and an empty payload.
+- Events leave the engine with its scheduler steps: an idle engine publishes nothing (so silence
+  says nothing about liveness), and an ``AllBlocksCleared`` from ``/reset_prefix_cache`` arrives
+  only with the next request's step.
 
 How the feed stays trustworthy: on every (re)connection the engine's precise entries are
 dropped and rebuilt from the replay buffer (the engine may have restarted or we may have missed

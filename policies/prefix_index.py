@@ -113,8 +113,9 @@ class PrefixIndex:
         young, ttl, live = self.young_s, self.approx_ttl_s, self._live
         precise, approx = self._precise_by_hash, self._approx_by_hash
         counts: dict[str, int] = {}
-        alive: set[str] | None = None
-        for i, h in enumerate(hashes):
+        alive: set[str] = set()
+        n = 0  # leading blocks every url in ``alive`` holds
+        for h in hashes:
             holders = precise.get(h)
             learned = approx.get(h)
             if learned:
@@ -124,11 +125,17 @@ class PrefixIndex:
                         holders.add(url)
             if not holders:
                 break
-            alive = set(holders) if alive is None else alive & holders
-            if not alive:
-                break
-            for url in alive:
-                counts[url] = i + 1
+            if n == 0:
+                alive = set(holders)
+            elif not alive <= holders:
+                for url in alive - holders:
+                    counts[url] = n
+                alive &= holders
+                if not alive:
+                    break
+            n += 1
+        for url in alive:
+            counts[url] = n
         return counts
 
     # -- approximate source ----------------------------------------------------------------------
