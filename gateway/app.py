@@ -109,12 +109,12 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         index = PrefixIndex(max_approx_entries=cfg.routing.prefix.max_learned_blocks,
                             approx_ttl_s=cfg.routing.prefix.learned_ttl_s)
         session = make_session()
-        metrics = GatewayMetrics(pools)
+        subs = Subscriptions(index)
+        metrics = GatewayMetrics(pools, index, subs.all)
         gw = Gateway(_runtime(cfg, version, session, pools, index, toks), pools, metrics)
         gw.admin_token = admin_token(cfg.admin)
         health = HealthChecker(pools, session, cfg.health)
         scraper = StatsScraper(pools, session, cfg.signals)
-        subs = Subscriptions(index)
         metrics.config_loaded(version)
 
         async def apply(new: GatewayConfig, new_version: str) -> None:
@@ -129,6 +129,7 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
 
         watcher = ConfigWatcher(config_path, version, apply, reload_result) if config_path else None
         gw.watcher = watcher
+        gw.feeds = subs.all
         await subs.update(cfg)
         await health.start()
         scraper.start()
@@ -163,13 +164,16 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         return JSONResponse({"status": "ok"})
 
     async def ready(request: Request) -> Response:
-        pools = request.state.gw.pools
+        gw = request.state.gw
+        pools = gw.pools
         body = {
             "ready": pools.ready(),
             "pools": {
                 name: {"healthy": sum(e.healthy for e in eps), "total": len(eps)}
                 for name, eps in (("prefill", pools.prefill), ("decode", pools.decode))
             },
+            "kv_event_feeds": {"connected": sum(f.counters.connected for f in gw.feeds()),
+                               "total": len(gw.feeds())},
         }
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 

@@ -29,6 +29,7 @@ def _serve(args: argparse.Namespace) -> int:
     port = args.port if args.port is not None else cfg.server.port
     level = cfg.server.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("watchfiles").setLevel(logging.WARNING)  # it logs every file event at INFO
     try:
         app = create_app(cfg, config_path=args.config, config_version=version_of(raw))
     except ValueError as err:  # e.g. an unknown policy name

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from policies.prefix_index import PrefixStore
+
+from .kvevents import KVEventSubscriber
 from .pools import Pools
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
@@ -13,9 +19,11 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20,
 class GatewayMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, pools: Pools) -> None:
+    def __init__(self, pools: Pools, index: PrefixStore | None = None,
+                 feeds: Callable[[], Sequence[KVEventSubscriber]] = list) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._pools = pools
+        self.registry.register(_RoutingStateCollector(pools, index, feeds))
         self.requests = Counter(
             "pdgate_requests", "Client requests by model, path taken and HTTP status",
             ["model", "path", "status"], registry=self.registry,
@@ -54,3 +62,50 @@ class GatewayMetrics:
             self.healthy.labels(ep.pool, ep.url).set(1 if ep.healthy else 0)
             self.in_flight.labels(ep.pool, ep.url).set(ep.in_flight)
         return generate_latest(self.registry)
+
+
+class _RoutingStateCollector:
+    """Routing state read at scrape time: the prefix index, the KV event feeds, engine signals."""
+
+    def __init__(self, pools: Pools, index: PrefixStore | None,
+                 feeds: Callable[[], Sequence[KVEventSubscriber]]) -> None:
+        self._pools, self._index, self._feeds = pools, index, feeds
+
+    def describe(self) -> list:
+        return []  # collected at scrape time only; nothing to pre-register
+
+    def collect(self) -> Iterator[Metric]:
+        backlog = GaugeMetricFamily(
+            "pdgate_endpoint_backlog_tokens",
+            "Uncached prompt tokens the gateway sent to the endpoint whose prefill has not finished",
+            labels=["pool", "endpoint"])
+        speed = GaugeMetricFamily(
+            "pdgate_endpoint_prefill_seconds_per_token", "Prefill speed learned from observed prefill legs",
+            labels=["pool", "endpoint"])
+        for ep in self._pools.all():
+            backlog.add_metric([ep.pool, ep.url], ep.backlog_tokens)
+            if ep.prefill_s_per_token is not None:
+                speed.add_metric([ep.pool, ep.url], ep.prefill_s_per_token)
+        yield backlog
+        yield speed
+        if self._index is not None:
+            st = self._index.stats()
+            blocks = GaugeMetricFamily("pdgate_prefix_index_blocks",
+                                       "(endpoint, block) entries in the prefix index by source", labels=["source"])
+            blocks.add_metric(["learned"], st.approximate)
+            blocks.add_metric(["kv_events"], st.precise)
+            yield blocks
+        connected = GaugeMetricFamily("pdgate_kv_events_connected",
+                                      "1 while the endpoint's KV event feed is connected", labels=["endpoint"])
+        events = CounterMetricFamily("pdgate_kv_events", "KV cache events applied to the prefix index",
+                                     labels=["endpoint"])
+        gaps = CounterMetricFamily("pdgate_kv_events_gaps", "Sequence gaps seen on a KV event feed",
+                                   labels=["endpoint"])
+        for feed in self._feeds():
+            c = feed.counters
+            connected.add_metric([feed.url], 1 if c.connected else 0)
+            events.add_metric([feed.url], c.events_applied)
+            gaps.add_metric([feed.url], c.gaps)
+        yield connected
+        yield events
+        yield gaps

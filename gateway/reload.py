@@ -74,9 +74,12 @@ class ConfigWatcher:
         self._on_result("ok", version)
 
     async def _run(self) -> None:
-        watch_dir = self.path.parent
-        async for _ in awatch(watch_dir, stop_event=self._stop, rust_timeout=int(self._poll_s * 1000),
-                              yield_on_timeout=True, debounce=200, recursive=False):
+        # Only the file itself and the ConfigMap's ``..data`` swap matter; other files in the same
+        # directory (logs, say) must not wake the watcher.
+        names = {self.path.name, "..data", "..data_tmp"}
+        async for _ in awatch(self.path.parent, stop_event=self._stop, rust_timeout=int(self._poll_s * 1000),
+                              yield_on_timeout=True, debounce=200, recursive=False,
+                              watch_filter=lambda _change, p: Path(p).name in names):
             try:
                 await self.check()
             except Exception:  # a bug in one check must not end watching

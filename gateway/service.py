@@ -6,6 +6,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +72,7 @@ class Gateway:
         self.metrics = metrics
         self.admin_token: str | None = None  # admin and debug endpoints are off without one
         self.watcher: Any = None  # the config watcher, when the config comes from a file
+        self.feeds: Callable[[], list[Any]] = list  # the KV event subscribers
 
     async def chat(self, request: Request) -> Response | RelayResponse:
         return await self._handle(request, "chat", "/v1/chat/completions")

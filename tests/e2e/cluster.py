@@ -49,13 +49,14 @@ class Cluster:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.gateway_port}"
 
-    def start_sim(self, role: str, *extra: str, port: int | None = None, kv_port: int | None = None) -> Sim:
+    def start_sim(self, role: str, *extra: str, port: int | None = None, kv_port: int | None = None,
+                  env: dict[str, str] | None = None) -> Sim:
         port, kv_port = port or free_port(), kv_port or free_port()
         name = f"sim-{role}-{port}"
         proc = self.group.start(name, [
             sys.executable, "-m", "sim", "--role", role, "--port", str(port), "--kv-port", str(kv_port),
             "--model", self.model, "--tokenizer", str(self.tokenizer), "--max-model-len", "4096", *extra,
-        ])
+        ], env=env)
         sim = Sim(proc, port, kv_port)
         proc.wait_http(sim.url + "/health")
         return sim
