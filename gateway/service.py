@@ -142,10 +142,12 @@ class Gateway:
     async def explain(self, request: Request) -> dict[str, Any]:
         """What the gateway would do with this body (``POST /debug/route``), without sending it."""
         rt = self.runtime
-        path = request.query_params.get("kind", "chat")
-        if path not in ("chat", "completion"):
+        kind = request.query_params.get("kind")
+        if kind is None:  # a chat body has messages, a completion body a prompt
+            kind = "chat" if b'"messages"' in await request.body() else "completion"
+        if kind not in ("chat", "completion"):
             raise APIError(400, "kind must be 'chat' or 'completion'.", param="kind")
-        r = await self._route(rt, request, path, explain=True)  # type: ignore[arg-type]
+        r = await self._route(rt, request, kind, explain=True)  # type: ignore[arg-type]
         d, ctx = r.route.decision, r.prep.ctx
         return {
             "path": d.path.value,

@@ -195,3 +195,10 @@ def test_invalid_edit_changes_nothing(cluster):
     # restore a valid file for whatever runs next
     rewrite_config(cluster, routing={"decider": {"name": "token_threshold", "threshold": THRESHOLD}})
     assert wait_for(lambda: admin(cluster, "GET", "/admin/config").json()["last_reload_error"] is None, timeout=15)
+
+
+def test_debug_route_takes_completion_bodies_too(cluster):
+    r = admin(cluster, "POST", "/debug/route", json={"model": "tiny", "prompt": "hello there"})
+    assert r.status_code == 200 and r.json()["path"] == "direct" and r.json()["reason"] == "short_prompt"
+    r = admin(cluster, "POST", "/debug/route", json={"model": "nope", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
