@@ -1,7 +1,9 @@
 """The HTTP face of one simulated engine: ``create_app(cfg) -> Starlette``.
 
 vLLM-compatible routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /v1/models``, ``GET /health``, ``GET /version``, ``GET /metrics``.
+``GET /v1/models``, ``GET /health``, ``GET /version``, ``GET /metrics``, and with
+``VLLM_SERVER_DEV_MODE=1`` vLLM's dev route ``POST /reset_prefix_cache``
+(``?reset_running_requests=true`` preempts running requests first) -> ``{"success": bool}``.
 
 Sim-only test instrumentation (not in vLLM):
 
@@ -16,7 +18,7 @@ Sim-only test instrumentation (not in vLLM):
   timestamps ``received_at``, ``first_token_at``, ``finished_at``.
 * ``DELETE /sim/requests``: forget them.
 * ``GET /sim/state``: scheduler and KV snapshot (running, waiting, free blocks, held
-  prefill handles).
+  prefill handles, cached blocks, the KV event endpoints as bound and messages published).
 
 The two generation routes are raw ASGI callables: each request watches for
 ``http.disconnect`` while it waits, and a disconnect aborts its engine requests at once

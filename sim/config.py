@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import uuid
 from dataclasses import dataclass, field
 
@@ -80,6 +81,8 @@ class SimConfig:
                 f"prefix_caching_hash_algo must be one of {', '.join(HASH_ALGOS)}, "
                 f"got {self.prefix_caching_hash_algo!r}"
             )
+        if self.prefix_caching_hash_algo.startswith("xxhash") and importlib.util.find_spec("xxhash") is None:
+            raise ValueError(f"prefix_caching_hash_algo {self.prefix_caching_hash_algo} needs the 'xxhash' package")
 
     @property
     def advertised_kv_host(self) -> str:

@@ -14,16 +14,22 @@ Model (a small cousin of vLLM's v1 scheduler):
 * KV blocks are ``block_size`` tokens; block 0 is vLLM's null block, so
   ``kv_cache_usage_perc = 1 - free / (num_gpu_blocks - 1)``. A running seq that cannot
   grow preempts the newest running seq (recompute, counted in vllm:num_preemptions).
+* Prefix caching (:mod:`sim.prefix`, on by default as in vLLM 0.32): full blocks are
+  registered under their chained hashes when scheduled; a seq admitted with nothing computed
+  reuses its longest cached prefix (at most ``num_tokens - 1`` tokens), which it neither
+  prefills nor pays step time for. Freed cached blocks stay reusable until evicted (LRU).
+  Each step's cache changes go out as one KV event batch (:mod:`sim.kv_events`).
 * Prefill leg (``kv_transfer_params.do_remote_decode``): runs like any request, then its
   blocks are *held* under its internal request id instead of freed, and the response
   carries the handle. Held blocks are released when a decode engine notifies (after
   pulling, or when it drops the request) or after ``kv_expiry`` seconds
   (vllm:nixl_num_kv_expired_reqs); decode engines waiting to run extend the lease
   with heartbeats.
-* Decode leg (``do_remote_prefill``): once admitted it allocates blocks for its prompt and
-  pulls the prefill engine's KV over the side channel (:mod:`sim.kv`): a read, the
-  transfer time, then a notify that frees the remote blocks. Its prompt tokens count as
-  ``external_kv_transfer``; it recomputes the last prompt token locally and decodes.
+* Decode leg (``do_remote_prefill``): once admitted it takes its local prefix hit, allocates
+  blocks for the rest of its prompt and pulls only those blocks' KV over the side channel
+  (:mod:`sim.kv`): a read, the transfer time, then a notify that frees the remote blocks.
+  The pulled tokens count as ``external_kv_transfer``; the pulled full blocks enter the local
+  prefix cache (as vLLM caches them once loaded); it recomputes the last prompt token and decodes.
 * Failures, as in vLLM 0.32 (``kv_load_failure_policy=fail``): a side channel that does not
   answer within ``kv_handshake_timeout`` (vLLM: its 5 s ZMQ receive timeout), an answering
   engine that is not ``remote_engine_id``, or block ids outside the remote pool finish the
