@@ -9,6 +9,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -33,6 +34,7 @@ from .pools import HealthChecker, Pools
 from .reload import ConfigWatcher, version_of
 from .router import DEFAULT_BLOCK_SIZE, Router, build_pipeline
 from .service import Gateway, Runtime
+from .state import RedisState
 from .tokenizer import ModelTokenizer, Tokenizers
 from .upstream import Upstream, make_session
 
@@ -108,17 +110,18 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         pools = Pools(cfg.pools.prefill.urls, cfg.pools.decode.urls, stats_max_age_s=cfg.signals.max_age_s)
         index = PrefixIndex(max_approx_entries=cfg.routing.prefix.max_learned_blocks,
                             approx_ttl_s=cfg.routing.prefix.learned_ttl_s)
-        session = make_session()
-        subs = Subscriptions(index)
-        metrics = GatewayMetrics(pools, index, subs.all)
-        gw = Gateway(_runtime(cfg, version, session, pools, index, toks), pools, metrics)
+        shared = (RedisState(cfg.state, cfg.routing.prefix.learned_ttl_s, pools)
+                  if cfg.state.backend == "redis" else None)
+        res = Resources(make_session(), pools, index, shared, Subscriptions(index))
+        metrics = GatewayMetrics(pools, index, res.subs.all, shared)
+        gw = Gateway(_runtime(cfg, version, res, toks), pools, metrics)
         gw.admin_token = admin_token(cfg.admin)
-        health = HealthChecker(pools, session, cfg.health)
-        scraper = StatsScraper(pools, session, cfg.signals)
+        health = HealthChecker(pools, res.session, cfg.health)
+        scraper = StatsScraper(pools, res.session, cfg.signals)
         metrics.config_loaded(version)
 
         async def apply(new: GatewayConfig, new_version: str) -> None:
-            await _apply(gw, new, new_version, session, pools, index, subs)
+            await _apply(gw, new, new_version, res)
             health.configure(new.health)
             scraper.configure(new.signals)
 
@@ -129,8 +132,11 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
 
         watcher = ConfigWatcher(config_path, version, apply, reload_result) if config_path else None
         gw.watcher = watcher
-        gw.feeds = subs.all
-        await subs.update(cfg)
+        gw.feeds = res.subs.all
+        gw.shared = shared
+        await res.subs.update(cfg)
+        if shared:
+            await shared.start()
         await health.start()
         scraper.start()
         if watcher:
@@ -142,8 +148,10 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
                 await watcher.stop()
             await scraper.stop()
             await health.stop()
-            await subs.close()
-            await session.close()
+            await res.subs.close()
+            if shared:
+                await shared.stop()
+            await res.session.close()
             gw.runtime.tokenizers.close()
 
     async def chat(request: Request) -> ASGIApp:
@@ -174,6 +182,9 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
             },
             "kv_event_feeds": {"connected": sum(f.counters.connected for f in gw.feeds()),
                                "total": len(gw.feeds())},
+            "shared_state": ({"backend": "redis", "healthy": gw.shared.status.healthy,
+                              "error": gw.shared.status.last_error or None}
+                             if gw.shared else {"backend": "memory", "healthy": True}),
         }
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
@@ -231,21 +242,37 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
     return FastPath(app, {"/v1/chat/completions": chat, "/v1/completions": completions})
 
 
-def _runtime(cfg: GatewayConfig, version: str, session: aiohttp.ClientSession, pools: Pools, index: PrefixIndex,
-             tokenizers: Tokenizers) -> Runtime:
-    return Runtime(cfg, version, Router(cfg.routing, pools, index),
-                   Dispatcher(Upstream(session, cfg.timeouts), pools), tokenizers)
+@dataclass(frozen=True)
+class Resources:
+    """What outlives config versions: connections, endpoint state, the prefix index, event feeds."""
+
+    session: aiohttp.ClientSession
+    pools: Pools
+    index: PrefixIndex
+    shared: RedisState | None
+    subs: Subscriptions
 
 
-async def _apply(gw: Gateway, new: GatewayConfig, version: str, session: aiohttp.ClientSession, pools: Pools,
-                 index: PrefixIndex, subs: Subscriptions) -> None:
+def _runtime(cfg: GatewayConfig, version: str, res: Resources, tokenizers: Tokenizers) -> Runtime:
+    return Runtime(cfg, version, Router(cfg.routing, res.pools, res.index, res.shared),
+                   Dispatcher(Upstream(res.session, cfg.timeouts), res.pools), tokenizers)
+
+
+# Sections bound to the process (listening socket, shared-state connection): a reload keeps the
+# running values and says so.
+RESTART_ONLY = ("server", "state")
+
+
+async def _apply(gw: Gateway, new: GatewayConfig, version: str, res: Resources) -> None:
     """Validate everything first, then swap: a reload that fails at any step changes nothing."""
     old = gw.runtime
+    pools, index = res.pools, res.index
     validate(new)
     token = admin_token(new.admin)
-    if new.server != old.cfg.server:
-        log.warning("config reload: the server section changed; it takes effect at the next restart")
-        new = new.model_copy(update={"server": old.cfg.server})
+    for section in RESTART_ONLY:
+        if getattr(new, section) != getattr(old.cfg, section):
+            log.warning("config reload: the %s section changed; it takes effect at the next restart", section)
+            new = new.model_copy(update={section: getattr(old.cfg, section)})
     tokenizers = old.tokenizers
     if new.models != old.cfg.models or new.tokenizer != old.cfg.tokenizer:
         try:
@@ -261,9 +288,9 @@ async def _apply(gw: Gateway, new: GatewayConfig, version: str, session: aiohttp
     pools.stats_max_age_s = new.signals.max_age_s
     for url in {ep.url for ep in removed} - {ep.url for ep in pools.all()}:
         index.forget(url)
-    gw.runtime = _runtime(new, version, session, pools, index, tokenizers)
+    gw.runtime = _runtime(new, version, res, tokenizers)
     gw.admin_token = token
-    await subs.update(new)
+    await res.subs.update(new)
     if tokenizers is not old.tokenizers:
         old.tokenizers.close(cancel=False)  # requests still tokenizing there finish first
 

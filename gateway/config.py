@@ -7,6 +7,7 @@ errors, so a typo fails loudly instead of being ignored). ``load_config`` turns 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -208,6 +209,26 @@ class SignalsConfig(_Strict):
     max_age_s: float = Field(5.0, gt=0, description="older scraped values are ignored by routing")
 
 
+class StateConfig(_Strict):
+    """Where routing state lives: in this process, or shared by several replicas through Redis."""
+
+    backend: Literal["memory", "redis"] = "memory"
+    url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL (without a password: use url_env)")
+    url_env: str | None = Field(None, description="environment variable holding the Redis URL (wins over url)")
+    key_prefix: str = Field("pdgate", min_length=1, description="namespace of every key this gateway writes")
+    timeout_s: float = Field(0.05, gt=0, description="longest a request waits for Redis before routing on local state")
+    sync_interval_s: float = Field(0.5, gt=0, description="how often replicas exchange in-flight counts")
+    retry_s: float = Field(2.0, gt=0, description="after a Redis failure, local state only for this long")
+
+    def redis_url(self) -> str:
+        if self.url_env:
+            value = os.environ.get(self.url_env)
+            if not value:
+                raise ValueError(f"state.url_env: environment variable {self.url_env} is not set")
+            return value
+        return self.url
+
+
 class AdminConfig(_Strict):
     """GET /admin/config and POST /debug/route: off unless a token is configured."""
 
@@ -240,6 +261,7 @@ class GatewayConfig(_Strict):
     tokenizer: TokenizerConfig = TokenizerConfig()
     signals: SignalsConfig = SignalsConfig()
     admin: AdminConfig = AdminConfig()
+    state: StateConfig = StateConfig()
 
     @model_validator(mode="after")
     def _unique_models(self) -> GatewayConfig:

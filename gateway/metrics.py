@@ -12,6 +12,7 @@ from policies.prefix_index import PrefixStore
 
 from .kvevents import KVEventSubscriber
 from .pools import Pools
+from .state import RedisState
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 
@@ -20,10 +21,10 @@ class GatewayMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, pools: Pools, index: PrefixStore | None = None,
-                 feeds: Callable[[], Sequence[KVEventSubscriber]] = list) -> None:
+                 feeds: Callable[[], Sequence[KVEventSubscriber]] = list, shared: RedisState | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._pools = pools
-        self.registry.register(_RoutingStateCollector(pools, index, feeds))
+        self.registry.register(_RoutingStateCollector(pools, index, feeds, shared))
         self.requests = Counter(
             "pdgate_requests", "Client requests by model, path taken and HTTP status",
             ["model", "path", "status"], registry=self.registry,
@@ -68,8 +69,8 @@ class _RoutingStateCollector:
     """Routing state read at scrape time: the prefix index, the KV event feeds, engine signals."""
 
     def __init__(self, pools: Pools, index: PrefixStore | None,
-                 feeds: Callable[[], Sequence[KVEventSubscriber]]) -> None:
-        self._pools, self._index, self._feeds = pools, index, feeds
+                 feeds: Callable[[], Sequence[KVEventSubscriber]], shared: RedisState | None) -> None:
+        self._pools, self._index, self._feeds, self._shared = pools, index, feeds, shared
 
     def describe(self) -> list:
         return []  # collected at scrape time only; nothing to pre-register
@@ -109,3 +110,16 @@ class _RoutingStateCollector:
         yield connected
         yield events
         yield gaps
+        if self._shared is not None:
+            up = GaugeMetricFamily("pdgate_shared_state_up",
+                                   "1 while the shared state backend (Redis) answers; 0: routing on local state",
+                                   labels=["backend"])
+            up.add_metric(["redis"], 1 if self._shared.status.healthy else 0)
+            yield up
+            errors = CounterMetricFamily("pdgate_shared_state_errors", "Failed or timed-out Redis operations")
+            errors.add_metric([], self._shared.errors)
+            yield errors
+            dropped = CounterMetricFamily("pdgate_shared_state_dropped_writes",
+                                          "Learned-prefix writes dropped because Redis could not keep up")
+            dropped.add_metric([], self._shared.dropped_writes)
+            yield dropped

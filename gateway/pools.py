@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -54,13 +54,14 @@ class Endpoint:
     backlog_tokens: int = 0
     prefill_s_per_token: float | None = None
 
-    def view(self, now: float = 0.0, max_age_s: float = 0.0) -> EndpointView:
+    def view(self, now: float = 0.0, max_age_s: float = 0.0, others: int = 0) -> EndpointView:
+        """``others``: requests other gateway replicas have in flight here (shared state)."""
         st = self.stats
         if st is None or now - st.at > max_age_s:
-            return EndpointView(self.url, self.pool, self.healthy, self.in_flight,
+            return EndpointView(self.url, self.pool, self.healthy, self.in_flight + others,
                                 backlog_tokens=self.backlog_tokens, prefill_s_per_token=self.prefill_s_per_token)
-        return EndpointView(self.url, self.pool, self.healthy, self.in_flight, st.running, st.waiting, st.kv_usage,
-                            self.backlog_tokens, self.prefill_s_per_token)
+        return EndpointView(self.url, self.pool, self.healthy, self.in_flight + others, st.running, st.waiting,
+                            st.kv_usage, self.backlog_tokens, self.prefill_s_per_token)
 
     def acquire(self) -> None:
         self.in_flight += 1
@@ -105,6 +106,8 @@ class Pools:
         self.decode: list[Endpoint] = []
         self._by_url: dict[tuple[str, str], Endpoint] = {}
         self.stats_max_age_s = stats_max_age_s
+        # Requests other gateway replicas have in flight per endpoint url (shared state), if any.
+        self.others: Mapping[str, int] = {}
         self.update(prefill, decode)
 
     def update(self, prefill: Iterable[str], decode: Iterable[str]) -> list[Endpoint]:
@@ -123,8 +126,9 @@ class Pools:
         return self._by_url[(view.pool, view.url)]
 
     def snapshot(self) -> PoolSnapshot:
-        now, age = time.monotonic(), self.stats_max_age_s
-        return PoolSnapshot(tuple(e.view(now, age) for e in self.prefill), tuple(e.view(now, age) for e in self.decode))
+        now, age, others = time.monotonic(), self.stats_max_age_s, self.others
+        return PoolSnapshot(tuple(e.view(now, age, others.get(e.url, 0)) for e in self.prefill),
+                            tuple(e.view(now, age, others.get(e.url, 0)) for e in self.decode))
 
     def ready(self) -> bool:
         return any(e.healthy for e in self.decode)

@@ -15,6 +15,7 @@ from policies.registry import build
 
 from .config import PoolRoutingConfig, RoutingConfig
 from .pools import Pools
+from .state import RedisState
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default on GPUs, until the engines report theirs
 
@@ -47,11 +48,12 @@ class Router:
     """One config's routing: immutable after construction (a reload builds a new Router), sharing
     the pools and the prefix index, which outlive reloads."""
 
-    def __init__(self, cfg: RoutingConfig, pools: Pools, index: PrefixIndex) -> None:
+    def __init__(self, cfg: RoutingConfig, pools: Pools, index: PrefixIndex, shared: RedisState | None = None) -> None:
         self.cfg = cfg
         self.pipeline = build_pipeline(cfg)
         self._pools = pools
         self._index = index
+        self._shared = shared
         self._spec: HashSpec | None = None
         if cfg.prefix.enabled:  # fails now, not on the first request, for an unusable hash algo
             try:
@@ -70,14 +72,19 @@ class Router:
             self._spec = HashSpec(block_size=size, algo=p.hash_algo, seed=p.hash_seed)  # type: ignore[arg-type]
         return self._spec
 
-    def prepare(self, model: str, request_id: str, token_ids: Sequence[int], local_only: str | None,
-                headers: Mapping[str, str], cache_salt: str | None = None) -> Prepared:
+    async def prepare(self, model: str, request_id: str, token_ids: Sequence[int], local_only: str | None,
+                      headers: Mapping[str, str], cache_salt: str | None = None) -> Prepared:
         spec = self.hash_spec()
         hashes: Sequence[BlockHash] = ()
         cached: Mapping[str, int] = {}
         if spec is not None and len(token_ids) >= spec.block_size:
             hashes = block_hashes(token_ids, spec, cache_salt=cache_salt)
-            cached = {url: blocks * spec.block_size for url, blocks in self._index.match(hashes).items()}
+            blocks = self._index.match(hashes)
+            if self._shared is not None:  # what other replicas routed (bounded wait; {} when Redis is down)
+                for url, n in (await self._shared.match(hashes)).items():
+                    if n > blocks.get(url, 0):
+                        blocks[url] = n
+            cached = {url: n * spec.block_size for url, n in blocks.items()}
         ctx = RequestContext(model, request_id, token_ids, local_only, headers, cached)
         return Prepared(ctx, hashes, spec.block_size if spec else 0)
 
@@ -89,6 +96,8 @@ class Router:
         if not prep.hashes:
             return
         d = route.decision
-        self._index.learn(d.decode.url, prep.hashes)
-        if d.path is Path.PD and d.prefill is not None:
-            self._index.learn(d.prefill.url, prep.hashes)
+        urls = [d.decode.url] + ([d.prefill.url] if d.path is Path.PD and d.prefill is not None else [])
+        for url in urls:
+            self._index.learn(url, prep.hashes)
+            if self._shared is not None:
+                self._shared.learn(url, prep.hashes)

@@ -7,7 +7,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -73,6 +73,7 @@ class Gateway:
         self.admin_token: str | None = None  # admin and debug endpoints are off without one
         self.watcher: Any = None  # the config watcher, when the config comes from a file
         self.feeds: Callable[[], list[Any]] = list  # the KV event subscribers
+        self.shared: Any = None  # the Redis shared state, when configured
 
     async def chat(self, request: Request) -> Response | RelayResponse:
         return await self._handle(request, "chat", "/v1/chat/completions")
@@ -89,7 +90,7 @@ class Gateway:
         prompts = await rt.tokenizers.prompt_ids(tok, req)
         request_id = _request_id(request.headers.get("x-request-id"))
         salt = req.body.get("cache_salt")  # vLLM mixes it into the first block's hash
-        prep = rt.router.prepare(req.model, request_id, prompts[0], req.local_only(), request.headers,
+        prep = await rt.router.prepare(req.model, request_id, prompts[0], req.local_only(), request.headers,
                                  salt if isinstance(salt, str) else None)
         try:
             route = rt.router.route(prep, explain=explain)
@@ -149,6 +150,7 @@ class Gateway:
             raise APIError(400, "kind must be 'chat' or 'completion'.", param="kind")
         r = await self._route(rt, request, kind, explain=True)  # type: ignore[arg-type]
         d, ctx = r.route.decision, r.prep.ctx
+        snap = self.pools.snapshot()  # what the policies saw, give or take the time to answer
         return {
             "path": d.path.value,
             "reason": d.reason,
@@ -163,6 +165,7 @@ class Gateway:
             "local_only": ctx.local_only,
             "config_version": rt.version,
             "trace": r.route.trace,
+            "endpoints": [asdict(v) for pool in (snap.prefill, snap.decode) for v in pool],
         }
 
     async def _read_body(self, request: Request, limit: int) -> bytes:

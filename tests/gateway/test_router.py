@@ -32,40 +32,40 @@ def test_block_size_comes_from_the_engines_until_configured():
     assert configured.hash_spec().block_size == 32
 
 
-def test_learned_prompt_routes_back_to_its_engine_and_goes_direct():
+async def test_learned_prompt_routes_back_to_its_engine_and_goes_direct():
     router, _, _ = make()
     tokens = list(range(1000, 1100))  # 100 tokens: 6 full blocks of 16
-    first = router.prepare("m", "r1", tokens, None, {})
+    first = await router.prepare("m", "r1", tokens, None, {})
     assert len(first.hashes) == 6 and first.ctx.cached_tokens == {}
     route = router.route(first)
     assert route.decision.path is Path.PD
     router.learn(first, route)
     home = route.decision.decode.url
-    again = router.prepare("m", "r2", tokens, None, {})
+    again = await router.prepare("m", "r2", tokens, None, {})
     assert again.ctx.cached_tokens[home] == 96 and again.ctx.cached_tokens["http://p0"] == 96
     d = router.route(again).decision
     assert (d.path, d.decode.url, d.reason) == (Path.DIRECT, home, "prefix_cached")
 
 
-def test_cache_salt_separates_tenants():
+async def test_cache_salt_separates_tenants():
     router, _, _ = make()
     tokens = list(range(100))
-    a = router.prepare("m", "r", tokens, None, {}, cache_salt="tenant-a")
+    a = await router.prepare("m", "r", tokens, None, {}, cache_salt="tenant-a")
     router.learn(a, router.route(a))
-    assert router.prepare("m", "r", tokens, None, {}, cache_salt="tenant-b").ctx.cached_tokens == {}
-    assert router.prepare("m", "r", tokens, None, {}, cache_salt="tenant-a").ctx.cached_tokens
+    assert (await router.prepare("m", "r", tokens, None, {}, cache_salt="tenant-b")).ctx.cached_tokens == {}
+    assert (await router.prepare("m", "r", tokens, None, {}, cache_salt="tenant-a")).ctx.cached_tokens
 
 
-def test_explain_does_not_learn():
+async def test_explain_does_not_learn():
     router, _, index = make()
-    prep = router.prepare("m", "r", list(range(100)), None, {})
+    prep = await router.prepare("m", "r", list(range(100)), None, {})
     router.route(prep, explain=True)
     assert index.stats().approximate == 0
 
 
-def test_prefix_disabled():
+async def test_prefix_disabled():
     pools = Pools([], ["http://d0"])
     pools.decode[0].healthy = True
     router = Router(RoutingConfig.model_validate({"prefix": {"enabled": False}}), pools, PrefixIndex())
-    prep = router.prepare("m", "r", list(range(100)), None, {})
+    prep = await router.prepare("m", "r", list(range(100)), None, {})
     assert prep.hashes == () and prep.block_size == 0
