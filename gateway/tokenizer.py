@@ -9,6 +9,10 @@ vLLM's ``TokenizeParams`` (``vllm/renderers/params.py``).
 Tokenizing a long prompt takes milliseconds, so ``Tokenizers`` runs it on a small thread pool (the
 Rust tokenizer releases the GIL) and never on the event loop; request bodies of at most
 ``inline_max_bytes`` are cheaper to tokenize in place than to hand to a thread.
+
+A conversation comes back with one more turn: ``SegmentEncoder`` reuses the ids of the text between
+the tokenizer's added tokens (one segment per message in chat formats with special header tokens),
+so only the new turn's text is tokenized again, with ids provably equal to encoding the whole text.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ import copy
 import json
 import logging
 import queue
+import re
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,6 +54,219 @@ _PLAIN_TOKENIZER_MODES = frozenset({"auto", "hf"})
 # Renderers that still tokenize with the model's Hugging Face tokenizer: only chat counts differ.
 _HF_TOKENIZER_RENDERERS = frozenset({"harmony", "kimi_k3", "cohere", "inkling"})
 EMPTY_PROMPT = "The decoder prompt cannot be empty"
+
+
+# -- reusing the ids of segments between added tokens ---------------------------------------------
+
+# Components that process each piece of text on its own, whatever its position in the whole text
+# (checked against tokenizers' Rust sources, 0.20-0.23). Metaspace is listed but refused with
+# prepend_scheme "first", which looks at the piece's offset in the whole text.
+_PIECEWISE_NORMALIZERS = frozenset({
+    "BertNormalizer", "ByteLevel", "Lowercase", "NFC", "NFD", "NFKC", "NFKD", "Nmt", "Precompiled", "Prepend",
+    "Replace", "Sequence", "Strip", "StripAccents",
+})
+_PIECEWISE_PRE_TOKENIZERS = frozenset({
+    "BertPreTokenizer", "ByteLevel", "CharDelimiterSplit", "Digits", "FixedLength", "Metaspace", "Punctuation",
+    "Sequence", "Split", "UnicodeScripts", "Whitespace", "WhitespaceSplit",
+})
+_MODELS = frozenset({"BPE", "Unigram", "WordLevel", "WordPiece"})
+# Texts the encoder checks itself on before it trusts segmenting (defense in depth: a mismatch turns
+# segmenting off). {0} and {1} are added tokens.
+_PROBES = ("{0}", "a{0}b", " {0} x{1}\n\n y ", "{0}{1}{0}", "\n\n{0}\n\nhello  world\n{1}", "é{0}ü {1}\t")
+
+
+def _components(node: Any, children: str) -> list[dict[str, Any]]:
+    """A normalizer's or pre-tokenizer's JSON, flattened through its Sequences."""
+    if node is None:
+        return []
+    if node.get("type") == "Sequence":
+        return [c for child in node.get(children) or () for c in _components(child, children)]
+    return [node]
+
+
+def _affixes(proc: dict[str, Any] | None) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The ids a post-processor adds before and after a single sequence with add_special_tokens,
+    or None for processors whose effect is not a fixed prefix and suffix."""
+    if proc is None or proc.get("type") == "ByteLevel":  # ByteLevel only trims offsets
+        return (), ()
+    kind = proc.get("type")
+    if kind in ("BertProcessing", "RobertaProcessing"):
+        return (int(proc["cls"][1]),), (int(proc["sep"][1]),)
+    if kind == "TemplateProcessing":
+        single, specials = proc.get("single") or [], proc.get("special_tokens") or {}
+        seqs = [i for i, piece in enumerate(single) if "Sequence" in piece]
+        if len(seqs) != 1 or single[seqs[0]]["Sequence"].get("id") != "A":
+            return None
+        try:
+            ids = [tuple(specials[p["SpecialToken"]["id"]]["ids"]) if "SpecialToken" in p else () for p in single]
+        except KeyError:
+            return None
+        return tuple(t for part in ids[: seqs[0]] for t in part), tuple(t for part in ids[seqs[0] + 1 :] for t in part)
+    if kind == "Sequence":
+        prefix: tuple[int, ...] = ()
+        suffix: tuple[int, ...] = ()
+        for inner in proc.get("processors") or ():  # applied in order: each wraps the previous result
+            got = _affixes(inner)
+            if got is None:
+                return None
+            prefix, suffix = got[0] + prefix, suffix + got[1]
+        return prefix, suffix
+    return None
+
+
+class SegmentEncoder:
+    """``backend.encode(text, add_special_tokens).ids``, reusing the ids of recently seen text
+    between added tokens, so that a conversation coming back with one more turn only tokenizes
+    its new messages.
+
+    Why the ids are exactly the whole text's: the Rust tokenizer first cuts the raw text at its
+    non-normalized added tokens (leftmost-longest literal matches), then normalizes, pre-tokenizes
+    and models every piece on its own (``AddedVocabulary::extract_and_normalize``); ids(text) is
+    the concatenation of the pieces' ids and the added tokens' ids. No match starts inside a piece
+    (matching is leftmost), so a piece encoded alone is cut nowhere and yields the same ids. That
+    holds when: no non-normalized added token has ``lstrip``, ``rstrip`` or ``single_word`` (they
+    look at, or swallow, the neighbours' text); ``encode_special_tokens`` is off; the normalizer,
+    pre-tokenizer and model are built-in ones that do not depend on a piece's offset (Metaspace
+    with ``prepend_scheme: first`` does) or on chance (BPE dropout). Otherwise, or if a self-check
+    on probe texts disagrees, every call encodes the whole text (``reason`` says why).
+
+    With ``add_special_tokens``, the post-processor's prefix and suffix are added when it is one
+    whose effect is a fixed prefix and suffix (template, BERT, RoBERTa, byte-level, sequences).
+
+    The cache is a thread-safe LRU bounded by the token ids it holds (``max_tokens``); tokenizing
+    itself runs outside the lock, on the caller's thread.
+    """
+
+    def __init__(self, backend: Any, max_tokens: int = 1 << 20) -> None:
+        self._backend = backend
+        self.max_tokens = max_tokens
+        self._max_entry = max(max_tokens // 8, 1)  # one huge message must not flush the rest
+        self._lock = threading.Lock()
+        self._lru: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._tokens = 0
+        self._split: re.Pattern[str] | None = None
+        self._added: dict[str, int] = {}
+        self._affixes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self.reason: str | None = "disabled" if max_tokens <= 0 else None
+        if self.reason is None:
+            self.reason = self._setup()
+
+    @property
+    def enabled(self) -> bool:
+        return self.reason is None
+
+    def _setup(self) -> str | None:
+        """Check the tokenizer's settings; return why segmenting is not exact, or None."""
+        try:
+            serialized = self._backend.to_str()
+            spec = json.loads(serialized)
+        except Exception as err:  # custom Python components do not serialize: nothing to prove with
+            return f"tokenizer settings unreadable: {type(err).__name__}"
+        if getattr(self._backend, "encode_special_tokens", False):
+            return "encode_special_tokens is on"
+        model = spec.get("model") or {}
+        if model.get("type") not in _MODELS:
+            return f"model {model.get('type')!r}"
+        if model.get("dropout"):
+            return "BPE dropout"
+        for node in _components(spec.get("normalizer"), "normalizers"):
+            if node.get("type") not in _PIECEWISE_NORMALIZERS:
+                return f"normalizer {node.get('type')!r}"
+        for node in _components(spec.get("pre_tokenizer"), "pretokenizers"):
+            if node.get("type") not in _PIECEWISE_PRE_TOKENIZERS:
+                return f"pre-tokenizer {node.get('type')!r}"
+            if node.get("type") == "Metaspace" and node.get("prepend_scheme", "always") == "first":
+                return "Metaspace prepend_scheme 'first' depends on the piece's position"
+        added = [t for t in spec.get("added_tokens") or () if not t.get("normalized")]
+        for tok in added:
+            if tok.get("lstrip") or tok.get("rstrip") or tok.get("single_word"):
+                return f"added token {tok.get('content')!r} has lstrip/rstrip/single_word"
+        if not added:
+            return "no added tokens to split at"
+        self._added = {t["content"]: int(t["id"]) for t in added}
+        # Python's regex alternation takes the first alternative that matches at the leftmost
+        # position: longest first makes it leftmost-longest, like the tokenizer's Aho-Corasick.
+        alternatives = sorted(self._added, key=lambda c: (-len(c), c))
+        self._split = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")")
+        self._affixes = _affixes(spec.get("post_processor"))
+        return self._self_check(serialized, alternatives)
+
+    def _self_check(self, serialized: str, tokens: list[str]) -> str | None:
+        """Segmented and whole encodings of probe texts must agree, on a private copy of the
+        tokenizer (the live one's caches and callers see nothing of it)."""
+        from tokenizers import Tokenizer
+
+        live, self._backend = self._backend, Tokenizer.from_str(serialized)
+        try:
+            for probe in _PROBES:
+                text = probe.format(tokens[0], tokens[-1])
+                for special in (False, True):
+                    if special and self._affixes is None:
+                        continue
+                    want = self._backend.encode(text, add_special_tokens=special).ids
+                    if self._encode(text, special, cache=False) != want:
+                        self._split = None
+                        return f"self-check failed on {text!r}"
+        finally:
+            self._backend = live
+        return None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The ids ``backend.encode(text, add_special_tokens)`` returns. Text without added tokens
+        is encoded whole and not cached (a plain completion prompt has no turns to reuse)."""
+        if self._split is None or (add_special_tokens and self._affixes is None):
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._encode(text, add_special_tokens, cache=True)
+
+    def _encode(self, text: str, add_special_tokens: bool, *, cache: bool) -> list[int]:
+        assert self._split is not None
+        parts = self._split.split(text)  # text, token, text, ..., text
+        if len(parts) == 1 and cache:  # no added token: no turns to reuse; keep the cache for those
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        added, encode = self._added, self._backend.encode
+        out: list[int] = list(self._affixes[0]) if add_special_tokens and self._affixes else []
+        for i, part in enumerate(parts):
+            if i % 2:
+                out.append(added[part])
+            elif part:
+                ids = self._get(part) if cache else None
+                if ids is None:
+                    ids = tuple(encode(part, add_special_tokens=False).ids)
+                    if cache:
+                        self._put(part, ids)
+                out.extend(ids)
+        if add_special_tokens and self._affixes:
+            out.extend(self._affixes[1])
+        return out
+
+    def _get(self, key: str) -> tuple[int, ...] | None:
+        with self._lock:
+            ids = self._lru.get(key)
+            if ids is not None:
+                self._lru.move_to_end(key)
+            return ids
+
+    def _put(self, key: str, ids: tuple[int, ...]) -> None:
+        if len(ids) > self._max_entry:
+            return
+        with self._lock:
+            old = self._lru.pop(key, None)
+            if old is not None:
+                self._tokens -= len(old)
+            self._lru[key] = ids
+            self._tokens += len(ids)
+            while self._tokens > self.max_tokens:
+                _, dropped = self._lru.popitem(last=False)
+                self._tokens -= len(dropped)
+
+    def cached_tokens(self) -> int:
+        """Token ids held by the cache (its memory bound)."""
+        return self._tokens
+
+    def clear(self) -> None:
+        with self._lock:
+            self._lru.clear()
+            self._tokens = 0
 
 
 class PromptIds(list[list[int]]):
@@ -123,26 +343,44 @@ def detect_renderer(cfg: ModelConfig) -> str | None:
 class ModelTokenizer:
     """One model's tokenizer and chat template, with vLLM's prompt rules."""
 
-    def __init__(self, hf_tokenizer: Any, cfg: ModelConfig, renderer: str | None = None) -> None:
+    def __init__(self, hf_tokenizer: Any, cfg: ModelConfig, renderer: str | None = None, *,
+                 reuse_tokens: int = 1 << 20) -> None:
+        """``reuse_tokens``: token ids of recent text segments kept for reuse (0: none; about
+        40 bytes each), see ``SegmentEncoder``."""
         self.hf = hf_tokenizer
         self.cfg = cfg
+        self._reuse_tokens = reuse_tokens
         # The Rust tokenizer underneath. A tokenizer.json may carry truncation or padding settings
         # that the transformers wrapper switches off on every call; encoding directly, do the same.
-        self.backend = hf_tokenizer.backend_tokenizer
-        if self.backend.truncation is not None:
-            self.backend.no_truncation()
-        if self.backend.padding is not None:
-            self.backend.no_padding()
+        backend = hf_tokenizer.backend_tokenizer
+        if backend.truncation is not None:
+            backend.no_truncation()
+        if backend.padding is not None:
+            backend.no_padding()
+        self.backend = backend  # and the segment encoder around it (see the setter)
         self.server_template = load_template(cfg.chat_template)
         self.default_side: str = getattr(hf_tokenizer, "truncation_side", None) or "left"
         # vLLM refuses text longer than max_model_len x the longest vocabulary entry before it
         # tokenizes; this is the same bound, so the gateway refuses exactly that text.
         self.max_chars_per_token = max((len(t) for t in hf_tokenizer.get_vocab()), default=1)
         self.renderer = renderer
+        if not self.segments.enabled and reuse_tokens > 0:
+            log.info("model %s: token ids are not reused across requests (%s)", cfg.name, self.segments.reason)
         self._tokenizing_copies: queue.SimpleQueue[Any] = queue.SimpleQueue()  # see _tokenize_chat
         if renderer is not None:
             log.warning("model %s: vLLM renders its chat prompts with its own %r renderer; the gateway's "
                         "chat token counts for it are approximate", cfg.name, renderer)
+
+    @property
+    def backend(self) -> Any:
+        """The Rust tokenizer that encodes the text."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: Any) -> None:
+        # Every encode goes through the segment encoder: it must wrap whatever backend is set.
+        self._backend = value
+        self.segments = SegmentEncoder(value, self._reuse_tokens)
 
     @classmethod
     def load(cls, cfg: ModelConfig) -> ModelTokenizer:
@@ -212,7 +450,7 @@ class ModelTokenizer:
         except Exception as err:  # templates raise to reject input (e.g. bad role order); vLLM answers 400
             raise bad_request(chat.template_error_reason(err)) from None
         if args.tokenize:  # the template call would have encoded without special tokens
-            return self.backend.encode(text, add_special_tokens=False).ids, media
+            return self.segments.encode(text), media
         return text, media
 
     def _refuse_untrusted_template(self, body: dict[str, Any]) -> None:
@@ -278,7 +516,7 @@ class ModelTokenizer:
             elif trunc.side == "right":
                 text = text[:limit]
         if trunc.keep is None or trunc.side is not None:
-            return self._truncate(self.backend.encode(text, add_special_tokens=add_special).ids, trunc)
+            return self._truncate(self.segments.encode(text, add_special), trunc)
         # vLLM has the tokenizer truncate: the special tokens stay, the text is cut on its side.
         enc = self.backend.encode(text, add_special_tokens=False)
         specials = self.backend.num_special_tokens_to_add(False) if add_special else 0
@@ -335,5 +573,5 @@ class Tokenizers:
             return tok.prompt_ids(req)
         return await asyncio.get_running_loop().run_in_executor(self._pool, tok.prompt_ids, req)
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    def close(self, *, cancel: bool = True) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=cancel)
