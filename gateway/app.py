@@ -60,6 +60,9 @@ def validate(cfg: GatewayConfig) -> None:
     build_pipeline(cfg.routing)
     Router(cfg.routing, Pools([], []), PrefixIndex())  # the prefix hashing settings
     admin_token(cfg.admin)
+    cfg.auth.api_keys()
+    if cfg.state.backend == "redis":
+        cfg.state.redis_url()
 
 
 class Subscriptions:
@@ -161,6 +164,10 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         return await request.state.gw.completions(request)
 
     async def models(request: Request) -> Response:
+        try:
+            request.state.gw.authorize(request)
+        except APIError as err:
+            return error_response(err)
         data = [
             {"id": m.name, "object": "model", "created": created, "owned_by": "pdgate",
              "root": m.name, "parent": None, "max_model_len": m.max_model_len}
@@ -255,7 +262,8 @@ class Resources:
 
 def _runtime(cfg: GatewayConfig, version: str, res: Resources, tokenizers: Tokenizers) -> Runtime:
     return Runtime(cfg, version, Router(cfg.routing, res.pools, res.index, res.shared),
-                   Dispatcher(Upstream(res.session, cfg.timeouts), res.pools), tokenizers)
+                   Dispatcher(Upstream(res.session, cfg.timeouts), res.pools), tokenizers,
+                   tuple(k.encode() for k in cfg.auth.api_keys()))
 
 
 # Sections bound to the process (listening socket, shared-state connection): a reload keeps the
@@ -289,6 +297,7 @@ async def _apply(gw: Gateway, new: GatewayConfig, version: str, res: Resources) 
     for url in {ep.url for ep in removed} - {ep.url for ep in pools.all()}:
         index.forget(url)
     gw.runtime = _runtime(new, version, res, tokenizers)
+    gw.gate.limit = new.admission.max_in_flight
     gw.admin_token = token
     await res.subs.update(new)
     if tokenizers is not old.tokenizers:

@@ -229,6 +229,48 @@ class StateConfig(_Strict):
         return self.url
 
 
+class AdmissionConfig(_Strict):
+    """Bounds on what the gateway takes on (0: no bound); see gateway/admission.py."""
+
+    max_in_flight: int = Field(0, ge=0, description="requests in flight through this gateway")
+    max_per_decode_endpoint: int = Field(0, ge=0, description="requests in flight on one decode engine")
+    max_per_prefill_endpoint: int = Field(0, ge=0, description="prefill legs in flight on one prefill engine")
+    queue_timeout_s: float = Field(5.0, ge=0, description="longest a request waits for capacity before 429")
+    retry_after_s: float = Field(1.0, gt=0, description="the Retry-After a 429 carries")
+
+
+class LimitsConfig(_Strict):
+    """Per-request limits beyond the model's own (0: none)."""
+
+    max_prompt_tokens: int = Field(0, ge=0, description="longer prompts get 400 (the model's context still applies)")
+    max_output_tokens: int = Field(0, ge=0, description="max_tokens / max_completion_tokens above this get 400")
+    max_header_bytes: int = Field(16384, gt=0, description="requests whose headers add up to more get 431")
+
+
+class AuthConfig(_Strict):
+    """Client API keys (one per line in the file, or comma-separated in the variable); none: open."""
+
+    api_keys_file: str | None = None
+    api_keys_env: str | None = None
+
+    def api_keys(self) -> list[str]:
+        raw: list[str] = []
+        if self.api_keys_file:
+            try:
+                raw += Path(self.api_keys_file).read_text().splitlines()
+            except OSError as err:
+                raise ValueError(f"auth.api_keys_file: cannot read ({err.strerror})") from None
+        if self.api_keys_env:
+            value = os.environ.get(self.api_keys_env)
+            if value is None:
+                raise ValueError(f"auth.api_keys_env: environment variable {self.api_keys_env} is not set")
+            raw += value.split(",")
+        keys = [k.strip() for k in raw if k.strip() and not k.strip().startswith("#")]
+        if (self.api_keys_file or self.api_keys_env) and not keys:
+            raise ValueError("auth: API keys are configured but none was found")
+        return keys
+
+
 class AdminConfig(_Strict):
     """GET /admin/config and POST /debug/route: off unless a token is configured."""
 
@@ -262,6 +304,9 @@ class GatewayConfig(_Strict):
     signals: SignalsConfig = SignalsConfig()
     admin: AdminConfig = AdminConfig()
     state: StateConfig = StateConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    limits: LimitsConfig = LimitsConfig()
+    auth: AuthConfig = AuthConfig()
 
     @model_validator(mode="after")
     def _unique_models(self) -> GatewayConfig:

@@ -29,8 +29,10 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type_: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        self.headers = dict(headers or {})
         self.status = status
         self.message = message
         self.param = param
@@ -47,7 +49,8 @@ class APIError(Exception):
 
 def error_response(err: APIError, headers: Mapping[str, str] | None = None) -> Response:
     return Response(
-        orjson.dumps(err.body()), status_code=err.status, media_type="application/json", headers=headers
+        orjson.dumps(err.body()), status_code=err.status, media_type="application/json",
+        headers={**err.headers, **(headers or {})},
     )
 
 

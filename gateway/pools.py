@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -53,6 +53,7 @@ class Endpoint:
     # Uncached prompt tokens sent to the engine whose prefill has not visibly finished.
     backlog_tokens: int = 0
     prefill_s_per_token: float | None = None
+    on_release: Callable[[], None] | None = None  # the pools' "capacity freed" signal
 
     def view(self, now: float = 0.0, max_age_s: float = 0.0, others: int = 0) -> EndpointView:
         """``others``: requests other gateway replicas have in flight here (shared state)."""
@@ -68,6 +69,8 @@ class Endpoint:
 
     def release(self) -> None:
         self.in_flight -= 1
+        if self.on_release is not None:
+            self.on_release()
 
     def start_prefill(self, tokens: int) -> PrefillTicket:
         ticket = PrefillTicket(tokens, self.backlog_tokens, time.monotonic())
@@ -108,6 +111,7 @@ class Pools:
         self.stats_max_age_s = stats_max_age_s
         # Requests other gateway replicas have in flight per endpoint url (shared state), if any.
         self.others: Mapping[str, int] = {}
+        self._release_waiters: list[asyncio.Future[None]] = []
         self.update(prefill, decode)
 
     def update(self, prefill: Iterable[str], decode: Iterable[str]) -> list[Endpoint]:
@@ -117,6 +121,8 @@ class Pools:
         self.prefill = [old.get(("prefill", u)) or Endpoint(u, "prefill") for u in prefill]
         self.decode = [old.get(("decode", u)) or Endpoint(u, "decode") for u in decode]
         self._by_url = {(e.pool, e.url): e for e in self.all()}
+        for e in self.all():
+            e.on_release = self._released
         return [e for key, e in old.items() if key not in self._by_url]
 
     def all(self) -> list[Endpoint]:
@@ -129,6 +135,24 @@ class Pools:
         now, age, others = time.monotonic(), self.stats_max_age_s, self.others
         return PoolSnapshot(tuple(e.view(now, age, others.get(e.url, 0)) for e in self.prefill),
                             tuple(e.view(now, age, others.get(e.url, 0)) for e in self.decode))
+
+    def _released(self) -> None:
+        waiters, self._release_waiters = self._release_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def wait_release(self, timeout: float) -> None:
+        """Return when any endpoint's in-flight count drops, or after ``timeout`` seconds."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._release_waiters.append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            pass
+        finally:
+            if fut in self._release_waiters:
+                self._release_waiters.remove(fut)
 
     def ready(self) -> bool:
         return any(e.healthy for e in self.decode)

@@ -248,3 +248,14 @@ def check_lengths(req: ParsedRequest, prompts: list[list[int]], max_model_len: i
 def too_large(limit: int) -> APIError:
     return APIError(413, f"The request body is larger than this gateway accepts ({limit} bytes).",
                     code="request_too_large")
+
+
+def check_output_limit(req: ParsedRequest, limit: int) -> None:
+    """The gateway's own cap on output tokens (``limits.max_output_tokens``; 0: none)."""
+    if not limit:
+        return
+    for param in ("max_tokens", "max_completion_tokens"):
+        value = req.body.get(param)
+        if isinstance(value, int) and value > limit:
+            raise bad_request(f"{param} must be at most {limit} on this gateway, got {value}.", param=param,
+                              code="max_tokens_too_large")

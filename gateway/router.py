@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from policies.base import Decider, Filter, Path, Picker, RequestContext, Scorer
+from policies.base import Decider, EndpointView, Filter, Path, Picker, PoolSnapshot, RequestContext, Scorer
 from policies.blockhash import BlockHash, HashSpec, block_hashes
 from policies.pipeline import PoolPipeline, Route, RoutingPipeline, Weighted
 from policies.prefix_index import PrefixIndex
@@ -35,6 +35,21 @@ def build_pipeline(cfg: RoutingConfig) -> RoutingPipeline:
         decode=_pool_pipeline(cfg.decode),
         prefill=_pool_pipeline(cfg.prefill),
     )
+
+
+class Saturated(RuntimeError):
+    """Every healthy decode engine is at its in-flight limit."""
+
+
+def _with_capacity(snap: PoolSnapshot, max_prefill: int, max_decode: int) -> PoolSnapshot:
+    """The snapshot without the engines at their in-flight limit (0: no limit)."""
+    def room(views: tuple[EndpointView, ...], limit: int) -> tuple[EndpointView, ...]:
+        return views if not limit else tuple(v for v in views if v.in_flight < limit)
+
+    decode = room(snap.decode, max_decode)
+    if not any(v.healthy for v in decode) and any(v.healthy for v in snap.decode):
+        raise Saturated("every healthy decode engine is at its in-flight limit")
+    return PoolSnapshot(room(snap.prefill, max_prefill), decode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +103,12 @@ class Router:
         ctx = RequestContext(model, request_id, token_ids, local_only, headers, cached)
         return Prepared(ctx, hashes, spec.block_size if spec else 0)
 
-    def route(self, prep: Prepared, *, explain: bool = False) -> Route:
-        return self.pipeline.route(prep.ctx, self._pools.snapshot(), explain=explain)
+    def route(self, prep: Prepared, *, explain: bool = False, max_decode: int = 0, max_prefill: int = 0) -> Route:
+        """Raises NoEndpointError (no healthy decode engine) or Saturated (all at ``max_decode``)."""
+        snap = self._pools.snapshot()
+        if max_decode or max_prefill:
+            snap = _with_capacity(snap, max_prefill, max_decode)
+        return self.pipeline.route(prep.ctx, snap, explain=explain)
 
     def learn(self, prep: Prepared, route: Route) -> None:
         """The engines that will compute or receive this prompt's KV will hold its blocks."""

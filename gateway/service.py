@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
 import re
 import time
@@ -15,14 +16,15 @@ from starlette.responses import Response
 
 from policies.pipeline import NoEndpointError
 
+from .admission import Gate, too_busy
 from .config import GatewayConfig
 from .dispatch import Dispatcher
 from .errors import APIError, error_response
 from .metrics import GatewayMetrics
 from .pools import Pools
-from .protocol import Kind, ParsedRequest, parse_body, too_large
+from .protocol import Kind, ParsedRequest, check_output_limit, parse_body, too_large
 from .relay import Outcome, RelayResponse
-from .router import Prepared, Router
+from .router import Prepared, Router, Saturated
 from .tokenizer import PromptIds, Tokenizers
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,7 @@ class Runtime:
     router: Router
     dispatcher: Dispatcher
     tokenizers: Tokenizers
+    api_keys: tuple[bytes, ...] = ()  # empty: no key needed
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class Gateway:
         self.runtime = runtime
         self.pools = pools
         self.metrics = metrics
+        self.gate = Gate(runtime.cfg.admission.max_in_flight)
         self.admin_token: str | None = None  # admin and debug endpoints are off without one
         self.watcher: Any = None  # the config watcher, when the config comes from a file
         self.feeds: Callable[[], list[Any]] = list  # the KV event subscribers
@@ -81,41 +85,83 @@ class Gateway:
     async def completions(self, request: Request) -> Response | RelayResponse:
         return await self._handle(request, "completion", "/v1/completions")
 
-    async def _route(self, rt: Runtime, request: Request, kind: Kind, *, explain: bool = False) -> Routed:
-        """Read, check, tokenize and decide; raises APIError for anything the client must fix."""
+    def authorize(self, request: Request) -> None:
+        """Raises 431 for oversized headers, 401 without a valid API key (when keys are configured)."""
+        rt = self.runtime
+        if sum(len(k) + len(v) for k, v in request.scope["headers"]) > rt.cfg.limits.max_header_bytes:
+            raise APIError(431, f"Request headers exceed {rt.cfg.limits.max_header_bytes} bytes.",
+                           code="headers_too_large")
+        if not rt.api_keys:
+            return
+        given = request.headers.get("authorization", "")
+        token = given[7:].strip().encode() if given[:7].lower() == "bearer " else b""
+        # Compare with every key, without stopping at a match: the time taken says nothing.
+        if not sum(hmac.compare_digest(token, key) for key in rt.api_keys):
+            raise APIError(401, "Incorrect API key provided.", type_="invalid_request_error", code="invalid_api_key")
+
+    async def _route(self, rt: Runtime, request: Request, kind: Kind, *, explain: bool = False,
+                     deadline: float | None = None) -> Routed:
+        """Read, check, tokenize and decide (waiting for engine capacity until ``deadline``); raises
+        APIError for anything the client must fix or wait for."""
         req = parse_body(await self._read_body(request, rt.cfg.server.max_body_bytes), kind)
         tok = rt.tokenizers.get(req.model)
         if tok is None:
             raise APIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found")
+        check_output_limit(req, rt.cfg.limits.max_output_tokens)
         prompts = await rt.tokenizers.prompt_ids(tok, req)
+        limit = rt.cfg.limits.max_prompt_tokens
+        if limit and max(map(len, prompts)) > limit:
+            raise APIError(400, f"This gateway accepts prompts of at most {limit} tokens; this one has "
+                           f"{max(map(len, prompts))}.", param="messages" if kind == "chat" else "prompt",
+                           code="prompt_too_long")
         request_id = _request_id(request.headers.get("x-request-id"))
         salt = req.body.get("cache_salt")  # vLLM mixes it into the first block's hash
         prep = await rt.router.prepare(req.model, request_id, prompts[0], req.local_only(), request.headers,
-                                 salt if isinstance(salt, str) else None)
-        try:
-            route = rt.router.route(prep, explain=explain)
-        except NoEndpointError:
-            raise APIError(503, "No decode engine is available right now.", code="no_healthy_endpoint",
-                           type_="server_error") from None
+                                       salt if isinstance(salt, str) else None)
+        adm = rt.cfg.admission
+        while True:
+            try:
+                route = rt.router.route(prep, explain=explain, max_decode=adm.max_per_decode_endpoint,
+                                        max_prefill=adm.max_per_prefill_endpoint)
+                break
+            except NoEndpointError:
+                raise APIError(503, "No decode engine is available right now.", code="no_healthy_endpoint",
+                               type_="server_error") from None
+            except Saturated:
+                left = (deadline or 0.0) - time.monotonic()
+                if explain or left <= 0:
+                    raise too_busy(adm, "every decode engine is at its limit") from None
+                await self.pools.wait_release(left)
         return Routed(req, prompts, request_id, prep, route)
 
     async def _handle(self, request: Request, kind: Kind, path: str) -> Response | RelayResponse:
         started = time.perf_counter()
         rt = self.runtime
         model = "unknown"
+        admitted = False
         try:
-            r = await self._route(rt, request, kind)
+            self.authorize(request)
+            adm = rt.cfg.admission
+            deadline = time.monotonic() + adm.queue_timeout_s
+            if not await self.gate.enter(adm.queue_timeout_s):
+                raise too_busy(adm, "too many requests in flight")
+            admitted = True
+            r = await self._route(rt, request, kind, deadline=deadline)
             model = r.req.model  # only configured names become metric labels
         except APIError as err:
-            self._count(model, "none", err.status, started)
+            self._count(model, "none", err.status, started, admitted)
             return error_response(err)
         except ClientDisconnect:
-            self._count(model, "none", 499, started)
+            self._count(model, "none", 499, started, admitted)
             return Response(status_code=499)
         except Exception:  # a bug: answer in the OpenAI shape and keep the count honest
             log.exception("request handling failed")
-            self._count(model, "none", 500, started)
+            self._count(model, "none", 500, started, admitted)
             return error_response(APIError(500, "The gateway failed to handle this request.", code="internal_error"))
+        except BaseException:  # cancelled while queued or reading: the slot must not leak
+            if admitted:
+                self.gate.leave()
+            raise
 
         decision = r.route.decision
         rt.router.learn(r.prep, r.route)
@@ -124,7 +170,7 @@ class Gateway:
                   decision.detail, decision.decode.url, decision.prefill.url if decision.prefill else "-")
 
         def done(outcome: Outcome) -> None:
-            self._count(model, decision.path.value, outcome.status, started)
+            self._count(model, decision.path.value, outcome.status, started, admitted=True)
 
         headers = {PATH_HEADER: decision.path.value, "x-request-id": r.request_id,
                    TOKENS_HEADER: str(len(r.prompts[0]))}
@@ -180,6 +226,9 @@ class Gateway:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _count(self, model: str, path: str, status: int, started: float) -> None:
+    def _count(self, model: str, path: str, status: int, started: float, admitted: bool = False) -> None:
+        """The request is over: count it, and free its admission slot."""
+        if admitted:
+            self.gate.leave()
         self.metrics.requests.labels(model, path, str(status)).inc()
         self.metrics.duration.labels(path).observe(time.perf_counter() - started)

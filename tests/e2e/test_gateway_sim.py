@@ -18,6 +18,9 @@ from .cluster import Cluster
 
 pytestmark = pytest.mark.e2e
 THRESHOLD = 200
+# These tests are about the handshake and the API: a repeated long prompt must take the P/D path
+# again, not go direct because the prefix index remembers it.
+STATELESS = {"decider": {"name": "token_threshold", "threshold": THRESHOLD}, "prefix": {"enabled": False}}
 LONG = "Summarize the following design note in one line. " + "The decode pool streams tokens. " * 120
 SHORT = "Say hello."
 
@@ -29,7 +32,7 @@ def cluster(tokenizer_dir, tmp_path_factory):
     try:
         c.prefill.append(c.start_sim("prefill"))
         c.decode += [c.start_sim("decode"), c.start_sim("decode")]
-        c.start_gateway(THRESHOLD)
+        c.start_gateway(THRESHOLD, routing=STATELESS)
         yield c
     finally:
         group.stop_all()
@@ -158,7 +161,7 @@ def slow(tokenizer_dir, tmp_path_factory):
     try:
         c.prefill.append(c.start_sim("prefill", "--prefill-time-per-token", "0.005"))
         c.decode.append(c.start_sim("decode", "--decode-time-per-token", "0.2"))
-        c.start_gateway(THRESHOLD)
+        c.start_gateway(THRESHOLD, routing=STATELESS)
         yield c
     finally:
         group.stop_all()

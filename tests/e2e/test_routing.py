@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 
 import httpx
 import pytest
@@ -33,7 +32,7 @@ def cluster(tokenizer_dir, tmp_path_factory):
         c.decode += [c.start_sim("decode", "--decode-time-per-token", "0.01"),
                      c.start_sim("decode", "--decode-time-per-token", "0.01")]
         c.start_gateway(THRESHOLD, admin={"token_file": str(token_file)},
-                        signals={"scrape_interval_s": 0.2, "max_age_s": 2.0})
+                        signals={"scrape_interval_s": 0.2, "scrape_timeout_s": 2.0, "max_age_s": 5.0})
         yield c
     finally:
         group.stop_all()
@@ -140,7 +139,13 @@ def test_load_shifts_traffic_away_from_a_busy_engine(cluster):
         t.start()
     try:
         assert wait_for(lambda: sample(busy.metrics(), "vllm:num_requests_running") >= 3, timeout=10)
-        time.sleep(0.6)  # a few scrape intervals
+
+        def gateway_sees_busy() -> bool:  # the scraped engine stats, as the policies get them
+            plan = admin(cluster, "POST", "/debug/route", json={"model": "tiny", "prompt": "x"}).json()
+            views = {e["url"]: e for e in plan["endpoints"]}
+            return (views[busy.url]["running"] or 0) >= 3 and views[idle.url]["running"] == 0
+
+        assert wait_for(gateway_sees_busy, timeout=10)
         served = [engine_of(cluster, chat(cluster, f"short question {i}").headers["x-request-id"])[1]
                   for i in range(8)]
         assert served == [idle.url] * 8
