@@ -110,7 +110,8 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         if toks is None:
             loaded = await asyncio.gather(*(asyncio.to_thread(ModelTokenizer.load, m) for m in cfg.models))
             toks = Tokenizers(loaded, cfg.tokenizer)
-        pools = Pools(cfg.pools.prefill.urls, cfg.pools.decode.urls, stats_max_age_s=cfg.signals.max_age_s)
+        pools = Pools(cfg.pools.prefill.urls, cfg.pools.decode.urls, stats_max_age_s=cfg.signals.max_age_s,
+                      outlier=cfg.health.outlier)
         index = PrefixIndex(max_approx_entries=cfg.routing.prefix.max_learned_blocks,
                             approx_ttl_s=cfg.routing.prefix.learned_ttl_s)
         shared = (RedisState(cfg.state, cfg.routing.prefix.learned_ttl_s, pools)
@@ -184,7 +185,8 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         body = {
             "ready": pools.ready(),
             "pools": {
-                name: {"healthy": sum(e.healthy for e in eps), "total": len(eps)}
+                name: {"healthy": sum(e.healthy for e in eps), "ejected": sum(e.ejected for e in eps),
+                       "total": len(eps)}
                 for name, eps in (("prefill", pools.prefill), ("decode", pools.decode))
             },
             "kv_event_feeds": {"connected": sum(f.counters.connected for f in gw.feeds()),
@@ -293,7 +295,7 @@ async def _apply(gw: Gateway, new: GatewayConfig, version: str, res: Resources) 
         tokenizers = Tokenizers(loaded, new.tokenizer)
     # Built against the live pools, so it must come after their update; nothing below can fail.
     removed = pools.update(new.pools.prefill.urls, new.pools.decode.urls)
-    pools.stats_max_age_s = new.signals.max_age_s
+    pools.configure(new.signals.max_age_s, new.health.outlier)
     for url in {ep.url for ep in removed} - {ep.url for ep in pools.all()}:
         index.forget(url)
     gw.runtime = _runtime(new, version, res, tokenizers)

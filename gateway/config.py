@@ -134,11 +134,24 @@ class PoolsConfig(_Strict):
         return decode
 
 
+class OutlierConfig(_Strict):
+    """Passive health: an endpoint whose requests fail is ejected for a while, then tried again
+    with real traffic (ejection times double while it keeps failing)."""
+
+    consecutive_failures: int = Field(3, ge=1, description="failed requests in a row that eject an endpoint")
+    error_rate: float = Field(0.5, gt=0, le=1, description="share of failed requests in the window that ejects")
+    window: int = Field(20, ge=1, description="the last requests the error rate is computed over")
+    min_requests: int = Field(10, ge=1, description="requests in the window before the error rate counts")
+    base_ejection_s: float = Field(5.0, gt=0)
+    max_ejection_s: float = Field(60.0, gt=0)
+
+
 class HealthConfig(_Strict):
     interval_s: float = Field(2.0, gt=0)
     timeout_s: float = Field(2.0, gt=0)
     path: str = "/health"
     failures_to_mark_down: int = Field(2, ge=1, description="consecutive failed probes before an endpoint is skipped")
+    outlier: OutlierConfig = OutlierConfig()
 
 
 class PolicySpec(BaseModel):

@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
 from policies.base import EndpointView, PoolSnapshot
 
-from .config import HealthConfig
+from .config import HealthConfig, OutlierConfig
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +55,48 @@ class Endpoint:
     backlog_tokens: int = 0
     prefill_s_per_token: float | None = None
     on_release: Callable[[], None] | None = None  # the pools' "capacity freed" signal
+    # Passive health (outlier ejection), fed by the outcome of real requests.
+    outlier: OutlierConfig = field(default_factory=OutlierConfig)
+    consecutive_failures: int = 0
+    outcomes: deque[bool] = field(default_factory=deque)
+    ejected_until: float = 0.0
+    ejections: int = 0  # in a row: each one lasts twice as long as the one before
+
+    @property
+    def ejected(self) -> bool:
+        return time.monotonic() < self.ejected_until
+
+    def record(self, ok: bool) -> None:
+        """The outcome of one request to this engine (engine errors, not client mistakes)."""
+        cfg = self.outlier
+        self.outcomes.append(ok)
+        while len(self.outcomes) > cfg.window:
+            self.outcomes.popleft()
+        if ok:
+            self.consecutive_failures = 0
+            if not self.ejected and self.ejections and all(self.outcomes):
+                self.ejections = 0  # a clean window after an ejection: forgiven
+            return
+        self.consecutive_failures += 1
+        failed = self.outcomes.count(False)
+        too_many = self.consecutive_failures >= cfg.consecutive_failures or (
+            len(self.outcomes) >= cfg.min_requests and failed / len(self.outcomes) >= cfg.error_rate)
+        if too_many and not self.ejected:
+            seconds = min(cfg.base_ejection_s * 2 ** self.ejections, cfg.max_ejection_s)
+            self.ejected_until = time.monotonic() + seconds
+            self.ejections += 1
+            self.consecutive_failures = 0
+            self.outcomes.clear()
+            log.warning("endpoint %s (%s) ejected for %.0f s after failed requests", self.url, self.pool, seconds)
 
     def view(self, now: float = 0.0, max_age_s: float = 0.0, others: int = 0) -> EndpointView:
         """``others``: requests other gateway replicas have in flight here (shared state)."""
         st = self.stats
+        usable = self.healthy and not self.ejected
         if st is None or now - st.at > max_age_s:
-            return EndpointView(self.url, self.pool, self.healthy, self.in_flight + others,
+            return EndpointView(self.url, self.pool, usable, self.in_flight + others,
                                 backlog_tokens=self.backlog_tokens, prefill_s_per_token=self.prefill_s_per_token)
-        return EndpointView(self.url, self.pool, self.healthy, self.in_flight + others, st.running, st.waiting,
+        return EndpointView(self.url, self.pool, usable, self.in_flight + others, st.running, st.waiting,
                             st.kv_usage, self.backlog_tokens, self.prefill_s_per_token)
 
     def acquire(self) -> None:
@@ -104,7 +139,8 @@ class Endpoint:
 class Pools:
     """The prefill and decode pools; the only owner of endpoint state."""
 
-    def __init__(self, prefill: Iterable[str], decode: Iterable[str], *, stats_max_age_s: float = 5.0) -> None:
+    def __init__(self, prefill: Iterable[str], decode: Iterable[str], *, stats_max_age_s: float = 5.0,
+                 outlier: OutlierConfig | None = None) -> None:
         self.prefill: list[Endpoint] = []
         self.decode: list[Endpoint] = []
         self._by_url: dict[tuple[str, str], Endpoint] = {}
@@ -112,6 +148,7 @@ class Pools:
         # Requests other gateway replicas have in flight per endpoint url (shared state), if any.
         self.others: Mapping[str, int] = {}
         self._release_waiters: list[asyncio.Future[None]] = []
+        self.outlier = outlier or OutlierConfig()
         self.update(prefill, decode)
 
     def update(self, prefill: Iterable[str], decode: Iterable[str]) -> list[Endpoint]:
@@ -123,6 +160,7 @@ class Pools:
         self._by_url = {(e.pool, e.url): e for e in self.all()}
         for e in self.all():
             e.on_release = self._released
+            e.outlier = self.outlier
         return [e for key, e in old.items() if key not in self._by_url]
 
     def all(self) -> list[Endpoint]:
@@ -135,6 +173,12 @@ class Pools:
         now, age, others = time.monotonic(), self.stats_max_age_s, self.others
         return PoolSnapshot(tuple(e.view(now, age, others.get(e.url, 0)) for e in self.prefill),
                             tuple(e.view(now, age, others.get(e.url, 0)) for e in self.decode))
+
+    def configure(self, stats_max_age_s: float, outlier: OutlierConfig) -> None:
+        self.stats_max_age_s = stats_max_age_s
+        self.outlier = outlier
+        for e in self.all():
+            e.outlier = outlier
 
     def _released(self) -> None:
         waiters, self._release_waiters = self._release_waiters, []
@@ -155,7 +199,7 @@ class Pools:
                 self._release_waiters.remove(fut)
 
     def ready(self) -> bool:
-        return any(e.healthy for e in self.decode)
+        return any(e.healthy and not e.ejected for e in self.decode)
 
     def block_size(self) -> int | None:
         """The KV block size the engines report (the first one known)."""
