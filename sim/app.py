@@ -18,7 +18,12 @@ Sim-only test instrumentation (not in vLLM):
   timestamps ``received_at``, ``first_token_at``, ``finished_at``.
 * ``DELETE /sim/requests``: forget them.
 * ``GET /sim/state``: scheduler and KV snapshot (running, waiting, free blocks, held
-  prefill handles, cached blocks, the KV event endpoints as bound and messages published).
+  prefill handles, cached blocks, the KV event endpoints as bound and messages published,
+  the faults and how often each was injected).
+* ``GET /sim/faults``, ``PUT /sim/faults`` (JSON spec, replaces the faults), ``DELETE
+  /sim/faults`` (no faults, counters reset): fault injection (:mod:`sim.faults`), answering
+  ``{"faults": {...}, "injected": {...}}``; a bad spec gets 400 ``{"detail": ...}``.
+* ``POST /sim/crash``: answers, then exits the process at once (no shutdown, connections cut).
 
 The two generation routes are raw ASGI callables: each request watches for
 ``http.disconnect`` while it waits, and a disconnect aborts its engine requests at once
@@ -32,6 +37,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 import time
 import uuid
 from collections import deque
@@ -41,6 +47,7 @@ from typing import Any
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -49,6 +56,7 @@ from starlette.routing import Route
 from sim import protocol as P
 from sim.config import SimConfig
 from sim.engine import DECODE, Collector, Engine, Seq
+from sim.faults import ConnectionDropped, Faults, FaultSpecError, FaultySend, Plan
 from sim.kv import KVServer
 from sim.kv_events import EventSink, ZmqEventPublisher
 from sim.metrics import SimMetrics
@@ -62,7 +70,8 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 _JSON_CT = (b"content-type", b"application/json")
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]
-INTERNAL_ERROR = P.ApiError("Internal server error", 500, "InternalServerError")
+INTERNAL_ERROR = P.ApiError("Internal server error", 500, "InternalServerError")  # vLLM's GenerationError
+RETRYABLE_ERROR = P.ApiError("Request failed; please retry", 503, "ServiceUnavailableError")  # RetryableRequestError
 
 
 async def _send_json(send: Send, status: int, obj: Any) -> None:
@@ -72,8 +81,8 @@ async def _send_json(send: Send, status: int, obj: Any) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
-def _json(obj: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+def _json(obj: Any, status: int = 200, background: BackgroundTask | None = None) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json", background=background)
 
 
 class Records:
@@ -99,6 +108,7 @@ class Records:
             "http_status": None,
             "finish_reasons": [],
             "error": None,
+            "fault": None,
             "kv_transfer_params": None,
             "received_at": time.time(),
             "first_token_at": None,
@@ -123,6 +133,8 @@ class SimState:
             ZmqEventPublisher(cfg.kv_events_config, bind_host=cfg.host) if cfg.kv_events_config.active else None
         )
         self.records = Records()
+        self.faults = Faults(cfg.faults)
+        self.exit: Callable[[int], None] = os._exit  # POST /sim/crash (tests in-process replace it)
         digest = hashlib.sha256(
             f"{cfg.model}|{cfg.max_model_len}|{cfg.block_size}|{cfg.tokenizer}".encode()
         ).hexdigest()
@@ -133,7 +145,7 @@ class SimState:
         if self.publisher is not None:
             await asyncio.to_thread(self.publisher.start)
         sink = self.event_sink if self.event_sink is not None else self.publisher
-        engine = Engine(self.cfg, self.metrics, self.tok.output_vocab, publisher=sink)
+        engine = Engine(self.cfg, self.metrics, self.tok.output_vocab, publisher=sink, faults=self.faults)
         self.kv_server = KVServer(
             {"read": engine.kv_read, "notify": engine.kv_notify, "hb": engine.kv_heartbeat},
             self.cfg.host,
@@ -221,7 +233,28 @@ class GenerateEndpoint:
                 self._release_rejected(kv_for_release)
             await self._send_error(send, e, rec)
             return
-        await self._run(job, scope, receive, send, rec)
+        plan = state.faults.plan(job.kind)
+        rec["fault"] = "+".join(plan.applied) or None
+        if plan.error_status is not None:
+            if job.kind == DECODE and job.kv_in:
+                self._release_rejected(job.kv_in)
+            await self._send_error(send, INTERNAL_ERROR if plan.error_status == 500 else RETRYABLE_ERROR, rec)
+            return
+        if plan.hang:
+            await self._hang(job, receive, rec)
+            return
+        await self._run(job, scope, receive, send, rec, plan)
+
+    async def _hang(self, job: P.Job, receive: Receive, rec: dict[str, Any]) -> None:
+        """The ``hang`` fault: never answer; forget the request once its client is gone."""
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        finally:
+            rec["status"] = "aborted"
+            rec["finished_at"] = time.time()
+        if job.kind == DECODE and job.kv_in:
+            self._release_rejected(job.kv_in)  # as for a queued decode leg that is aborted
 
     def _release_rejected(self, kv: dict[str, Any]) -> None:
         """vLLM frees a prefill engine's blocks when a decode leg is rejected before the engine
@@ -240,10 +273,15 @@ class GenerateEndpoint:
         rec["finished_at"] = time.time()
         await _send_json(send, err.status, err.body())
 
-    async def _run(self, job: P.Job, scope: Scope, receive: Receive, send: Send, rec: dict[str, Any]) -> None:
+    async def _run(
+        self, job: P.Job, scope: Scope, receive: Receive, send: Send, rec: dict[str, Any], plan: Plan
+    ) -> None:
         state = self.state
         engine = state.engine
         assert engine is not None
+        closed = asyncio.Event()  # the client is gone (ends fault delays at once)
+        if plan.shapes_response:
+            send = FaultySend(send, plan, job.stream, closed)
         job.created = int(time.time())
         ids = P.internal_ids(job)
         rec["internal_ids"] = ids
@@ -294,6 +332,7 @@ class GenerateEndpoint:
         def on_disconnect() -> None:
             # Servers also report http.disconnect once a response is complete: ignore that.
             nonlocal disconnected
+            closed.set()
             if rec["status"] != "running":
                 return
             disconnected = True
@@ -312,6 +351,10 @@ class GenerateEndpoint:
                 await collector.done
                 if not disconnected:
                     await self._full(job, send, rec)
+        except ConnectionDropped:
+            rec["status"] = "dropped"
+            rec["finished_at"] = time.time()
+            raise  # the server closes the connection of a response it cannot complete
         finally:
             watcher.cancel()
             if not all(s.finished for s in job.seqs):  # cancelled from outside: do not leak
@@ -592,6 +635,7 @@ def create_app(cfg: SimConfig) -> Starlette:
                 "held": {rid: len(h.block_ids) for rid, h in e.held.items()},
                 "prefix_caching": cfg.enable_prefix_caching,
                 "cached_blocks": e.pool.num_cached,
+                "faults": state.faults.snapshot(),
                 "kv_events": None
                 if state.publisher is None
                 else {
@@ -603,6 +647,22 @@ def create_app(cfg: SimConfig) -> Starlette:
                 },
             }
         )
+
+    async def sim_faults(request: Request) -> Response:
+        if request.method == "PUT":
+            try:
+                state.faults.configure(orjson.loads(await request.body()))
+            except orjson.JSONDecodeError as e:
+                return _json({"detail": f"body is not valid JSON: {e}"}, 400)
+            except FaultSpecError as e:
+                return _json({"detail": str(e)}, 400)
+        elif request.method == "DELETE":
+            state.faults.clear()
+        return _json(state.faults.snapshot())
+
+    async def sim_crash(request: Request) -> Response:
+        log.warning("POST /sim/crash: exiting now")
+        return _json({"crashing": True, "pid": os.getpid()}, background=BackgroundTask(state.exit, 1))
 
     async def reset_prefix_cache(request: Request) -> Response:
         # vLLM's dev route: POST /reset_prefix_cache?reset_running_requests=&reset_external=
@@ -634,6 +694,8 @@ def create_app(cfg: SimConfig) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/sim/requests", sim_requests, methods=["GET", "DELETE"]),
         Route("/sim/state", sim_state, methods=["GET"]),
+        Route("/sim/faults", sim_faults, methods=["GET", "PUT", "DELETE"]),
+        Route("/sim/crash", sim_crash, methods=["POST"]),
     ]
     if cfg.server_dev_mode:
         routes.append(Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]))

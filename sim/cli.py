@@ -7,7 +7,10 @@ import logging
 import os
 import sys
 
-from sim.config import HASH_ALGOS, ROLES, SimConfig
+import orjson
+
+from sim.config import HASH_ALGOS, KV_LOAD_FAILURE_POLICIES, ROLES, SimConfig
+from sim.faults import DropLogFilter
 from sim.kv_events import KVEventsConfig
 
 
@@ -96,6 +99,20 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         action="store_true",
         help="usage.prompt_tokens_details with cached_tokens (vLLM's flag)",
     )
+    p.add_argument(
+        "--kv-load-failure-policy",
+        choices=KV_LOAD_FAILURE_POLICIES,
+        default="fail",
+        help="a decode leg whose KV pull fails: fail it (HTTP 500) or recompute the prompt locally "
+        "(vLLM: kv_load_failure_policy in --kv-transfer-config)",
+    )
+    p.add_argument(
+        "--faults",
+        default=None,
+        help='faults injected from the start, the JSON of PUT /sim/faults: {"seed": 1, "error": {"status": 500, '
+        '"on": ["decode"], "count": 1, "probability": 1.0}, "hang": {...}, "slow": {"first_byte_delay": 1, '
+        '"chunk_delay": 0.1}, "drop": {"after_chunks": 2}, "kv_refuse": {"count": 1}} (see sim/README.md)',
+    )
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -104,6 +121,11 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     kw = {k: v for k, v in vars(args).items() if v is not None}
     if "kv_events_config" in kw:
         kw["kv_events_config"] = KVEventsConfig.from_json(kw["kv_events_config"])
+    if "faults" in kw:
+        try:
+            kw["faults"] = orjson.loads(kw["faults"])
+        except orjson.JSONDecodeError as e:
+            raise ValueError(f"--faults is not valid JSON: {e}") from e
     # vLLM mounts its development routes (/reset_prefix_cache, ...) only with this variable.
     kw["server_dev_mode"] = os.environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0", "false", "False")
     return SimConfig(**kw)
@@ -120,6 +142,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("uvicorn.error").addFilter(DropLogFilter())  # an injected drop is no server error
 
     import uvicorn
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import importlib.util
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
+from sim.faults import FaultSpecError, parse_spec
 from sim.kv_events import KVEventsConfig
 
 ROLES = ("prefill", "decode", "both")
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")  # vLLM 0.32's PrefixCachingHashAlgo
+KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")  # vLLM 0.32's KVTransferConfig.kv_load_failure_policy
 
 
 @dataclass
@@ -46,6 +49,8 @@ class SimConfig:
     kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
     enable_prompt_tokens_details: bool = False
     server_dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1: dev routes such as /reset_prefix_cache
+    kv_load_failure_policy: str = "fail"  # what a decode leg does when its KV pull fails
+    faults: dict[str, Any] | None = None  # start-up fault spec (sim.faults), also set at runtime
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
@@ -81,6 +86,15 @@ class SimConfig:
                 f"prefix_caching_hash_algo must be one of {', '.join(HASH_ALGOS)}, "
                 f"got {self.prefix_caching_hash_algo!r}"
             )
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(
+                f"kv_load_failure_policy must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}, "
+                f"got {self.kv_load_failure_policy!r}"
+            )
+        try:
+            parse_spec(self.faults)
+        except FaultSpecError as e:
+            raise ValueError(f"faults: {e}") from e
         if self.prefix_caching_hash_algo.startswith("xxhash") and importlib.util.find_spec("xxhash") is None:
             raise ValueError(f"prefix_caching_hash_algo {self.prefix_caching_hash_algo} needs the 'xxhash' package")
 

@@ -41,6 +41,13 @@ Model (a small cousin of vLLM's v1 scheduler):
   error: NIXL reads blocks by id, so the decode runs on whatever the blocks hold (this
   prompt's KV if they were not reused since, otherwise someone else's, which changes the
   output text) and the prefill engine counts vllm:nixl_num_notifications_after_expiry.
+* A read the prefill engine refuses (the ``kv_refuse`` fault, :mod:`sim.faults`) is vLLM's
+  ``transfer_failed`` (the READ ends in state ERR): the same error finish, and no notification
+  (the notification rides on the failed READ), so the prefill blocks wait for their expiry.
+* ``kv_load_failure_policy=recompute`` (vLLM's other policy) turns every failure above into
+  a local recompute, as vLLM's ``_handle_failed_recving`` does: the decode leg's blocks are
+  freed, it goes back to the waiting queue with nothing computed, looks its prefix cache up
+  again and prefills the whole prompt itself; the client sees a normal answer.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from typing import Any
 import orjson
 
 from sim.config import SimConfig
+from sim.faults import Faults
 from sim.kv import KVClient, KVError
 from sim.kv_events import EventSink
 from sim.metrics import SimMetrics
@@ -227,8 +235,10 @@ class Engine:
         vocab: OutputVocab,
         kv_client: KVClient | None = None,
         publisher: EventSink | None = None,
+        faults: Faults | None = None,
     ) -> None:
         self.cfg = cfg
+        self.faults = faults
         self.m = metrics
         self.vocab = vocab
         self.kv = kv_client or KVClient(connect_timeout=cfg.kv_handshake_timeout)
@@ -698,6 +708,9 @@ class Engine:
         first = msg.get("first_block") or 0
         if type(first) is not int or first < 0:
             return {"status": "bad_blocks", "engine_id": own}
+        if self.faults is not None and self.faults.refuse_kv_read():
+            log.warning("fault: refusing the KV read of request %s", msg.get("request_id"))
+            return {"status": "refused", "engine_id": own}
         held = self.held.get(msg.get("request_id"))
         known = held is not None and held.block_ids[first : first + len(flat)] == flat
         n_req = msg.get("num_tokens")
@@ -803,29 +816,34 @@ class Engine:
                     },
                 )
             except (KVError, OSError) as e:
-                # vLLM: handshake failed -> the request fails (kv_load_failure_policy=fail).
-                m.nixl_failed_transfers.inc()
-                seq.remote_released = True  # nothing reached the prefill engine
+                # vLLM: handshake_failed; nothing reached the prefill engine, no notification.
+                seq.remote_released = True
                 log.error("NIXL transfer failure: handshake_failed with %s:%s (%s)", host, port, e)
-                self._fail(seq, f"KV handshake with {host}:{port} failed: {e}")
+                self._load_failed(seq, f"KV handshake with {host}:{port} failed: {e}")
                 return
             status = reply.get("status")
             if reply.get("engine_id") != engine_id:
-                m.nixl_failed_transfers.inc()
                 seq.remote_released = True
                 log.error(
                     "NIXL transfer failure: Remote NIXL agent engine ID mismatch. Expected %s, received %s.",
                     engine_id,
                     reply.get("engine_id"),
                 )
-                self._fail(seq, "Remote NIXL agent engine ID mismatch")
+                self._load_failed(seq, "Remote NIXL agent engine ID mismatch")
                 return
             if status == "bad_blocks":
                 # Observed with vLLM 0.32: the request fails, and the prefill engine's blocks for
-                # that handle are released right away (the finally-clause notifies).
-                m.nixl_failed_transfers.inc()
+                # that handle are released right away.
                 log.error("NIXL transfer failure: transfer_setup_failed for %s (bad block ids)", rid)
-                self._fail(seq, "KV transfer setup failed: invalid remote block ids")
+                self._release_remote(seq)
+                self._load_failed(seq, "KV transfer setup failed: invalid remote block ids")
+                return
+            if status == "refused":
+                # vLLM: the READ ends in state ERR (transfer_failed); its notification is lost
+                # with it, so the prefill engine keeps the blocks until they expire.
+                seq.remote_released = True
+                log.error("NIXL transfer failure: transfer_failed for %s (read refused by %s:%s)", rid, host, port)
+                self._load_failed(seq, "KV transfer failed: the prefill engine refused the read")
                 return
             read_done = True
             post = _now() - t0
@@ -863,6 +881,23 @@ class Engine:
     def _fail(self, seq: Seq, why: str) -> None:
         seq.error = why
         self._finish(seq, "error", _now())
+
+    def _load_failed(self, seq: Seq, why: str) -> None:
+        """A decode leg's KV pull failed: count it, then apply ``kv_load_failure_policy``."""
+        self.m.nixl_failed_transfers.inc()
+        if self.cfg.kv_load_failure_policy == "fail":
+            self._fail(seq, why)
+            return
+        # recompute: vLLM's _handle_failed_recving sets num_computed_tokens to 0 and frees the
+        # blocks; the request waits again and prefills its whole prompt locally.
+        log.warning("Recovered from KV load failure: request %s rescheduled (%s)", seq.req_id, why)
+        self.remote_kv.discard(seq)
+        self._free(seq)
+        seq.num_computed = 0
+        seq.kv_pulled = True  # nothing left to load: it runs as a local request
+        seq.state = WAITING
+        self.ready_kv.append(seq)
+        self._wake.set()
 
     # ------------------------------------------------------------------ heartbeats
     async def _heartbeat_loop(self) -> None:
