@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -93,6 +94,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from .app import create_app
     from .config import parse_config
+    from .reload import version_of
 
     def _exit(signum: int, frame: object) -> None:
         raise SystemExit(0)
@@ -102,20 +104,26 @@ def run_demo(args: argparse.Namespace) -> int:
     tokenizer = build_tokenizer(cache_dir() / "demo-tokenizer")
     procs: list[subprocess.Popen] = []
     logs = tempfile.mkdtemp(prefix="pdgate-demo-")
-    pools: dict[str, list[str]] = {"prefill": [], "decode": []}
+    pools: dict[str, list[dict[str, str]]] = {"prefill": [], "decode": []}
     try:
         for role, count in (("prefill", args.prefill), ("decode", args.decode)):
             for i in range(count):
-                port, kv_port = _free_port(), _free_port()
+                port, kv_port, events, replay = (_free_port() for _ in range(4))
+                # Every engine publishes its KV cache events, as vLLM does with --kv-events-config;
+                # the gateway follows them for precise prefix routing.
+                events_cfg = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{events}",
+                              "replay_endpoint": f"tcp://*:{replay}"}
                 argv = [sys.executable, "-m", "sim", "--role", role, "--port", str(port), "--kv-port",
                         str(kv_port), "--model", MODEL, "--tokenizer", str(tokenizer),
-                        "--max-model-len", str(MAX_MODEL_LEN), *SIM_TIMING]
+                        "--max-model-len", str(MAX_MODEL_LEN), "--kv-events-config", json.dumps(events_cfg),
+                        *SIM_TIMING]
                 with open(os.path.join(logs, f"{role}-{i}.log"), "wb") as log:
                     procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                                   preexec_fn=_die_with_parent))
-                pools[role].append(f"http://127.0.0.1:{port}")
-        for proc, url in zip(procs, pools["prefill"] + pools["decode"], strict=False):
-            _wait_ready(url + "/health", proc)
+                pools[role].append({"url": f"http://127.0.0.1:{port}", "kv_events": f"tcp://127.0.0.1:{events}",
+                                    "kv_events_replay": f"tcp://127.0.0.1:{replay}"})
+        for proc, ep in zip(procs, pools["prefill"] + pools["decode"], strict=False):
+            _wait_ready(ep["url"] + "/health", proc)
         cfg = parse_config({
             "server": {"host": args.host, "port": args.port},
             "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": MAX_MODEL_LEN}],
@@ -123,13 +131,15 @@ def run_demo(args: argparse.Namespace) -> int:
             "routing": {"decider": {"name": "token_threshold", "threshold": args.threshold}},
         }, "demo")
         config_path = os.path.join(logs, "gateway.yaml")
-        Path(config_path).write_text(yaml.safe_dump(cfg.model_dump(exclude_none=True), sort_keys=False))
+        raw = yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True), sort_keys=False).encode()
+        Path(config_path).write_bytes(raw)
         print(f"pdgate demo: {args.prefill} prefill + {args.decode} decode simulated engines, "
-              f"gateway on http://{args.host}:{args.port} (P/D from {args.threshold} prompt tokens)")
-        print(f"config: {config_path}   engine logs: {logs}\n")
+              f"gateway on http://{args.host}:{args.port} (P/D from {args.threshold} uncached prompt tokens)")
+        print(f"config: {config_path} (edits apply live)   engine logs: {logs}\n")
         print(_curls(args.port), "\n\nCtrl-C stops everything.\n", flush=True)
         server = uvicorn.Server(uvicorn.Config(
-            create_app(cfg), host=args.host, port=args.port, loop="uvloop", http="httptools",
+            create_app(cfg, config_path=config_path, config_version=version_of(raw)),
+            host=args.host, port=args.port, loop="uvloop", http="httptools",
             access_log=False, log_level="warning", server_header=False,
         ))
         server.run()  # returns on SIGINT/SIGTERM

@@ -8,6 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -58,6 +59,13 @@ def test_demo_routes_both_paths_and_stops_cleanly(tmp_path):
             assert resp.headers["x-pdgate-path"] == "pd"
             text = "".join(c.choices[0].delta.content or "" for c in resp.parse() if c.choices)
         assert text
+        # The engines' KV events reach the gateway: the same document comes back direct, to the
+        # decode engine that now holds it.
+        feeds = httpx.get(f"http://127.0.0.1:{port}/ready").json()["kv_event_feeds"]
+        assert feeds == {"connected": 4, "total": 4}
+        again = client.chat.completions.with_raw_response.create(
+            model="demo", messages=[{"role": "user", "content": long_text}], max_tokens=4)
+        assert again.headers["x-pdgate-path"] == "direct"
 
         demo.popen.send_signal(signal.SIGTERM)
         assert demo.popen.wait(30) == 0
