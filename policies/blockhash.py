@@ -40,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 import struct
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -181,6 +182,67 @@ class _LRU:
         self._data.clear()
 
 
+@dataclass(slots=True)
+class _Prompt:
+    packed: bytes  # the hashed units' token ids as uint32s
+    digests: list[Digest]
+    published: list[BlockHash]
+
+
+class _Recent:
+    """Recent prompts by their first unit (and extra keys): a conversation that comes back with
+    one more turn shares a long prefix with its last prompt, whose hashes are reused wholesale
+    after a comparison of packed token ids, instead of a memo lookup per block. Several
+    conversations may start alike (one system prompt), so each first unit keeps a few."""
+
+    __slots__ = ("_data", "maxsize")
+    PER_KEY = 8
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._data: OrderedDict[tuple, list[_Prompt]] = OrderedDict()
+
+    def best(self, key: tuple, packed: bytes, unit_bytes: int) -> tuple[_Prompt | None, int]:
+        """The remembered prompt sharing the most leading units with ``packed``, and how many."""
+        prompts = self._data.get(key)
+        if not prompts:
+            return None, 0
+        self._data.move_to_end(key)
+        best, shared = None, 0
+        for p in prompts:
+            n = _common_units(p.packed, packed, unit_bytes)
+            if n > shared:
+                best, shared = p, n
+        return best, shared
+
+    def put(self, key: tuple, prompt: _Prompt, replaces: _Prompt | None) -> None:
+        prompts = self._data.setdefault(key, [])
+        if replaces is not None and replaces in prompts:
+            prompts.remove(replaces)  # the conversation's previous turn: superseded
+        prompts.insert(0, prompt)
+        del prompts[self.PER_KEY :]
+        self._data.move_to_end(key)
+        if len(self._data) > self.maxsize:
+            self._data.popitem(last=False)
+
+    def clear(self) -> None:
+        self._data.clear()
+
+
+def _common_units(a: bytes, b: bytes, unit_bytes: int) -> int:
+    """How many leading ``unit_bytes``-long units ``a`` and ``b`` share (binary search, memcmp)."""
+    lo, hi = 0, min(len(a), len(b)) // unit_bytes
+    if a[: hi * unit_bytes] == b[: hi * unit_bytes]:
+        return hi
+    while lo < hi:  # invariant: lo units are shared, hi are not
+        mid = (lo + hi + 1) // 2
+        if a[: mid * unit_bytes] == b[: mid * unit_bytes]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 @dataclass(frozen=True, eq=False)
 class HashSpec:
     """How one group of engines hashes prefix-cache blocks (see the module docstring).
@@ -198,9 +260,11 @@ class HashSpec:
     int_hashes: bool = True
     hash_block_size: int | None = None
     memo_size: int = 65536
+    recent_size: int = 256
     _digest: Callable[[Any], bytes] = field(init=False, repr=False)
     _none_hash: Digest = field(init=False, repr=False)
     _memo: _LRU = field(init=False, repr=False)
+    _recent: _Recent = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.algo not in HASH_ALGOS:
@@ -218,6 +282,7 @@ class HashSpec:
         object.__setattr__(self, "_digest", digest)
         object.__setattr__(self, "_none_hash", digest(seed))
         object.__setattr__(self, "_memo", _LRU(self.memo_size))
+        object.__setattr__(self, "_recent", _Recent(self.recent_size))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, HashSpec) and self._key() == other._key()
@@ -253,6 +318,7 @@ class HashSpec:
 
     def clear_memo(self) -> None:
         self._memo.clear()
+        self._recent.clear()
 
 
 def block_digests(
@@ -310,10 +376,35 @@ def block_hashes(
     a LoRA request, as the engine registered it.
     """
     first, every = extra_keys(cache_salt, lora)
-    digests = block_digests(token_ids, spec, first_extra=first, every_extra=every)
-    step = spec.block_size // spec.unit
-    if step != 1:
-        digests = digests[step - 1 :: step]
+    unit = spec.unit
+    units = len(token_ids) // unit
+    if not units:
+        return []
+    step = spec.block_size // unit
+    try:
+        packed = array("I", token_ids[: units * unit]).tobytes()
+    except (OverflowError, TypeError):  # not uint32 token ids: no reuse, plain memoized hashing
+        published = _publish(block_digests(token_ids, spec, first_extra=first, every_extra=every), spec)
+        return published[step - 1 :: step] if step != 1 else published
+    unit_bytes = unit * 4
+    key = (packed[:unit_bytes], first, every)
+    last, shared = spec._recent.best(key, packed, unit_bytes)
+    if last is not None and shared:
+        digests = last.digests[:shared] + block_digests(
+            token_ids[shared * unit : units * unit], spec, parent=last.digests[shared - 1], every_extra=every)
+        published = last.published[:shared] + _publish(digests[shared:], spec)
+    else:
+        digests = block_digests(token_ids, spec, first_extra=first, every_extra=every)
+        published = _publish(digests, spec)
+    if last is None or shared < units or len(last.digests) <= units:
+        # Remember this prompt, in place of the one it extends (a conversation's earlier turn).
+        spec._recent.put(key, _Prompt(packed, digests, published),
+                         last if last is not None and shared == len(last.digests) else None)
+    return published[step - 1 :: step] if step != 1 else list(published)
+
+
+def _publish(digests: Sequence[Digest], spec: HashSpec) -> list[BlockHash]:
+    """Per hashed unit, the value events carry (``block_hashes`` keeps the units ending a block)."""
     if not spec.int_hashes:
         return list(digests)
     return [int.from_bytes(d[-8:], "big") for d in digests]

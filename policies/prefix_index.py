@@ -109,33 +109,37 @@ class PrefixIndex:
     # -- lookups ---------------------------------------------------------------------------------
 
     def match(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
+        # The first block names the candidates; after it, only those still matching are checked,
+        # one or two dict lookups each: a returning 8k-token conversation walks ~500 blocks.
+        if not hashes:
+            return {}
         now = self._clock()
         young, ttl, live = self.young_s, self.approx_ttl_s, self._live
         precise, approx = self._precise_by_hash, self._approx_by_hash
+
+        def fresh(url: str, ts: float | None) -> bool:
+            return ts is not None and now - ts <= (young if url in live else ttl)
+
+        first_p, first_a = precise.get(hashes[0]), approx.get(hashes[0])
+        alive = list(first_p or ())
+        alive += [u for u, ts in (first_a or {}).items() if u not in alive and fresh(u, ts)]
         counts: dict[str, int] = {}
-        alive: set[str] = set()
-        n = 0  # leading blocks every url in ``alive`` holds
-        for h in hashes:
-            holders = precise.get(h)
-            learned = approx.get(h)
-            if learned:
-                holders = set(holders) if holders else set()
-                for url, ts in learned.items():
-                    if now - ts <= (young if url in live else ttl):
-                        holders.add(url)
-            if not holders:
+        n = 1 if alive else 0
+        for h in hashes[1:] if alive else ():
+            p, a = precise.get(h), approx.get(h)
+            if p is None and a is None:
                 break
-            if n == 0:
-                alive = set(holders)
-            elif not alive <= holders:
-                for url in alive - holders:
-                    counts[url] = n
-                alive &= holders
+            still = [u for u in alive if (p is not None and u in p) or (a is not None and fresh(u, a.get(u)))]
+            if len(still) != len(alive):
+                for u in alive:
+                    if u not in still:
+                        counts[u] = n
+                alive = still
                 if not alive:
                     break
             n += 1
-        for url in alive:
-            counts[url] = n
+        for u in alive:
+            counts[u] = n
         return counts
 
     # -- approximate source ----------------------------------------------------------------------

@@ -142,3 +142,37 @@ def test_match_speed_8k_prompt() -> None:
     took = time.perf_counter() - t0
     assert got == {"http://e0": 512, "http://e1": 512, "http://e2": 300}
     assert took < 0.05, took  # 10x slack for loaded CI machines
+
+
+def test_match_equals_a_naive_walk_on_random_states() -> None:
+    """The fast walk gives the same counts as checking every endpoint at every block."""
+    import random
+
+    rng = random.Random(5)
+    for _ in range(200):
+        clock = [1000.0]
+        idx = PrefixIndex(approx_ttl_s=50, young_s=5, clock=lambda: clock[0])
+        urls = [f"http://e{i}" for i in range(4)]
+        chain = list(range(30))
+        truth: dict[str, set[int]] = {u: set() for u in urls}
+        for u in urls:
+            if rng.random() < 0.5:
+                idx.set_precise(u, True)
+            n = rng.randrange(0, 31)
+            if rng.random() < 0.5:
+                idx.stored(u, chain[:n])
+            else:
+                idx.learn(u, chain[:n])
+            holes = set(rng.sample(range(30), 3)) if rng.random() < 0.3 else set()
+            idx.removed(u, [h for h in holes if h < n])
+        clock[0] += rng.choice([0, 3, 10, 60])
+        for u in urls:
+            truth[u] = {h for h in chain if idx.match([h]).get(u)}
+        expected = {}
+        for u in urls:
+            n = 0
+            while n < 30 and chain[n] in truth[u]:
+                n += 1
+            if n:
+                expected[u] = n
+        assert idx.match(chain) == expected
