@@ -123,6 +123,8 @@ class PrefixIndex:
         first_p, first_a = precise.get(hashes[0]), approx.get(hashes[0])
         alive = list(first_p or ())
         alive += [u for u, ts in (first_a or {}).items() if u not in alive and fresh(u, ts)]
+        if len(alive) == 1:  # the common case (a conversation on its engine): one tight loop
+            return {alive[0]: self._run_of(alive[0], hashes, now)}
         counts: dict[str, int] = {}
         n = 1 if alive else 0
         for h in hashes[1:] if alive else ():
@@ -141,6 +143,21 @@ class PrefixIndex:
         for u in alive:
             counts[u] = n
         return counts
+
+    def _run_of(self, url: str, hashes: Sequence[BlockHash], now: float) -> int:
+        """How many leading blocks ``url`` holds (it holds the first)."""
+        precise, approx = self._precise_by_hash, self._approx_by_hash
+        limit = self.young_s if url in self._live else self.approx_ttl_s
+        n = 1
+        for h in hashes[1:]:
+            p = precise.get(h)
+            if p is None or url not in p:
+                a = approx.get(h)
+                ts = a.get(url) if a is not None else None
+                if ts is None or now - ts > limit:
+                    break
+            n += 1
+        return n
 
     # -- approximate source ----------------------------------------------------------------------
 
