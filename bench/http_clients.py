@@ -1,6 +1,6 @@
-"""Why the gateway's upstream client is aiohttp: per-request cost of httpx vs aiohttp.
+"""Why the gateway has its own upstream client: per-request cost of httpx, aiohttp and h1client.
 
-Both clients post the same small JSON body over one keep-alive connection to a minimal local
+Each client posts the same small JSON body over one keep-alive connection to a minimal local
 HTTP server at concurrency 1, alternating in rounds; reported are p50/p99 latency and CPU time
 per request (client and server share this process, so both columns include the server's part).
 
@@ -18,6 +18,8 @@ import time
 import aiohttp
 import httpx
 import uvloop
+
+from gateway.h1client import H1Client, Timeouts
 
 BODY = b'{"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"hi"}]}'
 RESPONSE = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(BODY), BODY)
@@ -61,8 +63,10 @@ def _cpu() -> float:
 
 async def main(requests: int, rounds: int) -> None:
     server = await asyncio.start_server(_serve, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions"
+    base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    url = base + "/v1/completions"
     headers = {"content-type": "application/json"}
+    h1, timeouts = H1Client(), Timeouts(connect=5, total=60)
     async with httpx.AsyncClient() as hx, aiohttp.ClientSession() as ah:
 
         async def with_httpx() -> None:
@@ -73,9 +77,14 @@ async def main(requests: int, rounds: int) -> None:
             async with ah.post(url, data=PAYLOAD, headers=headers) as r:
                 await r.read()
 
+        async def with_h1client() -> None:
+            r = await h1.post(base, "/v1/completions", PAYLOAD, headers, timeouts)
+            await r.read()
+            r.release()
+
         print("| client | round | p50 us | p99 us | CPU us/request |\n|---|---|---|---|---|")
         for rnd in range(rounds):
-            for name, call in (("httpx", with_httpx), ("aiohttp", with_aiohttp)):
+            for name, call in (("httpx", with_httpx), ("aiohttp", with_aiohttp), ("h1client", with_h1client)):
                 for _ in range(200):
                     await call()
                 lat, c0 = [], _cpu()
@@ -89,6 +98,7 @@ async def main(requests: int, rounds: int) -> None:
                     f"| {name} | {rnd + 1} | {lat[len(lat) // 2] * 1e6:.0f} | {lat[int(len(lat) * 0.99)] * 1e6:.0f} "
                     f"| {cpu * 1e6:.0f} |"
                 )
+    h1.close()
     server.close()
     await server.wait_closed()
 

@@ -14,6 +14,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import create_app
+    from .httpserver import HeadHoldingProtocol
     from .reload import version_of
 
     try:
@@ -35,8 +36,9 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as err:  # e.g. an unknown policy name
         print(f"{args.config}: {err}", file=sys.stderr)
         return 2
+    # No proxy-headers middleware: nothing reads the client address, and it wraps every request.
     uvicorn.run(
-        app, host=host, port=port, loop="uvloop", http="httptools", access_log=False,
+        app, host=host, port=port, loop="uvloop", http=HeadHoldingProtocol, access_log=False, proxy_headers=False,
         log_level=cfg.server.log_level.lower(), server_header=False, timeout_graceful_shutdown=30,
     )
     return 0

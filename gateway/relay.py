@@ -3,8 +3,9 @@
 The response object runs the whole upstream exchange (prefill leg included) while a watcher task
 waits for the client's ``http.disconnect`` and, if it comes first, cancels the exchange. That
 closes the upstream connections, and vLLM aborts a request whose connection closes, so a
-departed client never leaves an engine working or KV blocks held. Streams go out chunk by chunk,
-as they arrive.
+departed client never leaves an engine working or KV blocks held. The watcher starts only once
+an exchange has run for ``WATCH_AFTER_S``: a quick answer pays no task for it, and a request
+abandoned earlier is aborted that much later. Streams go out chunk by chunk, as they arrive.
 """
 
 from __future__ import annotations
@@ -14,17 +15,18 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-import aiohttp
 import orjson
 from starlette.types import Receive, Scope, Send
 
 from .dispatch import DecodeStream
 from .errors import APIError
+from .h1client import ClientError
 from .upstream import transport_error
 
 log = logging.getLogger(__name__)
 
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request", used in metrics only
+WATCH_AFTER_S = 0.02
 
 
 @dataclass
@@ -48,18 +50,17 @@ class RelayResponse:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
         assert task is not None
-        left = asyncio.Event()
-        watcher = asyncio.ensure_future(_watch_disconnect(receive, task, left))
+        watch = _DisconnectWatch(receive, task)
         try:
             await self._exchange(send)
         except asyncio.CancelledError:
-            if not left.is_set():
+            if not watch.left:
                 raise  # the server is shutting down: not ours to swallow
             task.uncancel()
             if not self._finished:  # a client that hangs up after [DONE] got its whole answer
                 self.outcome = Outcome(CLIENT_CLOSED, "client disconnected")
         finally:
-            watcher.cancel()
+            watch.stop()
             self.on_done(self.outcome)
 
     async def _exchange(self, send: Send) -> None:
@@ -95,11 +96,11 @@ class RelayResponse:
         """Send the engine's answer on; True when it arrived whole (the connection is reusable)."""
         resp = up.resp
         headers = [(k.encode(), v.encode()) for k, v in self.headers.items()]
-        headers.append((b"content-type", resp.headers.get("Content-Type", "application/json").encode()))
+        headers.append((b"content-type", resp.header(b"content-type") or b"application/json"))
         if not self.stream:
             try:
                 body = await resp.read()
-            except (TimeoutError, aiohttp.ClientError) as err:
+            except (TimeoutError, ClientError) as err:
                 failed = transport_error(err, "decode")
                 self.outcome = Outcome(502, failed.message)
                 await _send_error(send, failed, self.headers)
@@ -115,11 +116,11 @@ class RelayResponse:
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         self.outcome = Outcome(resp.status)
         try:
-            async for chunk in resp.content.iter_any():
+            while chunk := await resp.read_some():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 if chunk.endswith(b"data: [DONE]\n\n"):
                     self._finished = True
-        except (TimeoutError, aiohttp.ClientError) as err:
+        except (TimeoutError, ClientError) as err:
             # Headers are gone already: end the stream with an error event, never a silent cut.
             cut = transport_error(err, "decode")
             self.outcome = Outcome(cut.status, cut.message)
@@ -129,14 +130,36 @@ class RelayResponse:
         return True
 
 
-async def _watch_disconnect(receive: Receive, task: asyncio.Task, left: asyncio.Event) -> None:
-    """Cancel ``task`` (the exchange, and so both upstream legs) when the client disconnects."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            left.set()
-            task.cancel()
-            return
+class _DisconnectWatch:
+    """Cancels ``task`` (the exchange, and so both upstream legs) when the client disconnects,
+    watching from ``WATCH_AFTER_S`` on."""
+
+    __slots__ = ("_receive", "_task", "_timer", "_watcher", "left")
+
+    def __init__(self, receive: Receive, task: asyncio.Task) -> None:
+        self.left = False
+        self._receive = receive
+        self._task = task
+        self._watcher: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start)
+
+    def _start(self) -> None:
+        self._timer = None
+        self._watcher = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                self.left = True
+                self._task.cancel()
+                return
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
 
 
 async def _send_error(send: Send, err: APIError, headers: dict[str, str]) -> None:
