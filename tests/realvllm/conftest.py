@@ -1,6 +1,11 @@
 """Fixtures for the real-engine suite: a real vLLM prefill engine and decode engine (CPU, NIXL),
-and the real gateway in front of them. One engine pair per module (they cost ~50 s to start and
-busy-spin a core each, so they must not outlive the module).
+and the real gateway in front of them. One engine pair for the package: it costs ~60 s to start,
+so the modules that need it share it. Modules run in file order, so it starts after
+``test_kv_events.py`` (whose own engine must not share the two cores with two busy-spinning ones).
+
+The decode engine also publishes its KV cache events (ZMQ, on a wildcard address: vLLM connects
+instead of binding for any other address) with a fixed ``PYTHONHASHSEED``, so a gateway can follow
+its prefix cache; ``VLLM_SERVER_DEV_MODE`` gives it ``/reset_prefix_cache``.
 
 Nothing here skips on its own: if the venv cannot be built or an engine does not come up, the
 tests fail with the reason. ``PDGATE_SKIP_REALVLLM=1`` skips the suite on purpose (local runs).
@@ -8,6 +13,7 @@ tests fail with the reason. ``PDGATE_SKIP_REALVLLM=1`` skips the suite on purpos
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -23,6 +29,7 @@ from tests.procs import Proc, ProcGroup, free_port
 from . import engines as E
 
 THRESHOLD = 512  # the gateway's token_threshold decider: P/D from this many prompt tokens
+HASH_SEED = "4321"  # the engines' PYTHONHASHSEED: the seed of their prefix-cache block hashes
 
 
 @dataclass
@@ -31,6 +38,8 @@ class Pair:
     decode: E.Engine
     model_dir: Path
     group: ProcGroup
+    kv_events: str  # the decode engine's KV event publisher, as a subscriber connects to it
+    kv_events_replay: str
 
 
 @dataclass
@@ -44,7 +53,7 @@ class Gateway:
         return f"http://127.0.0.1:{self.port}"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     if os.environ.get("PDGATE_SKIP_REALVLLM") == "1":
         pytest.skip("PDGATE_SKIP_REALVLLM=1")
@@ -61,9 +70,16 @@ def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     pair = None
     try:
         p_core, d_core = E.engine_cores()
+        pub, replay = free_port(), free_port()
+        events = {"enable_kv_cache_events": True, "publisher": "zmq",
+                  "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}
         prefill = E.start_engine(group, "prefill", venv, model_dir, work, p_core)
-        decode = E.start_engine(group, "decode", venv, model_dir, work, d_core)
-        pair = Pair(prefill, decode, model_dir, group)
+        decode = E.start_engine(
+            group, "decode", venv, model_dir, work, d_core,
+            extra_args=["--enable-prefix-caching", "--kv-events-config", json.dumps(events)],
+            extra_env={"PYTHONHASHSEED": HASH_SEED, "VLLM_SERVER_DEV_MODE": "1"},
+        )
+        pair = Pair(prefill, decode, model_dir, group, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
         try:
             E.wait_ready([prefill, decode])
         except E.SetupError as err:
@@ -80,23 +96,23 @@ def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
             pair.decode.http.close()
 
 
-@pytest.fixture(scope="module")
-def gateway(vllm_pair: Pair) -> Iterator[Gateway]:
+def start_gateway(pair: Pair, name: str, **overrides: object) -> Gateway:
+    """The real gateway in front of the pair (``overrides`` replace top-level config sections);
+    returns once it sees both engines healthy. Stop it with ``gw.proc.stop()``."""
     port = free_port()
     cfg = {
         "server": {"host": "127.0.0.1", "port": port},
-        "models": [{"name": E.MODEL_NAME, "tokenizer": str(vllm_pair.model_dir), "max_model_len": E.MAX_MODEL_LEN}],
+        "models": [{"name": E.MODEL_NAME, "tokenizer": str(pair.model_dir), "max_model_len": E.MAX_MODEL_LEN}],
         "pools": {
-            "prefill": {"endpoints": [vllm_pair.prefill.url]},
-            "decode": {"endpoints": [vllm_pair.decode.url]},
+            "prefill": {"endpoints": [pair.prefill.url]},
+            "decode": {"endpoints": [pair.decode.url]},
         },
         "routing": {"decider": {"name": "token_threshold", "threshold": THRESHOLD}},
+        **overrides,
     }
-    path = vllm_pair.group.log_dir / "gateway.yaml"
+    path = pair.group.log_dir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    proc = vllm_pair.group.start(
-        "gateway", [sys.executable, "-m", "gateway", "serve", "--config", str(path)], cwd=str(E.REPO)
-    )
+    proc = pair.group.start(name, [sys.executable, "-m", "gateway", "serve", "--config", str(path)], cwd=str(E.REPO))
     gw = Gateway(proc, port, path)
     try:
         proc.wait_http(gw.url + "/ready", timeout=90)
@@ -106,6 +122,19 @@ def gateway(vllm_pair: Pair) -> Iterator[Gateway]:
             timeout=30,
         )
         assert ok, f"the gateway never saw the prefill engine healthy:\n{proc.log_tail()}"
+    except BaseException:
+        proc.stop()
+        raise
+    return gw
+
+
+@pytest.fixture(scope="module")
+def gateway(vllm_pair: Pair) -> Iterator[Gateway]:
+    # These tests are about the handshake and the API: a repeated long prompt must take the P/D
+    # path again, not go direct because the prefix index remembers it.
+    routing = {"decider": {"name": "token_threshold", "threshold": THRESHOLD}, "prefix": {"enabled": False}}
+    gw = start_gateway(vllm_pair, "gateway", routing=routing)
+    try:
         yield gw
     finally:
-        proc.stop()
+        gw.proc.stop()

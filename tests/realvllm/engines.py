@@ -12,7 +12,9 @@ NIXL worker on CPU pins its main thread (the one that runs the model when OMP_NU
 the last core of each NUMA node, whatever ``VLLM_CPU_OMP_THREADS_BIND`` says. On a 2-core machine
 both engines then compute on core 1 next to two busy-spinning threads, and requests stall for
 10-30 s at random (until a 30 s KV lease expires). ``pin_engine`` moves each engine's worker
-threads back to the engine's own core once it is up.
+threads back to the engine's own core once it is up. And on CPUs with AMX, every engine process
+must ask Linux for AMX permission itself (``enginesite/sitecustomize.py`` says why), or the decode
+engine of a P/D pair dies with SIGILL on its first request.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from tests.procs import Proc, ProcGroup, free_port, wait_for
 from tests.promtext import sample
 
 REPO = Path(__file__).resolve().parents[2]
+# Its sitecustomize.py lets every engine process use AMX (see that file).
+ENGINE_SITE = Path(__file__).resolve().parent / "enginesite"
 VENV_SCRIPT = REPO / "scripts" / "vllm-cpu-venv.sh"
 MODEL_NAME = "tiny"
 MAX_MODEL_LEN = 2048
@@ -162,6 +166,7 @@ def engine_env(cache_root: Path, side_channel_port: int, core: int) -> dict[str,
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": str(core),
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
+        "PYTHONPATH": str(ENGINE_SITE),
     }
 
 
