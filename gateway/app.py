@@ -116,8 +116,9 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
                             approx_ttl_s=cfg.routing.prefix.learned_ttl_s)
         shared = (RedisState(cfg.state, cfg.routing.prefix.learned_ttl_s, pools)
                   if cfg.state.backend == "redis" else None)
-        res = Resources(make_session(), pools, index, shared, Subscriptions(index))
-        metrics = GatewayMetrics(pools, index, res.subs.all, shared)
+        subs = Subscriptions(index)
+        metrics = GatewayMetrics(pools, index, subs.all, shared)
+        res = Resources(make_session(), pools, index, shared, subs, lambda event: metrics.failovers.labels(event).inc())
         gw = Gateway(_runtime(cfg, version, res, toks), pools, metrics)
         gw.admin_token = admin_token(cfg.admin)
         health = HealthChecker(pools, res.session, cfg.health)
@@ -260,11 +261,13 @@ class Resources:
     index: PrefixIndex
     shared: RedisState | None
     subs: Subscriptions
+    on_failover: Callable[[str], None]
 
 
 def _runtime(cfg: GatewayConfig, version: str, res: Resources, tokenizers: Tokenizers) -> Runtime:
     return Runtime(cfg, version, Router(cfg.routing, res.pools, res.index, res.shared),
-                   Dispatcher(Upstream(res.session, cfg.timeouts), res.pools), tokenizers,
+                   Dispatcher(Upstream(res.session, cfg.timeouts), res.pools, cfg.timeouts, cfg.failover,
+                              res.on_failover), tokenizers,
                    tuple(k.encode() for k in cfg.auth.api_keys()))
 
 

@@ -294,7 +294,18 @@ class AdminConfig(_Strict):
 class TimeoutsConfig(_Strict):
     connect_s: float = Field(5.0, gt=0, description="TCP connect to an engine")
     prefill_s: float = Field(600.0, gt=0, description="whole prefill leg")
+    decode_first_byte_s: float = Field(
+        600.0, gt=0, description="decode leg: until its first token (a direct request prefills there first)",
+    )
     decode_idle_s: float = Field(600.0, gt=0, description="wait for the decode leg's next bytes")
+
+
+class FailoverConfig(_Strict):
+    """What the gateway does when an engine fails before the client got a byte (never after)."""
+
+    prefill_retries: int = Field(1, ge=0, description="other prefill engines to try after a failed prefill leg")
+    fallback_to_direct: bool = Field(True, description="then send the request direct (the decode engine prefills)")
+    decode_retries: int = Field(1, ge=0, description="other decode engines to try after a failed decode leg")
 
 
 class TokenizerConfig(_Strict):
@@ -313,6 +324,7 @@ class GatewayConfig(_Strict):
     health: HealthConfig = HealthConfig()
     routing: RoutingConfig = RoutingConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
+    failover: FailoverConfig = FailoverConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
     signals: SignalsConfig = SignalsConfig()
     admin: AdminConfig = AdminConfig()

@@ -1,26 +1,37 @@
-"""The P/D handshake with vLLM's NixlConnector (DESIGN.md, "The P/D handshake").
+"""The P/D handshake with vLLM's NixlConnector (DESIGN.md, "The P/D handshake"), with failover.
 
 1. prefill leg: the client's body, non-streaming, one output token, asking for remote decode;
 2. the prefill engine answers with ``kv_transfer_params`` naming where its KV blocks wait;
 3. decode leg: the client's body plus those params, verbatim; its answer goes to the client.
 Both legs carry the same X-Request-Id. The direct path is step 3 without params.
+
+Failover, only before the client has received a byte: a failed prefill leg is retried on another
+prefill engine, then (if allowed) the request goes direct; a decode leg that fails before its
+first token is retried on another decode engine. The retry keeps the KV handle only when the
+failed engine never saw the request (connection refused): an engine that did see it may have told
+the prefill engine to drop the blocks, so the retry goes direct (the decode engine prefills).
+A client 4xx from an engine is its verdict on the request: never retried.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
-
-import aiohttp
 
 from policies.base import Decision, Path
 
+from .config import FailoverConfig, TimeoutsConfig
 from .errors import APIError
+from .h1client import ClientError, Response
 from .pools import Endpoint, Pools
 from .protocol import ParsedRequest
-from .upstream import Upstream
+from .upstream import EngineError, Upstream, transport_error
+
+log = logging.getLogger(__name__)
 
 PREFILL_KV_PARAMS = {
     "do_remote_decode": True,
@@ -30,6 +41,9 @@ PREFILL_KV_PARAMS = {
     "remote_host": None,
     "remote_port": None,
 }
+
+# Another endpoint of a pool, avoiding the urls given; None when there is none.
+PickOther = Callable[[str, set[str]], Endpoint | None]
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -42,12 +56,24 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return leg
 
 
+def release_body(model: str, kv_params: dict[str, Any]) -> dict[str, Any]:
+    """A decode request vLLM 0.32 rejects before running it (beam search cannot stream); its
+    rejection path notifies the prefill engine, which frees the held blocks at once, with no
+    transfer and no compute (``_with_kv_transfer_rejection_cleanup``)."""
+    return {"model": model, "prompt": "x", "max_tokens": 1, "stream": True, "use_beam_search": True,
+            "kv_transfer_params": kv_params}
+
+
 @dataclass
 class DecodeStream:
-    """The open decode response; whoever relays it must call ``close`` exactly once."""
+    """The open decode response; whoever relays it must call ``close`` exactly once. ``head`` is
+    what was already read of the body: all of it when not streaming, else the first chunk."""
 
-    resp: aiohttp.ClientResponse
+    resp: Response
     endpoint: Endpoint
+    head: bytes = b""
+    path: Path = Path.DIRECT
+    failover: list[str] = field(default_factory=list)  # what happened on the way, for the response
 
     def close(self, *, reuse: bool) -> None:
         if reuse:
@@ -57,45 +83,186 @@ class DecodeStream:
         self.endpoint.release()
 
 
+class _LegFailed(Exception):
+    def __init__(self, err: APIError, reached: bool) -> None:
+        super().__init__(err.message)
+        self.err = err
+        self.reached = reached  # the engine received the request
+
+
+def _retryable(err: APIError) -> bool:
+    return err.status >= 500
+
+
 class Dispatcher:
-    def __init__(self, upstream: Upstream, pools: Pools) -> None:
+    def __init__(self, upstream: Upstream, pools: Pools, timeouts: TimeoutsConfig, failover: FailoverConfig,
+                 on_failover: Callable[[str], None] = lambda event: None) -> None:
         self._upstream = upstream
         self._pools = pools
+        self._timeouts = timeouts
+        self._failover = failover
+        self._on_failover = on_failover  # metrics
+        self._background: set[asyncio.Task] = set()
 
-    async def run(self, decision: Decision, req: ParsedRequest, path: str, request_id: str) -> DecodeStream:
+    async def run(self, decision: Decision, req: ParsedRequest, path: str, request_id: str,
+                  pick_other: PickOther, prefill_tokens: int = 0) -> DecodeStream:
+        events: list[str] = []
         kv_params = None
         if decision.path is Path.PD:
             assert decision.prefill is not None
-            kv_params = await self.prefill(self._pools.get(decision.prefill), req, path, request_id)
-        return await self.open_decode(self._pools.get(decision.decode), req, path, request_id, kv_params)
+            kv_params = await self._prefill_with_failover(
+                self._pools.get(decision.prefill), req, path, request_id, pick_other, prefill_tokens, events)
+        try:
+            up = await self._decode_with_failover(
+                self._pools.get(decision.decode), req, path, request_id, kv_params, pick_other, events)
+        except asyncio.CancelledError:
+            if kv_params is not None:  # the client left: its prefilled KV need not wait out the lease
+                self._release(self._pools.get(decision.decode), req.model, kv_params)
+            raise
+        up.failover = events
+        return up
 
-    async def prefill(self, ep: Endpoint, req: ParsedRequest, path: str, request_id: str) -> dict[str, Any]:
-        with _in_flight(ep):
-            resp = await self._upstream.post(ep, path, prefill_body(req.body), request_id, leg="prefill")
+    # -- prefill ----------------------------------------------------------------------------------
+
+    async def _prefill_with_failover(self, ep: Endpoint, req: ParsedRequest, path: str, request_id: str,
+                                     pick_other: PickOther, tokens: int, events: list[str]) -> dict[str, Any] | None:
+        tried = {ep.url}
+        for attempt in range(self._failover.prefill_retries + 1):
             try:
-                data = await self._upstream.read_json(resp, "prefill")
-            except BaseException:
-                resp.close()  # also on cancellation: the engine sees the connection drop and aborts
-                raise
-            resp.release()
+                return await self.prefill(ep, req, path, request_id, tokens)
+            except EngineError as err:
+                if not _retryable(err):
+                    raise
+                ep.record(False)
+                log.warning("request %s: prefill leg on %s failed (%s)", request_id, ep.url, err.message)
+                other = pick_other("prefill", tried) if attempt < self._failover.prefill_retries else None
+                if other is None:
+                    if not self._failover.fallback_to_direct:
+                        raise
+                    self._event(events, "prefill_fallback_direct")
+                    return None
+                self._event(events, "prefill_retried")
+                ep = other
+                tried.add(ep.url)
+        return None  # unreachable: the loop returns or raises
+
+    async def prefill(self, ep: Endpoint, req: ParsedRequest, path: str, request_id: str, tokens: int = 0
+                      ) -> dict[str, Any]:
+        ticket = ep.start_prefill(tokens)
+        ok = False
+        with _in_flight(ep):
+            try:
+                resp = await self._upstream.post(ep, path, prefill_body(req.body), request_id, leg="prefill")
+                try:
+                    data = await self._upstream.read_json(resp, "prefill")
+                except BaseException:
+                    resp.close()  # also on cancellation: the engine sees the connection drop and aborts
+                    raise
+                resp.release()
+                ok = True
+            finally:
+                ep.end_prefill(ticket, learn=ok)
         params = data.get("kv_transfer_params")
         if not isinstance(params, dict):
-            raise APIError(
+            raise EngineError(
                 502,
                 "The prefill engine returned no kv_transfer_params; is it running with a KV connector "
                 "such as the NixlConnector?",
                 code="engine_error",
             )
+        ep.record(True)
         return params  # verbatim: newer vLLM adds fields a rebuilt object would lose
 
-    async def open_decode(
-        self, ep: Endpoint, req: ParsedRequest, path: str, request_id: str, kv_params: dict[str, Any] | None
-    ) -> DecodeStream:
+    # -- decode -----------------------------------------------------------------------------------
+
+    async def _decode_with_failover(self, ep: Endpoint, req: ParsedRequest, path: str, request_id: str,
+                                    kv_params: dict[str, Any] | None, pick_other: PickOther,
+                                    events: list[str]) -> DecodeStream:
+        tried = {ep.url}
+        for attempt in range(self._failover.decode_retries + 1):
+            try:
+                up = await self.open_decode(ep, req, path, request_id, kv_params)
+                ep.record(True)
+                up.path = Path.PD if kv_params is not None else Path.DIRECT
+                return up
+            except _LegFailed as failed:
+                if not _retryable(failed.err):
+                    raise failed.err from None
+                ep.record(False)
+                log.warning("request %s: decode leg on %s failed (%s)", request_id, ep.url, failed.err.message)
+                other = pick_other("decode", tried) if attempt < self._failover.decode_retries else None
+                if other is None:
+                    raise failed.err from None
+                self._event(events, "decode_retried")
+                if failed.reached:
+                    kv_params = None  # its blocks may be gone: the next engine prefills itself
+                ep = other
+                tried.add(ep.url)
+        raise AssertionError("unreachable")
+
+    async def open_decode(self, ep: Endpoint, req: ParsedRequest, path: str, request_id: str,
+                          kv_params: dict[str, Any] | None) -> DecodeStream:
+        """Send the decode leg and read up to its first token; raises _LegFailed before that."""
         body = req.body if kv_params is None else {**req.body, "kv_transfer_params": kv_params}
+        reached = False
         with _in_flight(ep) as keep:
-            resp = await self._upstream.post(ep, path, body, request_id, leg="decode")
+            try:
+                async with asyncio.timeout(self._timeouts.decode_first_byte_s):
+                    try:
+                        resp = await self._upstream.post(ep, path, body, request_id, leg="decode")
+                    except EngineError as err:
+                        raise _LegFailed(err, reached=err.code != "engine_unreachable") from None
+                    reached = True
+                    try:
+                        head = await _read_head(resp, req.stream)
+                    except BaseException:
+                        resp.close()
+                        raise
+            except TimeoutError:
+                raise _LegFailed(EngineError(504, "The decode engine did not answer in time.",
+                                             code="engine_timeout"), reached=True) from None
+            except (ClientError, _BrokenHead) as err:
+                failure = err.err if isinstance(err, _BrokenHead) else transport_error(err, "decode")
+                raise _LegFailed(failure, reached=reached) from None
             keep()  # the relay now owns the in-flight count
-        return DecodeStream(resp, ep)
+        return DecodeStream(resp, ep, head)
+
+    # -- releasing stranded KV ----------------------------------------------------------------------
+
+    def _release(self, ep: Endpoint, model: str, kv_params: dict[str, Any]) -> None:
+        async def release() -> None:
+            try:
+                async with asyncio.timeout(5):
+                    resp = await self._upstream.post(ep, "/v1/completions", release_body(model, kv_params),
+                                                     "release", leg="decode")
+                    resp.close()
+            except (EngineError, TimeoutError, ClientError):
+                pass  # the 400 we expect is an EngineError: the rejection did its work
+        task = asyncio.get_running_loop().create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _event(self, events: list[str], event: str) -> None:
+        events.append(event)
+        self._on_failover(event)
+
+
+class _BrokenHead(Exception):
+    def __init__(self, err: APIError) -> None:
+        super().__init__(err.message)
+        self.err = err
+
+
+async def _read_head(resp: Response, stream: bool) -> bytes:
+    """The whole body (not streaming) or the first chunk of the stream. A stream that ends at
+    once, or opens with an error event (vLLM 0.32 reports a failed KV load so), has failed before
+    its first token: the caller may still retry it."""
+    if not stream:
+        return await resp.read()
+    head = await resp.read_some()
+    if not head or head.lstrip().startswith(b'data: {"error"'):
+        raise _BrokenHead(EngineError(502, "The decode engine failed before its first token.", code="engine_error"))
+    return head
 
 
 @contextmanager

@@ -46,6 +46,10 @@ class GatewayMetrics:
             ["pool", "endpoint"], registry=self.registry,
         )
 
+        self.failovers = Counter(
+            "pdgate_failovers", "Failovers by event (prefill_retried, prefill_fallback_direct, decode_retried)",
+            ["event"], registry=self.registry,
+        )
         self.reloads = Counter(
             "pdgate_config_reloads", "Config file reloads by result (ok, rejected)",
             ["result"], registry=self.registry,

@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request", used in metrics only
 WATCH_AFTER_S = 0.02
+PATH_HEADER = "x-pdgate-path"  # the path actually taken (failover may change the decided one)
+FAILOVER_HEADER = "x-pdgate-failover"
 
 
 @dataclass
@@ -68,7 +70,8 @@ class RelayResponse:
             upstream = await self.start()
         except APIError as err:
             self.outcome = Outcome(err.status, err.message)
-            await _send_error(send, err, self.headers)
+            # No path was completed: the decided one, maybe abandoned by failover, would mislead.
+            await _send_error(send, err, {k: v for k, v in self.headers.items() if k != PATH_HEADER})
             return
         except Exception:
             log.exception("upstream exchange failed")
@@ -95,16 +98,13 @@ class RelayResponse:
     async def _relay(self, up: DecodeStream, send: Send) -> bool:
         """Send the engine's answer on; True when it arrived whole (the connection is reusable)."""
         resp = up.resp
-        headers = [(k.encode(), v.encode()) for k, v in self.headers.items()]
+        fields = {**self.headers, PATH_HEADER: up.path.value}
+        if up.failover:
+            fields[FAILOVER_HEADER] = ",".join(up.failover)
+        headers = [(k.encode(), v.encode()) for k, v in fields.items()]
         headers.append((b"content-type", resp.header(b"content-type") or b"application/json"))
         if not self.stream:
-            try:
-                body = await resp.read()
-            except (TimeoutError, ClientError) as err:
-                failed = transport_error(err, "decode")
-                self.outcome = Outcome(502, failed.message)
-                await _send_error(send, failed, self.headers)
-                return False
+            body = up.head  # the dispatcher read the whole answer before handing it over
             headers.append((b"content-length", str(len(body)).encode()))
             self._started = True
             await send({"type": "http.response.start", "status": resp.status, "headers": headers})
@@ -116,10 +116,12 @@ class RelayResponse:
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         self.outcome = Outcome(resp.status)
         try:
-            while chunk := await resp.read_some():
+            chunk = up.head  # the first chunk, read by the dispatcher
+            while chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 if chunk.endswith(b"data: [DONE]\n\n"):
                     self._finished = True
+                chunk = await resp.read_some()
         except (TimeoutError, ClientError) as err:
             # Headers are gone already: end the stream with an error event, never a silent cut.
             cut = transport_error(err, "decode")

@@ -14,7 +14,7 @@ from policies.prefix_index import PrefixIndex
 from policies.registry import build
 
 from .config import PoolRoutingConfig, RoutingConfig
-from .pools import Pools
+from .pools import Endpoint, Pools
 from .state import RedisState
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default on GPUs, until the engines report theirs
@@ -109,6 +109,14 @@ class Router:
         if max_decode or max_prefill:
             snap = _with_capacity(snap, max_prefill, max_decode)
         return self.pipeline.route(prep.ctx, snap, explain=explain)
+
+    def other(self, prep: Prepared, pool: str, exclude: set[str]) -> Endpoint | None:
+        """The pool's next choice for this request without the ``exclude``d engines (failover)."""
+        snap = self._pools.snapshot()
+        views = snap.prefill if pool == "prefill" else snap.decode
+        pipe = self.pipeline.prefill if pool == "prefill" else self.pipeline.decode
+        view = pipe.choose(prep.ctx, [v for v in views if v.url not in exclude])
+        return self._pools.get(view) if view is not None else None
 
     def learn(self, prep: Prepared, route: Route) -> None:
         """The engines that will compute or receive this prompt's KV will hold its blocks."""

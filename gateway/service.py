@@ -179,8 +179,11 @@ class Gateway:
         if rt.cfg.routing.debug_headers:
             headers[ROUTE_HEADER] = (f"{decision.reason}; {decision.detail}; decode={decision.decode.url}"
                                      + (f"; prefill={decision.prefill.url}" if decision.prefill else ""))
+        prefill_tokens = r.prep.ctx.uncached(decision.prefill.url) if decision.prefill else 0
         return RelayResponse(
-            start=lambda: rt.dispatcher.run(decision, r.req, path, r.request_id),
+            start=lambda: rt.dispatcher.run(decision, r.req, path, r.request_id,
+                                            lambda pool, exclude: rt.router.other(r.prep, pool, exclude),
+                                            prefill_tokens),
             stream=r.req.stream,
             headers=headers,
             on_done=done,

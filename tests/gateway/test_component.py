@@ -125,10 +125,31 @@ def test_client_kv_transfer_params_never_reach_an_engine(client, prefill, decode
         assert leg.body.get("kv_transfer_params") in (None, KV, {**PREFILL_KV})
 
 
-def test_prefill_without_kv_params_is_a_clear_502(client, prefill, decode):
+def test_prefill_without_kv_params_falls_back_to_direct(client, prefill, decode):
+    """A prefill engine without a KV connector is misconfigured: the request is still served (the
+    decode engine prefills), the response says so, and the log names the cause."""
     prefill.reply("/v1/completions", completion(kv=None))
+    decode.reply("/v1/completions", completion("served"))
     r = client.post("/v1/completions", json={"model": "tiny", "prompt": LONG})
-    assert r.status_code == 502
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "served"
+    assert r.headers["x-pdgate-path"] == "direct" and r.headers["x-pdgate-failover"] == "prefill_fallback_direct"
+    assert decode.requests[0].body.get("kv_transfer_params") is None
+
+
+def test_prefill_without_kv_params_is_a_clear_502_without_fallback(tokenizer_dir, engines):
+    prefill, decode = engines
+    prefill.reset()
+    decode.reset()
+    cfg = parse_config({
+        "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}],
+        "pools": {"prefill": {"endpoints": [prefill.url]}, "decode": {"endpoints": [decode.url]}},
+        "routing": {"decider": {"name": "token_threshold", "threshold": THRESHOLD}, "prefix": {"enabled": False}},
+        "failover": {"fallback_to_direct": False},
+    })
+    prefill.reply("/v1/completions", completion(kv=None))
+    with TestClient(create_app(cfg)) as c:
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": LONG})
+    assert r.status_code == 502 and "x-pdgate-path" not in r.headers
     assert "kv_transfer_params" in r.json()["error"]["message"]
     assert decode.requests == []
 

@@ -1,0 +1,186 @@
+"""Engines die under load; does every request still end cleanly?
+
+A bounded load test on loopback: 2 prefill + 2 decode simulated engines behind the gateway, a
+fixed number of chat requests (mixed short/long prompts, streaming and not) at a fixed
+concurrency, and halfway through one prefill and one decode engine are killed (``POST
+/sim/crash``: the process exits at once, connections cut). Each request is classified:
+
+- ``ok``: HTTP 200 and a whole answer (a JSON body, or a stream ending with ``[DONE]``);
+- ``error``: a clear error: an OpenAI error body, or a stream ending with an error event;
+- ``unclear``: anything else (a cut stream, a non-JSON body): must be 0;
+- ``hung``: no end within ``--timeout``: must be 0.
+
+Afterwards the gateway's in-flight gauges must read 0, and its resident memory is sampled along
+the run (flat: no growth between the second quarter and the end).
+
+    python -m bench.chaos [--requests 2000] [--concurrency 64] [--out docs/benchmarks/chaos.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from gateway.demo import cache_dir
+from sim.tinymodel import build_tokenizer
+from tests.procs import ProcGroup, free_port
+
+MODEL = "chaos"
+LONG = "Incident review. " + "An engine failed while the gateway kept serving its clients. " * 40
+
+
+@dataclass
+class Report:
+    requests: int
+    concurrency: int
+    killed: list[str]
+    outcomes: dict[str, int]
+    paths: dict[str, int]
+    failovers: dict[str, int]
+    in_flight_after: int
+    rss_mb: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def clean(self) -> bool:
+        return self.outcomes.get("unclear", 0) == 0 and self.outcomes.get("hung", 0) == 0 and not self.in_flight_after
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def _one(session: aiohttp.ClientSession, url: str, i: int, timeout: float) -> tuple[str, str, str]:
+    stream = i % 2 == 0
+    content = (f"Case {i}. " + LONG) if i % 3 == 0 else f"Short question {i}?"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 16, "stream": stream}
+    try:
+        async with asyncio.timeout(timeout):
+            async with session.post(url, json=body) as resp:
+                raw = await resp.read()
+                path = resp.headers.get("x-pdgate-path", "none")
+                failover = resp.headers.get("x-pdgate-failover", "")
+                if resp.status != 200:
+                    err = json.loads(raw).get("error") if raw.startswith(b"{") else None
+                    return ("error" if isinstance(err, dict) and err.get("message") else "unclear"), path, failover
+                if not stream:
+                    return ("ok" if json.loads(raw).get("choices") else "unclear"), path, failover
+                events = [e for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
+                if events and events[-1] == b"data: [DONE]":
+                    return "ok", path, failover
+                if events and b'"error"' in events[-1]:
+                    return "error", path, failover
+                return "unclear", path, failover
+    except TimeoutError:
+        return "hung", "none", ""
+    except (aiohttp.ClientError, json.JSONDecodeError):
+        return "unclear", "none", ""
+
+
+async def _load(gateway: str, sims: dict[str, list[str]], n: int, concurrency: int, timeout: float,
+                gateway_pid: int) -> Report:
+    url = gateway + "/v1/chat/completions"
+    outcomes: Counter[str] = Counter()
+    paths: Counter[str] = Counter()
+    failovers: Counter[str] = Counter()
+    killed: list[str] = []
+    rss: list[float] = []
+    todo = iter(range(n))
+    done = 0
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+        async def worker() -> None:
+            nonlocal done
+            for i in todo:
+                outcome, path, failover = await _one(session, url, i, timeout)
+                outcomes[outcome] += 1
+                paths[path] += 1
+                for event in filter(None, failover.split(",")):
+                    failovers[event] += 1
+                done += 1
+                if done % max(1, n // 8) == 0:
+                    rss.append(round(_rss_mb(gateway_pid), 1))
+                if done == n // 2 and not killed:
+                    for pool in ("prefill", "decode"):
+                        victim = sims[pool][0]
+                        killed.append(f"{pool} {victim}")
+                        with contextlib.suppress(aiohttp.ClientError):  # it may die answering
+                            await session.post(victim + "/sim/crash")
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        seconds = time.perf_counter() - t0
+        await asyncio.sleep(0.5)
+        async with session.get(gateway + "/metrics") as resp:
+            metrics = await resp.text()
+    in_flight = sum(int(float(line.rsplit(" ", 1)[1])) for line in metrics.splitlines()
+                    if line.startswith("pdgate_endpoint_in_flight_requests{"))
+    return Report(n, concurrency, killed, dict(outcomes), dict(paths), dict(failovers), in_flight, rss,
+                  round(seconds, 1))
+
+
+def run(n: int, concurrency: int, timeout: float, logs: Path) -> Report:
+    tokenizer = build_tokenizer(cache_dir() / "demo-tokenizer")
+    group = ProcGroup(logs)
+    try:
+        sims: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for pool in ("prefill", "decode"):
+            for _ in range(2):
+                port, kv = free_port(), free_port()
+                proc = group.start(f"{pool}-{port}", [
+                    sys.executable, "-m", "sim", "--role", pool, "--port", str(port), "--kv-port", str(kv),
+                    "--model", MODEL, "--tokenizer", str(tokenizer), "--max-model-len", "4096",
+                    "--decode-time-per-token", "0.002", "--prefill-time-per-token", "0.00001", "--kv-expiry", "5",
+                ])
+                proc.wait_http(f"http://127.0.0.1:{port}/health")
+                sims[pool].append(f"http://127.0.0.1:{port}")
+        port = free_port()
+        cfg = {
+            "server": {"host": "127.0.0.1", "port": port},
+            "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": 4096}],
+            "pools": {"prefill": {"endpoints": sims["prefill"]}, "decode": {"endpoints": sims["decode"]}},
+            "routing": {"decider": {"name": "token_threshold", "threshold": 200}},
+            "health": {"interval_s": 0.5, "timeout_s": 0.5},
+            "timeouts": {"connect_s": 1, "prefill_s": 10, "decode_first_byte_s": 10, "decode_idle_s": 5},
+        }
+        (logs / "gateway.yaml").write_text(yaml.safe_dump(cfg))
+        gw = group.start("gateway", [sys.executable, "-m", "gateway", "serve", "--config", str(logs / "gateway.yaml")])
+        gw.wait_http(f"http://127.0.0.1:{port}/ready", timeout=60)
+        return asyncio.run(_load(f"http://127.0.0.1:{port}", sims, n, concurrency, timeout, gw.pid))
+    finally:
+        group.stop_all()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--timeout", type=float, default=60.0, help="a request not over by then counts as hung")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="pdgate-chaos-") as logs:
+        report = run(args.requests, args.concurrency, args.timeout, Path(logs))
+    data = {**asdict(report), "clean": report.clean}
+    print(json.dumps(data, indent=2))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(data, indent=2) + "\n")
+    return 0 if report.clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,19 @@
+"""A bounded load test with engines killed halfway (bench.chaos, smaller): every request ends
+cleanly, none hangs, the gateway's in-flight counts return to 0."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.chaos import run
+
+pytestmark = pytest.mark.e2e
+
+
+def test_engines_killed_under_load(tmp_path):
+    report = run(n=300, concurrency=32, timeout=30, logs=tmp_path)
+    assert len(report.killed) == 2
+    assert report.outcomes.get("hung", 0) == 0, report
+    assert report.outcomes.get("unclear", 0) == 0, report
+    assert report.in_flight_after == 0, report
+    assert report.outcomes["ok"] >= 250, report  # the survivors carry the load: failures stay rare

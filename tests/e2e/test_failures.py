@@ -1,0 +1,139 @@
+"""End to end: engines fail (simulator fault modes) and the gateway keeps serving: retries,
+fallback to the direct path, errors in the OpenAI stream format, ejection, nothing hung."""
+
+from __future__ import annotations
+
+import httpx
+import orjson
+import pytest
+
+from tests.procs import ProcGroup, wait_for
+from tests.promtext import sample
+
+from .cluster import Cluster
+
+pytestmark = pytest.mark.e2e
+THRESHOLD = 200
+LONG = "Failure drill. " + "The engines fail and the gateway keeps serving every request. " * 30
+
+
+@pytest.fixture(scope="module")
+def cluster(tokenizer_dir, tmp_path_factory):
+    group = ProcGroup(tmp_path_factory.mktemp("logs"))
+    c = Cluster(group, tokenizer_dir)
+    try:
+        c.prefill += [c.start_sim("prefill"), c.start_sim("prefill")]
+        c.decode += [c.start_sim("decode", "--decode-time-per-token", "0.005"),
+                     c.start_sim("decode", "--decode-time-per-token", "0.005")]
+        c.start_gateway(
+            THRESHOLD,
+            routing={"decider": {"name": "token_threshold", "threshold": THRESHOLD}, "prefix": {"enabled": False}},
+            health={"interval_s": 0.3, "timeout_s": 0.5,
+                    "outlier": {"consecutive_failures": 3, "base_ejection_s": 0.5, "max_ejection_s": 1}},
+            timeouts={"connect_s": 1, "prefill_s": 2, "decode_first_byte_s": 2, "decode_idle_s": 1},
+        )
+        yield c
+    finally:
+        group.stop_all()
+
+
+def faults(sim, spec: dict | None) -> None:
+    if spec is None:
+        httpx.delete(sim.url + "/sim/faults", timeout=5).raise_for_status()
+    else:
+        httpx.put(sim.url + "/sim/faults", json=spec, timeout=5).raise_for_status()
+
+
+@pytest.fixture(autouse=True)
+def clean(cluster):
+    for sim in cluster.prefill + cluster.decode:
+        faults(sim, None)
+        sim.clear()
+    yield
+    for sim in cluster.prefill + cluster.decode:
+        faults(sim, None)
+    # let any ejection from this test run out
+    assert wait_for(lambda: httpx.get(cluster.url + "/ready").json()["pools"]["decode"]["ejected"] == 0
+                    and httpx.get(cluster.url + "/ready").json()["pools"]["prefill"]["ejected"] == 0, timeout=5)
+
+
+def chat(cluster, content: str = LONG, **kw) -> httpx.Response:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 8, **kw}
+    return httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=30)
+
+
+def test_failed_prefill_is_retried_on_another_prefill_engine(cluster):
+    faults(cluster.prefill[0], {"error": {"status": 500}})
+    responses = [chat(cluster, f"Case {i}. " + LONG) for i in range(4)]
+    assert [r.status_code for r in responses] == [200] * 4
+    assert {r.headers["x-pdgate-path"] for r in responses} == {"pd"}
+    retried = [r for r in responses if "prefill_retried" in r.headers.get("x-pdgate-failover", "")]
+    assert retried, [r.headers for r in responses]
+
+
+def test_both_prefill_engines_failing_falls_back_to_direct(cluster):
+    for sim in cluster.prefill:
+        faults(sim, {"error": {"status": 503}})
+    r = chat(cluster)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    assert r.headers["x-pdgate-path"] == "direct"
+    assert "prefill_fallback_direct" in r.headers["x-pdgate-failover"]
+    [dec] = [q for s in cluster.decode for q in s.requests()]
+    assert dec["body"].get("kv_transfer_params") is None  # the decode engine prefilled it itself
+
+
+def test_hanging_prefill_times_out_and_is_retried(cluster):
+    faults(cluster.prefill[0], {"hang": {"on": ["prefill"]}})
+    results = [chat(cluster, f"Hang {i}. " + LONG) for i in range(2)]
+    assert [r.status_code for r in results] == [200, 200]
+    assert any("prefill_retried" in r.headers.get("x-pdgate-failover", "") for r in results)
+
+
+def test_decode_failing_before_its_first_byte_is_retried(cluster):
+    faults(cluster.decode[0], {"error": {"status": 500}})
+    for content in ("short one", LONG):
+        results = [chat(cluster, f"{i} {content}") for i in range(3)]
+        assert [r.status_code for r in results] == [200] * 3
+        assert any("decode_retried" in r.headers.get("x-pdgate-failover", "") for r in results)
+
+
+def test_stream_cut_mid_way_ends_with_an_error_event_never_silently(cluster):
+    for sim in cluster.decode:
+        faults(sim, {"drop": {"after_chunks": 3}})
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "tell me"}], "max_tokens": 20, "stream": True}
+    with httpx.stream("POST", cluster.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    payloads = [e[6:] for e in events]
+    assert "[DONE]" not in payloads
+    last = orjson.loads(payloads[-1])
+    assert last["error"]["type"] == "server_error" or last["error"]["code"], last
+    contents = [orjson.loads(p)["choices"][0]["delta"].get("content") for p in payloads[:-1]
+                if "choices" in orjson.loads(p) and orjson.loads(p)["choices"]]
+    assert len(contents) <= 3  # what the engine sent, once each: never a duplicated token
+
+
+def test_refused_kv_pull_still_answers(cluster):
+    for sim in cluster.prefill:
+        faults(sim, {"kv_refuse": {"count": 1}})
+    r = chat(cluster, "Refused pull. " + LONG)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    assert "decode_retried" in r.headers.get("x-pdgate-failover", "")
+
+
+def test_failing_engine_is_ejected_then_comes_back(cluster):
+    bad = cluster.decode[0]
+    faults(bad, {"error": {"status": 500}})
+    results = [chat(cluster, f"eject {i}") for i in range(8)]
+    assert all(r.status_code == 200 for r in results)
+    ready = httpx.get(cluster.url + "/ready").json()
+    assert ready["pools"]["decode"]["ejected"] == 1
+    bad.clear()
+    for i in range(4):
+        assert chat(cluster, f"while ejected {i}").status_code == 200
+    assert bad.requests() == []  # ejected: no traffic
+    faults(bad, None)
+    assert wait_for(lambda: httpx.get(cluster.url + "/ready").json()["pools"]["decode"]["ejected"] == 0, timeout=5)
+    assert wait_for(lambda: chat(cluster, "back?").status_code == 200 and bad.requests() != [], timeout=10)
+    metrics = httpx.get(cluster.url + "/metrics").text
+    assert sample(metrics, "pdgate_failovers_total", event="decode_retried") >= 1
