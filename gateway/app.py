@@ -28,6 +28,7 @@ from .config import AdminConfig, GatewayConfig
 from .dispatch import Dispatcher
 from .enginestats import StatsScraper
 from .errors import APIError, error_response
+from .h1client import H1Client
 from .kvevents import KVEventSubscriber
 from .metrics import GatewayMetrics
 from .pools import HealthChecker, Pools
@@ -36,7 +37,7 @@ from .router import DEFAULT_BLOCK_SIZE, Router, build_pipeline
 from .service import Gateway, Runtime
 from .state import RedisState
 from .tokenizer import ModelTokenizer, Tokenizers
-from .upstream import Upstream, make_session
+from .upstream import Upstream, make_client, make_session
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,8 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
                   if cfg.state.backend == "redis" else None)
         subs = Subscriptions(index)
         metrics = GatewayMetrics(pools, index, subs.all, shared)
-        res = Resources(make_session(), pools, index, shared, subs, lambda event: metrics.failovers.labels(event).inc())
+        res = Resources(make_session(), make_client(), pools, index, shared, subs,
+                        lambda event: metrics.failovers.labels(event).inc())
         gw = Gateway(_runtime(cfg, version, res, toks), pools, metrics)
         gw.admin_token = admin_token(cfg.admin)
         health = HealthChecker(pools, res.session, cfg.health)
@@ -157,6 +159,7 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
             if shared:
                 await shared.stop()
             await res.session.close()
+            res.engines.close()
             gw.runtime.tokenizers.close()
 
     async def chat(request: Request) -> ASGIApp:
@@ -256,7 +259,8 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
 class Resources:
     """What outlives config versions: connections, endpoint state, the prefix index, event feeds."""
 
-    session: aiohttp.ClientSession
+    session: aiohttp.ClientSession  # control plane: health checks, metrics scrapes
+    engines: H1Client  # the engine legs: warm keep-alive connections survive reloads
     pools: Pools
     index: PrefixIndex
     shared: RedisState | None
@@ -266,7 +270,7 @@ class Resources:
 
 def _runtime(cfg: GatewayConfig, version: str, res: Resources, tokenizers: Tokenizers) -> Runtime:
     return Runtime(cfg, version, Router(cfg.routing, res.pools, res.index, res.shared),
-                   Dispatcher(Upstream(res.session, cfg.timeouts), res.pools, cfg.timeouts, cfg.failover,
+                   Dispatcher(Upstream(res.engines, cfg.timeouts), res.pools, cfg.timeouts, cfg.failover,
                               res.on_failover), tokenizers,
                    tuple(k.encode() for k in cfg.auth.api_keys()))
 

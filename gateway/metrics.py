@@ -25,6 +25,8 @@ class GatewayMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._pools = pools
         self.registry.register(_RoutingStateCollector(pools, index, feeds, shared))
+        self._request_children: dict[tuple[str, str, int], Counter] = {}
+        self._duration_children: dict[str, Histogram] = {}
         self.requests = Counter(
             "pdgate_requests", "Client requests by model, path taken and HTTP status",
             ["model", "path", "status"], registry=self.registry,
@@ -57,6 +59,19 @@ class GatewayMetrics:
         self.config_info = Gauge(
             "pdgate_config_info", "1 for the version of the config in use", ["version"], registry=self.registry,
         )
+
+    def finished(self, model: str, path: str, status: int, seconds: float) -> None:
+        """One request over. The labelled children are looked up once per label set: prometheus
+        client's labels() costs microseconds a call, on every request."""
+        key = (model, path, status)
+        counter = self._request_children.get(key)
+        if counter is None:
+            counter = self._request_children[key] = self.requests.labels(model, path, str(status))
+        hist = self._duration_children.get(path)
+        if hist is None:
+            hist = self._duration_children[path] = self.duration.labels(path)
+        counter.inc()
+        hist.observe(seconds)
 
     def config_loaded(self, version: str) -> None:
         self.config_info.clear()

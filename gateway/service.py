@@ -221,17 +221,27 @@ class Gateway:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise too_large(limit)
+        cached = getattr(request, "_body", None)  # already read (POST /debug/route peeks at it)
+        if cached is not None:
+            if len(cached) > limit:
+                raise too_large(limit)
+            return cached
+        # Straight from ASGI ``receive``: Starlette's request.stream() costs ~20 us more per request.
         chunks, size = [], 0
-        async for chunk in request.stream():
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnect()
+            chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
                 raise too_large(limit)
             chunks.append(chunk)
-        return b"".join(chunks)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def _count(self, model: str, path: str, status: int, started: float, admitted: bool = False) -> None:
         """The request is over: count it, and free its admission slot."""
         if admitted:
             self.gate.leave()
-        self.metrics.requests.labels(model, path, str(status)).inc()
-        self.metrics.duration.labels(path).observe(time.perf_counter() - started)
+        self.metrics.finished(model, path, status, time.perf_counter() - started)

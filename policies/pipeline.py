@@ -35,6 +35,8 @@ class PoolPipeline:
         candidates: Sequence[EndpointView] = [e for e in endpoints if e.healthy]
         if not candidates:
             return None
+        if len(candidates) == 1 and trace is None:
+            return candidates[0]  # nothing to choose between: filters are soft, scores would not matter
         for name, f in self.filters:
             kept = f.filter(ctx, candidates)
             if trace is not None:
