@@ -151,7 +151,7 @@ def test_match_equals_a_naive_walk_on_random_states() -> None:
     rng = random.Random(5)
     for _ in range(200):
         clock = [1000.0]
-        idx = PrefixIndex(approx_ttl_s=50, young_s=5, clock=lambda: clock[0])
+        idx = PrefixIndex(approx_ttl_s=50, young_s=5, clock=lambda clock=clock: clock[0])
         urls = [f"http://e{i}" for i in range(4)]
         chain = list(range(30))
         truth: dict[str, set[int]] = {u: set() for u in urls}
