@@ -155,3 +155,17 @@ def test_client_gone_after_prefill_frees_the_prefilled_kv(cluster):
     assert wait_for(lambda: held() <= before, timeout=3)
     assert wait_for(lambda: sample(httpx.get(cluster.url + "/metrics").text, "pdgate_requests_total",
                                    status="499") >= 1, timeout=3)
+
+
+def test_stream_that_goes_silent_ends_with_a_timeout_event(cluster):
+    """An engine that stops sending mid-stream for longer than timeouts.decode_idle_s (1 s here):
+    the client gets what was sent, then an error event, not an endless wait."""
+    for sim in cluster.decode:
+        faults(sim, {"slow": {"chunk_delay": 3.0}})
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "slowly"}], "max_tokens": 6, "stream": True}
+    with httpx.stream("POST", cluster.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        payloads = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert "[DONE]" not in payloads
+    err = orjson.loads(payloads[-1])["error"]
+    assert err["code"] == "engine_timeout" and "did not answer in time" in err["message"]
