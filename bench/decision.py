@@ -12,7 +12,8 @@ the hash memo is warm with those conversations.
 Prompts of ~1k, ~8k and ~32k tokens: a fresh chat (new conversation, nothing cached), a fresh
 completion, and a multi-turn chat coming back with one more turn (the previous turn went through
 the whole path just before). Each is run with token-id reuse off ("whole": every request encodes
-its whole text, as before ``SegmentEncoder``) and on ("segments"); the ids of both are compared on
+its whole text with the HF tokenizer, as before ``SegmentEncoder``), on ("reused", HF) and on with
+``gateway.fasttok`` ("fast": tiktoken where proven exact); the ids of all three are compared on
 every request.
 
 Two tokenizers: the project's test tokenizer (``sim/tinymodel.py``, 2k vocab; its small vocabulary
@@ -268,6 +269,7 @@ class Cell:
     scenario: str  # fresh | next_turn
     size: int
     reuse: bool
+    fast: bool
     wall: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in STAGES})
     cpu: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in STAGES})
     tokens: list[int] = field(default_factory=list)
@@ -279,7 +281,7 @@ class Cell:
 
         return {
             "tokenizer": self.tokenizer, "kind": self.kind, "scenario": self.scenario, "size": self.size,
-            "reuse": self.reuse, "n": len(self.tokens),
+            "reuse": self.reuse, "fast": self.fast, "n": len(self.tokens),
             "tokens_mean": round(sum(self.tokens) / max(len(self.tokens), 1)),
             "ms": {s: {"p50": pct(xs, 0.5), "p99": pct(xs, 0.99)} for s, xs in self.wall.items() if xs},
             "cpu_ms": {s: {"p50": pct(xs, 0.5), "p99": pct(xs, 0.99)} for s, xs in self.cpu.items() if xs},
@@ -291,6 +293,7 @@ class Variant:
     """One tokenizer setting with a router (pools, prefix index, hash memo) of its own."""
 
     reuse: bool
+    fast: bool
     tok: ModelTokenizer
     router: Router
     pools: Pools
@@ -340,26 +343,28 @@ def run_request(cell: Cell | None, v: Variant, req: ParsedRequest, n: int, rng: 
 
 def bench_tokenizer(name: str, hf: Any, sizes: Sequence[int], iterations: dict[int, int],
                     log: Callable[[str], None]) -> list[Cell]:
-    """Whole-text and reused encoding, A/B interleaved on the same prompts (same machine noise)."""
+    """Whole-text, reused and fast encoding, interleaved on the same prompts (same machine noise)."""
     rng = random.Random(7)
     cfg = ModelConfig(name=MODEL, tokenizer="bench", max_model_len=131072)
     texts = Texts(rng)
     sample = texts.text(200_000)
     chars_per_token = len(sample) / len(hf.backend_tokenizer.encode(sample, add_special_tokens=False).ids)
     variants: list[Variant] = []
-    for reuse in (False, True):
+    for reuse, fast in ((False, False), (True, False), (True, True)):
         router, pools, index = build_router(rng)
         t0 = time.perf_counter()
         populate(router, pools, index, rng, len(hf))
         stats = index.stats()
-        log(f"{name} reuse={reuse}: index of {stats.approximate} learned + {stats.precise} precise entries "
+        log(f"{name} reuse={reuse} fast={fast}: index of {stats.approximate} learned + {stats.precise} precise entries "
             f"in {time.perf_counter() - t0:.1f}s")
-        variants.append(Variant(reuse, ModelTokenizer(hf, cfg, reuse_tokens=(1 << 20) if reuse else 0),
-                                router, pools, index))
+        tok = ModelTokenizer(hf, cfg, reuse_tokens=(1 << 20) if reuse else 0, fast=fast)
+        if fast and not tok.segments.fast:
+            log(f"{name}: no fast encoder ({tok.segments.fast_reason})")
+        variants.append(Variant(reuse, fast, tok, router, pools, index))
     cells: list[Cell] = []
     for size in sizes:
         chars, n = int(size * chars_per_token), iterations[size]
-        mine = {(v.reuse, scenario): Cell(name, kind, scenario.split("-")[0], size, v.reuse)
+        mine = {(v.reuse, v.fast, scenario): Cell(name, kind, scenario.split("-")[0], size, v.reuse, v.fast)
                 for v in variants for scenario, kind in (("fresh-chat", "chat"), ("fresh-completion", "completion"),
                                                          ("next_turn-chat", "chat"))}
         for i in range(n):
@@ -367,23 +372,30 @@ def bench_tokenizer(name: str, hf: Any, sizes: Sequence[int], iterations: dict[i
             completion = completion_request(texts.text(chars))
             previous = conversation(texts, chars)
             turn = chat_request(next_turn(texts, previous))
-            got: dict[bool, list[list[int]]] = {}
+            got: dict[tuple[bool, bool], list[list[int]]] = {}
             for v in variants if i % 2 == 0 else variants[::-1]:
-                got[v.reuse] = [
-                    run_request(mine[v.reuse, "fresh-chat"], v, fresh, i, rng),
-                    run_request(mine[v.reuse, "fresh-completion"], v, completion, i, rng),
+                key = (v.reuse, v.fast)
+                got[key] = [
+                    run_request(mine[(*key, "fresh-chat")], v, fresh, i, rng),
+                    run_request(mine[(*key, "fresh-completion")], v, completion, i, rng),
                 ]
                 run_request(None, v, chat_request(previous), i, rng)  # the previous turn, just before
-                got[v.reuse].append(run_request(mine[v.reuse, "next_turn-chat"], v, turn, i, rng))
-            if got[True] != got[False]:
-                raise AssertionError(f"{name}: reused token ids differ from whole-text encoding")
+                got[key].append(run_request(mine[(*key, "next_turn-chat")], v, turn, i, rng))
+            if any(ids != got[False, False] for ids in got.values()):
+                raise AssertionError(f"{name}: reused or fast token ids differ from whole-text encoding")
         for c in mine.values():
             r = c.summary()
-            log(f"  {name} {c.kind:10} {c.scenario:9} {size:>5} reuse={c.reuse!s:5} tokens~{r['tokens_mean']} "
+            log(f"  {name} {c.kind:10} {c.scenario:9} {size:>5} reuse={c.reuse!s:5} fast={c.fast!s:5} "
+                f"tokens~{r['tokens_mean']} "
                 + " ".join(f"{s}={r['ms'][s]['p50']:.2f}" for s in STAGES)
                 + f" | cpu decision={r['cpu_ms']['decision']['p50']:.2f}")
         cells += mine.values()
     return cells
+
+
+def _ids(row: dict[str, Any]) -> str:
+    """How a row's ids were computed."""
+    return "fast" if row.get("fast") else "reused" if row["reuse"] else "whole"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -398,7 +410,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             return f"{ms[stage]['p50']:.2f} / {ms[stage]['p99']:.2f}"
 
         what = f"{r['kind']} {'one more turn' if r['scenario'] == 'next_turn' else 'fresh'}"
-        lines.append(f"| {r['tokenizer']} | {what} | {r['tokens_mean']} | {'reused' if r['reuse'] else 'whole'} "
+        lines.append(f"| {r['tokenizer']} | {what} | {r['tokens_mean']} | {_ids(r)} "
                      f"| {cell('tokenize')} | {cell('hash')} | {cell('match')} | {cell('route')} "
                      f"| **{cell('decision')}** | {r['cpu_ms']['decision']['p50']:.2f} | {ms['learn']['p50']:.2f} |")
     return "\n".join(lines)
@@ -443,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(table(sorted(rows, key=lambda r: (r["tokenizer"], r["kind"], r["scenario"], r["size"], r["reuse"]))))
+    order = ("tokenizer", "kind", "scenario", "size", "reuse", "fast")
+    print(table(sorted(rows, key=lambda r: tuple(r[k] for k in order))))
     return 0
 
 
