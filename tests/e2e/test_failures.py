@@ -89,13 +89,17 @@ def test_hanging_prefill_times_out_and_is_retried(cluster):
     assert any("prefill_retried" in r.headers.get("x-pdgate-failover", "") for r in results)
 
 
+def ejected(cluster, pool: str = "decode") -> int:
+    return httpx.get(cluster.url + "/ready").json()["pools"][pool]["ejected"]
+
+
 def test_decode_failing_before_its_first_byte_is_retried(cluster):
     faults(cluster.decode[0], {"error": {"status": 500}})
     for content in ("short one", LONG):
-        results = [chat(cluster, f"{i} {content}") for i in range(3)]
-        assert [r.status_code for r in results] == [200] * 3
+        assert wait_for(lambda: ejected(cluster) == 0, timeout=5)  # the failing engine gets traffic again
+        results = [chat(cluster, f"{i} {content}") for i in range(4)]
+        assert [r.status_code for r in results] == [200] * 4
         assert any("decode_retried" in r.headers.get("x-pdgate-failover", "") for r in results)
-
 
 def test_stream_cut_mid_way_ends_with_an_error_event_never_silently(cluster):
     for sim in cluster.decode:
@@ -126,18 +130,25 @@ def test_failing_engine_is_ejected_then_comes_back(cluster):
     faults(bad, {"error": {"status": 500}})
     results = [chat(cluster, f"eject {i}") for i in range(8)]
     assert all(r.status_code == 200 for r in results)
-    ready = httpx.get(cluster.url + "/ready").json()
-    assert ready["pools"]["decode"]["ejected"] == 1
-    bad.clear()
-    for i in range(4):
+    assert wait_for(lambda: ejected(cluster) == 1, timeout=5)
+    # Requests sent while it is ejected (checked before and after each: ejection is time-bound)
+    # never reach it.
+    sandwiched = 0
+    for i in range(20):
+        seen = len(bad.requests())
+        if ejected(cluster) != 1:
+            break
         assert chat(cluster, f"while ejected {i}").status_code == 200
-    assert bad.requests() == []  # ejected: no traffic
+        if ejected(cluster) == 1:
+            sandwiched += 1
+            assert len(bad.requests()) == seen
+    assert sandwiched >= 1
     faults(bad, None)
-    assert wait_for(lambda: httpx.get(cluster.url + "/ready").json()["pools"]["decode"]["ejected"] == 0, timeout=5)
+    assert wait_for(lambda: ejected(cluster) == 0, timeout=5)
+    bad.clear()
     assert wait_for(lambda: chat(cluster, "back?").status_code == 200 and bad.requests() != [], timeout=10)
     metrics = httpx.get(cluster.url + "/metrics").text
     assert sample(metrics, "pdgate_failovers_total", event="decode_retried") >= 1
-
 
 def test_client_gone_after_prefill_frees_the_prefilled_kv(cluster):
     """The decode leg never answers and the client gives up: the prefill engine's blocks for the
