@@ -354,6 +354,23 @@ def block_digests(
     return out
 
 
+def _chain(token_ids: Sequence[int], spec: HashSpec, parent: Digest | None,
+           first_extra: tuple[Any, ...] | None, every_extra: tuple[Any, ...] | None) -> list[Digest]:
+    """``block_digests`` without the per-block memo: ``block_hashes`` reuses whole prompts
+    instead (``_Recent``), and for a new prompt a memo probe per block costs 3x the hashing."""
+    unit, digest = spec.unit, spec._digest
+    prev = parent if parent is not None else spec._none_hash
+    out: list[Digest] = []
+    for start in range(0, len(token_ids) - unit + 1, unit):
+        if first_extra and start == 0 and parent is None:
+            extra: tuple[Any, ...] | None = (every_extra or ()) + first_extra  # vLLM's order
+        else:
+            extra = every_extra or None
+        prev = digest((prev, tuple(token_ids[start : start + unit]), extra))
+        out.append(prev)
+    return out
+
+
 def extra_keys(cache_salt: str | None = None, lora: tuple[str, str] | None = None) -> tuple[
     tuple[Any, ...] | None, tuple[Any, ...] | None
 ]:
@@ -384,17 +401,17 @@ def block_hashes(
     try:
         packed = array("I", token_ids[: units * unit]).tobytes()
     except (OverflowError, TypeError):  # not uint32 token ids: no reuse, plain memoized hashing
-        published = _publish(block_digests(token_ids, spec, first_extra=first, every_extra=every), spec)
+        published = _publish(_chain(token_ids, spec, None, first, every), spec)
         return published[step - 1 :: step] if step != 1 else published
     unit_bytes = unit * 4
     key = (packed[:unit_bytes], first, every)
     last, shared = spec._recent.best(key, packed, unit_bytes)
     if last is not None and shared:
-        digests = last.digests[:shared] + block_digests(
-            token_ids[shared * unit : units * unit], spec, parent=last.digests[shared - 1], every_extra=every)
+        digests = last.digests[:shared] + _chain(
+            token_ids[shared * unit : units * unit], spec, last.digests[shared - 1], None, every)
         published = last.published[:shared] + _publish(digests[shared:], spec)
     else:
-        digests = block_digests(token_ids, spec, first_extra=first, every_extra=every)
+        digests = _chain(token_ids[: units * unit], spec, None, first, every)
         published = _publish(digests, spec)
     if last is None or shared < units or len(last.digests) <= units:
         # Remember this prompt, in place of the one it extends (a conversation's earlier turn).

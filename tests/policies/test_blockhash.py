@@ -132,15 +132,17 @@ def test_cbor_encoding() -> None:
 
 
 def test_memo_continues_a_conversation() -> None:
+    """block_digests (the simulator's and the event translator's path) memoizes per block."""
     spec = HashSpec(block_size=16, memo_size=10_000)
     rng = random.Random(1)
     turn1 = [rng.randrange(150_000) for _ in range(8192)]
-    first = block_hashes(turn1, spec)
+    first = block_digests(turn1, spec)
     assert spec.memo_len() == 512
     turn2 = turn1 + [rng.randrange(150_000) for _ in range(200)]
-    second = block_hashes(turn2, spec)
+    second = block_digests(turn2, spec)
     assert second[:512] == first
     assert spec.memo_len() == len(turn2) // 16  # only the new blocks were hashed
+    assert block_hashes(turn2, HashSpec(block_size=16)) == [int.from_bytes(d[-8:], "big") for d in second]
     # chain continuation from a digest equals hashing the whole prompt
     digests = block_digests(turn2, spec)
     assert block_digests(turn2[512 * 16 :], spec, parent=digests[511]) == digests[512:]
@@ -148,7 +150,7 @@ def test_memo_continues_a_conversation() -> None:
 
 def test_memo_is_bounded() -> None:
     spec = HashSpec(block_size=16, memo_size=8)
-    block_hashes(list(range(16 * 20)), spec)
+    block_digests(list(range(16 * 20)), spec)
     assert spec.memo_len() == 8
 
 
