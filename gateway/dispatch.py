@@ -117,7 +117,7 @@ class Dispatcher:
                 self._pools.get(decision.decode), req, path, request_id, kv_params, pick_other, events)
         except asyncio.CancelledError:
             if kv_params is not None:  # the client left: its prefilled KV need not wait out the lease
-                self._release(self._pools.get(decision.decode), req.model, kv_params)
+                self._release(self._pools.get(decision.decode), req.model, kv_params, request_id)
             raise
         up.failover = events
         return up
@@ -229,12 +229,12 @@ class Dispatcher:
 
     # -- releasing stranded KV ----------------------------------------------------------------------
 
-    def _release(self, ep: Endpoint, model: str, kv_params: dict[str, Any]) -> None:
+    def _release(self, ep: Endpoint, model: str, kv_params: dict[str, Any], request_id: str) -> None:
         async def release() -> None:
             try:
                 async with asyncio.timeout(5):
                     resp = await self._upstream.post(ep, "/v1/completions", release_body(model, kv_params),
-                                                     "release", leg="decode")
+                                                     f"{request_id}-release", leg="decode")
                     resp.close()
             except (EngineError, TimeoutError, ClientError):
                 pass  # the 400 we expect is an EngineError: the rejection did its work

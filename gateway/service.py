@@ -110,9 +110,9 @@ class Gateway:
         check_output_limit(req, rt.cfg.limits.max_output_tokens)
         prompts = await rt.tokenizers.prompt_ids(tok, req)
         limit = rt.cfg.limits.max_prompt_tokens
-        if limit and max(map(len, prompts)) > limit:
+        if limit and (longest := max(map(len, prompts))) > limit:
             raise APIError(400, f"This gateway accepts prompts of at most {limit} tokens; this one has "
-                           f"{max(map(len, prompts))}.", param="messages" if kind == "chat" else "prompt",
+                           f"{longest}.", param="messages" if kind == "chat" else "prompt",
                            code="prompt_too_long")
         request_id = _request_id(request.headers.get("x-request-id"))
         salt = req.body.get("cache_salt")  # vLLM mixes it into the first block's hash

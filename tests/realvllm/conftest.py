@@ -14,7 +14,6 @@ tests fail with the reason. ``PDGATE_SKIP_REALVLLM=1`` skips the suite on purpos
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -55,16 +54,7 @@ class Gateway:
 
 @pytest.fixture(scope="package")
 def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    if os.environ.get("PDGATE_SKIP_REALVLLM") == "1":
-        pytest.skip("PDGATE_SKIP_REALVLLM=1")
-    failure = None
-    try:
-        venv = E.ensure_venv()
-        model_dir = E.ensure_model(venv)
-    except E.SetupError as err:
-        failure = str(err)
-    if failure:  # outside the except block, so the report is just the reason
-        pytest.fail(f"real vLLM setup failed: {failure}", pytrace=False)
+    venv, model_dir = E.venv_and_model()
     work = tmp_path_factory.mktemp("realvllm")
     group = ProcGroup(work)
     pair = None
@@ -80,6 +70,7 @@ def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
             extra_env={"PYTHONHASHSEED": HASH_SEED, "VLLM_SERVER_DEV_MODE": "1"},
         )
         pair = Pair(prefill, decode, model_dir, group, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+        failure = None
         try:
             E.wait_ready([prefill, decode])
         except E.SetupError as err:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import pytest
 
 from gateway.demo import cache_dir  # the same folder scripts/vllm-cpu-venv.sh uses
 from tests.procs import Proc, ProcGroup, free_port, wait_for
@@ -141,6 +142,20 @@ class Engine:
         r.raise_for_status()
         return r.json()["count"]
 
+
+
+def venv_and_model() -> tuple[Path, Path]:
+    """The cached vLLM venv and the tiny model, built when missing; skips with
+    PDGATE_SKIP_REALVLLM=1, fails the test with the reason when they cannot be built."""
+    if os.environ.get("PDGATE_SKIP_REALVLLM") == "1":
+        pytest.skip("PDGATE_SKIP_REALVLLM=1")
+    failure = None
+    try:
+        venv = ensure_venv()
+        return venv, ensure_model(venv)
+    except SetupError as err:
+        failure = str(err)
+    pytest.fail(f"real vLLM setup failed: {failure}", pytrace=False)  # outside except: just the reason
 
 def engine_argv(
     venv: Path, model_dir: Path, port: int, *, nixl: bool = True, extra_args: Sequence[str] = ()

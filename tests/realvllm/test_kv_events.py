@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -86,22 +85,14 @@ def _start(group: ProcGroup, venv: Path, model_dir: Path, work: Path, role: str,
 
 @pytest.fixture(scope="module")
 def kv_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVEngine]:
-    if os.environ.get("PDGATE_SKIP_REALVLLM") == "1":
-        pytest.skip("PDGATE_SKIP_REALVLLM=1")
-    failure = None
-    try:
-        venv = E.ensure_venv()
-        model_dir = E.ensure_model(venv)
-    except E.SetupError as err:
-        failure = str(err)
-    if failure:
-        pytest.fail(f"real vLLM setup failed: {failure}", pytrace=False)
+    venv, model_dir = E.venv_and_model()
     work = tmp_path_factory.mktemp("realvllm-kv")
     group = ProcGroup(work)  # stops every engine by PID (process group), also on failure
     engine = None
     try:
         pub, replay = free_port(), free_port()
         engine = _start(group, venv, model_dir, work, "kv", pub, replay)
+        failure = None
         try:
             E.wait_ready([engine])
         except E.SetupError as err:
