@@ -2,6 +2,9 @@
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+# The user has no home directory: caches (tokenizers from the hub) go to /tmp, which Kubernetes
+# can back with an emptyDir under a read-only root filesystem (as the Helm chart does).
+ENV HOME=/tmp
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY gateway ./gateway

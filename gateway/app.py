@@ -14,6 +14,7 @@ from pathlib import Path
 
 import aiohttp
 import orjson
+from opentelemetry.sdk.trace.export import SpanExporter
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -25,6 +26,7 @@ from policies.blockhash import HashSpec
 from policies.prefix_index import PrefixIndex
 
 from .config import AdminConfig, GatewayConfig
+from .discovery import Discovery
 from .dispatch import Dispatcher
 from .enginestats import StatsScraper
 from .errors import APIError, error_response
@@ -33,10 +35,12 @@ from .kvevents import KVEventSubscriber
 from .metrics import GatewayMetrics
 from .pools import HealthChecker, Pools
 from .reload import ConfigWatcher, version_of
+from .requestlog import AccessLog
 from .router import DEFAULT_BLOCK_SIZE, Router, build_pipeline
 from .service import Gateway, Runtime
 from .state import RedisState
 from .tokenizer import ModelTokenizer, Tokenizers
+from .tracing import Tracing
 from .upstream import Upstream, make_client, make_session
 
 log = logging.getLogger(__name__)
@@ -72,8 +76,13 @@ class Subscriptions:
     def __init__(self, index: PrefixIndex) -> None:
         self._index = index
         self._subs: dict[tuple, KVEventSubscriber] = {}
+        self._lock = asyncio.Lock()  # a reload and a discovery change may update at once
 
     async def update(self, cfg: GatewayConfig) -> None:
+        async with self._lock:
+            await self._update(cfg)
+
+    async def _update(self, cfg: GatewayConfig) -> None:
         p = cfg.routing.prefix
         spec = HashSpec(block_size=p.block_size or DEFAULT_BLOCK_SIZE, algo=p.hash_algo, seed=p.hash_seed)
         wanted = {
@@ -98,9 +107,13 @@ class Subscriptions:
 
 
 def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
-               config_path: str | Path | None = None, config_version: str | None = None) -> FastPath:
+               config_path: str | Path | None = None, config_version: str | None = None,
+               span_exporter: SpanExporter | None = None,
+               access_sink: Callable[[bytes], None] | None = None) -> FastPath:
     """The gateway app; ``tokenizers`` may be injected (tests), else loaded at startup. With
-    ``config_path``, edits of that file are validated and applied while serving."""
+    ``config_path``, edits of that file are validated and applied while serving. ``span_exporter``
+    (tests) receives every span, whatever the config's exporter; ``access_sink`` every access line
+    (default: stdout)."""
     created = int(time.time())
     validate(cfg)  # a bad policy name fails before the server binds its port
     version = config_version or version_of(orjson.dumps(cfg.model_dump(mode="json")))
@@ -119,9 +132,23 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
                   if cfg.state.backend == "redis" else None)
         subs = Subscriptions(index)
         metrics = GatewayMetrics(pools, index, subs.all, shared)
+
+        async def discovered() -> None:
+            """Kubernetes discovery's endpoints changed: apply them to the pools as a reload would."""
+            before = set(map(id, pools.all()))
+            eff = discovery.effective(gw.runtime.cfg)
+            removed = pools.update(eff.pools.prefill.urls, eff.pools.decode.urls)
+            for url in {ep.url for ep in removed} - {ep.url for ep in pools.all()}:
+                index.forget(url)
+            await res.subs.update(eff)
+            await asyncio.gather(*(health.probe(e) for e in pools.all() if id(e) not in before))
+
+        discovery = Discovery(discovered)
         res = Resources(make_session(), make_client(), pools, index, shared, subs,
-                        lambda event: metrics.failovers.labels(event).inc())
-        gw = Gateway(_runtime(cfg, version, res, toks), pools, metrics)
+                        metrics.failover, discovery)
+        tracing = Tracing(cfg.telemetry.tracing, span_exporter)
+        gw = Gateway(_runtime(cfg, version, res, toks), pools, metrics, tracing,
+                     AccessLog(cfg.telemetry.access_log, access_sink))
         gw.admin_token = admin_token(cfg.admin)
         health = HealthChecker(pools, res.session, cfg.health)
         scraper = StatsScraper(pools, res.session, cfg.signals)
@@ -144,6 +171,7 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         await res.subs.update(cfg)
         if shared:
             await shared.start()
+        await discovery.start(cfg)
         await health.start()
         scraper.start()
         if watcher:
@@ -154,6 +182,7 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
             if watcher:
                 await watcher.stop()
             await scraper.stop()
+            await discovery.close()
             await health.stop()
             await res.subs.close()
             if shared:
@@ -161,6 +190,8 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
             await res.session.close()
             res.engines.close()
             gw.runtime.tokenizers.close()
+            await asyncio.to_thread(tracing.shutdown)  # flushing spans may block on the exporter
+            gw.access_log.close()
 
     async def chat(request: Request) -> ASGIApp:
         return await request.state.gw.chat(request)
@@ -265,7 +296,8 @@ class Resources:
     index: PrefixIndex
     shared: RedisState | None
     subs: Subscriptions
-    on_failover: Callable[[str], None]
+    on_failover: Callable[[str, str], None]  # (event, cause): metrics
+    discovery: Discovery | None = None  # engines found through the Kubernetes API
 
 
 def _runtime(cfg: GatewayConfig, version: str, res: Resources, tokenizers: Tokenizers) -> Runtime:
@@ -277,7 +309,7 @@ def _runtime(cfg: GatewayConfig, version: str, res: Resources, tokenizers: Token
 
 # Sections bound to the process (listening socket, shared-state connection): a reload keeps the
 # running values and says so.
-RESTART_ONLY = ("server", "state")
+RESTART_ONLY = ("server", "state", "telemetry")
 
 
 async def _apply(gw: Gateway, new: GatewayConfig, version: str, res: Resources) -> None:
@@ -301,14 +333,17 @@ async def _apply(gw: Gateway, new: GatewayConfig, version: str, res: Resources) 
             raise ValueError(f"models: cannot load a tokenizer ({type(err).__name__}: {err})") from None
         tokenizers = Tokenizers(loaded, new.tokenizer)
     # Built against the live pools, so it must come after their update; nothing below can fail.
-    removed = pools.update(new.pools.prefill.urls, new.pools.decode.urls)
+    eff = res.discovery.effective(new) if res.discovery else new  # static + discovered endpoints
+    removed = pools.update(eff.pools.prefill.urls, eff.pools.decode.urls)
     pools.configure(new.signals.max_age_s, new.health.outlier)
     for url in {ep.url for ep in removed} - {ep.url for ep in pools.all()}:
         index.forget(url)
     gw.runtime = _runtime(new, version, res, tokenizers)
     gw.gate.limit = new.admission.max_in_flight
     gw.admin_token = token
-    await res.subs.update(new)
+    await res.subs.update(eff)
+    if res.discovery:
+        await res.discovery.configure(new)
     if tokenizers is not old.tokenizers:
         old.tokenizers.close(cancel=False)  # requests still tokenizing there finish first
 

@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from .config import ConfigError, load_config
+from .config import ConfigError, PoolConfig, load_config
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -53,8 +53,12 @@ def _check(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as err:
         print(err, file=sys.stderr)
         return 1
-    print(f"{args.config}: OK ({len(cfg.models)} model(s), {len(cfg.pools.prefill.endpoints)} prefill and "
-          f"{len(cfg.pools.decode.endpoints)} decode endpoint(s))")
+    def pool(p: PoolConfig) -> str:
+        found = f" + discovery ({p.discovery.label_selector})" if p.discovery else ""
+        return f"{len(p.endpoints)}{found}"
+
+    print(f"{args.config}: OK ({len(cfg.models)} model(s), {pool(cfg.pools.prefill)} prefill and "
+          f"{pool(cfg.pools.decode)} decode endpoint(s))")
     return 0
 
 

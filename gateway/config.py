@@ -24,7 +24,12 @@ class ServerConfig(_Strict):
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="larger request bodies get 413")
-    log_level: str = "info"
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower(cls, level: Any) -> Any:
+        return level.lower() if isinstance(level, str) else level
 
 
 class ModelConfig(_Strict):
@@ -99,8 +104,62 @@ class EndpointConfig(_Strict):
         return addr
 
 
+_SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+class DiscoveryConfig(_Strict):
+    """Engines found through the Kubernetes API: the ready endpoints of the EndpointSlices matching
+    a label selector, watched (gateway/discovery.py). They join the pool's static endpoints."""
+
+    label_selector: str = Field(
+        min_length=1, description="EndpointSlices to follow, e.g. app.kubernetes.io/component=decode "
+        "(a Service's slices carry kubernetes.io/service-name=NAME)",
+    )
+    namespace: str | None = Field(None, description="their namespace; unset: the gateway's own")
+    port: int | str | None = Field(
+        None, description="the engine's port: a number, or the name of a port in the slice; unset: the slice's "
+        "only port (the first when it has several)",
+    )
+    scheme: Literal["http", "https"] = "http"
+    kv_events_port: int | None = Field(
+        None, ge=1, le=65535, description="engines publish KV events on tcp://<address>:<this port>",
+    )
+    kv_events_replay_port: int | None = Field(None, ge=1, le=65535, description="and replay them on this one")
+    kv_events_topic: str = ""
+    api_url: str | None = Field(
+        None, description="the Kubernetes API; unset: in-cluster (KUBERNETES_SERVICE_HOST/_PORT)",
+    )
+    token_file: str | None = Field(f"{_SA_DIR}/token", description="bearer token, re-read on each connection")
+    ca_file: str | None = Field(f"{_SA_DIR}/ca.crt", description="CA bundle of an https API")
+    namespace_file: str = f"{_SA_DIR}/namespace"
+    watch_timeout_s: int = Field(300, gt=0, description="a watch is renewed (same resourceVersion) this often")
+    retry_s: float = Field(1.0, gt=0, description="first wait after a failed list or watch; doubles up to max_retry_s")
+    max_retry_s: float = Field(30.0, gt=0)
+
+    @field_validator("api_url")
+    @classmethod
+    def _api_url(cls, url: str | None) -> str | None:
+        if url is not None and (urlsplit(url).scheme not in ("http", "https") or not urlsplit(url).hostname):
+            raise ValueError(f"api_url {url!r} must be an http(s) URL with a host")
+        return url.rstrip("/") if url else url
+
+    @field_validator("port")
+    @classmethod
+    def _port(cls, port: int | str | None) -> int | str | None:
+        if isinstance(port, str) and port.isdigit():
+            port = int(port)
+        if isinstance(port, int) and not 1 <= port <= 65535:
+            raise ValueError(f"port {port} is not in 1..65535")
+        if isinstance(port, str) and not port:
+            raise ValueError("port name is empty")
+        return port
+
+
 class PoolConfig(_Strict):
     endpoints: list[EndpointConfig] = Field(default_factory=list)
+    discovery: DiscoveryConfig | None = Field(
+        None, description="also find this pool's engines through the Kubernetes API (EndpointSlices)",
+    )
 
     @field_validator("endpoints", mode="before")
     @classmethod
@@ -129,8 +188,8 @@ class PoolsConfig(_Strict):
     @field_validator("decode")
     @classmethod
     def _decode_needed(cls, decode: PoolConfig) -> PoolConfig:
-        if not decode.endpoints:
-            raise ValueError("needs at least one endpoint (every request ends on a decode engine)")
+        if not decode.endpoints and decode.discovery is None:
+            raise ValueError("needs at least one endpoint or discovery (every request ends on a decode engine)")
         return decode
 
 
@@ -317,6 +376,29 @@ class TokenizerConfig(_Strict):
     )
 
 
+class TracingConfig(_Strict):
+    """OpenTelemetry traces: a span per request with its tokenize, route and engine legs."""
+
+    exporter: Literal["none", "otlp", "console"] = Field(
+        "none", description="none: no spans are made; otlp: OTLP/HTTP to `endpoint`; console: print them (local runs)",
+    )
+    endpoint: str = Field("http://localhost:4318/v1/traces", description="the OTLP/HTTP traces URL")
+    headers: dict[str, str] = Field(default_factory=dict, description="extra OTLP request headers")
+    headers_env: str | None = Field(
+        None, description="environment variable holding more headers as k=v,k2=v2 (keeps credentials out of files)",
+    )
+    service_name: str = "pdgate"
+    sample_ratio: float = Field(1.0, ge=0, le=1, description="share of new traces kept; a client's sampled "
+                                "traceparent is always followed")
+
+
+class TelemetryConfig(_Strict):
+    """Traces and logs. Applied at startup only (a reload keeps the running exporter)."""
+
+    tracing: TracingConfig = TracingConfig()
+    access_log: bool = Field(True, description="one JSON line per request on stdout")
+
+
 class GatewayConfig(_Strict):
     server: ServerConfig = ServerConfig()
     models: list[ModelConfig] = Field(min_length=1)
@@ -332,6 +414,7 @@ class GatewayConfig(_Strict):
     admission: AdmissionConfig = AdmissionConfig()
     limits: LimitsConfig = LimitsConfig()
     auth: AuthConfig = AuthConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
 
     @model_validator(mode="after")
     def _unique_models(self) -> GatewayConfig:

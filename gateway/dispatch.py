@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from .errors import APIError
 from .h1client import ClientError, Response
 from .pools import Endpoint, Pools
 from .protocol import ParsedRequest
+from .requestlog import RequestRecord
+from .tracing import NO_LEG, LegSpan
 from .upstream import EngineError, Upstream, transport_error
 
 log = logging.getLogger(__name__)
@@ -74,6 +77,7 @@ class DecodeStream:
     head: bytes = b""
     path: Path = Path.DIRECT
     failover: list[str] = field(default_factory=list)  # what happened on the way, for the response
+    span: LegSpan = NO_LEG
 
     def close(self, *, reuse: bool) -> None:
         if reuse:
@@ -81,6 +85,7 @@ class DecodeStream:
         else:  # dropping the connection is how vLLM learns to abort the request
             self.resp.close()
         self.endpoint.release()
+        self.span.end(None if reuse else "decode stream cut short")
 
 
 class _LegFailed(Exception):
@@ -96,7 +101,7 @@ def _retryable(err: APIError) -> bool:
 
 class Dispatcher:
     def __init__(self, upstream: Upstream, pools: Pools, timeouts: TimeoutsConfig, failover: FailoverConfig,
-                 on_failover: Callable[[str], None] = lambda event: None) -> None:
+                 on_failover: Callable[[str, str], None] = lambda event, cause: None) -> None:
         self._upstream = upstream
         self._pools = pools
         self._timeouts = timeouts
@@ -104,55 +109,61 @@ class Dispatcher:
         self._on_failover = on_failover  # metrics
         self._background: set[asyncio.Task] = set()
 
-    async def run(self, decision: Decision, req: ParsedRequest, path: str, request_id: str,
-                  pick_other: PickOther, prefill_tokens: int = 0) -> DecodeStream:
-        events: list[str] = []
+    async def run(self, decision: Decision, req: ParsedRequest, path: str, rec: RequestRecord,
+                  pick_other: PickOther, prefill_tokens: int = 0, decode_tokens: int = 0) -> DecodeStream:
+        """``rec`` collects what happens (legs, times, failovers) for metrics, traces and logs."""
         kv_params = None
         if decision.path is Path.PD:
             assert decision.prefill is not None
             kv_params = await self._prefill_with_failover(
-                self._pools.get(decision.prefill), req, path, request_id, pick_other, prefill_tokens, events)
+                self._pools.get(decision.prefill), req, path, rec, pick_other, prefill_tokens)
         try:
             up = await self._decode_with_failover(
-                self._pools.get(decision.decode), req, path, request_id, kv_params, pick_other, events)
+                self._pools.get(decision.decode), req, path, rec, kv_params, pick_other, decode_tokens)
         except asyncio.CancelledError:
             if kv_params is not None:  # the client left: its prefilled KV need not wait out the lease
-                self._release(self._pools.get(decision.decode), req.model, kv_params, request_id)
+                self._release(self._pools.get(decision.decode), req.model, kv_params, rec.request_id)
             raise
-        up.failover = events
+        up.failover = rec.failover
         return up
 
     # -- prefill ----------------------------------------------------------------------------------
 
-    async def _prefill_with_failover(self, ep: Endpoint, req: ParsedRequest, path: str, request_id: str,
-                                     pick_other: PickOther, tokens: int, events: list[str]) -> dict[str, Any] | None:
+    async def _prefill_with_failover(self, ep: Endpoint, req: ParsedRequest, path: str, rec: RequestRecord,
+                                     pick_other: PickOther, tokens: int) -> dict[str, Any] | None:
         tried = {ep.url}
         for attempt in range(self._failover.prefill_retries + 1):
             try:
-                return await self.prefill(ep, req, path, request_id, tokens)
+                return await self.prefill(ep, req, path, rec, tokens)
             except EngineError as err:
                 if not _retryable(err):
                     raise
                 ep.record(False)
-                log.warning("request %s: prefill leg on %s failed (%s)", request_id, ep.url, err.message)
+                log.warning("request %s: prefill leg on %s failed (%s)", rec.request_id, ep.url, err.message)
                 other = pick_other("prefill", tried) if attempt < self._failover.prefill_retries else None
                 if other is None:
                     if not self._failover.fallback_to_direct:
                         raise
-                    self._event(events, "prefill_fallback_direct")
+                    self._event(rec, "prefill_fallback_direct", err, ep)
+                    rec.prefill = ""
                     return None
-                self._event(events, "prefill_retried")
+                self._event(rec, "prefill_retried", err, ep)
                 ep = other
                 tried.add(ep.url)
         return None  # unreachable: the loop returns or raises
 
-    async def prefill(self, ep: Endpoint, req: ParsedRequest, path: str, request_id: str, tokens: int = 0
+    async def prefill(self, ep: Endpoint, req: ParsedRequest, path: str, rec: RequestRecord, tokens: int = 0
                       ) -> dict[str, Any]:
         ticket = ep.start_prefill(tokens)
+        span = rec.trace.leg("prefill", ep.url)
+        span.set("pdgate.uncached_tokens", tokens)
+        started = time.perf_counter()
         ok = False
+        error = "cancelled"
         with _in_flight(ep):
             try:
-                resp = await self._upstream.post(ep, path, prefill_body(req.body), request_id, leg="prefill")
+                resp = await self._upstream.post(ep, path, prefill_body(req.body), rec.request_id, leg="prefill",
+                                                 headers=span.headers)
                 try:
                     data = await self._upstream.read_json(resp, "prefill")
                 except BaseException:
@@ -160,8 +171,15 @@ class Dispatcher:
                     raise
                 resp.release()
                 ok = True
+            except APIError as err:
+                error = err.code or err.message
+                raise
             finally:
                 ep.end_prefill(ticket, learn=ok)
+                rec.prefill_s = time.perf_counter() - started
+                rec.prefill_outcome = "ok" if ok else "error"
+                rec.prefill = ep.url
+                span.end(None if ok else error)
         params = data.get("kv_transfer_params")
         if not isinstance(params, dict):
             raise EngineError(
@@ -175,13 +193,13 @@ class Dispatcher:
 
     # -- decode -----------------------------------------------------------------------------------
 
-    async def _decode_with_failover(self, ep: Endpoint, req: ParsedRequest, path: str, request_id: str,
+    async def _decode_with_failover(self, ep: Endpoint, req: ParsedRequest, path: str, rec: RequestRecord,
                                     kv_params: dict[str, Any] | None, pick_other: PickOther,
-                                    events: list[str]) -> DecodeStream:
+                                    tokens: int) -> DecodeStream:
         tried = {ep.url}
         for attempt in range(self._failover.decode_retries + 1):
             try:
-                up = await self.open_decode(ep, req, path, request_id, kv_params)
+                up = await self.open_decode(ep, req, path, rec, kv_params, tokens)
                 ep.record(True)
                 up.path = Path.PD if kv_params is not None else Path.DIRECT
                 return up
@@ -189,43 +207,64 @@ class Dispatcher:
                 if not _retryable(failed.err):
                     raise failed.err from None
                 ep.record(False)
-                log.warning("request %s: decode leg on %s failed (%s)", request_id, ep.url, failed.err.message)
+                log.warning("request %s: decode leg on %s failed (%s)", rec.request_id, ep.url, failed.err.message)
                 other = pick_other("decode", tried) if attempt < self._failover.decode_retries else None
                 if other is None:
                     raise failed.err from None
-                self._event(events, "decode_retried")
+                self._event(rec, "decode_retried", failed.err, ep)
                 if failed.reached:
                     kv_params = None  # its blocks may be gone: the next engine prefills itself
                 ep = other
                 tried.add(ep.url)
         raise AssertionError("unreachable")
 
-    async def open_decode(self, ep: Endpoint, req: ParsedRequest, path: str, request_id: str,
-                          kv_params: dict[str, Any] | None) -> DecodeStream:
-        """Send the decode leg and read up to its first token; raises _LegFailed before that."""
+    async def open_decode(self, ep: Endpoint, req: ParsedRequest, path: str, rec: RequestRecord,
+                          kv_params: dict[str, Any] | None, tokens: int = 0) -> DecodeStream:
+        """Send the decode leg and read up to its first token; raises _LegFailed before that.
+        A direct leg prefills ``tokens`` uncached tokens there first: they count in the endpoint's
+        backlog until the first token (the cost model's queue estimate)."""
         body = req.body if kv_params is None else {**req.body, "kv_transfer_params": kv_params}
-        reached = False
+        reached = got_head = False
+        span = rec.trace.leg("decode", ep.url)
+        span.set("pdgate.kv_from_prefill", kv_params is not None)
+        ticket = ep.start_prefill(tokens if kv_params is None else 0)
+        started = time.perf_counter()
+        rec.decode = ep.url
         with _in_flight(ep) as keep:
             try:
                 async with asyncio.timeout(self._timeouts.decode_first_byte_s):
                     try:
-                        resp = await self._upstream.post(ep, path, body, request_id, leg="decode")
+                        resp = await self._upstream.post(ep, path, body, rec.request_id, leg="decode",
+                                                         headers=span.headers)
                     except EngineError as err:
                         raise _LegFailed(err, reached=err.code != "engine_unreachable") from None
                     reached = True
                     try:
                         head = await _read_head(resp, req.stream)
+                        got_head = True
                     except BaseException:
                         resp.close()
                         raise
             except TimeoutError:
+                span.end("engine_timeout")
                 raise _LegFailed(EngineError(504, "The decode engine did not answer in time.",
                                              code="engine_timeout"), reached=True) from None
-            except (ClientError, _BrokenHead) as err:
-                failure = err.err if isinstance(err, _BrokenHead) else transport_error(err, "decode")
-                raise _LegFailed(failure, reached=reached) from None
+            except (ClientError, _BrokenHead, _LegFailed) as err:
+                if isinstance(err, _LegFailed):
+                    failed = err
+                else:
+                    failure = err.err if isinstance(err, _BrokenHead) else transport_error(err, "decode")
+                    failed = _LegFailed(failure, reached=reached)
+                span.end(failed.err.code or failed.err.message)
+                raise failed from None
+            finally:
+                # Streams only: the first chunk is the first token (a whole answer is no first token).
+                ep.end_prefill(ticket, learn=req.stream and got_head)
             keep()  # the relay now owns the in-flight count
-        return DecodeStream(resp, ep, head)
+        if req.stream:
+            rec.decode_first_token_s = time.perf_counter() - started
+            span.set("pdgate.first_token_s", rec.decode_first_token_s)
+        return DecodeStream(resp, ep, head, span=span)
 
     # -- releasing stranded KV ----------------------------------------------------------------------
 
@@ -242,9 +281,11 @@ class Dispatcher:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _event(self, events: list[str], event: str) -> None:
-        events.append(event)
-        self._on_failover(event)
+    def _event(self, rec: RequestRecord, event: str, err: APIError, ep: Endpoint) -> None:
+        cause = err.code or "engine_error"
+        rec.failover.append(event)
+        rec.trace.event(event, {"pdgate.cause": cause, "pdgate.failed_endpoint": ep.url})
+        self._on_failover(event, cause)
 
 
 class _BrokenHead(Exception):

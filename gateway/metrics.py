@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -12,9 +14,16 @@ from policies.prefix_index import PrefixStore
 
 from .kvevents import KVEventSubscriber
 from .pools import Pools
+from .requestlog import RequestRecord
 from .state import RedisState
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                0.4, 0.5, 0.75, 1, 2.5)
+FAILOVER_EVENTS = ("prefill_retried", "prefill_fallback_direct", "decode_retried")
+FAILOVER_CAUSES = ("engine_unreachable", "engine_timeout", "engine_error")
+_STEP_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 
 
 class GatewayMetrics:
@@ -25,53 +34,108 @@ class GatewayMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._pools = pools
         self.registry.register(_RoutingStateCollector(pools, index, feeds, shared))
-        self._request_children: dict[tuple[str, str, int], Counter] = {}
-        self._duration_children: dict[str, Histogram] = {}
-        self.requests = Counter(
-            "pdgate_requests", "Client requests by model, path taken and HTTP status",
-            ["model", "path", "status"], registry=self.registry,
-        )
-        self.duration = Histogram(
-            "pdgate_request_duration_seconds", "Time from request to the last byte sent to the client",
-            ["path"], buckets=_LATENCY_BUCKETS, registry=self.registry,
-        )
-        self.decisions = Counter(
-            "pdgate_route_decisions", "Routing decisions by path and reason",
-            ["path", "reason"], registry=self.registry,
-        )
-        self.healthy = Gauge(
-            "pdgate_endpoint_healthy", "1 when the endpoint passes health checks",
-            ["pool", "endpoint"], registry=self.registry,
-        )
-        self.in_flight = Gauge(
-            "pdgate_endpoint_in_flight_requests", "Requests the gateway has open on the endpoint",
-            ["pool", "endpoint"], registry=self.registry,
-        )
+        self.registry.register(_PoolCollector(pools))
+        self._children: dict[tuple, Any] = {}
+        r = self.registry
+        # What clients see, per model and path taken (pd, direct; none: answered by the gateway).
+        self.requests = Counter("pdgate_requests", "Client requests by model, path taken and HTTP status",
+                                ["model", "path", "status"], registry=r)
+        self.duration = Histogram("pdgate_request_duration_seconds",
+                                  "End-to-end latency: request received to last byte sent",
+                                  ["model", "path"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("pdgate_time_to_first_token_seconds",
+                              "Streams: request received to the first token sent to the client",
+                              ["model", "path"], buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("pdgate_inter_token_latency_seconds",
+                             "Streams: time between consecutive chunks sent to the client",
+                             ["model", "path"], buckets=_ITL_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pdgate_prompt_tokens", "Prompt tokens of answered requests (gateway's count)",
+                                     ["model", "path"], registry=r)
+        self.output_tokens = Counter("pdgate_output_tokens",
+                                     "Output tokens sent (the engine's usage; for streams without usage, chunks)",
+                                     ["model", "path"], registry=r)
+        # P/D internals.
+        self.prefill_leg = Histogram("pdgate_prefill_leg_duration_seconds",
+                                     "Prefill leg: sent to kv_transfer_params received (queue + prefill)",
+                                     ["model", "outcome"], buckets=_TTFT_BUCKETS, registry=r)
+        self.decode_first_token = Histogram(
+            "pdgate_decode_first_token_seconds",
+            "Streams: decode leg sent to its first token (on the pd path mostly the KV pull)",
+            ["model", "path"], buckets=_TTFT_BUCKETS, registry=r)
+        self.decisions = Counter("pdgate_route_decisions", "Routing decisions by path and reason",
+                                 ["path", "reason"], registry=r)
+        self.failovers = Counter("pdgate_failovers",
+                                 "Failovers by event (prefill_retried, prefill_fallback_direct, decode_retried) "
+                                 "and cause (engine_unreachable, engine_timeout, engine_error)",
+                                 ["event", "cause"], registry=r)
+        self.tokenize = Histogram("pdgate_tokenize_duration_seconds", "Parsing, chat template and tokenizing",
+                                  ["model"], buckets=_STEP_BUCKETS, registry=r)
+        self.decision_time = Histogram("pdgate_route_decision_duration_seconds",
+                                       "Hashing, prefix lookup and the policy pipeline (no queueing)",
+                                       ["model"], buckets=_STEP_BUCKETS, registry=r)
+        self.queue_wait = Histogram("pdgate_admission_wait_seconds",
+                                    "Time requests waited for admission and engine capacity",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.healthy = Gauge("pdgate_endpoint_healthy", "1 when the endpoint passes health checks",
+                             ["pool", "endpoint"], registry=r)
+        self.in_flight = Gauge("pdgate_endpoint_in_flight_requests", "Requests the gateway has open on the endpoint",
+                               ["pool", "endpoint"], registry=r)
+        self.reloads = Counter("pdgate_config_reloads", "Config file reloads by result (ok, rejected)",
+                               ["result"], registry=r)
+        self.config_info = Gauge("pdgate_config_info", "1 for the version of the config in use", ["version"],
+                                 registry=r)
+        # Known label values start at 0, so rate() and alerts see the series before the first event.
+        for result in ("ok", "rejected"):
+            self.reloads.labels(result)
+        for event in FAILOVER_EVENTS:
+            for cause in FAILOVER_CAUSES:
+                self.failover_child(event, cause)
 
-        self.failovers = Counter(
-            "pdgate_failovers", "Failovers by event (prefill_retried, prefill_fallback_direct, decode_retried)",
-            ["event"], registry=self.registry,
-        )
-        self.reloads = Counter(
-            "pdgate_config_reloads", "Config file reloads by result (ok, rejected)",
-            ["result"], registry=self.registry,
-        )
-        self.config_info = Gauge(
-            "pdgate_config_info", "1 for the version of the config in use", ["version"], registry=self.registry,
-        )
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """prometheus_client's labels() costs microseconds a call: look each label set up once."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def finished(self, model: str, path: str, status: int, seconds: float) -> None:
-        """One request over. The labelled children are looked up once per label set: prometheus
-        client's labels() costs microseconds a call, on every request."""
-        key = (model, path, status)
-        counter = self._request_children.get(key)
-        if counter is None:
-            counter = self._request_children[key] = self.requests.labels(model, path, str(status))
-        hist = self._duration_children.get(path)
-        if hist is None:
-            hist = self._duration_children[path] = self.duration.labels(path)
-        counter.inc()
-        hist.observe(seconds)
+        """A request answered without an engine (an error, a refusal)."""
+        self._child(self.requests, model, path, str(status)).inc()
+        self._child(self.duration, model, path).observe(seconds)
+
+    def record(self, rec: RequestRecord) -> None:
+        """Everything one request measured, once it is over (off the relay's per-chunk path)."""
+        model, path = rec.model, rec.path
+        self.finished(model, path, rec.status, rec.e2e_s)
+        self.queue_wait.observe(rec.queue_s)
+        if rec.tokenize_s is not None:
+            self._child(self.tokenize, model).observe(rec.tokenize_s)
+        if rec.route_s is not None:
+            self._child(self.decision_time, model).observe(rec.route_s)
+        if rec.prefill_s is not None:
+            self._child(self.prefill_leg, model, rec.prefill_outcome).observe(rec.prefill_s)
+        if rec.status >= 400 or path == "none":
+            return
+        self._child(self.prompt_tokens, model, path).inc(rec.prompt_tokens)
+        if rec.output_tokens:
+            self._child(self.output_tokens, model, path).inc(rec.output_tokens)
+        if rec.ttft_s is not None:
+            self._child(self.ttft, model, path).observe(rec.ttft_s)
+        if rec.decode_first_token_s is not None:
+            self._child(self.decode_first_token, model, path).observe(rec.decode_first_token_s)
+        itl = self._child(self.itl, model, path)
+        for gap in rec.gaps():
+            itl.observe(gap)
+
+    def failover_child(self, event: str, cause: str) -> Any:
+        return self._child(self.failovers, event, cause)
+
+    def failover(self, event: str, cause: str) -> None:
+        self.failover_child(event, cause).inc()
+
+    def decided(self, path: str, reason: str) -> None:
+        self._child(self.decisions, path, reason).inc()
 
     def config_loaded(self, version: str) -> None:
         self.config_info.clear()
@@ -82,6 +146,43 @@ class GatewayMetrics:
             self.healthy.labels(ep.pool, ep.url).set(1 if ep.healthy else 0)
             self.in_flight.labels(ep.pool, ep.url).set(ep.in_flight)
         return generate_latest(self.registry)
+
+
+class _PoolCollector:
+    """Per pool, the signals to scale it on (README, "Scaling each pool"). Engine-reported figures
+    count only endpoints whose last scrape is fresh: stale data ages out instead of lingering."""
+
+    def __init__(self, pools: Pools) -> None:
+        self._pools = pools
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        def family(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=["pool"])
+
+        healthy = family("pdgate_pool_healthy_endpoints", "Endpoints passing health checks and not ejected")
+        in_flight = family("pdgate_pool_in_flight_requests", "Requests this gateway has open on the pool's engines")
+        uncached = family("pdgate_pool_uncached_prompt_tokens",
+                          "Uncached prompt tokens this gateway sent to the pool whose prefill has not finished")
+        waiting = family("pdgate_pool_engine_waiting_requests", "Waiting requests the pool's engines report")
+        running = family("pdgate_pool_engine_running_requests", "Running requests the pool's engines report")
+        kv = family("pdgate_pool_kv_usage_ratio", "Mean KV cache usage (0..1) the pool's engines report")
+        reporting = family("pdgate_pool_reporting_endpoints", "Endpoints whose engine metrics are fresh")
+        now = time.monotonic()
+        max_age = self._pools.stats_max_age_s
+        for name, eps in (("prefill", self._pools.prefill), ("decode", self._pools.decode)):
+            fresh = [e.stats for e in eps if e.stats is not None and now - e.stats.at <= max_age]
+            usages = [s.kv_usage for s in fresh if s.kv_usage is not None]
+            healthy.add_metric([name], sum(1 for e in eps if e.healthy and not e.ejected))
+            in_flight.add_metric([name], sum(e.in_flight for e in eps))
+            uncached.add_metric([name], sum(e.backlog_tokens for e in eps))
+            waiting.add_metric([name], sum(s.waiting for s in fresh))
+            running.add_metric([name], sum(s.running for s in fresh))
+            kv.add_metric([name], sum(usages) / len(usages) if usages else 0.0)
+            reporting.add_metric([name], len(fresh))
+        yield from (healthy, in_flight, uncached, waiting, running, kv, reporting)
 
 
 class _RoutingStateCollector:

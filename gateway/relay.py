@@ -21,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 from .dispatch import DecodeStream
 from .errors import APIError
 from .h1client import ClientError
+from .requestlog import RequestRecord
 from .upstream import transport_error
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ FAILOVER_HEADER = "x-pdgate-failover"
 class Outcome:
     status: int = 0
     error: str = ""
+    path: str = ""  # the path really taken (failover may change the decided one); "" if none
 
 
 @dataclass
@@ -45,6 +47,7 @@ class RelayResponse:
     stream: bool
     headers: dict[str, str]
     on_done: Callable[[Outcome], None]
+    record: RequestRecord | None = None  # told when chunks go out (time to first token, ITL, usage)
     outcome: Outcome = field(default_factory=Outcome)
     _started: bool = False  # response headers have gone to the client
     _finished: bool = False  # the whole answer (an SSE stream through [DONE]) has gone to the client
@@ -60,7 +63,7 @@ class RelayResponse:
                 raise  # the server is shutting down: not ours to swallow
             task.uncancel()
             if not self._finished:  # a client that hangs up after [DONE] got its whole answer
-                self.outcome = Outcome(CLIENT_CLOSED, "client disconnected")
+                self.outcome = Outcome(CLIENT_CLOSED, "client disconnected", self.outcome.path)
         finally:
             watch.stop()
             self.on_done(self.outcome)
@@ -98,6 +101,7 @@ class RelayResponse:
     async def _relay(self, up: DecodeStream, send: Send) -> bool:
         """Send the engine's answer on; True when it arrived whole (the connection is reusable)."""
         resp = up.resp
+        rec = self.record
         fields = {**self.headers, PATH_HEADER: up.path.value}
         if up.failover:
             fields[FAILOVER_HEADER] = ",".join(up.failover)
@@ -109,23 +113,27 @@ class RelayResponse:
             self._started = True
             await send({"type": "http.response.start", "status": resp.status, "headers": headers})
             await send({"type": "http.response.body", "body": body})
-            self.outcome = Outcome(resp.status)
+            self.outcome = Outcome(resp.status, path=up.path.value)
             self._finished = True
+            if rec is not None:
+                rec.sent_body(body)
             return True
         self._started = True
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
-        self.outcome = Outcome(resp.status)
+        self.outcome = Outcome(resp.status, path=up.path.value)
         try:
             chunk = up.head  # the first chunk, read by the dispatcher
             while chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if rec is not None:
+                    rec.sent_chunk(chunk)
                 if chunk.endswith(b"data: [DONE]\n\n"):
                     self._finished = True
                 chunk = await resp.read_some()
         except (TimeoutError, ClientError) as err:
             # Headers are gone already: end the stream with an error event, never a silent cut.
             cut = transport_error(err, "decode")
-            self.outcome = Outcome(cut.status, cut.message)
+            self.outcome = Outcome(cut.status, cut.message, up.path.value)
             await send({"type": "http.response.body", "body": cut.sse_event(), "more_body": False})
             return False
         await send({"type": "http.response.body", "body": b"", "more_body": False})

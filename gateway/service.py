@@ -24,8 +24,10 @@ from .metrics import GatewayMetrics
 from .pools import Pools
 from .protocol import Kind, ParsedRequest, check_output_limit, parse_body, too_large
 from .relay import Outcome, RelayResponse
+from .requestlog import AccessLog, RequestRecord
 from .router import Prepared, Router, Saturated
 from .tokenizer import PromptIds, Tokenizers
+from .tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +71,13 @@ class Routed:
 class Gateway:
     """The OpenAI endpoints; every dependency is handed in, so tests can swap any of them."""
 
-    def __init__(self, runtime: Runtime, pools: Pools, metrics: GatewayMetrics) -> None:
+    def __init__(self, runtime: Runtime, pools: Pools, metrics: GatewayMetrics, tracing: Tracing | None = None,
+                 access_log: AccessLog | None = None) -> None:
         self.runtime = runtime
         self.pools = pools
         self.metrics = metrics
+        self.tracing = tracing or Tracing(runtime.cfg.telemetry.tracing)
+        self.access_log = access_log or AccessLog(enabled=False)
         self.gate = Gate(runtime.cfg.admission.max_in_flight)
         self.admin_token: str | None = None  # admin and debug endpoints are off without one
         self.watcher: Any = None  # the config watcher, when the config comes from a file
@@ -99,26 +104,33 @@ class Gateway:
         if not sum(hmac.compare_digest(token, key) for key in rt.api_keys):
             raise APIError(401, "Incorrect API key provided.", type_="invalid_request_error", code="invalid_api_key")
 
-    async def _route(self, rt: Runtime, request: Request, kind: Kind, *, explain: bool = False,
-                     deadline: float | None = None) -> Routed:
+    async def _route(self, rt: Runtime, request: Request, kind: Kind, rec: RequestRecord, *,
+                     explain: bool = False, deadline: float | None = None) -> Routed:
         """Read, check, tokenize and decide (waiting for engine capacity until ``deadline``); raises
         APIError for anything the client must fix or wait for."""
-        req = parse_body(await self._read_body(request, rt.cfg.server.max_body_bytes), kind)
+        body = await self._read_body(request, rt.cfg.server.max_body_bytes)
+        t0 = time.time_ns()  # wall-clock ns: what span timestamps are
+        req = parse_body(body, kind)
         tok = rt.tokenizers.get(req.model)
         if tok is None:
             raise APIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found")
+        rec.model, rec.stream = req.model, req.stream
         check_output_limit(req, rt.cfg.limits.max_output_tokens)
         prompts = await rt.tokenizers.prompt_ids(tok, req)
+        t1 = time.time_ns()
+        rec.tokenize_s = (t1 - t0) / 1e9
+        rec.prompt_tokens = len(prompts[0])
+        rec.trace.record("tokenize", t0, t1, {"pdgate.prompt_tokens": rec.prompt_tokens})
         limit = rt.cfg.limits.max_prompt_tokens
         if limit and (longest := max(map(len, prompts))) > limit:
             raise APIError(400, f"This gateway accepts prompts of at most {limit} tokens; this one has "
                            f"{longest}.", param="messages" if kind == "chat" else "prompt",
                            code="prompt_too_long")
-        request_id = _request_id(request.headers.get("x-request-id"))
         salt = req.body.get("cache_salt")  # vLLM mixes it into the first block's hash
-        prep = await rt.router.prepare(req.model, request_id, prompts[0], req.local_only(), request.headers,
+        prep = await rt.router.prepare(req.model, rec.request_id, prompts[0], req.local_only(), request.headers,
                                        salt if isinstance(salt, str) else None)
         adm = rt.cfg.admission
+        waited = 0.0
         while True:
             try:
                 route = rt.router.route(prep, explain=explain, max_decode=adm.max_per_decode_endpoint,
@@ -131,13 +143,25 @@ class Gateway:
                 left = (deadline or 0.0) - time.monotonic()
                 if explain or left <= 0:
                     raise too_busy(adm, "every decode engine is at its limit") from None
+                w0 = time.perf_counter()
                 await self.pools.wait_release(left)
-        return Routed(req, prompts, request_id, prep, route)
+                waited += time.perf_counter() - w0
+        t2 = time.time_ns()
+        rec.route_s = (t2 - t1) / 1e9 - waited
+        rec.queue_s += waited
+        d = route.decision
+        rec.path, rec.reason, rec.decode = d.path.value, d.reason, d.decode.url
+        rec.prefill = d.prefill.url if d.prefill else ""
+        rec.uncached_tokens = prep.ctx.uncached(d.decode.url)
+        rec.trace.record("route", t1, t2, _route_attributes(rec, d, prep))
+        return Routed(req, prompts, rec.request_id, prep, route)
 
     async def _handle(self, request: Request, kind: Kind, path: str) -> Response | RelayResponse:
-        started = time.perf_counter()
         rt = self.runtime
-        model = "unknown"
+        rec = RequestRecord(_request_id(request.headers.get("x-request-id")), kind)
+        rec.trace = self.tracing.start(f"POST {path}", request.headers,
+                                       {"http.request.method": "POST", "url.path": path,
+                                        "pdgate.request_id": rec.request_id})
         admitted = False
         try:
             self.authorize(request)
@@ -146,31 +170,31 @@ class Gateway:
             if not await self.gate.enter(adm.queue_timeout_s):
                 raise too_busy(adm, "too many requests in flight")
             admitted = True
-            r = await self._route(rt, request, kind, deadline=deadline)
-            model = r.req.model  # only configured names become metric labels
+            rec.queue_s = rec.since_start()
+            r = await self._route(rt, request, kind, rec, deadline=deadline)
         except APIError as err:
-            self._count(model, "none", err.status, started, admitted)
-            return error_response(err)
+            return self._refuse(rec, admitted, err.status, err.message, error_response(err))
         except ClientDisconnect:
-            self._count(model, "none", 499, started, admitted)
-            return Response(status_code=499)
+            return self._refuse(rec, admitted, 499, "client disconnected", Response(status_code=499))
         except Exception:  # a bug: answer in the OpenAI shape and keep the count honest
             log.exception("request handling failed")
-            self._count(model, "none", 500, started, admitted)
-            return error_response(APIError(500, "The gateway failed to handle this request.", code="internal_error"))
+            err = APIError(500, "The gateway failed to handle this request.", code="internal_error")
+            return self._refuse(rec, admitted, 500, err.message, error_response(err))
         except BaseException:  # cancelled while queued or reading: the slot must not leak
             if admitted:
                 self.gate.leave()
+            rec.trace.end(499, "cancelled")
             raise
 
         decision = r.route.decision
         rt.router.learn(r.prep, r.route)
-        self.metrics.decisions.labels(decision.path.value, decision.reason).inc()
-        log.debug("request %s: %s (%s) decode=%s prefill=%s", r.request_id, decision.path.value,
-                  decision.detail, decision.decode.url, decision.prefill.url if decision.prefill else "-")
+        self.metrics.decided(decision.path.value, decision.reason)
 
         def done(outcome: Outcome) -> None:
-            self._count(model, decision.path.value, outcome.status, started, admitted=True)
+            self.gate.leave()
+            rec.path = outcome.path or rec.path
+            rec.finish(outcome.status, outcome.error)
+            self._finished(rec)
 
         headers = {PATH_HEADER: decision.path.value, "x-request-id": r.request_id,
                    TOKENS_HEADER: str(len(r.prompts[0]))}
@@ -181,12 +205,13 @@ class Gateway:
                                      + (f"; prefill={decision.prefill.url}" if decision.prefill else ""))
         prefill_tokens = r.prep.ctx.uncached(decision.prefill.url) if decision.prefill else 0
         return RelayResponse(
-            start=lambda: rt.dispatcher.run(decision, r.req, path, r.request_id,
+            start=lambda: rt.dispatcher.run(decision, r.req, path, rec,
                                             lambda pool, exclude: rt.router.other(r.prep, pool, exclude),
-                                            prefill_tokens),
+                                            prefill_tokens, rec.uncached_tokens),
             stream=r.req.stream,
             headers=headers,
             on_done=done,
+            record=rec,
         )
 
     async def explain(self, request: Request) -> dict[str, Any]:
@@ -197,7 +222,8 @@ class Gateway:
             kind = "chat" if b'"messages"' in await request.body() else "completion"
         if kind not in ("chat", "completion"):
             raise APIError(400, "kind must be 'chat' or 'completion'.", param="kind")
-        r = await self._route(rt, request, kind, explain=True)  # type: ignore[arg-type]
+        rec = RequestRecord(_request_id(request.headers.get("x-request-id")), kind)  # type: ignore[arg-type]
+        r = await self._route(rt, request, kind, rec, explain=True)  # type: ignore[arg-type]
         d, ctx = r.route.decision, r.prep.ctx
         snap = self.pools.snapshot()  # what the policies saw, give or take the time to answer
         return {
@@ -240,8 +266,31 @@ class Gateway:
             if not message.get("more_body", False):
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    def _count(self, model: str, path: str, status: int, started: float, admitted: bool = False) -> None:
-        """The request is over: count it, and free its admission slot."""
+    def _refuse(self, rec: RequestRecord, admitted: bool, status: int, error: str, response: Response) -> Response:
+        """Answered by the gateway itself (no engine): count it, free the admission slot."""
         if admitted:
             self.gate.leave()
-        self.metrics.finished(model, path, status, time.perf_counter() - started)
+        rec.path = "none"
+        rec.finish(status, error)
+        self._finished(rec)
+        return response
+
+    def _finished(self, rec: RequestRecord) -> None:
+        rec.trace.set({"pdgate.path": rec.path, "gen_ai.usage.output_tokens": rec.output_tokens or 0})
+        rec.trace.end(rec.status, rec.error)
+        self.metrics.record(rec)
+        self.access_log.write(rec)
+
+
+def _route_attributes(rec: RequestRecord, d: Any, prep: Prepared) -> dict[str, Any]:
+    attrs: dict[str, Any] = {
+        "pdgate.path": rec.path, "pdgate.reason": rec.reason, "pdgate.detail": d.detail,
+        "pdgate.decode_endpoint": rec.decode, "pdgate.prompt_tokens": rec.prompt_tokens,
+        "pdgate.uncached_tokens": rec.uncached_tokens, "gen_ai.request.model": rec.model,
+    }
+    if rec.prefill:
+        attrs["pdgate.prefill_endpoint"] = rec.prefill
+        attrs["pdgate.prefill_uncached_tokens"] = prep.ctx.uncached(rec.prefill)
+    for path, seconds in d.predicted_ttft:  # when the decider predicts (the cost model)
+        attrs[f"pdgate.predicted_ttft_{path}_s"] = seconds
+    return attrs

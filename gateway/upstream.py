@@ -62,18 +62,19 @@ class Upstream:
             "decode": Timeouts(connect=timeouts.connect_s, idle=timeouts.decode_idle_s),
         }
 
-    async def post(self, ep: Endpoint, path: str, body: dict[str, Any], request_id: str, *, leg: Leg) -> Response:
+    async def post(self, ep: Endpoint, path: str, body: dict[str, Any], request_id: str, *, leg: Leg,
+                   headers: dict[str, str] | None = None) -> Response:
         """Send ``body`` and return the open response (status checked); the caller ends it with
-        ``release`` or ``close``."""
+        ``release`` or ``close``. ``headers``: the leg's trace context (traceparent), if any."""
         try:
             data = orjson.dumps(body)
         except orjson.JSONEncodeError as err:  # e.g. nesting deeper than the encoder takes
             raise bad_request(f"The request body cannot be forwarded: {err}.") from None
         try:
-            resp = await self._client.post(
-                ep.url, path, data, {"Content-Type": "application/json", "X-Request-Id": request_id},
-                self._timeouts[leg],
-            )
+            fields = {"Content-Type": "application/json", "X-Request-Id": request_id}
+            if headers:
+                fields.update(headers)
+            resp = await self._client.post(ep.url, path, data, fields, self._timeouts[leg])
         except ConnectError as err:
             ep.mark_down(f"connect failed: {err.os_error}")
             raise EngineError(502, f"Could not reach a {leg} engine.", code="engine_unreachable") from None

@@ -79,6 +79,8 @@ class PathChoice:
     path: Path
     reason: str  # a short code, few distinct values: used as a metric label
     detail: str = ""  # the same for humans, with the numbers (logs, debug header, /debug/route)
+    # Predicted seconds to first token per path ("direct", "pd"), when the decider predicts (traces).
+    predicted_ttft: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +90,7 @@ class Decision:
     prefill: EndpointView | None
     reason: str
     detail: str = ""
+    predicted_ttft: tuple[tuple[str, float], ...] = ()
 
 
 # The decider asks for the prefill endpoint only when it needs it (a short prompt never does);

@@ -1,14 +1,16 @@
 """Take the path with the lower predicted time to first token.
 
-    direct = (backlog(decode) + uncached(decode)) * s_per_token(decode) * decode_prefill_factor
+    direct = (backlog(decode) + uncached(decode)) * s_per_token(decode)
     pd     = (backlog(prefill) + uncached(prefill)) * s_per_token(prefill)
              + uncached(decode) * kv_bytes_per_token / bandwidth + pd_overhead_s
 
 ``backlog(x)`` is the uncached prompt tokens the gateway has already sent to endpoint x whose
 prefill has not finished (x's queue, as far as this gateway knows); ``uncached(x)`` the prompt
 tokens x does not hold in its prefix cache (the decode engine pulls only the blocks it lacks);
-``s_per_token(x)`` x's prefill speed, learned online from observed prefill legs, else
-``prefill_tokens_per_s``. P/D must win by ``min_gain_s``.
+``s_per_token(x)`` x's prefill speed, learned online (prefill engines: from their prefill legs;
+decode engines: from direct streams' first tokens, so the slowdown running decodes cause is in
+it); until a decode engine's own speed is known, the prefill engine's (else
+``prefill_tokens_per_s``) times ``decode_prefill_factor``. P/D must win by ``min_gain_s``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class CostModel:
     kv_bytes_per_token: int = LLAMA_70B_KV_BYTES_PER_TOKEN
     kv_bandwidth_gbps: float = 400.0  # one EFA link per GPU on p5 nodes (3,200 Gbps per node)
     prefill_tokens_per_s: float = 10_000.0  # until an endpoint's own speed has been observed
-    decode_prefill_factor: float = 1.0  # prefill on a busy decode engine may run slower
+    decode_prefill_factor: float = 1.0  # prefill on a busy decode engine may run slower (until measured)
     pd_overhead_s: float = 0.005  # the extra hop, the one-token prefill answer, the NIXL handshake
     min_gain_s: float = 0.0
 
@@ -50,8 +52,11 @@ class CostModel:
     def predict(self, ctx: RequestContext, decode: EndpointView, prefill: EndpointView) -> tuple[float, float]:
         """(direct, pd) predicted seconds to first token."""
         # A decode engine has the same model and usually the same hardware: before its own speed is
-        # known, the prefill engine's learned speed is the better guess.
-        decode_spt = self._spt(decode, prefill.prefill_s_per_token) * self.decode_prefill_factor
+        # known, the prefill engine's learned speed (slowed by the factor) is the better guess.
+        if decode.prefill_s_per_token is not None:
+            decode_spt = decode.prefill_s_per_token  # measured there, running decodes included
+        else:
+            decode_spt = self._spt(prefill) * self.decode_prefill_factor
         direct = (decode.backlog_tokens + ctx.uncached(decode.url)) * decode_spt
         pd = ((prefill.backlog_tokens + ctx.uncached(prefill.url)) * self._spt(prefill)
               + self.transfer_s(ctx.uncached(decode.url)) + self.pd_overhead_s)
@@ -63,6 +68,7 @@ class CostModel:
             return PathChoice(Path.PD, "pd_unavailable", "no prefill endpoint for this request")
         direct, pd = self.predict(ctx, decode, p)
         detail = f"ttft direct={direct * 1000:.1f}ms pd={pd * 1000:.1f}ms"
+        predicted = (("direct", direct), ("pd", pd))
         if pd + self.min_gain_s < direct:
-            return PathChoice(Path.PD, "pd_faster", detail)
-        return PathChoice(Path.DIRECT, "direct_faster", detail)
+            return PathChoice(Path.PD, "pd_faster", detail, predicted)
+        return PathChoice(Path.DIRECT, "direct_faster", detail, predicted)

@@ -100,9 +100,9 @@ class RoutingPipeline:
             prefill = find_prefill()
             if prefill is None:
                 why = fallback[0]
-                decision = Decision(Path.DIRECT, decode, None, why, f"{choice.detail}; {why}")
+                decision = Decision(Path.DIRECT, decode, None, why, f"{choice.detail}; {why}", choice.predicted_ttft)
             else:
-                decision = Decision(Path.PD, decode, prefill, choice.reason, choice.detail)
+                decision = Decision(Path.PD, decode, prefill, choice.reason, choice.detail, choice.predicted_ttft)
         else:
-            decision = Decision(Path.DIRECT, decode, None, choice.reason, choice.detail)
+            decision = Decision(Path.DIRECT, decode, None, choice.reason, choice.detail, choice.predicted_ttft)
         return Route(decision, traces)

@@ -61,7 +61,7 @@ class Cluster:
         proc.wait_http(sim.url + "/health")
         return sim
 
-    def start_gateway(self, threshold: int, **overrides) -> None:
+    def start_gateway(self, threshold: int, env: dict[str, str] | None = None, **overrides) -> None:
         self.gateway_port = free_port()
         cfg = {
             "server": {"host": "127.0.0.1", "port": self.gateway_port, "max_body_bytes": 1_000_000},
@@ -75,5 +75,6 @@ class Cluster:
         path = self.group.log_dir / f"gateway-{self.gateway_port}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         self.config_path, self.config = path, cfg
-        self.gateway = self.group.start("gateway", [sys.executable, "-m", "gateway", "serve", "--config", str(path)])
+        self.gateway = self.group.start("gateway", [sys.executable, "-m", "gateway", "serve", "--config", str(path)],
+                                        env=env)
         self.gateway.wait_http(self.url + "/ready", timeout=60)

@@ -1,0 +1,452 @@
+"""Engine discovery (gateway/discovery.py) against a fake Kubernetes API server on loopback.
+
+The fake serves real EndpointSlice JSON (discovery.k8s.io/v1) on the API's own paths, filters by
+label selector, and streams watch events (ADDED, MODIFIED, DELETED, BOOKMARK, ERROR 410) from the
+resourceVersion a client asks for; an expired resourceVersion gets HTTP 410 Gone, as from a real
+API server after compaction."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp import web
+from starlette.testclient import TestClient
+
+from gateway.app import create_app
+from gateway.config import ConfigError, DiscoveryConfig, parse_config
+from gateway.discovery import SliceWatcher, ready_endpoints
+from tests.procs import free_port
+
+from .scripted_engine import ScriptedEngine
+
+NS = "llm"
+SELECTOR = "app.kubernetes.io/name=pdgate,app.kubernetes.io/component=decode"
+LABELS = {"app.kubernetes.io/name": "pdgate", "app.kubernetes.io/component": "decode",
+          "kubernetes.io/service-name": "pdgate-decode",
+          "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}
+
+
+def endpoint(address: str, ready: bool | None = True, terminating: bool = False, pod: str = "") -> dict:
+    conditions: dict[str, Any] = {"serving": ready is not False, "terminating": terminating}
+    if ready is not None:
+        conditions["ready"] = ready
+    return {"addresses": [address], "conditions": conditions, "nodeName": "ip-10-0-1-5.ec2.internal",
+            "zone": "us-east-1a", "targetRef": {"kind": "Pod", "namespace": NS, "name": pod or f"decode-{address}",
+                                                "uid": "0b7a4c1e-0000-4000-8000-000000000000"}}
+
+
+def endpoint_slice(name: str, endpoints: list[dict], port: int = 8000, address_type: str = "IPv4",
+                   labels: dict | None = None, port_name: str = "http") -> dict:
+    return {
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": name, "namespace": NS, "generateName": "pdgate-decode-",
+                     "labels": dict(LABELS if labels is None else labels),
+                     "ownerReferences": [{"apiVersion": "v1", "kind": "Service", "name": "pdgate-decode",
+                                          "uid": "5d1f0f4e-0000-4000-8000-000000000000", "controller": True,
+                                          "blockOwnerDeletion": True}]},
+        "addressType": address_type,
+        "endpoints": endpoints,
+        "ports": [{"name": port_name, "port": port, "protocol": "TCP", "appProtocol": "http"}],
+    }
+
+
+def _matches(selector: str, labels: dict[str, str]) -> bool:
+    for term in filter(None, selector.split(",")):
+        key, _, value = term.partition("=")
+        if labels.get(key) != value:
+            return False
+    return True
+
+
+class FakeKubeAPI:
+    """A Kubernetes API server's EndpointSlice list and watch, on its own thread and loop."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.requests: list[dict[str, Any]] = []  # {"watch", "params", "headers"}
+        self.fail_lists = 0  # answer the next lists with 500
+        self._slices: dict[str, dict] = {}
+        self._rv = 100
+        self._oldest = 0  # resourceVersions below this are compacted: 410
+        self._history: list[tuple[int, dict]] = []
+        self._cond: asyncio.Condition | None = None
+        self._cut = 0  # bumping it ends every open watch stream
+
+    # -- test-side controls (thread-safe) ---------------------------------------------------------
+
+    def _call(self, fn, *args) -> Any:
+        async def run():
+            async with self._cond:
+                out = fn(*args)
+                self._cond.notify_all()
+                return out
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(10)
+
+    def put(self, slice_: dict, *, silent: bool = False) -> None:
+        """Create or update a slice; ``silent``: no watch event (as if compacted away)."""
+        self._call(self._put, slice_, silent)
+
+    def delete(self, name: str) -> None:
+        self._call(self._delete, name)
+
+    def expire(self, *, event: bool) -> None:
+        """Compact history: every resourceVersion so far is too old. ``event``: open watches get an
+        ERROR 410 event; else they are closed (and the client's re-watch gets HTTP 410)."""
+        self._call(self._expire, event)
+
+    def bookmark(self) -> str:
+        """A BOOKMARK event: only the resourceVersion moves."""
+        return self._call(self._bookmark)
+
+    def cut(self) -> None:
+        """Drop every open watch connection (the client should reconnect)."""
+        self._call(self._bump_cut)
+
+    def watches(self) -> list[dict]:
+        return [r for r in self.requests if r["watch"]]
+
+    def lists(self) -> list[dict]:
+        return [r for r in self.requests if not r["watch"]]
+
+    # -- state, on the server loop ------------------------------------------------------------------
+
+    def _next_rv(self) -> str:
+        self._rv += 1
+        return str(self._rv)
+
+    def _put(self, slice_: dict, silent: bool) -> None:
+        obj = orjson.loads(orjson.dumps(slice_))
+        name = obj["metadata"]["name"]
+        kind = "MODIFIED" if name in self._slices else "ADDED"
+        obj["metadata"]["resourceVersion"] = self._next_rv()
+        self._slices[name] = obj
+        if not silent:
+            self._history.append((self._rv, {"type": kind, "object": obj}))
+
+    def _delete(self, name: str) -> None:
+        obj = self._slices.pop(name)
+        obj["metadata"]["resourceVersion"] = self._next_rv()
+        self._history.append((self._rv, {"type": "DELETED", "object": obj}))
+
+    def _expire(self, event: bool) -> None:
+        self._oldest = self._rv + 1
+        self._history.clear()
+        if event:
+            status = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                      "message": "too old resource version: 101 (250)", "reason": "Expired", "code": 410}
+            # reaches the watches open now, not one started from a list made after this
+            self._history.append((self._rv, {"type": "ERROR", "object": status}))
+        else:
+            self._cut += 1
+
+    def _bookmark(self) -> str:
+        rv = self._next_rv()
+        obj = {"kind": "EndpointSlice", "apiVersion": "discovery.k8s.io/v1", "metadata": {"resourceVersion": rv}}
+        self._history.append((self._rv, {"type": "BOOKMARK", "object": obj}))
+        return rv
+
+    def _bump_cut(self) -> None:
+        self._cut += 1
+
+    # -- HTTP ---------------------------------------------------------------------------------------
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        assert request.match_info["ns"] == NS
+        q = request.query
+        watch = q.get("watch") in ("1", "true")
+        self.requests.append({"watch": watch, "params": dict(q), "headers": dict(request.headers)})
+        selector = q.get("labelSelector", "")
+        if not watch:
+            if self.fail_lists:
+                self.fail_lists -= 1
+                return web.json_response({"kind": "Status", "code": 500, "message": "etcd unavailable"}, status=500)
+            items = [s for s in self._slices.values() if _matches(selector, s["metadata"]["labels"])]
+            return web.json_response({"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
+                                      "metadata": {"resourceVersion": str(self._rv)}, "items": items})
+        since = int(q.get("resourceVersion") or self._rv)
+        if since < self._oldest - 1:
+            return web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                      "message": f"too old resource version: {since}", "reason": "Expired",
+                                      "code": 410}, status=410)
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        cut = self._cut
+        deadline = time.monotonic() + float(q.get("timeoutSeconds", "300"))
+        sent = since
+        async with self._cond:
+            while self._cut == cut and time.monotonic() < deadline:
+                for rv, ev in self._history:
+                    if rv > sent:
+                        obj = ev["object"]
+                        if ev["type"] in ("ERROR", "BOOKMARK") or _matches(selector, obj["metadata"]["labels"]):
+                            await resp.write(orjson.dumps(ev) + b"\n")
+                        sent = rv
+                try:
+                    await asyncio.wait_for(self._cond.wait(), max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    break
+        with contextlib.suppress(ConnectionError):  # the client left first
+            await resp.write_eof()
+        return resp
+
+    def start(self) -> FakeKubeAPI:
+        self._loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        async def serve() -> None:
+            self._cond = asyncio.Condition()
+            app = web.Application()
+            app.router.add_get("/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices", self._handle)
+            self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+            await self._runner.setup()
+            await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+            ready.set()
+
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(serve(), self._loop)
+        assert ready.wait(10)
+        return self
+
+    def stop(self) -> None:
+        self.cut()
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+@pytest.fixture
+def api():
+    server = FakeKubeAPI().start()
+    yield server
+    server.stop()
+
+
+def discovery_cfg(api: FakeKubeAPI, token_file: Path | None = None, **kw) -> DiscoveryConfig:
+    return DiscoveryConfig(label_selector=SELECTOR, namespace=NS, api_url=api.url,
+                           token_file=str(token_file) if token_file else None, ca_file=None,
+                           retry_s=0.05, max_retry_s=0.2, **kw)
+
+
+async def until(cond, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def urls(watcher: SliceWatcher) -> list[str]:
+    return [e.url for e in watcher.endpoints]
+
+
+async def test_list_then_watch_follows_added_modified_deleted(api, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("tok-1\n")
+    api.put(endpoint_slice("pdgate-decode-a", [
+        endpoint("10.0.0.1"), endpoint("10.0.0.2", ready=False), endpoint("10.0.0.3", ready=False, terminating=True),
+        endpoint("10.0.0.4", ready=None)]))
+    api.put(endpoint_slice("other-x", [endpoint("10.9.9.9")], labels={"app.kubernetes.io/name": "other"}))
+    changes = []
+    watcher = SliceWatcher("decode", discovery_cfg(api, token, port="http"), lambda: changes.append(1))
+    await watcher.start()
+    try:
+        await asyncio.wait_for(watcher.synced.wait(), 10)
+        # ready and "ready unset" (read as ready) count; not ready and terminating do not
+        assert urls(watcher) == ["http://10.0.0.1:8000", "http://10.0.0.4:8000"]
+        [listed] = api.lists()
+        assert listed["params"]["labelSelector"] == SELECTOR
+        assert listed["headers"]["Authorization"] == "Bearer tok-1"
+        await until(lambda: api.watches())
+        watch = api.watches()[0]["params"]
+        assert watch["resourceVersion"] == watcher.resource_version == "102"
+        assert watch["allowWatchBookmarks"] == "true"
+
+        api.put(endpoint_slice("pdgate-decode-b", [endpoint("fd00::5")], address_type="IPv6"))  # ADDED
+        await until(lambda: "http://[fd00::5]:8000" in urls(watcher))
+        api.put(endpoint_slice("pdgate-decode-a", [endpoint("10.0.0.1"), endpoint("10.0.0.2")]))  # MODIFIED
+        await until(lambda: urls(watcher) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000",
+                                              "http://[fd00::5]:8000"])
+        api.delete("pdgate-decode-b")  # DELETED
+        await until(lambda: urls(watcher) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"])
+        api.put(endpoint_slice("other-y", [endpoint("10.9.9.8")], labels={"app.kubernetes.io/name": "other"}))
+        await asyncio.sleep(0.2)  # a slice the selector does not match changes nothing
+        assert urls(watcher) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+        rv = api.bookmark()
+        await until(lambda: watcher.resource_version == rv)  # a re-watch would resume from there
+        assert urls(watcher) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+        assert len(api.lists()) == 1 and watcher.errors == 0
+        assert len(changes) == 4  # the first list, then one per change of the ready set
+    finally:
+        await watcher.stop()
+
+
+async def test_410_gone_relists_from_an_event_and_from_the_status(api):
+    api.put(endpoint_slice("pdgate-decode-a", [endpoint("10.0.0.1")]))
+    watcher = SliceWatcher("decode", discovery_cfg(api), lambda: None)
+    await watcher.start()
+    try:
+        await asyncio.wait_for(watcher.synced.wait(), 10)
+        await until(lambda: api.watches())
+        # changes the watch never reports (compacted away), then an ERROR 410 event
+        api.put(endpoint_slice("pdgate-decode-a", [endpoint("10.0.0.7")]), silent=True)
+        api.expire(event=True)
+        await until(lambda: urls(watcher) == ["http://10.0.0.7:8000"])
+        assert watcher.lists == 2
+        # the same, but the watch just ends and the re-watch from the old version gets HTTP 410
+        api.put(endpoint_slice("pdgate-decode-c", [endpoint("10.0.0.8")]), silent=True)
+        api.expire(event=False)
+        await until(lambda: urls(watcher) == ["http://10.0.0.7:8000", "http://10.0.0.8:8000"])
+        assert watcher.lists == 3
+        # and it keeps watching after a relist
+        api.delete("pdgate-decode-c")
+        await until(lambda: urls(watcher) == ["http://10.0.0.7:8000"])
+    finally:
+        await watcher.stop()
+
+
+async def test_reconnects_after_errors_and_rereads_the_token(api, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("tok-1")
+    api.fail_lists = 2
+    api.put(endpoint_slice("pdgate-decode-a", [endpoint("10.0.0.1")]))
+    watcher = SliceWatcher("decode", discovery_cfg(api, token), lambda: None)
+    await watcher.start()
+    try:
+        await asyncio.wait_for(watcher.synced.wait(), 10)
+        assert watcher.errors == 2 and "500" in watcher.last_error
+        assert urls(watcher) == ["http://10.0.0.1:8000"]
+        await until(lambda: api.watches())
+        token.write_text("tok-2")  # rotated
+        api.cut()  # the connection drops: the watcher comes back (with the new token)
+        await until(lambda: len(api.watches()) >= 2)
+        assert api.watches()[-1]["headers"]["Authorization"] == "Bearer tok-2"
+        api.put(endpoint_slice("pdgate-decode-b", [endpoint("10.0.0.2")]))
+        await until(lambda: urls(watcher) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"])
+    finally:
+        await watcher.stop()
+
+
+def test_ready_endpoints_ports_and_kv_event_addresses():
+    slices = {
+        "a": endpoint_slice("a", [endpoint("10.0.0.1"), endpoint("10.0.0.1")], port=8000),
+        "b": endpoint_slice("b", [endpoint("10.0.0.2")], port=9000, port_name="metrics"),
+    }
+    cfg = DiscoveryConfig(label_selector="x=y", port="http", kv_events_port=5557, kv_events_replay_port=5558)
+    [ep] = ready_endpoints(slices, cfg)  # slice b has no port named http; duplicates collapse
+    assert (ep.url, ep.kv_events, ep.kv_events_replay) == (
+        "http://10.0.0.1:8000", "tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558")
+    by_number = ready_endpoints(slices, DiscoveryConfig(label_selector="x=y", port=8100, scheme="https"))
+    assert [e.url for e in by_number] == ["https://10.0.0.1:8100", "https://10.0.0.2:8100"]
+    first_port = ready_endpoints(slices, DiscoveryConfig(label_selector="x=y"))
+    assert [e.url for e in first_port] == ["http://10.0.0.1:8000", "http://10.0.0.2:9000"]
+
+
+def test_config_decode_may_rely_on_discovery_alone(tokenizer_dir):
+    base = {"models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}]}
+    cfg = parse_config({**base, "pools": {"decode": {"discovery": {"label_selector": SELECTOR, "port": "8000"}}}})
+    assert cfg.pools.decode.endpoints == [] and cfg.pools.decode.discovery.port == 8000
+    with pytest.raises(ConfigError, match=r"pools.decode: needs at least one endpoint or discovery"):
+        parse_config({**base, "pools": {"decode": {"endpoints": []}}})
+    with pytest.raises(ConfigError, match=r"pools.decode.discovery.port: .*not in 1..65535"):
+        parse_config({**base, "pools": {"decode": {"discovery": {"label_selector": "a=b", "port": 70000}}}})
+    with pytest.raises(ConfigError, match=r"pools\.decode\.discovery\.label_selector"):
+        parse_config({**base, "pools": {"decode": {"discovery": {"label_selector": ""}}}})
+    with pytest.raises(ConfigError, match=r"pools\.decode\.discovery\.labels"):  # unknown keys are errors
+        parse_config({**base, "pools": {"decode": {"discovery": {"labels": "a=b"}}}})
+
+
+def _completion(text: str) -> dict:
+    return {"id": "cmpl-1", "object": "text_completion", "model": "tiny",
+            "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+
+def test_gateway_routing_set_follows_endpointslices(api, tokenizer_dir, tmp_path):
+    """The whole gateway: decode engines only from discovery, next to a static prefill engine; the
+    pools, /ready and where requests go follow the slices, and a config reload keeps them."""
+    engines = [ScriptedEngine().start() for _ in range(3)]
+    prefill, d1, d2 = engines
+    try:
+        api.put(endpoint_slice("pdgate-decode-1", [endpoint("127.0.0.1")], port=d1.port))
+        data = {
+            "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}],
+            "pools": {"prefill": {"endpoints": [prefill.url]},
+                      "decode": {"discovery": {"label_selector": SELECTOR, "namespace": NS, "api_url": api.url,
+                                               "token_file": None, "retry_s": 0.05}}},
+            "routing": {"decider": {"name": "token_threshold", "threshold": 100000}},
+            "health": {"interval_s": 0.1},
+        }
+        path = tmp_path / "gateway.yaml"
+        path.write_bytes(orjson.dumps(data))
+        with TestClient(create_app(parse_config(data), config_path=path)) as client:
+
+            def decode_pool() -> dict:
+                return client.get("/ready").json()["pools"]["decode"]
+
+            def wait(cond, timeout: float = 10.0) -> None:
+                end = time.monotonic() + timeout
+                while not cond():
+                    assert time.monotonic() < end, f"timed out; /ready: {client.get('/ready').json()}"
+                    time.sleep(0.02)
+
+            def complete() -> str:
+                r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 2})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+            # the first list completes before the app serves
+            assert decode_pool() == {"healthy": 1, "ejected": 0, "total": 1}
+            assert client.get("/ready").json()["pools"]["prefill"]["total"] == 1
+            d1.reply("/v1/completions", _completion("from d1"))
+            assert complete() == "from d1"
+
+            # a second engine appears, the first goes not-ready (terminating)
+            api.put(endpoint_slice("pdgate-decode-2", [endpoint("127.0.0.1")], port=d2.port))
+            wait(lambda: decode_pool()["total"] == 2)
+            api.put(endpoint_slice("pdgate-decode-1", [endpoint("127.0.0.1", ready=False, terminating=True)],
+                                   port=d1.port))
+            wait(lambda: decode_pool() == {"healthy": 1, "ejected": 0, "total": 1})
+            d2.reply("/v1/completions", _completion("from d2"))
+            assert complete() == "from d2"
+
+            # a reload (another threshold) keeps the discovered engine
+            data["routing"]["decider"]["threshold"] = 50000
+            path.write_bytes(orjson.dumps(data))
+            wait(lambda: client.get("/metrics").text.count('pdgate_config_reloads_total{result="ok"} 1.0') == 1)
+            assert decode_pool() == {"healthy": 1, "ejected": 0, "total": 1}
+
+            # every slice gone: no decode engine, not ready
+            api.delete("pdgate-decode-1")
+            api.delete("pdgate-decode-2")
+            wait(lambda: decode_pool()["total"] == 0)
+            assert client.get("/ready").status_code == 503
+    finally:
+        for e in engines:
+            e.stop()
+
+
+def test_in_cluster_access_from_the_service_account(tmp_path, monkeypatch):
+    from gateway.discovery import _access
+
+    (tmp_path / "namespace").write_text("llm\n")
+    cfg = DiscoveryConfig(label_selector="a=b", namespace_file=str(tmp_path / "namespace"),
+                          ca_file=str(tmp_path / "missing-ca.crt"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(ValueError, match="KUBERNETES_SERVICE_HOST is not set"):
+        _access(cfg)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "fd00::1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    access = _access(cfg)
+    assert (access.url, access.namespace) == ("https://[fd00::1]:443", "llm")
+    assert access.ssl is not None and access.token_file.endswith("/serviceaccount/token")
+    explicit = _access(cfg.model_copy(update={"namespace": "other", "api_url": "http://127.0.0.1:1"}))
+    assert (explicit.url, explicit.namespace, explicit.ssl) == ("http://127.0.0.1:1", "other", None)

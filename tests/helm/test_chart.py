@@ -1,0 +1,380 @@
+"""The Helm chart (helm/pdgate) and the deploy/ examples, checked offline: helm lint --strict, helm
+template for the chart's defaults and every example values file, the rendered manifests against the
+Kubernetes schemas (kubernetes-validate --strict), and the gateway config the chart renders through
+the gateway's own validator, so that chart and code cannot drift."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gateway.app import validate
+from gateway.cli import main as pdgate
+from gateway.config import load_config
+
+from .conftest import CHART, KUBE_VERSION, ROOT, Tools
+
+EXAMPLES = sorted((ROOT / "deploy").glob("values-*.yaml"))
+CASES = [None, *EXAMPLES]  # None: the chart's own defaults
+IDS = ["defaults", *(p.stem for p in EXAMPLES)]
+NAMESPACE = "llm"
+
+
+def helm_template(tools: Tools, *args: str, values: Path | None = None) -> subprocess.CompletedProcess:
+    cmd = [str(tools.helm), "template", "pdgate", str(CHART), "--namespace", NAMESPACE,
+           "--kube-version", KUBE_VERSION]
+    if values is not None:
+        cmd += ["-f", str(values)]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120)
+
+
+def render(tools: Tools, *args: str, values: Path | None = None) -> list[dict]:
+    out = helm_template(tools, *args, values=values)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def find(docs: list[dict], kind: str, name: str) -> dict:
+    [doc] = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+def of_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def rendered(tools: Tools) -> dict[Path | None, list[dict]]:
+    return {case: render(tools, values=case) for case in CASES}
+
+
+def test_helm_lint_strict(tools: Tools):
+    for case in CASES:
+        cmd = [str(tools.helm), "lint", "--strict", str(CHART)] + (["-f", str(case)] if case else [])
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, f"{case}: {out.stdout}{out.stderr}"
+        assert "0 chart(s) failed" in out.stdout
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_rendered_manifests_pass_the_kubernetes_schemas(tools: Tools, case, tmp_path):
+    out = helm_template(tools, values=case)
+    assert out.returncode == 0, out.stderr
+    manifest = tmp_path / "rendered.yaml"
+    manifest.write_text(out.stdout)
+    check = subprocess.run([str(tools.kubernetes_validate), "--strict", "-k", KUBE_VERSION, str(manifest)],
+                           capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "ERROR" not in check.stdout + check.stderr
+    # every built-in kind was really checked (custom resources only get a warning)
+    passed = check.stdout.count(" passed for resource ")
+    builtin = [d for d in yaml.safe_load_all(out.stdout) if d and "coreos.com" not in d["apiVersion"]
+               and "keda.sh" not in d["apiVersion"]]
+    assert passed == len(builtin)
+
+
+def _gateway_env(docs: list[dict]) -> dict[str, dict]:
+    dep = find(docs, "Deployment", "pdgate-gateway")
+    [container] = dep["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_configmap_passes_the_gateways_own_validator(rendered, case, tmp_path, monkeypatch, capsys):
+    docs = rendered[case]
+    text = find(docs, "ConfigMap", "pdgate-gateway")["data"]["config.yaml"]
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    cfg = load_config(path)
+    env = _gateway_env(docs)
+    # variables the config names must come from the gateway container (Secrets in the cluster)
+    named = [cfg.state.url_env, cfg.auth.api_keys_env, cfg.admin.token_env]
+    for name in filter(None, named):
+        assert name in env and "secretKeyRef" in env[name]["valueFrom"], name
+        monkeypatch.setenv(name, "redis://redis:6379/0" if name == cfg.state.url_env else "k1,k2")
+    validate(cfg)  # policies, hash settings, secrets, Redis URL: what the gateway checks at startup
+    assert pdgate(["check-config", str(path)]) == 0, capsys.readouterr().err
+    assert cfg.models[0].max_model_len > 0
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_discovery_finds_the_engine_services_with_rbac(rendered, case):
+    docs = rendered[case]
+    cfg = yaml.safe_load(find(docs, "ConfigMap", "pdgate-gateway")["data"]["config.yaml"])
+    discovered = {pool: c["discovery"] for pool, c in cfg["pools"].items() if "discovery" in c}
+    for d in discovered.values():
+        service = d["label_selector"].removeprefix("kubernetes.io/service-name=")
+        svc = find(docs, "Service", service)
+        assert svc["spec"]["clusterIP"] == "None"  # headless: the gateway picks each engine
+        ports = {p["name"]: p["port"] for p in svc["spec"]["ports"]}
+        assert d["port"] in ports
+        if "kv_events_port" in d:
+            assert ports["kv-events"] == d["kv_events_port"] and ports["kv-replay"] == d["kv_events_replay_port"]
+        # the engines behind it listen where the Service and the gateway expect
+        engines = find(docs, "Deployment", service)
+        assert svc["spec"]["selector"] == engines["spec"]["selector"]["matchLabels"]
+        [vllm] = engines["spec"]["template"]["spec"]["containers"]
+        assert {p["name"] for p in vllm["ports"]} >= set(ports)
+    if discovered:
+        role = find(docs, "Role", "pdgate-gateway")
+        assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                                  "verbs": ["get", "list", "watch"]}]
+        binding = find(docs, "RoleBinding", "pdgate-gateway")
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "pdgate-gateway", "namespace": NAMESPACE}]
+        pod = find(docs, "Deployment", "pdgate-gateway")["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == "pdgate-gateway" and pod["automountServiceAccountToken"] is True
+    else:
+        assert not of_kind(docs, "Role")
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_gateway_pod_is_locked_down_and_probed(rendered, case):
+    docs = rendered[case]
+    dep = find(docs, "Deployment", "pdgate-gateway")
+    pod = dep["spec"]["template"]["spec"]
+    [c] = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 10001
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert c["args"] == ["serve", "--config", "/etc/pdgate/config.yaml"]
+    # the ConfigMap is mounted as a directory (no subPath), so the kubelet's updates reach the
+    # file and the gateway hot-reloads them; writable scratch only in emptyDirs
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert "subPath" not in mounts["/etc/pdgate"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts["/etc/pdgate"]["name"]]["configMap"]["name"] == "pdgate-gateway"
+    assert all("emptyDir" in volumes[m["name"]] for p, m in mounts.items() if p != "/etc/pdgate")
+    pdb = find(docs, "PodDisruptionBudget", "pdgate-gateway")
+    assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    assert dep["spec"]["replicas"] >= 1
+
+
+def test_replicas_share_state_on_redis(rendered, tools: Tools):
+    docs = rendered[None]
+    cfg = yaml.safe_load(find(docs, "ConfigMap", "pdgate-gateway")["data"]["config.yaml"])
+    assert find(docs, "Deployment", "pdgate-gateway")["spec"]["replicas"] == 2
+    assert cfg["state"] == {"backend": "redis", "url": "redis://pdgate-redis:6379/0"}
+    redis = find(docs, "Deployment", "pdgate-redis")
+    assert redis["spec"]["template"]["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+    # an external Redis by Secret: the URL never lands in the ConfigMap
+    docs = render(tools, "--set", "redis.urlSecret.name=redis-url")
+    cfg = yaml.safe_load(find(docs, "ConfigMap", "pdgate-gateway")["data"]["config.yaml"])
+    assert cfg["state"] == {"backend": "redis", "url_env": "PDGATE_REDIS_URL"}
+    assert not [d for d in docs if d["metadata"]["name"] == "pdgate-redis"]
+    # several replicas without shared state is refused with the reason
+    out = helm_template(tools, "--set", "redis.enabled=false")
+    assert out.returncode != 0 and "gateway.replicas > 1 needs shared state" in out.stderr
+
+
+def _hpa_metrics(hpa: dict) -> list[tuple[str, dict, dict]]:
+    return [(m["external"]["metric"]["name"], m["external"]["metric"]["selector"]["matchLabels"],
+             m["external"]["target"]) for m in hpa["spec"]["metrics"]]
+
+
+def test_each_pool_scales_on_its_own_signal(rendered, tools: Tools):
+    docs = rendered[ROOT / "deploy" / "values-llama-3.3-70b.yaml"]
+    prefill, decode = find(docs, "HorizontalPodAutoscaler", "pdgate-prefill"), find(
+        docs, "HorizontalPodAutoscaler", "pdgate-decode")
+    target = {"apiVersion": "apps/v1", "kind": "Deployment", "name": "pdgate-prefill"}
+    assert prefill["spec"]["scaleTargetRef"] == target
+    assert (prefill["spec"]["minReplicas"], prefill["spec"]["maxReplicas"]) == (2, 6)
+    assert _hpa_metrics(prefill) == [("pdgate_pool_uncached_prompt_tokens", {"pool": "prefill"},
+                                      {"type": "AverageValue", "averageValue": "32768"})]
+    assert _hpa_metrics(decode) == [
+        ("pdgate_pool_kv_usage_ratio", {"pool": "decode"}, {"type": "Value", "value": "0.75"}),
+        ("pdgate_pool_engine_running_requests", {"pool": "decode"}, {"type": "AverageValue", "averageValue": "192"}),
+    ]
+    # the HPA owns the replica count
+    assert "replicas" not in find(docs, "Deployment", "pdgate-prefill")["spec"]
+    # KEDA instead: the same signals as PromQL, aggregated as the metric needs
+    docs = render(tools, "--set", "autoscaling.backend=keda", values=ROOT / "deploy" / "values-llama-3.3-70b.yaml")
+    assert not of_kind(docs, "HorizontalPodAutoscaler")
+    so = find(docs, "ScaledObject", "pdgate-decode")
+    assert so["spec"]["scaleTargetRef"] == {"name": "pdgate-decode"}
+    assert [(t["metricType"], t["metadata"]["query"], t["metadata"]["threshold"]) for t in so["spec"]["triggers"]] == [
+        ("Value", 'max(pdgate_pool_kv_usage_ratio{namespace="llm",pool="decode"})', "0.75"),
+        ("AverageValue", 'max(pdgate_pool_engine_running_requests{namespace="llm",pool="decode"})', "192"),
+    ]
+    query = find(docs, "ScaledObject", "pdgate-prefill")["spec"]["triggers"][0]["metadata"]["query"]
+    assert query == 'sum(pdgate_pool_uncached_prompt_tokens{namespace="llm",pool="prefill"})'
+    # turned off: no autoscaler, a fixed replica count
+    docs = render(tools, "--set", "decode.autoscaling.enabled=false", "--set", "decode.replicas=3")
+    assert [h["metadata"]["name"] for h in of_kind(docs, "HorizontalPodAutoscaler")] == ["pdgate-prefill"]
+    assert find(docs, "Deployment", "pdgate-decode")["spec"]["replicas"] == 3
+
+
+def test_prometheus_adapter_rules_cover_the_hpa_metrics():
+    rules = yaml.safe_load((ROOT / "deploy" / "prometheus-adapter-values.yaml").read_text())["rules"]["external"]
+    by_name = {r["name"]["as"]: r["metricsQuery"] for r in rules}
+    assert by_name["pdgate_pool_uncached_prompt_tokens"].startswith("sum by (pool)")  # per gateway replica
+    for engine_scraped in ("pdgate_pool_kv_usage_ratio", "pdgate_pool_engine_running_requests",
+                           "pdgate_pool_engine_waiting_requests"):
+        assert by_name[engine_scraped].startswith("max by (pool)")  # the same on every replica
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    metric_names = schema["properties"]["prefill"]["properties"]["autoscaling"]["properties"]["metrics"]["items"][
+        "properties"]["name"]["enum"]
+    assert set(metric_names) == set(by_name)
+
+
+def _vllm(docs: list[dict], pool: str) -> dict:
+    return find(docs, "Deployment", f"pdgate-{pool}")["spec"]["template"]["spec"]["containers"][0]
+
+
+def _flag(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_engines_nixl_over_efa_with_lmcache_tiers(rendered):
+    docs = rendered[ROOT / "deploy" / "values-llama-3.3-70b.yaml"]
+    for pool in ("prefill", "decode"):
+        c = _vllm(docs, pool)
+        args = c["args"]
+        assert c["command"] == ["vllm", "serve"] and args[0] == "meta-llama/Llama-3.3-70B-Instruct"
+        assert _flag(args, "--tensor-parallel-size") == "8"
+        kv = json.loads(_flag(args, "--kv-transfer-config"))
+        assert kv["kv_connector"] == "MultiConnector" and kv["kv_role"] == "kv_both"
+        nixl, lm = kv["kv_connector_extra_config"]["connectors"]  # NIXL first: P/D transfer wins
+        assert nixl == {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"backends": ["LIBFABRIC"]}}
+        assert lm == {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+        events = json.loads(_flag(args, "--kv-events-config"))
+        assert events["endpoint"] == "tcp://*:5557" and events["replay_endpoint"] == "tcp://*:5558"
+        env = {e["name"]: e for e in c["env"]}
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert env["FI_PROVIDER"]["value"] == "efa"
+        assert env["LMCACHE_CONFIG_FILE"]["value"] == "/etc/lmcache/lmcache.yaml"
+        assert env["LMCACHE_TRACK_USAGE"]["value"] == "false"
+        assert env["PYTHONHASHSEED"]["value"] == "0"
+        for section in ("requests", "limits"):
+            assert c["resources"][section]["nvidia.com/gpu"] == 8
+            assert c["resources"][section]["vpc.amazonaws.com/efa"] == 32
+        pod = find(docs, "Deployment", f"pdgate-{pool}")["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
+    lmcache = yaml.safe_load(find(docs, "ConfigMap", "pdgate-lmcache")["data"]["lmcache.yaml"])
+    assert lmcache == {"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 400,
+                       "remote_url": "redis://lmcache-l2.llm.svc.cluster.local:6379", "remote_serde": "naive"}
+    # the gateway hashes prefixes with the engines' seed and algorithm
+    cfg = yaml.safe_load(find(docs, "ConfigMap", "pdgate-gateway")["data"]["config.yaml"])
+    assert cfg["routing"]["prefix"] == {"hash_algo": "sha256", "hash_seed": "0"}
+
+
+def test_small_example_has_plain_nixl_and_no_autoscaler(rendered):
+    docs = rendered[ROOT / "deploy" / "values-small.yaml"]
+    kv = json.loads(_flag(_vllm(docs, "decode")["args"], "--kv-transfer-config"))
+    assert kv == {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                  "kv_connector_extra_config": {"backends": ["UCX"]}}
+    assert not of_kind(docs, "HorizontalPodAutoscaler")
+    assert [c["metadata"]["name"] for c in of_kind(docs, "ConfigMap")] == ["pdgate-gateway"]  # no LMCache
+    assert "vpc.amazonaws.com/efa" not in _vllm(docs, "prefill")["resources"]["limits"]
+
+
+def test_network_policy_only_lets_the_gateway_and_engines_reach_engines(rendered):
+    docs = rendered[ROOT / "deploy" / "values-llama-3.3-70b.yaml"]
+    policy = find(docs, "NetworkPolicy", "pdgate-decode")
+    peers = [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+             for p in policy["spec"]["ingress"][0]["from"]]
+    assert sorted(peers) == ["decode", "gateway", "prefill"]
+    assert policy["spec"]["ingress"][1]["ports"] == [{"port": "http", "protocol": "TCP"}]  # monitoring: metrics only
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--set", "gateway.replicas=two"], "gateway.replicas: Invalid type. Expected: integer, given: string"),
+    (["--set", "prefill.gpus=0"], "prefill.gpus: Must be greater than or equal to 1"),
+    (["--set", "decode.autoscaling.metrics[0].name=gpu_busy,decode.autoscaling.metrics[0].aggregate=max,"
+      "decode.autoscaling.metrics[0].type=Value,decode.autoscaling.metrics[0].target=1"],
+     "decode.autoscaling.metrics.0.name: decode.autoscaling.metrics.0.name must be one of the following"),
+    (["--set", "gateway.replica=3"], "Additional property replica is not allowed"),
+    (["--set", "lmcache.enabled=true,lmcache.l2.enabled=true"], "lmcache.l2.url: String length must be greater"),
+    (["--set", "nixl.backends={EFA}"], "nixl.backends.0: nixl.backends.0 must be one of the following"),
+    (["--set", "model.cache.type=hostPath"], "model.cache.hostPath: String length must be greater"),
+])
+def test_schema_rejects_wrong_values_with_a_clear_message(tools: Tools, args, message):
+    out = helm_template(tools, *args)
+    assert out.returncode != 0
+    assert "values don't meet the specifications of the schema" in out.stderr
+    assert message in out.stderr, out.stderr
+
+
+def test_a_bad_gateway_setting_fails_in_the_gateway_validator(tools: Tools, tmp_path, capsys):
+    """gateway.config is free-form in the schema: the gateway's own validator is its check."""
+    docs = render(tools, "--set", "gateway.config.admission.max_in_flight=-1")
+    path = tmp_path / "config.yaml"
+    path.write_text(find(docs, "ConfigMap", "pdgate-gateway")["data"]["config.yaml"])
+    assert pdgate(["check-config", str(path)]) == 1
+    assert "admission.max_in_flight: Input should be greater than or equal to 0" in capsys.readouterr().err
+
+
+def test_no_decode_engines_is_refused(tools: Tools):
+    out = helm_template(tools, "--set", "decode.enabled=false")
+    assert out.returncode != 0 and "gateway: no decode engines" in out.stderr
+
+
+def test_grafana_dashboard_configmap(tools: Tools):
+    dashboard = CHART / "files" / "pdgate-dashboard.json"
+    source = ROOT / "deploy" / "grafana" / "pdgate-dashboard.json"
+    if dashboard.exists() and source.exists():  # the chart's copy follows the dashboard
+        assert json.loads(dashboard.read_text()) == json.loads(source.read_text())
+    out = helm_template(tools, "--set", "monitoring.grafanaDashboard.enabled=true")
+    if not dashboard.exists():
+        assert out.returncode != 0 and "has no files/pdgate-dashboard.json" in out.stderr
+        return
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    cm = find(docs, "ConfigMap", "pdgate-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["pdgate-dashboard.json"]) == json.loads(dashboard.read_text())
+
+
+def render_notes(tools: Tools, tmp_path: Path, values: Path) -> str:
+    """NOTES.txt as `helm install` prints it. helm renders NOTES only while installing, which needs
+    a cluster, so a copy of the chart renders the same text as a template."""
+    chart = tmp_path / "pdgate"
+    shutil.copytree(CHART, chart)
+    notes = (chart / "templates" / "NOTES.txt")
+    (chart / "templates" / "_notes.tpl").write_text('{{- define "notes" -}}\n' + notes.read_text() + "{{- end -}}\n")
+    notes.unlink()
+    (chart / "templates" / "notes.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n"
+        "data:\n  notes: {{ include \"notes\" . | toJson }}\n")
+    out = subprocess.run([str(tools.helm), "template", "pdgate", str(chart), "--namespace", NAMESPACE,
+                          "--kube-version", KUBE_VERSION, "-f", str(values), "--show-only", "templates/notes.yaml"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return yaml.safe_load(out.stdout)["data"]["notes"]
+
+
+def test_notes_say_how_to_reach_the_gateway_and_send_a_first_request(tools: Tools, tmp_path):
+    notes = render_notes(tools, tmp_path, ROOT / "deploy" / "values-llama-3.3-70b.yaml")
+    assert "kubectl -n llm port-forward svc/pdgate-gateway 8000:80" in notes
+    assert "curl -s localhost:8000/ready" in notes
+    assert "get svc pdgate-gateway -o jsonpath='{.status.loadBalancer.ingress[0].hostname}'" in notes
+    assert '"model": "llama-3.3-70b"' in notes and "localhost:8000/v1/chat/completions" in notes
+    assert "get secret pdgate-api-keys -o jsonpath='{.data.api-keys}'" in notes  # the request carries a key
+    assert "Prompts of 4096+ uncached tokens go prefill -> decode" in notes
+    small = render_notes(tools, tmp_path / "small", ROOT / "deploy" / "values-small.yaml")
+    assert "Authorization" not in small and "loadBalancer" not in small
+
+
+def test_hyperpod_example_turns_dpd_on_with_pdspec():
+    doc = yaml.safe_load((ROOT / "deploy" / "hyperpod" / "inference-endpoint-config.yaml").read_text())
+    assert (doc["apiVersion"], doc["kind"]) == ("inference.sagemaker.aws.amazon.com/v1", "InferenceEndpointConfig")
+    spec = doc["spec"]
+    assert {"modelName", "modelSourceConfig", "worker"} <= set(spec)  # the resource's required fields
+    pd = spec["pdSpec"]
+    for role in ("prefillSpec", "decodingSpec"):
+        assert pd[role]["replicas"] >= 1
+        assert pd[role]["resources"]["limits"]["vpc.amazonaws.com/efa"] == 32
+    assert pd["routingThreshold"] == 4096
+    readme = (ROOT / "deploy" / "hyperpod" / "README.md").read_text()
+    for field in ("pdSpec.prefillSpec.replicas", "pdSpec.routingThreshold", "pdSpec.autoScalingSpec",
+                  "kvCacheSpec.enableL1Cache", "pdSpec.topologySpec.sameAZ"):
+        assert field in readme
