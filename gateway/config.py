@@ -121,6 +121,10 @@ class DiscoveryConfig(_Strict):
         "only port (the first when it has several)",
     )
     scheme: Literal["http", "https"] = "http"
+    address_type: Literal["IPv4", "IPv6"] = Field(
+        "IPv4", description="the slices' addressType to read: a dual-stack Service has one slice per family "
+        "for the same pods, so only one family is followed",
+    )
     kv_events_port: int | None = Field(
         None, ge=1, le=65535, description="engines publish KV events on tcp://<address>:<this port>",
     )

@@ -1,14 +1,18 @@
 """Engine discovery through the Kubernetes API: EndpointSlices (discovery.k8s.io/v1) by label selector.
 
-Each pool with a ``discovery`` section gets one ``SliceWatcher``: it lists the matching slices, then
-watches from the list's resourceVersion (``watch=1``, bookmarks on), renewing the watch when the
-server ends it. A watch answered with 410 Gone (as an HTTP status or as an ERROR event: the
-resourceVersion is too old) starts over with a fresh list; any other failure reconnects after a
-growing pause. The pool's discovered endpoints are the ready endpoints (``conditions.ready`` true or
-unset, as the API says to read it) of every matching slice: the first address of each, with the
+Each pool with a ``discovery`` section gets one ``SliceWatcher``: it lists the matching slices (page
+by page, following ``continue``), then watches from the list's resourceVersion (``watch=1``,
+bookmarks on), renewing the watch when the server ends it. Only 410 Gone (as an HTTP status or as an
+ERROR event: the resourceVersion is too old) starts over with a fresh list, after a short pause; any
+other failure of a watch re-watches from the last resourceVersion seen after a growing pause (a
+failed list is retried the same way). The pool's discovered endpoints are the ready endpoints
+(``conditions.ready`` true or unset, as the API says to read it) of every matching slice of the
+configured address family (``address_type``: a dual-stack Service has one IPv4 and one IPv6 slice
+per pod set, and counting both would list each pod twice): the first address of each, with the
 configured port. ``Discovery`` adds them to the static endpoints of the config in force
 (``effective``) and tells the app when the set changes, which then updates the pools the way a
-config reload does.
+config reload does. A watcher replaced by a reload (its discovery section changed) hands its
+endpoints to its successor, which keeps them until its own first list completes.
 
 Everything runs on the event loop without blocking it: HTTP through aiohttp, the token and CA files
 read on a worker thread (the token again on every connection: projected tokens rotate).
@@ -92,6 +96,8 @@ def ready_endpoints(slices: dict[str, dict[str, Any]], cfg: DiscoveryConfig) -> 
     found: dict[str, EndpointConfig] = {}
     for slice_ in slices.values():
         address_type = slice_.get("addressType", "IPv4")
+        if address_type != cfg.address_type:  # the other family of a dual-stack Service, or FQDN
+            continue
         port = _port(slice_, cfg.port)
         if port is None:
             continue
@@ -114,13 +120,15 @@ def ready_endpoints(slices: dict[str, dict[str, Any]], cfg: DiscoveryConfig) -> 
 class SliceWatcher:
     """Follows the EndpointSlices of one pool; ``on_change()`` runs when its ready set changes."""
 
-    def __init__(self, pool: str, cfg: DiscoveryConfig, on_change: Callable[[], None]) -> None:
+    def __init__(self, pool: str, cfg: DiscoveryConfig, on_change: Callable[[], None],
+                 endpoints: tuple[EndpointConfig, ...] = ()) -> None:
         self.pool = pool
         self.cfg = cfg
         self._on_change = on_change
-        self.endpoints: tuple[EndpointConfig, ...] = ()
+        # what the pool has until the first list: () or, after a reload, the replaced watcher's set
+        self.endpoints: tuple[EndpointConfig, ...] = endpoints
         self.synced = asyncio.Event()  # set after the first successful list
-        self.lists = 0  # full lists done (the first, and one after each 410 or reconnect)
+        self.lists = 0  # full lists done (the first, and one after each 410)
         self.errors = 0
         self.last_error = ""
         self.resource_version: str | None = None
@@ -155,25 +163,33 @@ class SliceWatcher:
         connector = aiohttp.TCPConnector(ssl=access.ssl if access.ssl is not None else True)
         async with aiohttp.ClientSession(connector=connector) as session:
             self._session = session
+            listed = False  # False: the next step is a full list (at the start and after a 410)
             while True:
                 try:
-                    await self._list(access, path)
+                    if not listed:
+                        await self._list(access, path)
+                        listed = True
+                        backoff = self.cfg.retry_s
+                    started = asyncio.get_running_loop().time()
+                    await self._watch(access, path)  # returns when the server ends the watch
                     backoff = self.cfg.retry_s
-                    while True:
-                        started = asyncio.get_running_loop().time()
-                        await self._watch(access, path)  # returns when the server ends the watch
-                        if asyncio.get_running_loop().time() - started < 1.0:  # not a busy loop
-                            await asyncio.sleep(self.cfg.retry_s)
+                    if asyncio.get_running_loop().time() - started < 1.0:  # not a busy loop
+                        await asyncio.sleep(self.cfg.retry_s)
+                    continue
                 except Gone:
                     log.info("discovery (%s): resourceVersion %s expired (410); listing again",
                              self.pool, self.resource_version)
+                    listed = False
+                    await asyncio.sleep(self.cfg.retry_s)  # a short pause: many clients relist at once
                     continue
                 except (aiohttp.ClientError, TimeoutError, OSError, ValueError, APIError) as err:
                     self._failed(f"{type(err).__name__}: {err}")
-                    log.warning("discovery (%s): %s; retrying in %.1f s", self.pool, self.last_error, backoff)
+                    log.warning("discovery (%s): %s; %s in %.1f s", self.pool, self.last_error,
+                                "watching again" if listed else "listing again", backoff)
                 except Exception as err:  # e.g. an object without the fields a slice has: keep going
                     self._failed(f"{type(err).__name__}: {err}")
                     log.exception("discovery (%s): unexpected failure; retrying in %.1f s", self.pool, backoff)
+                # a watch that failed resumes from the last resourceVersion seen (no relist)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.cfg.max_retry_s)
 
@@ -312,11 +328,16 @@ class Discovery:
             have = self.watchers.get(name)
             if have is not None and have.cfg == want:
                 continue
+            carried: tuple[EndpointConfig, ...] = ()
             if have is not None:
                 await have.stop()
                 del self.watchers[name]
+                carried = have.endpoints
             if want is not None:
-                watcher = SliceWatcher(name, want, self._changed)
+                # The new watcher starts from the old one's endpoints and keeps them until its first
+                # list replaces them: a reload must not empty the pool (a discovery-only decode pool
+                # would answer 503, and the prefixes learned for those engines would be forgotten).
+                watcher = SliceWatcher(name, want, self._changed, carried)
                 self.watchers[name] = watcher
                 await watcher.start()
         self._changed()

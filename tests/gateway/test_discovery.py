@@ -3,7 +3,8 @@
 The fake serves real EndpointSlice JSON (discovery.k8s.io/v1) on the API's own paths, filters by
 label selector, and streams watch events (ADDED, MODIFIED, DELETED, BOOKMARK, ERROR 410) from the
 resourceVersion a client asks for; an expired resourceVersion gets HTTP 410 Gone, as from a real
-API server after compaction."""
+API server after compaction. Lists are paginated (``limit`` and ``continue``, one consistent
+snapshot across the pages) when ``page_size`` is set."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from aiohttp import web
 from starlette.testclient import TestClient
 
 from gateway.app import create_app
-from gateway.config import ConfigError, DiscoveryConfig, parse_config
-from gateway.discovery import SliceWatcher, ready_endpoints
+from gateway.config import ConfigError, DiscoveryConfig, GatewayConfig, parse_config
+from gateway.discovery import Discovery, SliceWatcher, ready_endpoints
 from tests.procs import free_port
 
 from .scripted_engine import ScriptedEngine
@@ -73,12 +74,17 @@ class FakeKubeAPI:
         self.url = f"http://127.0.0.1:{self.port}"
         self.requests: list[dict[str, Any]] = []  # {"watch", "params", "headers"}
         self.fail_lists = 0  # answer the next lists with 500
+        self.fail_watches = 0  # answer the next watches with 500
+        self.streaming = 0  # watch streams open now
+        self.page_size: int | None = None  # items per list page (None: the client's limit)
+        self._pages: dict[str, tuple[str, list[dict]]] = {}  # continue token -> (rv, items left)
         self._slices: dict[str, dict] = {}
         self._rv = 100
         self._oldest = 0  # resourceVersions below this are compacted: 410
         self._history: list[tuple[int, dict]] = []
         self._cond: asyncio.Condition | None = None
         self._cut = 0  # bumping it ends every open watch stream
+        self._cut_events: dict[int, dict] = {}  # cut value -> the event its streams end with
 
     # -- test-side controls (thread-safe) ---------------------------------------------------------
 
@@ -109,6 +115,11 @@ class FakeKubeAPI:
     def cut(self) -> None:
         """Drop every open watch connection (the client should reconnect)."""
         self._call(self._bump_cut)
+
+    def fail_open_watches(self, code: int, message: str) -> None:
+        """Open watch streams end with an ERROR event carrying this status (not kept in history)."""
+        self._call(self._fail_open, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                                     "message": message, "code": code})
 
     def watches(self) -> list[dict]:
         return [r for r in self.requests if r["watch"]]
@@ -156,6 +167,10 @@ class FakeKubeAPI:
     def _bump_cut(self) -> None:
         self._cut += 1
 
+    def _fail_open(self, status: dict) -> None:
+        self._cut_events[self._cut] = {"type": "ERROR", "object": status}
+        self._cut += 1
+
     # -- HTTP ---------------------------------------------------------------------------------------
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
@@ -168,9 +183,24 @@ class FakeKubeAPI:
             if self.fail_lists:
                 self.fail_lists -= 1
                 return web.json_response({"kind": "Status", "code": 500, "message": "etcd unavailable"}, status=500)
-            items = [s for s in self._slices.values() if _matches(selector, s["metadata"]["labels"])]
+            if "continue" in q:  # the next page of the snapshot the first page started
+                rv, items = self._pages.pop(q["continue"])
+            else:
+                rv = str(self._rv)
+                items = [s for s in self._slices.values() if _matches(selector, s["metadata"]["labels"])]
+            size = min(int(q.get("limit") or len(items) or 1), self.page_size or len(items) or 1)
+            page, rest = items[:size], items[size:]
+            meta: dict[str, Any] = {"resourceVersion": rv}
+            if rest:
+                token = f"page-{len(self.requests)}"
+                self._pages[token] = (rv, rest)
+                meta["continue"] = token
+                meta["remainingItemCount"] = len(rest)
             return web.json_response({"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
-                                      "metadata": {"resourceVersion": str(self._rv)}, "items": items})
+                                      "metadata": meta, "items": page})
+        if self.fail_watches:
+            self.fail_watches -= 1
+            return web.json_response({"kind": "Status", "code": 500, "message": "etcd leader changed"}, status=500)
         since = int(q.get("resourceVersion") or self._rv)
         if since < self._oldest - 1:
             return web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure",
@@ -179,21 +209,27 @@ class FakeKubeAPI:
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
         await resp.prepare(request)
         cut = self._cut
-        deadline = time.monotonic() + float(q.get("timeoutSeconds", "300"))
-        sent = since
-        async with self._cond:
-            while self._cut == cut and time.monotonic() < deadline:
-                for rv, ev in self._history:
-                    if rv > sent:
-                        obj = ev["object"]
-                        if ev["type"] in ("ERROR", "BOOKMARK") or _matches(selector, obj["metadata"]["labels"]):
-                            await resp.write(orjson.dumps(ev) + b"\n")
-                        sent = rv
-                try:
-                    await asyncio.wait_for(self._cond.wait(), max(0.0, deadline - time.monotonic()))
-                except TimeoutError:
-                    break
+        self.streaming += 1
+        try:
+            deadline = time.monotonic() + float(q.get("timeoutSeconds", "300"))
+            sent = since
+            async with self._cond:
+                while self._cut == cut and time.monotonic() < deadline:
+                    for rv, ev in self._history:
+                        if rv > sent:
+                            obj = ev["object"]
+                            if ev["type"] in ("ERROR", "BOOKMARK") or _matches(selector, obj["metadata"]["labels"]):
+                                await resp.write(orjson.dumps(ev) + b"\n")
+                            sent = rv
+                    try:
+                        await asyncio.wait_for(self._cond.wait(), max(0.0, deadline - time.monotonic()))
+                    except TimeoutError:
+                        break
+        finally:
+            self.streaming -= 1
         with contextlib.suppress(ConnectionError):  # the client left first
+            if cut in self._cut_events:
+                await resp.write(orjson.dumps(self._cut_events[cut]) + b"\n")
             await resp.write_eof()
         return resp
 
@@ -270,11 +306,11 @@ async def test_list_then_watch_follows_added_modified_deleted(api, tmp_path):
         assert watch["resourceVersion"] == watcher.resource_version == "102"
         assert watch["allowWatchBookmarks"] == "true"
 
-        api.put(endpoint_slice("pdgate-decode-b", [endpoint("fd00::5")], address_type="IPv6"))  # ADDED
-        await until(lambda: "http://[fd00::5]:8000" in urls(watcher))
+        api.put(endpoint_slice("pdgate-decode-b", [endpoint("10.0.0.5")]))  # ADDED
+        await until(lambda: "http://10.0.0.5:8000" in urls(watcher))
         api.put(endpoint_slice("pdgate-decode-a", [endpoint("10.0.0.1"), endpoint("10.0.0.2")]))  # MODIFIED
         await until(lambda: urls(watcher) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000",
-                                              "http://[fd00::5]:8000"])
+                                              "http://10.0.0.5:8000"])
         api.delete("pdgate-decode-b")  # DELETED
         await until(lambda: urls(watcher) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"])
         api.put(endpoint_slice("other-y", [endpoint("10.9.9.8")], labels={"app.kubernetes.io/name": "other"}))
@@ -333,6 +369,124 @@ async def test_reconnects_after_errors_and_rereads_the_token(api, tmp_path):
         await until(lambda: urls(watcher) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"])
     finally:
         await watcher.stop()
+
+
+async def test_paginated_list_is_read_to_the_end(api):
+    api.page_size = 2
+    for i in range(5):
+        api.put(endpoint_slice(f"pdgate-decode-{i}", [endpoint(f"10.0.1.{i}")]))
+    api.put(endpoint_slice("other-x", [endpoint("10.9.9.9")], labels={"app.kubernetes.io/name": "other"}))
+    watcher = SliceWatcher("decode", discovery_cfg(api), lambda: None)
+    await watcher.start()
+    try:
+        await asyncio.wait_for(watcher.synced.wait(), 10)
+        assert urls(watcher) == [f"http://10.0.1.{i}:8000" for i in range(5)]
+        pages = api.lists()
+        assert len(pages) == 3 and watcher.lists == 1
+        assert "continue" not in pages[0]["params"]
+        assert [p["params"].get("continue") for p in pages[1:]] == ["page-1", "page-2"]  # the tokens the pages gave
+        assert all(p["params"]["labelSelector"] == SELECTOR for p in pages)
+        # the watch starts from the snapshot's resourceVersion (that of the first page)
+        await until(lambda: api.watches())
+        assert api.watches()[0]["params"]["resourceVersion"] == watcher.resource_version == "106"
+    finally:
+        await watcher.stop()
+
+
+async def test_a_failed_watch_resumes_from_the_last_version_without_relisting(api):
+    api.put(endpoint_slice("pdgate-decode-a", [endpoint("10.0.0.1")]))
+    watcher = SliceWatcher("decode", discovery_cfg(api), lambda: None)
+    await watcher.start()
+    try:
+        await asyncio.wait_for(watcher.synced.wait(), 10)
+        await until(lambda: api.watches())
+        api.put(endpoint_slice("pdgate-decode-b", [endpoint("10.0.0.2")]))
+        await until(lambda: urls(watcher) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"])
+        seen = watcher.resource_version
+        # the next two watches are refused (500), then the open one drops
+        api.fail_watches = 2
+        api.cut()
+        await until(lambda: len(api.watches()) >= 4)
+        assert watcher.errors == 2 and "500" in watcher.last_error
+        assert [w["params"]["resourceVersion"] for w in api.watches()[1:4]] == [seen] * 3
+        # an ERROR event other than 410 also resumes from the last version
+        await until(lambda: api.streaming == 1)  # the 4th watch is streaming
+        api.fail_open_watches(500, "internal error")
+        await until(lambda: watcher.errors == 3)
+        assert "internal error" in watcher.last_error
+        await until(lambda: len(api.watches()) >= 5)
+        assert api.watches()[-1]["params"]["resourceVersion"] == seen
+        api.put(endpoint_slice("pdgate-decode-c", [endpoint("10.0.0.3")]))
+        await until(lambda: urls(watcher) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000",
+                                              "http://10.0.0.3:8000"])
+        assert len(api.lists()) == 1 and watcher.lists == 1  # never listed again
+    finally:
+        await watcher.stop()
+
+
+def test_dual_stack_service_counts_each_pod_once():
+    """A dual-stack Service gets one IPv4 and one IPv6 slice over the same pods."""
+    pods = [("10.0.0.1", "fd00::1", "decode-0"), ("10.0.0.2", "fd00::2", "decode-1")]
+    slices = {
+        "v4": endpoint_slice("v4", [endpoint(v4, pod=pod) for v4, _, pod in pods]),
+        "v6": endpoint_slice("v6", [endpoint(v6, pod=pod) for _, v6, pod in pods], address_type="IPv6"),
+        "fqdn": endpoint_slice("fqdn", [endpoint("decode.example.com")], address_type="FQDN"),
+    }
+    v4 = ready_endpoints(slices, DiscoveryConfig(label_selector="x=y", kv_events_port=5557))
+    assert [(e.url, e.kv_events) for e in v4] == [("http://10.0.0.1:8000", "tcp://10.0.0.1:5557"),
+                                                  ("http://10.0.0.2:8000", "tcp://10.0.0.2:5557")]
+    v6 = ready_endpoints(slices, DiscoveryConfig(label_selector="x=y", address_type="IPv6", kv_events_port=5557))
+    assert [(e.url, e.kv_events) for e in v6] == [("http://[fd00::1]:8000", "tcp://[fd00::1]:5557"),
+                                                  ("http://[fd00::2]:8000", "tcp://[fd00::2]:5557")]
+    with pytest.raises(ValueError, match="address_type"):
+        DiscoveryConfig(label_selector="x=y", address_type="FQDN")
+
+
+async def test_a_reload_that_changes_discovery_keeps_the_engines_until_the_new_list(api):
+    """A changed discovery section replaces the pool's watcher; the pool must not drop its engines
+    while the new watcher has not listed (here: its lists fail for a while)."""
+    api.put(endpoint_slice("pdgate-decode-a", [endpoint("10.0.0.1")]))
+    seen: list[list[str]] = []  # the pool's endpoints at each change the app applies
+    cfgs: list[GatewayConfig] = []
+
+    async def applied() -> None:
+        seen.append(discovery.effective(cfgs[-1]).pools.decode.urls)
+
+    def gateway_cfg(**kw) -> GatewayConfig:
+        d = discovery_cfg(api, **kw).model_dump()
+        return parse_config({"models": [{"name": "tiny", "tokenizer": "unused", "max_model_len": 64}],
+                             "pools": {"decode": {"discovery": d}}})
+
+    discovery = Discovery(applied)
+    cfgs.append(gateway_cfg())
+    try:
+        await discovery.start(cfgs[-1], wait_s=10)
+        assert seen[-1] == ["http://10.0.0.1:8000"]
+        seen.clear()
+        old = discovery.watchers["decode"]
+        api.fail_lists = 10**6  # the new watcher cannot list until told otherwise
+        cfgs.append(gateway_cfg(kv_events_port=5557))  # a changed discovery section: a new watcher
+        await discovery.configure(cfgs[-1])
+        new = discovery.watchers["decode"]
+        assert new is not old and not new.synced.is_set()
+        await until(lambda: new.errors >= 2)
+        await discovery.settle()
+        assert seen and all(s == ["http://10.0.0.1:8000"] for s in seen)  # never emptied on the way
+        # the new watcher lists: its own view replaces the carried one
+        api.put(endpoint_slice("pdgate-decode-a", [endpoint("10.0.0.2")]), silent=True)
+        api.fail_lists = 0
+        await asyncio.wait_for(new.synced.wait(), 10)
+        await discovery.settle()
+        assert seen[-1] == ["http://10.0.0.2:8000"]
+        assert discovery.effective(cfgs[-1]).pools.decode.endpoints[0].kv_events == "tcp://10.0.0.2:5557"
+        # a pool whose discovery section is gone drops what discovery found
+        cfgs.append(parse_config({"models": [{"name": "tiny", "tokenizer": "unused", "max_model_len": 64}],
+                                  "pools": {"decode": {"endpoints": ["http://10.0.0.9:8000"]}}}))
+        await discovery.configure(cfgs[-1])
+        await discovery.settle()
+        assert seen[-1] == ["http://10.0.0.9:8000"] and not discovery.watchers
+    finally:
+        await discovery.close()
 
 
 def test_ready_endpoints_ports_and_kv_event_addresses():

@@ -108,6 +108,7 @@ def test_discovery_finds_the_engine_services_with_rbac(rendered, case):
     cfg = yaml.safe_load(find(docs, "ConfigMap", "pdgate-gateway")["data"]["config.yaml"])
     discovered = {pool: c["discovery"] for pool, c in cfg["pools"].items() if "discovery" in c}
     for d in discovered.values():
+        assert d["address_type"] == "IPv4"  # one family: a dual-stack Service's pods are not counted twice
         service = d["label_selector"].removeprefix("kubernetes.io/service-name=")
         svc = find(docs, "Service", service)
         assert svc["spec"]["clusterIP"] == "None"  # headless: the gateway picks each engine
@@ -152,9 +153,20 @@ def test_gateway_pod_is_locked_down_and_probed(rendered, case):
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes[mounts["/etc/pdgate"]["name"]]["configMap"]["name"] == "pdgate-gateway"
     assert all("emptyDir" in volumes[m["name"]] for p, m in mounts.items() if p != "/etc/pdgate")
-    pdb = find(docs, "PodDisruptionBudget", "pdgate-gateway")
-    assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
     assert dep["spec"]["replicas"] >= 1
+    pdbs = [d for d in of_kind(docs, "PodDisruptionBudget") if d["metadata"]["name"] == "pdgate-gateway"]
+    if dep["spec"]["replicas"] > 1:
+        [pdb] = pdbs
+        assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    else:  # minAvailable 1 over a single pod would block every node drain
+        assert not pdbs
+
+
+def test_gateway_pdb_only_with_several_replicas(tools: Tools):
+    docs = render(tools)
+    assert find(docs, "PodDisruptionBudget", "pdgate-gateway")["spec"]["minAvailable"] == 1
+    docs = render(tools, "--set", "gateway.replicas=1", "--set", "redis.enabled=false")
+    assert not of_kind(docs, "PodDisruptionBudget")
 
 
 def test_replicas_share_state_on_redis(rendered, tools: Tools):
@@ -206,9 +218,25 @@ def test_each_pool_scales_on_its_own_signal(rendered, tools: Tools):
     query = find(docs, "ScaledObject", "pdgate-prefill")["spec"]["triggers"][0]["metadata"]["query"]
     assert query == 'sum(pdgate_pool_uncached_prompt_tokens{namespace="llm",pool="prefill"})'
     # turned off: no autoscaler, a fixed replica count
-    docs = render(tools, "--set", "decode.autoscaling.enabled=false", "--set", "decode.replicas=3")
+    docs = render(tools, "--set", "decode.autoscaling.enabled=false", "--set", "decode.replicas=3",
+                  values=ROOT / "deploy" / "values-llama-3.3-70b.yaml")
     assert [h["metadata"]["name"] for h in of_kind(docs, "HorizontalPodAutoscaler")] == ["pdgate-prefill"]
     assert find(docs, "Deployment", "pdgate-decode")["spec"]["replicas"] == 3
+
+
+def test_autoscaling_is_off_by_default_and_needs_metrics(rendered, tools: Tools, tmp_path):
+    """HPAs without a scrape of the gateway's metrics never scale: off by default, on in the 70B
+    example together with the ServiceMonitor, and NOTES warns when only autoscaling is on."""
+    assert not of_kind(rendered[None], "HorizontalPodAutoscaler")
+    assert not of_kind(rendered[None], "ServiceMonitor")
+    big = rendered[ROOT / "deploy" / "values-llama-3.3-70b.yaml"]
+    assert len(of_kind(big, "HorizontalPodAutoscaler")) == 2
+    assert find(big, "ServiceMonitor", "pdgate-gateway")["spec"]["endpoints"][0]["path"] == "/metrics"
+    values = tmp_path / "hpa-only.yaml"
+    values.write_text("prefill: {autoscaling: {enabled: true}}\n")
+    notes = render_notes(tools, tmp_path / "hpa-only", values)
+    assert "WARNING: autoscaling is on (prefill) but monitoring.serviceMonitor.enabled is false" in notes
+    assert "Autoscaling is off" in render_notes(tools, tmp_path / "small", ROOT / "deploy" / "values-small.yaml")
 
 
 def test_prometheus_adapter_rules_cover_the_hpa_metrics():
@@ -243,14 +271,14 @@ def test_engines_nixl_over_efa_with_lmcache_tiers(rendered):
         assert kv["kv_connector"] == "MultiConnector" and kv["kv_role"] == "kv_both"
         nixl, lm = kv["kv_connector_extra_config"]["connectors"]  # NIXL first: P/D transfer wins
         assert nixl == {"kv_connector": "NixlConnector", "kv_role": "kv_both",
-                        "kv_connector_extra_config": {"backends": ["LIBFABRIC"]}}
+                        "kv_connector_extra_config": {"backends": ["LIBFABRIC"]}}  # NIXL's EFA path
         assert lm == {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
         events = json.loads(_flag(args, "--kv-events-config"))
         assert events["endpoint"] == "tcp://*:5557" and events["replay_endpoint"] == "tcp://*:5558"
         env = {e["name"]: e for e in c["env"]}
         assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert env["FI_PROVIDER"]["value"] == "efa"
-        assert env["LMCACHE_CONFIG_FILE"]["value"] == "/etc/lmcache/lmcache.yaml"
+        assert env["LMCACHE_CONFIG_FILE"]["value"] == f"/etc/lmcache/{pool}.yaml"
         assert env["LMCACHE_TRACK_USAGE"]["value"] == "false"
         assert env["PYTHONHASHSEED"]["value"] == "0"
         for section in ("requests", "limits"):
@@ -259,9 +287,13 @@ def test_engines_nixl_over_efa_with_lmcache_tiers(rendered):
         pod = find(docs, "Deployment", f"pdgate-{pool}")["spec"]["template"]["spec"]
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
-    lmcache = yaml.safe_load(find(docs, "ConfigMap", "pdgate-lmcache")["data"]["lmcache.yaml"])
-    assert lmcache == {"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 400,
-                       "remote_url": "redis://lmcache-l2.llm.svc.cluster.local:6379", "remote_serde": "naive"}
+    for pool in ("prefill", "decode"):
+        lmcache = yaml.safe_load(find(docs, "ConfigMap", "pdgate-lmcache")["data"][f"{pool}.yaml"])
+        # LMCache allocates max_local_cpu_size in each of the 8 GPU workers: 45 GB each, 360 GB a pod
+        assert lmcache == {"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 45,
+                           "remote_url": "redis://lmcache-l2.llm.svc.cluster.local:6379", "remote_serde": "naive"}
+        c = _vllm(docs, pool)
+        assert c["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"add": ["IPC_LOCK"]}}
     # the gateway hashes prefixes with the engines' seed and algorithm
     cfg = yaml.safe_load(find(docs, "ConfigMap", "pdgate-gateway")["data"]["config.yaml"])
     assert cfg["routing"]["prefix"] == {"hash_algo": "sha256", "hash_seed": "0"}
@@ -277,13 +309,129 @@ def test_small_example_has_plain_nixl_and_no_autoscaler(rendered):
     assert "vpc.amazonaws.com/efa" not in _vllm(docs, "prefill")["resources"]["limits"]
 
 
-def test_network_policy_only_lets_the_gateway_and_engines_reach_engines(rendered):
+@pytest.mark.parametrize("pool", ["prefill", "decode"])
+def test_network_policy_only_lets_the_gateway_and_engines_reach_engines(rendered, pool):
     docs = rendered[ROOT / "deploy" / "values-llama-3.3-70b.yaml"]
-    policy = find(docs, "NetworkPolicy", "pdgate-decode")
-    peers = [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
-             for p in policy["spec"]["ingress"][0]["from"]]
-    assert sorted(peers) == ["decode", "gateway", "prefill"]
-    assert policy["spec"]["ingress"][1]["ports"] == [{"port": "http", "protocol": "TCP"}]  # monitoring: metrics only
+    policy = find(docs, "NetworkPolicy", f"pdgate-{pool}")
+    engines = find(docs, "Deployment", f"pdgate-{pool}")
+    assert policy["spec"]["podSelector"]["matchLabels"] == engines["spec"]["selector"]["matchLabels"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    peers = [p["podSelector"]["matchLabels"] for p in policy["spec"]["ingress"][0]["from"]]
+    assert sorted(p["app.kubernetes.io/component"] for p in peers) == ["decode", "gateway", "prefill"]
+    assert all(p["app.kubernetes.io/instance"] == "pdgate" for p in peers)  # this release's pods only
+    assert "ports" not in policy["spec"]["ingress"][0]  # HTTP, KV events, NIXL side channel and transfer
+    monitoring = policy["spec"]["ingress"][1]
+    assert monitoring["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    assert monitoring["ports"] == [{"port": "http", "protocol": "TCP"}]  # metrics only
+
+
+def test_network_policy_with_service_monitor_needs_the_monitoring_namespace(tools: Tools):
+    out = helm_template(tools, "--set", "networkPolicy.enabled=true", "--set", "monitoring.serviceMonitor.enabled=true")
+    assert out.returncode != 0
+    assert "networkPolicy.enabled with monitoring.serviceMonitor.enabled needs networkPolicy." \
+           "monitoringNamespaceSelector" in out.stderr
+    docs = render(tools, "--set", "networkPolicy.enabled=true")  # no ServiceMonitor: nothing to let in
+    assert len(find(docs, "NetworkPolicy", "pdgate-decode")["spec"]["ingress"]) == 1
+
+
+def test_efa_needs_libfabric_and_efa_devices(tools: Tools):
+    out = helm_template(tools, "--set", "efa.enabled=true")
+    assert out.returncode != 0 and "efa.enabled needs prefill.efaDevices >= 1" in out.stderr
+    devices = ["--set", "prefill.efaDevices=4", "--set", "decode.efaDevices=4"]
+    out = helm_template(tools, "--set", "efa.enabled=true", "--set", "nixl.backends={UCX}", *devices)
+    assert out.returncode != 0 and "efa.enabled needs NIXL's LIBFABRIC backend" in out.stderr
+    docs = render(tools, "--set", "efa.enabled=true", *devices)  # backends left empty: LIBFABRIC
+    c = _vllm(docs, "decode")
+    kv = json.loads(_flag(c["args"], "--kv-transfer-config"))
+    assert kv["kv_connector_extra_config"] == {"backends": ["LIBFABRIC"]}
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["FI_PROVIDER"] == "efa"
+    assert c["resources"]["limits"]["vpc.amazonaws.com/efa"] == 4
+    # without EFA the default stays UCX
+    kv = json.loads(_flag(_vllm(render(tools), "decode")["args"], "--kv-transfer-config"))
+    assert kv["kv_connector_extra_config"] == {"backends": ["UCX"]}
+
+
+def test_lmcache_l1_is_split_over_the_gpu_workers_and_fits_the_pod(tools: Tools):
+    base = ["--set", "lmcache.enabled=true", "--set", "lmcache.l1.sizeGB=100",
+            "--set", "prefill.tensorParallelSize=4", "--set", "prefill.gpus=4",
+            "--set", "prefill.resources.limits.memory=256Gi", "--set", "decode.resources.limits.memory=200G"]
+    docs = render(tools, *base)
+    data = find(docs, "ConfigMap", "pdgate-lmcache")["data"]
+    assert yaml.safe_load(data["prefill.yaml"])["max_local_cpu_size"] == 25  # 100 GB over 4 workers
+    assert yaml.safe_load(data["decode.yaml"])["max_local_cpu_size"] == 100
+    # each pool's engines read their own file, and restart when it changes
+    for pool in ("prefill", "decode"):
+        env = {e["name"]: e.get("value") for e in _vllm(docs, pool)["env"]}
+        assert env["LMCACHE_CONFIG_FILE"] == f"/etc/lmcache/{pool}.yaml"
+    annotations = [find(docs, "Deployment", f"pdgate-{p}")["spec"]["template"]["metadata"]["annotations"]
+                   for p in ("prefill", "decode")]
+    assert annotations[0]["checksum/lmcache"] != annotations[1]["checksum/lmcache"]
+    # a pod whose memory limit cannot hold its L1 plus /dev/shm is refused
+    out = helm_template(tools, *base, "--set", "decode.resources.limits.memory=100Gi")
+    assert out.returncode != 0
+    assert "decode: a memory limit of 100Gi cannot hold LMCache's L1 (lmcache.l1.sizeGB 100 GB per pod" in out.stderr
+    # only the pools listed load LMCache
+    docs = render(tools, *base, "--set", "lmcache.pools={decode}")
+    assert set(find(docs, "ConfigMap", "pdgate-lmcache")["data"]) == {"decode.yaml"}
+    assert "LMCACHE_CONFIG_FILE" not in {e["name"] for e in _vllm(docs, "prefill")["env"]}
+
+
+def test_lmcache_l2_url_from_a_secret_never_lands_in_a_configmap(tools: Tools):
+    secret_url = ["--set", "lmcache.enabled=true", "--set", "lmcache.l2.enabled=true",
+                  "--set", "lmcache.l2.urlSecret.name=lmcache-l2"]
+    out = helm_template(tools, *secret_url)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    for cm in of_kind(docs, "ConfigMap"):
+        for text in cm.get("data", {}).values():
+            assert "remote_url" not in text, cm["metadata"]["name"]
+    assert yaml.safe_load(find(docs, "ConfigMap", "pdgate-lmcache")["data"]["decode.yaml"])["remote_serde"] == "naive"
+    for pool in ("prefill", "decode"):
+        env = {e["name"]: e for e in _vllm(docs, pool)["env"]}
+        # LMCache reads LMCACHE_CONFIG_FILE, then applies LMCACHE_* variables over it
+        assert env["LMCACHE_REMOTE_URL"]["valueFrom"] == {"secretKeyRef": {"name": "lmcache-l2", "key": "url"}}
+    out = helm_template(tools, *secret_url, "--set", "lmcache.l2.url=redis://r:6379")
+    assert out.returncode != 0 and "set either url or urlSecret" in out.stderr
+
+
+def test_engines_drain_before_sigterm_and_roll_without_an_outage(rendered, tools: Tools):
+    small = rendered[ROOT / "deploy" / "values-small.yaml"]
+    for pool in ("prefill", "decode"):
+        dep = find(small, "Deployment", f"pdgate-{pool}")
+        pod = dep["spec"]["template"]["spec"]
+        [c] = pod["containers"]
+        # the EndpointSlice removal reaches the gateway before vLLM stops taking requests
+        assert c["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", "15"]}}
+        assert pod["terminationGracePeriodSeconds"] > 15
+        assert c["securityContext"] == {"allowPrivilegeEscalation": False}
+        # a single engine is replaced surge-first: the pool is never empty during an upgrade
+        assert dep["spec"]["replicas"] == 1
+        assert dep["spec"]["strategy"] == {"type": "RollingUpdate",
+                                           "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert not of_kind(small, "PodDisruptionBudget")
+    big = rendered[ROOT / "deploy" / "values-llama-3.3-70b.yaml"]  # minReplicas 2: one at a time, no spare GPUs
+    assert find(big, "Deployment", "pdgate-decode")["spec"]["strategy"]["rollingUpdate"] == {
+        "maxSurge": 0, "maxUnavailable": 1}
+    pdb = find(big, "PodDisruptionBudget", "pdgate-prefill")
+    selector = find(big, "Deployment", "pdgate-prefill")["spec"]["selector"]
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": selector}
+    docs = render(tools, "--set", "engines.preStopSleepSeconds=0", "--set", "decode.replicas=2",
+                  "--set", "decode.strategy.type=Recreate")
+    assert "lifecycle" not in _vllm(docs, "decode")
+    assert find(docs, "Deployment", "pdgate-decode")["spec"]["strategy"] == {"type": "Recreate"}
+    assert find(docs, "Deployment", "pdgate-prefill")["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 1
+
+
+def test_gpu_count_comes_from_gpus_only(tools: Tools):
+    out = helm_template(tools, "--set", "prefill.resources.limits.nvidia\\.com/gpu=1", "--show-only",
+                        "templates/engines.yaml")
+    assert out.returncode == 0, out.stderr
+    prefill = [d for d in out.stdout.split("\n---") if "kind: Deployment" in d and "name: pdgate-prefill" in d]
+    assert prefill[0].count("nvidia.com/gpu:") == 2  # requests and limits, no duplicate key
+    out = helm_template(tools, "--set", "prefill.resources.limits.nvidia\\.com/gpu=2")
+    assert out.returncode != 0
+    assert "prefill.resources.limits sets nvidia.com/gpu to 2 but prefill.gpus is 1" in out.stderr
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -374,7 +522,13 @@ def test_hyperpod_example_turns_dpd_on_with_pdspec():
         assert pd[role]["replicas"] >= 1
         assert pd[role]["resources"]["limits"]["vpc.amazonaws.com/efa"] == 32
     assert pd["routingThreshold"] == 4096
+    # the pdSpec fields the operator's CRD (v1) defines; anything else would be pruned or refused
+    assert set(pd) <= {"prefillSpec", "decodingSpec", "routingThreshold", "topologySpec", "autoScalingSpec"}
+    for role in ("prefillSpec", "decodingSpec"):
+        assert set(pd[role]) <= {"replicas", "args", "resources", "nodeSelector"}
+    assert set(pd["topologySpec"]) <= {"sameAZ", "availabilityZone", "placementGroup"}
     readme = (ROOT / "deploy" / "hyperpod" / "README.md").read_text()
+    assert "**Confirmed from source.**" in readme and "**From AWS documentation only**" in readme
     for field in ("pdSpec.prefillSpec.replicas", "pdSpec.routingThreshold", "pdSpec.autoScalingSpec",
                   "kvCacheSpec.enableL1Cache", "pdSpec.topologySpec.sameAZ"):
         assert field in readme

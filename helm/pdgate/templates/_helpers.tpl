@@ -65,9 +65,7 @@ app.kubernetes.io/part-of: pdgate
 {{- define "pdgate.kvTransferConfig" -}}
 {{- $ := index . 0 -}}
 {{- $nixl := dict "kv_connector" "NixlConnector" "kv_role" "kv_both" }}
-{{- if $.Values.nixl.backends }}
-{{- $_ := set $nixl "kv_connector_extra_config" (dict "backends" $.Values.nixl.backends) }}
-{{- end }}
+{{- $_ := set $nixl "kv_connector_extra_config" (dict "backends" (include "pdgate.nixlBackends" $ | fromJsonArray)) }}
 {{- if include "pdgate.lmcacheOn" . }}
 {{- $lm := dict "kv_connector" "LMCacheConnectorV1" "kv_role" "kv_both" }}
 {{- toJson (dict "kv_connector" "MultiConnector" "kv_role" "kv_both" "kv_connector_extra_config" (dict "connectors" (list $nixl $lm))) }}
@@ -82,15 +80,29 @@ app.kubernetes.io/part-of: pdgate
 {{- toJson (dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int $k.port)) "replay_endpoint" (printf "tcp://*:%d" (int $k.replayPort))) }}
 {{- end }}
 
-{{/* LMCache's own config file */}}
+{{/* NIXL backends as a JSON list: nixl.backends, or LIBFABRIC with EFA and UCX without */}}
+{{- define "pdgate.nixlBackends" -}}
+{{- $b := .Values.nixl.backends }}
+{{- if not $b }}
+{{- $b = ternary (list "LIBFABRIC") (list "UCX") .Values.efa.enabled }}
+{{- end }}
+{{- toJson $b }}
+{{- end }}
+
+{{/* LMCache's own config file for pool (list $ "prefill"). LMCache allocates max_local_cpu_size in
+every GPU worker (one per tensor parallel rank): the pod's L1 is split over them. */}}
 {{- define "pdgate.lmcacheConfig" -}}
-{{- $l := .Values.lmcache }}
+{{- $ := index . 0 }}
+{{- $p := index $.Values (index . 1) }}
+{{- $l := $.Values.lmcache }}
 {{- $c := dict "chunk_size" (int $l.chunkSize) "local_cpu" $l.l1.enabled }}
 {{- if $l.l1.enabled }}
-{{- $_ := set $c "max_local_cpu_size" $l.l1.sizeGB }}
+{{- $_ := set $c "max_local_cpu_size" (divf $l.l1.sizeGB (int $p.tensorParallelSize)) }}
 {{- end }}
 {{- if $l.l2.enabled }}
+{{- if not $l.l2.urlSecret.name }}
 {{- $_ := set $c "remote_url" $l.l2.url }}
+{{- end }}
 {{- $_ := set $c "remote_serde" $l.l2.serde }}
 {{- end }}
 {{- toYaml (mustMergeOverwrite $c (deepCopy $l.extraConfig)) }}
@@ -111,7 +123,8 @@ app.kubernetes.io/part-of: pdgate
 {{- $_ := set $pc "endpoints" $static }}
 {{- end }}
 {{- if and $v.gateway.discovery.enabled $p.enabled }}
-{{- $d := dict "label_selector" (printf "kubernetes.io/service-name=%s" (include "pdgate.componentName" (list $ $pool))) "port" "http" }}
+{{- /* address_type: IPv4 only, one slice family (a dual-stack Service has two for the same pods) */}}
+{{- $d := dict "label_selector" (printf "kubernetes.io/service-name=%s" (include "pdgate.componentName" (list $ $pool))) "port" "http" "address_type" "IPv4" }}
 {{- if $v.engines.kvEvents.enabled }}
 {{- $_ := set $d "kv_events_port" (int $v.engines.kvEvents.port) }}
 {{- $_ := set $d "kv_events_replay_port" (int $v.engines.kvEvents.replayPort) }}
@@ -146,4 +159,76 @@ app.kubernetes.io/part-of: pdgate
 {{- $_ := set $cfg "admin" (dict "token_env" "PDGATE_ADMIN_TOKEN") }}
 {{- end }}
 {{- toYaml (mustMergeOverwrite $cfg (deepCopy $v.gateway.config)) }}
+{{- end }}
+
+{{/* A Kubernetes memory quantity ("64Gi", "200G", "1.5Ti", bytes) in GiB, as a string */}}
+{{- define "pdgate.gib" -}}
+{{- $q := toString . }}
+{{- $n := regexFind "^[0-9]+(\\.[0-9]+)?" $q }}
+{{- $unit := trimPrefix $n $q }}
+{{- $per := dict "" (divf 1 1073741824) "k" (divf 1000 1073741824) "Ki" (divf 1 1048576) "M" (divf 1000000 1073741824) "Mi" (divf 1 1024) "G" (divf 1000000000 1073741824) "Gi" 1.0 "T" (divf 1000000000000 1073741824) "Ti" 1024.0 "P" (divf 1000000000000000 1073741824) "Pi" 1048576.0 }}
+{{- if not (hasKey $per $unit) }}
+{{- fail (printf "cannot read the memory quantity %q" $q) }}
+{{- end }}
+{{- mulf (float64 $n) (index $per $unit) }}
+{{- end }}
+
+{{/* Settings that are each valid but do not work together: fail the install with the reason. */}}
+{{- define "pdgate.validate" -}}
+{{- $v := .Values }}
+{{- if $v.efa.enabled }}
+{{- if not (has "LIBFABRIC" (include "pdgate.nixlBackends" . | fromJsonArray)) }}
+{{- fail (printf "efa.enabled needs NIXL's LIBFABRIC backend (nixl.backends is %s): NIXL documents LIBFABRIC for EFA, and UCX without an EFA transport moves the KV cache over TCP. Set nixl.backends to [LIBFABRIC] or leave it empty" (toJson $v.nixl.backends)) }}
+{{- end }}
+{{- range $pool := list "prefill" "decode" }}
+{{- $p := index $v $pool }}
+{{- if and $p.enabled (lt (int $p.efaDevices) 1) }}
+{{- fail (printf "efa.enabled needs %s.efaDevices >= 1 (vpc.amazonaws.com/efa per pod, e.g. 32 on p5.48xlarge): without EFA devices NIXL falls back to TCP" $pool) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if and $v.networkPolicy.enabled $v.monitoring.serviceMonitor.enabled (not $v.networkPolicy.monitoringNamespaceSelector) }}
+{{- fail "networkPolicy.enabled with monitoring.serviceMonitor.enabled needs networkPolicy.monitoringNamespaceSelector (the namespace Prometheus runs in, e.g. {matchLabels: {kubernetes.io/metadata.name: monitoring}}): the policies would block its scrapes" }}
+{{- end }}
+{{- if and $v.lmcache.enabled $v.lmcache.l2.enabled $v.lmcache.l2.urlSecret.name $v.lmcache.l2.url }}
+{{- fail "lmcache.l2: set either url or urlSecret.name, not both" }}
+{{- end }}
+{{- range $pool := list "prefill" "decode" }}
+{{- $p := index $v $pool }}
+{{- if $p.enabled }}
+{{- range $section := list "requests" "limits" }}
+{{- $r := index $p.resources $section | default dict }}
+{{- if and (hasKey $r "nvidia.com/gpu") (ne (toString (index $r "nvidia.com/gpu")) (toString $p.gpus)) }}
+{{- fail (printf "%s.resources.%s sets nvidia.com/gpu to %v but %s.gpus is %v: set the GPU count in %s.gpus only" $pool $section (index $r "nvidia.com/gpu") $pool $p.gpus $pool) }}
+{{- end }}
+{{- end }}
+{{- if and (include "pdgate.lmcacheOn" (list $ $pool)) $v.lmcache.l1.enabled }}
+{{- $mem := or (index ($p.resources.limits | default dict) "memory") (index ($p.resources.requests | default dict) "memory") }}
+{{- if $mem }}
+{{- $l1 := divf (mulf $v.lmcache.l1.sizeGB 1000000000) 1073741824 }}
+{{- $need := addf $l1 (include "pdgate.gib" $p.shmSize | float64) }}
+{{- if lt (include "pdgate.gib" $mem | float64) $need }}
+{{- fail (printf "%s: a memory limit of %s cannot hold LMCache's L1 (lmcache.l1.sizeGB %v GB per pod, %v GB in each of %d GPU workers) plus /dev/shm (%s); raise %s.resources.limits.memory above %.0fGi plus vLLM's own memory, or lower lmcache.l1.sizeGB" $pool (toString $mem) $v.lmcache.l1.sizeGB (divf $v.lmcache.l1.sizeGB (int $p.tensorParallelSize)) (int $p.tensorParallelSize) $p.shmSize $pool $need) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The pool's rollout strategy: <pool>.strategy, else no surge unless the pool may be one replica */}}
+{{- define "pdgate.strategy" -}}
+{{- $p := . }}
+{{- if $p.strategy }}
+{{- toYaml $p.strategy }}
+{{- else }}
+{{- $min := ternary $p.autoscaling.minReplicas $p.replicas $p.autoscaling.enabled | int }}
+{{- if le $min 1 }}
+type: RollingUpdate
+rollingUpdate: {maxSurge: 1, maxUnavailable: 0}  # one replica: start the new engine before stopping the old
+{{- else }}
+type: RollingUpdate
+rollingUpdate: {maxSurge: 0, maxUnavailable: 1}  # GPUs are scarce: replace one engine at a time
+{{- end }}
+{{- end }}
 {{- end }}
