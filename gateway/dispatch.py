@@ -176,8 +176,7 @@ class Dispatcher:
                 raise
             finally:
                 ep.end_prefill(ticket, learn=ok)
-                rec.prefill_s = time.perf_counter() - started
-                rec.prefill_outcome = "ok" if ok else "error"
+                rec.prefill_legs.append(("ok" if ok else "error", time.perf_counter() - started))
                 rec.prefill = ep.url
                 span.end(None if ok else error)
         params = data.get("kv_transfer_params")
@@ -221,13 +220,14 @@ class Dispatcher:
     async def open_decode(self, ep: Endpoint, req: ParsedRequest, path: str, rec: RequestRecord,
                           kv_params: dict[str, Any] | None, tokens: int = 0) -> DecodeStream:
         """Send the decode leg and read up to its first token; raises _LegFailed before that.
-        A direct leg prefills ``tokens`` uncached tokens there first: they count in the endpoint's
-        backlog until the first token (the cost model's queue estimate)."""
+        A direct stream prefills ``tokens`` uncached tokens there first: they count in the
+        endpoint's backlog until its first token (the cost model's queue estimate). A whole
+        answer's first token cannot be seen, so non-streamed legs do not count."""
         body = req.body if kv_params is None else {**req.body, "kv_transfer_params": kv_params}
-        reached = got_head = False
+        reached = False
         span = rec.trace.leg("decode", ep.url)
         span.set("pdgate.kv_from_prefill", kv_params is not None)
-        ticket = ep.start_prefill(tokens if kv_params is None else 0)
+        ticket = ep.start_prefill(tokens if kv_params is None and req.stream else 0)
         started = time.perf_counter()
         rec.decode = ep.url
         with _in_flight(ep) as keep:
@@ -241,7 +241,6 @@ class Dispatcher:
                     reached = True
                     try:
                         head = await _read_head(resp, req.stream)
-                        got_head = True
                     except BaseException:
                         resp.close()
                         raise
@@ -258,8 +257,9 @@ class Dispatcher:
                 span.end(failed.err.code or failed.err.message)
                 raise failed from None
             finally:
-                # Streams only: the first chunk is the first token (a whole answer is no first token).
-                ep.end_prefill(ticket, learn=req.stream and got_head)
+                # Not learned from: a first token's time on a decode engine also holds the running
+                # decodes' step time, which would bias the per-token speed the cost model uses.
+                ep.end_prefill(ticket, learn=False)
             keep()  # the relay now owns the in-flight count
         if req.stream:
             rec.decode_first_token_s = time.perf_counter() - started

@@ -76,10 +76,6 @@ class GatewayMetrics:
         self.queue_wait = Histogram("pdgate_admission_wait_seconds",
                                     "Time requests waited for admission and engine capacity",
                                     buckets=_LATENCY_BUCKETS, registry=r)
-        self.healthy = Gauge("pdgate_endpoint_healthy", "1 when the endpoint passes health checks",
-                             ["pool", "endpoint"], registry=r)
-        self.in_flight = Gauge("pdgate_endpoint_in_flight_requests", "Requests the gateway has open on the endpoint",
-                               ["pool", "endpoint"], registry=r)
         self.reloads = Counter("pdgate_config_reloads", "Config file reloads by result (ok, rejected)",
                                ["result"], registry=r)
         self.config_info = Gauge("pdgate_config_info", "1 for the version of the config in use", ["version"],
@@ -108,13 +104,14 @@ class GatewayMetrics:
         """Everything one request measured, once it is over (off the relay's per-chunk path)."""
         model, path = rec.model, rec.path
         self.finished(model, path, rec.status, rec.e2e_s)
-        self.queue_wait.observe(rec.queue_s)
+        if rec.admitted:
+            self.queue_wait.observe(rec.queue_s)
         if rec.tokenize_s is not None:
             self._child(self.tokenize, model).observe(rec.tokenize_s)
         if rec.route_s is not None:
             self._child(self.decision_time, model).observe(rec.route_s)
-        if rec.prefill_s is not None:
-            self._child(self.prefill_leg, model, rec.prefill_outcome).observe(rec.prefill_s)
+        for outcome, seconds in rec.prefill_legs:  # every attempt, failed ones too
+            self._child(self.prefill_leg, model, outcome).observe(seconds)
         if rec.status >= 400 or path == "none":
             return
         self._child(self.prompt_tokens, model, path).inc(rec.prompt_tokens)
@@ -124,9 +121,10 @@ class GatewayMetrics:
             self._child(self.ttft, model, path).observe(rec.ttft_s)
         if rec.decode_first_token_s is not None:
             self._child(self.decode_first_token, model, path).observe(rec.decode_first_token_s)
-        itl = self._child(self.itl, model, path)
-        for gap in rec.gaps():
-            itl.observe(gap)
+
+    def itl_for(self, model: str, path: str) -> Any:
+        """The inter-token histogram a stream observes chunk by chunk (nothing kept per chunk)."""
+        return self._child(self.itl, model, path)
 
     def failover_child(self, event: str, cause: str) -> Any:
         return self._child(self.failovers, event, cause)
@@ -142,15 +140,13 @@ class GatewayMetrics:
         self.config_info.labels(version).set(1)
 
     def render(self) -> bytes:
-        for ep in self._pools.all():
-            self.healthy.labels(ep.pool, ep.url).set(1 if ep.healthy else 0)
-            self.in_flight.labels(ep.pool, ep.url).set(ep.in_flight)
         return generate_latest(self.registry)
 
 
 class _PoolCollector:
     """Per pool, the signals to scale it on (README, "Scaling each pool"). Engine-reported figures
-    count only endpoints whose last scrape is fresh: stale data ages out instead of lingering."""
+    count only endpoints whose last scrape is fresh: stale data ages out instead of lingering.
+    Built at scrape time, so engines that left (a reload, discovery) leave no series behind."""
 
     def __init__(self, pools: Pools) -> None:
         self._pools = pools
@@ -170,6 +166,14 @@ class _PoolCollector:
         running = family("pdgate_pool_engine_running_requests", "Running requests the pool's engines report")
         kv = family("pdgate_pool_kv_usage_ratio", "Mean KV cache usage (0..1) the pool's engines report")
         reporting = family("pdgate_pool_reporting_endpoints", "Endpoints whose engine metrics are fresh")
+        ep_labels = ["pool", "endpoint"]
+        ep_healthy = GaugeMetricFamily("pdgate_endpoint_healthy", "1 when the endpoint passes health checks",
+                                       labels=ep_labels)
+        ep_in_flight = GaugeMetricFamily("pdgate_endpoint_in_flight_requests",
+                                         "Requests the gateway has open on the endpoint", labels=ep_labels)
+        for e in self._pools.all():
+            ep_healthy.add_metric([e.pool, e.url], 1 if e.healthy else 0)
+            ep_in_flight.add_metric([e.pool, e.url], e.in_flight)
         now = time.monotonic()
         max_age = self._pools.stats_max_age_s
         for name, eps in (("prefill", self._pools.prefill), ("decode", self._pools.decode)):
@@ -178,11 +182,15 @@ class _PoolCollector:
             healthy.add_metric([name], sum(1 for e in eps if e.healthy and not e.ejected))
             in_flight.add_metric([name], sum(e.in_flight for e in eps))
             uncached.add_metric([name], sum(e.backlog_tokens for e in eps))
-            waiting.add_metric([name], sum(s.waiting for s in fresh))
-            running.add_metric([name], sum(s.running for s in fresh))
-            kv.add_metric([name], sum(usages) / len(usages) if usages else 0.0)
             reporting.add_metric([name], len(fresh))
-        yield from (healthy, in_flight, uncached, waiting, running, kv, reporting)
+            # No fresh report: no value at all, rather than a 0 that would tell an autoscaler the
+            # pool is idle when its engines are too busy to answer scrapes.
+            if fresh:
+                waiting.add_metric([name], sum(s.waiting for s in fresh))
+                running.add_metric([name], sum(s.running for s in fresh))
+            if usages:
+                kv.add_metric([name], sum(usages) / len(usages))
+        yield from (healthy, in_flight, uncached, waiting, running, kv, reporting, ep_healthy, ep_in_flight)
 
 
 class _RoutingStateCollector:

@@ -59,8 +59,9 @@ class RelayResponse:
         try:
             await self._exchange(send)
         except asyncio.CancelledError:
-            if not watch.left:
-                raise  # the server is shutting down: not ours to swallow
+            if not watch.left:  # the server is shutting down: not ours to swallow
+                self.outcome = Outcome(503, "cancelled: the gateway is shutting down", self.outcome.path)
+                raise
             task.uncancel()
             if not self._finished:  # a client that hangs up after [DONE] got its whole answer
                 self.outcome = Outcome(CLIENT_CLOSED, "client disconnected", self.outcome.path)

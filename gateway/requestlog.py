@@ -14,14 +14,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import pairwise
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import orjson
 
 from .tracing import NO_TRACE, RequestTrace
 
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+
+
+class Observer(Protocol):
+    def observe(self, amount: float) -> None: ...
 
 
 @dataclass(slots=True)
@@ -32,6 +35,7 @@ class RequestRecord:
     trace: RequestTrace = NO_TRACE
     model: str = "unknown"  # only configured names, once known: metric labels stay bounded
     stream: bool = False
+    admitted: bool = False
     path: str = "none"  # pd, direct; none: the gateway answered itself
     reason: str = ""
     decode: str = ""  # endpoint urls, after any failover
@@ -44,30 +48,44 @@ class RequestRecord:
     queue_s: float = 0.0
     tokenize_s: float | None = None
     route_s: float | None = None
-    prefill_s: float | None = None
-    prefill_outcome: str = "ok"
+    prefill_legs: list[tuple[str, float]] = field(default_factory=list)  # (outcome, seconds) per attempt
     decode_first_token_s: float | None = None
     ttft_s: float | None = None
     e2e_s: float = 0.0
     failover: list[str] = field(default_factory=list)
-    # Streams: when each chunk went out, and how many SSE events it held.
-    chunk_times: list[float] = field(default_factory=list)
+    # Streams: the inter-token histogram of this request's model and path (set once the decode leg
+    # is open), the last token chunk's time, and how many SSE events went out.
+    itl: Observer | None = None
+    last_token_at: float = 0.0
     events: int = 0
+
+    @property
+    def prefill_s(self) -> float | None:
+        """The prefill leg that counted (the last attempt)."""
+        return self.prefill_legs[-1][1] if self.prefill_legs else None
 
     def since_start(self) -> float:
         return time.perf_counter() - self.started
 
     def sent_chunk(self, chunk: bytes) -> None:
-        """A stream chunk went to the client (the relay's only per-chunk bookkeeping)."""
-        now = time.perf_counter()
-        if not self.chunk_times:
-            self.ttft_s = now - self.started
-        self.chunk_times.append(now)
-        self.events += chunk.count(b"data: ")
+        """A stream chunk went to the client (the relay's only per-chunk bookkeeping). Chunks with
+        no token (the usage chunk, ``[DONE]``) do not count as tokens for TTFT or ITL."""
+        events = chunk.count(b"data: ")
+        self.events += events
+        empty = chunk.count(b"data: [DONE]")
         if b'"completion_tokens"' in chunk:  # the usage chunk (stream_options.include_usage)
             found = _COMPLETION_TOKENS.findall(chunk)
             if found:
                 self.output_tokens = int(found[-1])
+            empty += chunk.count(b'"choices":[]') + chunk.count(b'"choices": []')
+        if events <= empty:
+            return
+        now = time.perf_counter()
+        if self.ttft_s is None:
+            self.ttft_s = now - self.started
+        elif self.itl is not None:
+            self.itl.observe(now - self.last_token_at)
+        self.last_token_at = now
 
     def sent_body(self, body: bytes) -> None:
         """A whole (non-streamed) answer went to the client."""
@@ -83,10 +101,6 @@ class RequestRecord:
             # No usage chunk: one event per token (vLLM's default), less the [DONE] line and, for
             # chat, the opening role chunk. An estimate; the usage chunk is exact.
             self.output_tokens = max(0, self.events - 1 - (self.kind == "chat"))
-
-    def gaps(self) -> list[float]:
-        t = self.chunk_times
-        return [b - a for a, b in pairwise(t)]
 
     def access_line(self) -> bytes:
         line: dict[str, Any] = {

@@ -18,7 +18,7 @@ from policies.pipeline import NoEndpointError
 
 from .admission import Gate, too_busy
 from .config import GatewayConfig
-from .dispatch import Dispatcher
+from .dispatch import DecodeStream, Dispatcher
 from .errors import APIError, error_response
 from .metrics import GatewayMetrics
 from .pools import Pools
@@ -109,7 +109,7 @@ class Gateway:
         """Read, check, tokenize and decide (waiting for engine capacity until ``deadline``); raises
         APIError for anything the client must fix or wait for."""
         body = await self._read_body(request, rt.cfg.server.max_body_bytes)
-        t0 = time.time_ns()  # wall-clock ns: what span timestamps are
+        t0 = time.perf_counter_ns()
         req = parse_body(body, kind)
         tok = rt.tokenizers.get(req.model)
         if tok is None:
@@ -117,10 +117,11 @@ class Gateway:
         rec.model, rec.stream = req.model, req.stream
         check_output_limit(req, rt.cfg.limits.max_output_tokens)
         prompts = await rt.tokenizers.prompt_ids(tok, req)
-        t1 = time.time_ns()
+        t1 = time.perf_counter_ns()
         rec.tokenize_s = (t1 - t0) / 1e9
         rec.prompt_tokens = len(prompts[0])
-        rec.trace.record("tokenize", t0, t1, {"pdgate.prompt_tokens": rec.prompt_tokens})
+        if rec.trace.span is not None:
+            rec.trace.record("tokenize", t1 - t0, {"pdgate.prompt_tokens": rec.prompt_tokens})
         limit = rt.cfg.limits.max_prompt_tokens
         if limit and (longest := max(map(len, prompts))) > limit:
             raise APIError(400, f"This gateway accepts prompts of at most {limit} tokens; this one has "
@@ -146,22 +147,23 @@ class Gateway:
                 w0 = time.perf_counter()
                 await self.pools.wait_release(left)
                 waited += time.perf_counter() - w0
-        t2 = time.time_ns()
+        t2 = time.perf_counter_ns()
         rec.route_s = (t2 - t1) / 1e9 - waited
         rec.queue_s += waited
         d = route.decision
         rec.path, rec.reason, rec.decode = d.path.value, d.reason, d.decode.url
         rec.prefill = d.prefill.url if d.prefill else ""
         rec.uncached_tokens = prep.ctx.uncached(d.decode.url)
-        rec.trace.record("route", t1, t2, _route_attributes(rec, d, prep))
+        if rec.trace.span is not None:
+            rec.trace.record("route", t2 - t1, _route_attributes(rec, d, prep, waited))
         return Routed(req, prompts, rec.request_id, prep, route)
 
     async def _handle(self, request: Request, kind: Kind, path: str) -> Response | RelayResponse:
         rt = self.runtime
         rec = RequestRecord(_request_id(request.headers.get("x-request-id")), kind)
-        rec.trace = self.tracing.start(f"POST {path}", request.headers,
-                                       {"http.request.method": "POST", "url.path": path,
-                                        "pdgate.request_id": rec.request_id})
+        rec.trace = self.tracing.start(f"POST {path}", request.headers, {"url.path": path})
+        if rec.trace.span is not None:
+            rec.trace.set({"http.request.method": "POST", "pdgate.request_id": rec.request_id})
         admitted = False
         try:
             self.authorize(request)
@@ -169,21 +171,22 @@ class Gateway:
             deadline = time.monotonic() + adm.queue_timeout_s
             if not await self.gate.enter(adm.queue_timeout_s):
                 raise too_busy(adm, "too many requests in flight")
-            admitted = True
+            admitted = rec.admitted = True
             rec.queue_s = rec.since_start()
             r = await self._route(rt, request, kind, rec, deadline=deadline)
         except APIError as err:
-            return self._refuse(rec, admitted, err.status, err.message, error_response(err))
+            self._refuse(rec, admitted, err.status, err.message)
+            return error_response(err)
         except ClientDisconnect:
-            return self._refuse(rec, admitted, 499, "client disconnected", Response(status_code=499))
+            self._refuse(rec, admitted, 499, "client disconnected")
+            return Response(status_code=499)
         except Exception:  # a bug: answer in the OpenAI shape and keep the count honest
             log.exception("request handling failed")
             err = APIError(500, "The gateway failed to handle this request.", code="internal_error")
-            return self._refuse(rec, admitted, 500, err.message, error_response(err))
-        except BaseException:  # cancelled while queued or reading: the slot must not leak
-            if admitted:
-                self.gate.leave()
-            rec.trace.end(499, "cancelled")
+            self._refuse(rec, admitted, 500, err.message)
+            return error_response(err)
+        except BaseException:  # cancelled (the server is stopping): the slot must not leak
+            self._refuse(rec, admitted, 503, "cancelled: the gateway is shutting down")
             raise
 
         decision = r.route.decision
@@ -204,10 +207,17 @@ class Gateway:
             headers[ROUTE_HEADER] = (f"{decision.reason}; {decision.detail}; decode={decision.decode.url}"
                                      + (f"; prefill={decision.prefill.url}" if decision.prefill else ""))
         prefill_tokens = r.prep.ctx.uncached(decision.prefill.url) if decision.prefill else 0
+
+        async def start() -> DecodeStream:
+            up = await rt.dispatcher.run(decision, r.req, path, rec,
+                                         lambda pool, exclude: rt.router.other(r.prep, pool, exclude),
+                                         prefill_tokens, rec.uncached_tokens)
+            if r.req.stream:  # the path really taken (failover may change it) labels its tokens' gaps
+                rec.itl = self.metrics.itl_for(rec.model, up.path.value)
+            return up
+
         return RelayResponse(
-            start=lambda: rt.dispatcher.run(decision, r.req, path, rec,
-                                            lambda pool, exclude: rt.router.other(r.prep, pool, exclude),
-                                            prefill_tokens, rec.uncached_tokens),
+            start=start,
             stream=r.req.stream,
             headers=headers,
             on_done=done,
@@ -266,27 +276,30 @@ class Gateway:
             if not message.get("more_body", False):
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    def _refuse(self, rec: RequestRecord, admitted: bool, status: int, error: str, response: Response) -> Response:
+    def _refuse(self, rec: RequestRecord, admitted: bool, status: int, error: str) -> None:
         """Answered by the gateway itself (no engine): count it, free the admission slot."""
         if admitted:
             self.gate.leave()
         rec.path = "none"
         rec.finish(status, error)
         self._finished(rec)
-        return response
 
     def _finished(self, rec: RequestRecord) -> None:
-        rec.trace.set({"pdgate.path": rec.path, "gen_ai.usage.output_tokens": rec.output_tokens or 0})
+        if rec.trace.span is not None:
+            rec.trace.set({"pdgate.path": rec.path})
+            if rec.output_tokens is not None:
+                rec.trace.set({"gen_ai.usage.output_tokens": rec.output_tokens})
         rec.trace.end(rec.status, rec.error)
         self.metrics.record(rec)
         self.access_log.write(rec)
 
 
-def _route_attributes(rec: RequestRecord, d: Any, prep: Prepared) -> dict[str, Any]:
+def _route_attributes(rec: RequestRecord, d: Any, prep: Prepared, waited: float) -> dict[str, Any]:
     attrs: dict[str, Any] = {
         "pdgate.path": rec.path, "pdgate.reason": rec.reason, "pdgate.detail": d.detail,
         "pdgate.decode_endpoint": rec.decode, "pdgate.prompt_tokens": rec.prompt_tokens,
         "pdgate.uncached_tokens": rec.uncached_tokens, "gen_ai.request.model": rec.model,
+        "pdgate.capacity_wait_s": waited,
     }
     if rec.prefill:
         attrs["pdgate.prefill_endpoint"] = rec.prefill

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +32,8 @@ from .config import TracingConfig
 log = logging.getLogger(__name__)
 
 _PROPAGATOR = TraceContextTextMapPropagator()  # stateless: W3C traceparent/tracestate
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+_TRACESTATE = re.compile(r"[\x21-\x7e ,=]*")
 
 
 def _env_headers(name: str | None) -> dict[str, str]:
@@ -72,9 +76,18 @@ class Tracing:
         self.tracer = self._provider.get_tracer("pdgate")
 
     def start(self, name: str, headers: Mapping[str, str], attributes: dict[str, Any]) -> RequestTrace:
-        """The server span of one request, joined to the client's trace when it sent a traceparent."""
+        """The server span of one request, joined to the client's trace when it sent a traceparent.
+        With tracing off, a client's valid traceparent (and tracestate) still goes on to the
+        engines unchanged, so their spans join the client's trace."""
         if self.tracer is None:
-            return NO_TRACE
+            parent_header = headers.get("traceparent")
+            if parent_header is None or not _TRACEPARENT.fullmatch(parent_header):
+                return NO_TRACE
+            carried = {"traceparent": parent_header}
+            state = headers.get("tracestate")
+            if state and len(state) <= 512 and _TRACESTATE.fullmatch(state):
+                carried["tracestate"] = state
+            return RequestTrace(None, None, carried)
         parent = _PROPAGATOR.extract(headers) if "traceparent" in headers else None
         span = self.tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes)
         return RequestTrace(self.tracer, span)
@@ -89,9 +102,9 @@ class LegSpan:
 
     __slots__ = ("_span", "headers")
 
-    def __init__(self, span: Span | None) -> None:
+    def __init__(self, span: Span | None, headers: dict[str, str] | None = None) -> None:
         self._span = span
-        self.headers: dict[str, str] = {}
+        self.headers: dict[str, str] = headers if headers is not None else {}
         if span is not None:
             _PROPAGATOR.inject(self.headers, context=set_span_in_context(span))
 
@@ -114,24 +127,28 @@ NO_LEG = LegSpan(None)
 class RequestTrace:
     """The spans of one request; all end at the latest when the server span does."""
 
-    __slots__ = ("_context", "_open", "_tracer", "span")
+    __slots__ = ("_context", "_open", "_passed_on", "_tracer", "span")
 
-    def __init__(self, tracer: Tracer | None, span: Span | None) -> None:
+    def __init__(self, tracer: Tracer | None, span: Span | None, passed_on: dict[str, str] | None = None) -> None:
         self._tracer = tracer
         self.span = span
         self._context: Context | None = set_span_in_context(span) if span is not None else None
         self._open: list[LegSpan] = []
+        self._passed_on = passed_on  # tracing off: the client's trace headers, for the engines
 
-    def record(self, name: str, start_ns: int, end_ns: int, attributes: dict[str, Any]) -> None:
-        """A finished step (tokenize, route), timed by the caller: no context manager on the path."""
+    def record(self, name: str, duration_ns: int, attributes: dict[str, Any]) -> None:
+        """A step (tokenize, route) that just ended, timed by the caller: no context manager on
+        the request path. Only call it when ``span`` is set (building attributes costs)."""
         if self._tracer is None:
             return
-        child = self._tracer.start_span(name, context=self._context, start_time=start_ns, attributes=attributes)
-        child.end(end_time=end_ns)
+        end = time.time_ns()
+        child = self._tracer.start_span(name, context=self._context, start_time=end - duration_ns,
+                                        attributes=attributes)
+        child.end(end_time=end)
 
     def leg(self, name: str, url: str) -> LegSpan:
         if self._tracer is None:
-            return NO_LEG
+            return NO_LEG if self._passed_on is None else LegSpan(None, self._passed_on)
         span = self._tracer.start_span(name, context=self._context, kind=SpanKind.CLIENT,
                                        attributes={"pdgate.leg": name, "server.address": url})
         leg = LegSpan(span)

@@ -7,10 +7,9 @@
 ``backlog(x)`` is the uncached prompt tokens the gateway has already sent to endpoint x whose
 prefill has not finished (x's queue, as far as this gateway knows); ``uncached(x)`` the prompt
 tokens x does not hold in its prefix cache (the decode engine pulls only the blocks it lacks);
-``s_per_token(x)`` x's prefill speed, learned online (prefill engines: from their prefill legs;
-decode engines: from direct streams' first tokens, so the slowdown running decodes cause is in
-it); until a decode engine's own speed is known, the prefill engine's (else
-``prefill_tokens_per_s``) times ``decode_prefill_factor``. P/D must win by ``min_gain_s``.
+``s_per_token(x)`` x's prefill speed, learned online from observed prefill legs, else
+``prefill_tokens_per_s``; a decode engine's is the prefill engine's times ``decode_prefill_factor``
+unless it was measured. P/D must win by ``min_gain_s``.
 """
 
 from __future__ import annotations

@@ -75,9 +75,13 @@ def setup(tokenizer_dir, tmp_path_factory):
         redis_port = free_port()
         start_redis(group, redis_port)
         c.prefill.append(c.start_sim("prefill", "--prefill-time-per-token", "0.0002"))
-        c.decode.append(c.start_sim("decode", "--decode-time-per-token", "0.005"))
+        pub = free_port()
+        events = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub}"})
+        c.decode.append(c.start_sim("decode", "--decode-time-per-token", "0.005", "--kv-events-config", events))
         c.start_gateway(
             THRESHOLD,
+            pools={"prefill": {"endpoints": [c.prefill[0].url]},
+                   "decode": {"endpoints": [{"url": c.decode[0].url, "kv_events": f"tcp://127.0.0.1:{pub}"}]}},
             env={"OTEL_BSP_SCHEDULE_DELAY": "100"},  # export spans every 0.1 s, not 5 s
             state={"backend": "redis", "url": f"redis://127.0.0.1:{redis_port}/0", "key_prefix": "obs-e2e"},
             telemetry={"tracing": {"exporter": "otlp", "endpoint": collector.url}},

@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import orjson
@@ -17,7 +18,9 @@ from starlette.testclient import TestClient
 
 from gateway.app import create_app
 from gateway.config import ConfigError, TracingConfig, parse_config
-from gateway.requestlog import LineWriter
+from gateway.metrics import GatewayMetrics
+from gateway.pools import EngineStats, Pools
+from gateway.requestlog import LineWriter, RequestRecord
 from gateway.tracing import Tracing
 from tests.promtext import sample
 
@@ -207,6 +210,41 @@ def test_streams_count_ttft_itl_and_usage_tokens(client, eng):
     assert delta("pdgate_prompt_tokens_total", **direct) > 0
     assert delta("pdgate_tokenize_duration_seconds_count", model="tiny") == 1
     assert delta("pdgate_route_decision_duration_seconds_count", model="tiny") == 1
+    # The decode stream's uncached prompt tokens counted on the engine until its first token.
+    assert sample(after, "pdgate_pool_uncached_prompt_tokens", pool="decode") == 0
+
+
+def test_itl_counts_gaps_between_token_chunks_only():
+    itl = []
+    rec = RequestRecord("r", "completion")
+    rec.itl = type("H", (), {"observe": staticmethod(itl.append)})()
+    for text in ("a", "b", "c"):
+        rec.sent_chunk(sse(chunk(text))[: -len(b"data: [DONE]\n\n")])
+    rec.sent_chunk(b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":2,"completion_tokens":3}}\n\n')
+    rec.sent_chunk(b"data: [DONE]\n\n")
+    rec.finish(200)
+    assert len(itl) == 2 and all(g >= 0 for g in itl)  # a->b, b->c; not the usage chunk nor [DONE]
+    assert rec.output_tokens == 3 and rec.ttft_s is not None
+
+
+def test_pool_signals_drop_stale_engine_reports_and_removed_endpoints():
+    pools = Pools(["http://p:1"], ["http://d:1", "http://d:2"], stats_max_age_s=5.0)
+    metrics = GatewayMetrics(pools)
+    now = time.monotonic()
+    pools.decode[0].stats = EngineStats(running=3, waiting=1, kv_usage=0.5, block_size=16, at=now)
+    pools.decode[1].stats = EngineStats(running=5, waiting=2, kv_usage=0.9, block_size=16, at=now - 60)  # stale
+    pools.prefill[0].stats = EngineStats(running=1, waiting=0, kv_usage=0.2, block_size=16, at=now - 60)
+    text = metrics.render().decode()
+    assert sample(text, "pdgate_pool_engine_running_requests", pool="decode") == 3
+    assert sample(text, "pdgate_pool_kv_usage_ratio", pool="decode") == 0.5
+    assert sample(text, "pdgate_pool_reporting_endpoints", pool="decode") == 1
+    # No fresh report from the prefill pool: no value at all (an autoscaler keeps its scale), not 0.
+    assert "pdgate_pool_kv_usage_ratio{pool=\"prefill\"}" not in text
+    assert "pdgate_pool_engine_waiting_requests{pool=\"prefill\"}" not in text
+    pools.update(["http://p:1"], ["http://d:1"])
+    text = metrics.render().decode()
+    assert 'endpoint="http://d:2"' not in text  # an engine that left leaves no series behind
+    assert 'pdgate_endpoint_healthy{endpoint="http://d:1",pool="decode"}' in text
 
 
 def test_pd_metrics_and_pool_signals(client, eng):
@@ -243,18 +281,23 @@ def test_one_json_access_line_per_request(client, eng, access_lines):
     assert refused["status"] == 400 and refused["path"] == "none" and refused["error"]
 
 
-def test_tracing_off_sends_no_traceparent(tokenizer_dir, engines):
+def test_tracing_off_passes_the_clients_trace_on_unchanged(tokenizer_dir, engines):
     engines[2].reset()
-    engines[2].reply("/v1/completions", completion("hi"))
     cfg = parse_config({
         "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 4096}],
         "pools": {"decode": {"endpoints": [engines[2].url]}},
     })
-    with TestClient(create_app(cfg)) as c:
-        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "hello"},
-                   headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_PARENT}-01"})
-    assert r.status_code == 200
-    assert "traceparent" not in engines[2].posts("/v1/completions")[0].headers
+    client_parent = f"00-{CLIENT_TRACE}-{CLIENT_PARENT}-01"
+    with TestClient(create_app(cfg, access_sink=lambda line: None)) as c:
+        for headers in ({"traceparent": client_parent, "tracestate": "vendor=abc"},
+                        {"traceparent": "00-not-a-trace\r\nx-evil: 1"}, {}):
+            engines[2].reply("/v1/completions", completion("hi"))
+            r = c.post("/v1/completions", json={"model": "tiny", "prompt": "hello"}, headers=headers)
+            assert r.status_code == 200
+    good, bad, none = (p.headers for p in engines[2].posts("/v1/completions"))
+    assert good["traceparent"] == client_parent and good["tracestate"] == "vendor=abc"
+    assert "traceparent" not in bad and "x-evil" not in bad  # malformed: not passed on
+    assert "traceparent" not in none
 
 
 def test_cost_model_predictions_are_route_attributes(tokenizer_dir, engines, exporter):
