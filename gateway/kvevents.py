@@ -86,6 +86,7 @@ class AllBlocksCleared:
 
 
 Event = BlockStored | BlockRemoved | AllBlocksCleared
+MEDIUM_GPU = "GPU"  # vLLM's medium of its own (GPU) KV cache blocks
 
 
 class DecodeError(ValueError):
@@ -443,6 +444,11 @@ class KVEventSubscriber:
                 self._clear()
                 continue
             if self.group_idx is not None and ev.group_idx not in (None, self.group_idx):
+                c.ignored += 1
+                continue
+            if ev.medium not in (None, MEDIUM_GPU):
+                # Another tier's copy (CPU offload, LMCache through the MultiConnector): its stores
+                # and removals say nothing about the GPU cache the index stands for.
                 c.ignored += 1
                 continue
             if isinstance(ev, BlockStored):

@@ -409,3 +409,19 @@ async def test_translation_maps_engine_hashes(ctx: zmq.asyncio.Context, ports: t
 def test_translation_needs_a_spec() -> None:
     with pytest.raises(ValueError):
         KVEventSubscriber(URL, "tcp://127.0.0.1:1", index=PrefixIndex(), translate=True)
+
+
+async def test_other_tiers_events_leave_the_gpu_view_alone(ctx: zmq.asyncio.Context, ports: tuple[int, int]) -> None:
+    """With LMCache or CPU offloading behind a MultiConnector, an engine also reports blocks stored
+    and evicted in other tiers; only its GPU cache's events move the index."""
+    engine, sub, index = await connected_pair(ctx, ports)
+    try:
+        await engine.publish(stored([1, 2]))
+        await until(lambda: index.match([1, 2]) == {URL: 2})
+        await engine.publish(WireRemoved([2], "CPU", 0))  # evicted from the CPU tier: still on the GPU
+        await engine.publish(WireStored([7], None, [0] * 4, 4, None, "CPU", None, group_idx=0))
+        await until(lambda: sub.counters.ignored == 2)
+        assert index.match([1, 2]) == {URL: 2} and index.match([7]) == {}
+    finally:
+        await sub.stop()
+        await engine.close()
