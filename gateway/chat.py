@@ -275,6 +275,10 @@ def _part(part: Any, fmt: ContentFormat) -> tuple[Any, bool]:
 
 def _content(msg: Mapping[str, Any], fmt: ContentFormat) -> tuple[str | list[Any], bool]:
     content = msg.get("content")
+    if isinstance(content, str) and fmt == "string" and not (
+        msg["role"] == "system" and content.startswith(BILLING_HEADER)
+    ):
+        return content, False  # what the loop below makes of it (a conversation is mostly these)
     parts = [] if content is None else [content] if isinstance(content, str) else list(content)
     if msg["role"] == "system":
         parts = _strip_billing_header(parts)

@@ -399,7 +399,7 @@ def block_hashes(
         return []
     step = spec.block_size // unit
     try:
-        packed = array("I", token_ids[: units * unit]).tobytes()
+        packed = _pack(token_ids, units * unit)
     except (OverflowError, TypeError):  # not uint32 token ids: no reuse, plain memoized hashing
         published = _publish(_chain(token_ids, spec, None, first, every), spec)
         return published[step - 1 :: step] if step != 1 else published
@@ -418,6 +418,18 @@ def block_hashes(
         spec._recent.put(key, _Prompt(packed, digests, published),
                          last if last is not None and shared == len(last.digests) else None)
     return published[step - 1 :: step] if step != 1 else list(published)
+
+
+def _pack(token_ids: Sequence[int], n: int) -> bytes:
+    """The first ``n`` token ids as uint32s (``array.fromlist`` converts a list ~1.5x faster than
+    ``array(list)``, and the array is cut in place instead of slicing the list first)."""
+    packed = array("I")
+    if type(token_ids) is list:
+        packed.fromlist(token_ids)
+        del packed[n:]
+    else:
+        packed.extend(token_ids[:n])
+    return packed.tobytes()
 
 
 def _publish(digests: Sequence[Digest], spec: HashSpec) -> list[BlockHash]:

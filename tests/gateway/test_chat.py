@@ -129,6 +129,18 @@ def test_claude_code_billing_header_is_stripped_from_system_messages(hf):
     assert rendered(tok, body) == f"[system|You help.][system|Be brief.][user|{header}\nkept for users]"
 
 
+def test_string_content_shortcut_equals_the_parts_path():
+    """A string content takes a shortcut; it must give what the same text as one part gives."""
+    header = chat.BILLING_HEADER + ": cc_version=1"
+    texts = ["", "hi", "\n", header, header + "\nrest", " " + header, "a\nb"]
+    for role in ("system", "user", "assistant", "tool", "developer"):
+        for text in texts:
+            for fmt in ("string", "openai"):
+                short = chat.normalize_messages([{"role": role, "content": text}], fmt)
+                parts = chat.normalize_messages([{"role": role, "content": [text]}], fmt)
+                assert short == parts, (role, text, fmt)
+
+
 # -- message fields (F6, F8, F11) -----------------------------------------------------------------
 
 def test_empty_tool_calls_are_removed_and_task_is_copied(hf):

@@ -234,3 +234,67 @@ def test_reuse_off() -> None:
     assert enc.reason == "disabled"
     assert enc.encode("a<m>b") == tok.encode("a<m>b", add_special_tokens=False).ids
     assert enc.cached_tokens() == 0
+
+
+# -- reusing a recent text's ids up to one of its added tokens -----------------------------------------
+
+def test_common_prefix() -> None:
+    from gateway.tokenizer import _common_prefix
+
+    rng = random.Random(4)
+    for _ in range(500):
+        a = "".join(rng.choice("ab") for _ in range(rng.choice([0, 3, 50, 3000])))
+        b = a[: rng.randrange(len(a) + 1)] + "".join(rng.choice("ab") for _ in range(rng.randrange(5)))
+        want = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        assert _common_prefix(a, b) == want == _common_prefix(b, a)
+
+
+def test_next_text_reuses_the_previous_ones_ids_exactly() -> None:
+    """Texts growing (and branching) piece by piece, with added tokens that overlap and one that
+    starts inside the previous text and ends past it: always the whole text's ids."""
+    added = [AddedToken(t, special=True, normalized=False)
+             for t in ("<a>", "<a><b>", "a><", "<b>", "b", "<a><b><c>", "<c>")]
+    tok = build(added=added)
+    pieces = ["<", "a", ">", "b", "c", " ", "<a>", "<b>", "<c>", "x", "\n", "hello", " world"]
+    rng = random.Random(8)
+    for post in (None, processors.TemplateProcessing(single="<c> $A <b>", special_tokens=[
+            ("<c>", tok.token_to_id("<c>")), ("<b>", tok.token_to_id("<b>"))])):
+        tok.post_processor = post
+        enc = SegmentEncoder(tok)
+        assert enc.enabled
+        reusable, hits = enc._reusable, []
+
+        def counted(text: str, reusable: Any = reusable, hits: list[bool] = hits) -> Any:
+            got = reusable(text)
+            hits.append(got[0] is not None)
+            return got
+
+        enc._reusable = counted  # type: ignore[method-assign]
+        texts = ["#" * 300]  # shorter texts are not kept for reuse
+        for _ in range(1500):
+            base = rng.choice(texts[-4:])
+            if rng.random() < 0.2:
+                base = base[: rng.randrange(250, len(base) + 1)]
+            text = base + "".join(rng.choice(pieces) for _ in range(rng.randint(1, 6)))
+            texts.append(text)
+            add = rng.random() < 0.3
+            assert enc.encode(text, add) == tok.encode(text, add_special_tokens=add).ids, (base, text)
+        assert sum(hits) > 500  # most texts reused a previous one's ids
+    # The case the margin is for: "<a>" ends the previous text, "<a><b>" is a match in the next.
+    enc = SegmentEncoder(tok)
+    assert enc.encode("x" * 300 + "<a>") == tok.encode("x" * 300 + "<a>", add_special_tokens=False).ids
+    text = "x" * 300 + "<a><b>y"
+    assert enc.encode(text) == tok.encode(text, add_special_tokens=False).ids
+
+
+def test_recent_texts_are_bounded(llama3: tuple[ModelTokenizer, ModelTokenizer]) -> None:
+    backend = llama3[0].hf.backend_tokenizer
+    enc = SegmentEncoder(backend, max_tokens=3000)
+    rng = random.Random(2)
+    specials = ["<|start_header_id|>", "<|eot_id|>"]
+    text = ""
+    for _ in range(200):
+        text = (text if rng.random() < 0.7 else "#" * 256) + random_text(rng, specials, 20)
+        assert enc.encode(text) == backend.encode(text, add_special_tokens=False).ids
+        assert enc._recent.tokens <= 3000
+    assert enc._recent.tokens == sum(len(r.ids) for recs in enc._recent._data.values() for r in recs)

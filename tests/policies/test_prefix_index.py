@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 
@@ -125,8 +124,9 @@ def test_mixed_sources_chain(clock: Clock) -> None:
     assert idx.match([1, 2, 3]) == {A: 2}
 
 
-def test_match_speed_8k_prompt() -> None:
-    """Hash + score of an 8k-token prompt against a populated index: well under 5 ms."""
+def test_match_8k_prompt_on_a_populated_index() -> None:
+    """An 8k-token prompt against an index holding other prompts: each engine's share is exact
+    (its speed is measured by bench.decision, not asserted here)."""
     spec = HashSpec(block_size=16)
     rng = random.Random(3)
     idx = PrefixIndex()
@@ -137,11 +137,8 @@ def test_match_speed_8k_prompt() -> None:
     for url in ("http://e0", "http://e1"):
         idx.stored(url, hashes)
     idx.learn("http://e2", hashes[:300])
-    t0 = time.perf_counter()
     got = idx.match(block_hashes(prompt, spec))
-    took = time.perf_counter() - t0
     assert got == {"http://e0": 512, "http://e1": 512, "http://e2": 300}
-    assert took < 0.05, took  # 10x slack for loaded CI machines
 
 
 def test_match_equals_a_naive_walk_on_random_states() -> None:
