@@ -5,6 +5,11 @@ Against an instant simulated engine (all latencies 0), the same requests go to t
 Reported: added p50/p99 latency at concurrency 1 and 32, non-streaming and 16-token streams, plus
 the gateway's CPU time per request (utime+stime from /proc). Also the P/D path at concurrency 1.
 
+The same measurement runs through the peer ``vllm-router`` (PyPI, Rust; installed on first use into
+its own venv in the cache folder): plain mode (``--policy round_robin``, one worker) next to the
+gateway's direct path, and ``--vllm-pd-disaggregation`` next to its P/D path, all alternated in
+the same rounds; ``ratios`` compares the two (pdgate / vllm-router) per cell. ``--no-peer`` skips it.
+
     python -m bench.overhead [--requests 2000] [--out docs/benchmarks/overhead.json]
 """
 
@@ -100,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=2000, help="per configuration and round")
     parser.add_argument("--rounds", type=int, default=3, help="A/B alternations")
     parser.add_argument("--out", default="docs/benchmarks/overhead.json")
+    parser.add_argument("--no-peer", action="store_true", help="skip vllm-router")
+    parser.add_argument("--vllm-router", default=None, help="an existing vllm-router binary")
     parser.add_argument(
         "--pin",
         action="store_true",
@@ -158,6 +165,25 @@ def main(argv: list[str] | None = None) -> int:
                 for tid in os.listdir(f"/proc/{proc.pid}/task"):
                     os.sched_setaffinity(int(tid), {cores[-1]})
             gws[name] = (proc, f"http://127.0.0.1:{gw_port}/v1/chat/completions")
+        if not args.no_peer:
+            from bench.goodput import vllm_router_binary
+
+            exe = str(vllm_router_binary(args.vllm_router))
+            decode_url, prefill_url = (f"http://127.0.0.1:{ports[r][0]}" for r in ("decode", "prefill"))
+            for name, mode in (
+                ("vllm-router", ["--policy", "round_robin", "--worker-urls", decode_url]),
+                ("vllm-router-pd", ["--vllm-pd-disaggregation", "--prefill", prefill_url, "--decode", decode_url]),
+            ):
+                vr_port = free_port()
+                argv = [exe, "--host", "127.0.0.1", "--port", str(vr_port), "--prometheus-host", "127.0.0.1",
+                        "--prometheus-port", str(free_port()), "--log-level", "warning",
+                        "--max-concurrent-requests", "4096", "--queue-size", "4096", *mode]  # fmt: skip
+                proc = group.start(name, argv)
+                proc.wait_http(f"http://127.0.0.1:{vr_port}/health", timeout=60)
+                if args.pin:
+                    for tid in os.listdir(f"/proc/{proc.pid}/task"):
+                        os.sched_setaffinity(int(tid), {cores[-1]})
+                gws[name] = (proc, f"http://127.0.0.1:{vr_port}/v1/chat/completions")
         engine_url = f"http://127.0.0.1:{ports['decode'][0]}/v1/chat/completions"
 
         plan = [(stream, conc) for stream in (False, True) for conc in (1, 32)]
@@ -170,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in range(args.rounds):
             for stream, conc in plan:
                 body = _body(stream)
-                targets = [("engine", engine_url, None), ("gateway", gws["gateway"][1], gws["gateway"][0].pid)]
-                if conc == 1:
-                    targets.append(("gateway-pd", gws["gateway-pd"][1], gws["gateway-pd"][0].pid))
+                targets = [("engine", engine_url, None)]
+                names = ["gateway", "vllm-router"] + (["gateway-pd", "vllm-router-pd"] if conc == 1 else [])
+                targets += [(n, gws[n][1], gws[n][0].pid) for n in names if n in gws]
                 for name, url, pid in targets if rnd % 2 == 0 else reversed(targets):
                     cpu0 = _cpu_seconds(pid) if pid else 0.0
                     lat, ttfb = asyncio.run(_run(url, body, args.requests, conc))
@@ -209,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
             if r.target != "engine" and r.stream == stream and r.concurrency == conc:
                 added.append(
                     {
-                        "path": "pd" if r.target == "gateway-pd" else "direct",
+                        "router": "vllm-router" if r.target.startswith("vllm-router") else "pdgate",
+                        "path": "pd" if r.target.endswith("-pd") else "direct",
                         "stream": stream,
                         "concurrency": conc,
                         "added_p50_ms": round(r.p50_ms - base.p50_ms, 3),
@@ -219,6 +246,26 @@ def main(argv: list[str] | None = None) -> int:
                         "engine_p50_ms": round(base.p50_ms, 3),
                     }
                 )
+    ratios = []
+    for a in added:
+        if a["router"] != "pdgate":
+            continue
+        peer = next(
+            (b for b in added if b["router"] == "vllm-router" and
+             (b["path"], b["stream"], b["concurrency"]) == (a["path"], a["stream"], a["concurrency"])),
+            None,
+        )  # fmt: skip
+        if peer is None:
+            continue
+        ratios.append(
+            {
+                "path": a["path"],
+                "stream": a["stream"],
+                "concurrency": a["concurrency"],
+                "added_p50_ratio": _ratio(a["added_p50_ms"], peer["added_p50_ms"]),
+                "cpu_ratio": _ratio(a["gateway_cpu_us_per_req"], peer["gateway_cpu_us_per_req"]),
+            }
+        )
     result = {
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
         "pinned": args.pin,
@@ -226,21 +273,36 @@ def main(argv: list[str] | None = None) -> int:
         "stream_tokens": STREAM_TOKENS,
         "rows": [asdict(r) for r in rows],
         "added": added,
+        "ratios_pdgate_over_vllm_router": ratios,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(
-        "| path | stream | concurrency | engine p50 ms | added p50 ms | added p99 ms | added TTFB p50 ms "
-        "| gateway CPU us/req |"
+        "| router | path | stream | concurrency | engine p50 ms | added p50 ms | added p99 ms | added TTFB p50 ms "
+        "| router CPU us/req |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for a in added:
         print(
-            f"| {a['path']} | {'16 chunks' if a['stream'] else 'no'} | {a['concurrency']} | {a['engine_p50_ms']} | "
-            f"{a['added_p50_ms']} | {a['added_p99_ms']} | {a['added_ttfb_p50_ms']} | {a['gateway_cpu_us_per_req']} |"
+            f"| {a['router']} | {a['path']} | {'16 chunks' if a['stream'] else 'no'} | {a['concurrency']} | "
+            f"{a['engine_p50_ms']} | {a['added_p50_ms']} | {a['added_p99_ms']} | {a['added_ttfb_p50_ms']} | "
+            f"{a['gateway_cpu_us_per_req']} |"
         )
+    if ratios:
+        print("\n| path | stream | concurrency | added p50: pdgate / vllm-router | CPU: pdgate / vllm-router |")
+        print("|---|---|---|---|---|")
+        for r in ratios:
+            print(
+                f"| {r['path']} | {'16 chunks' if r['stream'] else 'no'} | {r['concurrency']} | "
+                f"{r['added_p50_ratio']} | {r['cpu_ratio']} |"
+            )
     return 0
+
+
+def _ratio(a: float, b: float) -> float | None:
+    """a / b, or None when b is not a positive number (an added latency can be ~0 or negative)."""
+    return round(a / b, 2) if b > 0 else None
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """The HTTP face of one simulated engine: ``create_app(cfg) -> Starlette``.
 
 vLLM-compatible routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``POST /v1/completions/render``, ``POST /v1/chat/completions/render`` (the prompt's token ids
+and sampling params, nothing run: what vllm-router calls before its P/D legs),
 ``GET /v1/models``, ``GET /health``, ``GET /version``, ``GET /metrics``, and with
 ``VLLM_SERVER_DEV_MODE=1`` vLLM's dev route ``POST /reset_prefix_cache``
 (``?reset_running_requests=true`` preempts running requests first) -> ``{"success": bool}``.
@@ -598,6 +600,33 @@ def create_app(cfg: SimConfig) -> Starlette:
             }
         )
 
+    async def render(request: Request) -> Response:
+        # vLLM's /v1/completions/render (a list of GenerateRequest) and /v1/chat/completions/render
+        # (one GenerateRequest): the prompt tokenized and the sampling params resolved, nothing run.
+        chat = request.url.path.startswith("/v1/chat/")
+        try:
+            ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+            if ctype != "application/json":
+                raise P.ApiError(
+                    "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+                    400,
+                    "Bad Request",
+                )
+            raw = await request.body()
+            try:
+                body = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                body = P.parse_json_like_fastapi(raw)
+            if isinstance(body, dict):
+                body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+            if chat and isinstance(body, dict) and body.get("use_beam_search"):
+                raise P.validation_error("Beam search is not supported by the render endpoint")
+            job = (P.parse_chat if chat else P.parse_completion)(body, cfg, state.tok, None)
+        except P.ApiError as e:
+            return _json(e.body(), e.status)
+        out = P.render_requests(body, job)
+        return _json(out[0] if chat else out)
+
     async def health(request: Request) -> Response:
         return Response(status_code=200 if state.engine is not None else 503)
 
@@ -635,6 +664,8 @@ def create_app(cfg: SimConfig) -> Starlette:
                 "held": {rid: len(h.block_ids) for rid, h in e.held.items()},
                 "prefix_caching": cfg.enable_prefix_caching,
                 "cached_blocks": e.pool.num_cached,
+                "profile": cfg.profile,
+                "time_scale": cfg.time_scale,
                 "faults": state.faults.snapshot(),
                 "kv_events": None
                 if state.publisher is None
@@ -688,6 +719,8 @@ def create_app(cfg: SimConfig) -> Starlette:
     routes = [
         Route("/v1/completions", GenerateEndpoint(state, "completions"), methods=["POST"]),
         Route("/v1/chat/completions", GenerateEndpoint(state, "chat"), methods=["POST"]),
+        Route("/v1/completions/render", render, methods=["POST"]),
+        Route("/v1/chat/completions/render", render, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/version", version, methods=["GET"]),

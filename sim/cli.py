@@ -12,6 +12,7 @@ import orjson
 from sim.config import HASH_ALGOS, KV_LOAD_FAILURE_POLICIES, ROLES, SimConfig
 from sim.faults import DropLogFilter
 from sim.kv_events import KVEventsConfig
+from sim.profile import available, engine_settings
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -50,6 +51,35 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--kv-transfer-time-per-token", type=float, default=0.0, help="seconds per pulled prompt token (decode side)"
+    )
+    p.add_argument(
+        "--step-base-time", type=float, default=0.0, help="seconds every engine step costs (weights read once)"
+    )
+    p.add_argument("--decode-time-per-seq", type=float, default=0.0, help="seconds of step time per decoding sequence")
+    p.add_argument(
+        "--context-time-per-token",
+        type=float,
+        default=0.0,
+        help="seconds of step time per KV token the step's decoding sequences attend to",
+    )
+    p.add_argument(
+        "--kv-bandwidth-gbps",
+        type=float,
+        default=0.0,
+        help="KV pull link in Gbit/s (with --kv-bytes-per-token; 0: no bandwidth term)",
+    )
+    p.add_argument("--kv-transfer-latency", type=float, default=0.0, help="fixed seconds per KV pull")
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="engine profile: a bundled name (" + ", ".join(available()) + ") or a YAML file; "
+        "flags given explicitly override it (see sim/profiles/)",
+    )
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="multiply every simulated duration (steps, KV pulls) by this: 0.1 runs 10x faster than real time",
     )
     p.add_argument("--kv-host", default=None, help="host advertised as remote_host (default: --host)")
     p.add_argument("--kv-port", type=int, default=0, help="side-channel port (0: pick a free one)")
@@ -117,8 +147,25 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> SimConfig:
+def _explicit(argv: list[str] | None) -> set[str]:
+    """Destinations given on the command line (they override a profile's settings)."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
+
+
+def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) -> SimConfig:
     kw = {k: v for k, v in vars(args).items() if v is not None}
+    if kw.get("profile"):
+        if argv is not None:
+            explicit = _explicit(argv)
+        else:  # parsed elsewhere: a value other than the flag's default counts as given
+            defaults = vars(build_parser().parse_args([]))
+            explicit = {k for k, v in vars(args).items() if v != defaults.get(k)}
+        for k, v in engine_settings(kw["profile"]).items():
+            if k not in explicit:
+                kw[k] = v
     if "kv_events_config" in kw:
         kw["kv_events_config"] = KVEventsConfig.from_json(kw["kv_events_config"])
     if "faults" in kw:
@@ -138,7 +185,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:
-        cfg = config_from_args(args)
+        cfg = config_from_args(args, argv)
     except ValueError as e:
         parser.error(str(e))
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -36,6 +36,14 @@ class SimConfig:
     prefill_time_per_token: float = 0.0
     decode_time_per_token: float = 0.0
     kv_transfer_time_per_token: float = 0.0
+    # The step-time model (sim.engine): base + prefill tokens + decode seqs + context read.
+    step_base_time: float = 0.0  # fixed cost of any step (weights read once per step)
+    decode_time_per_seq: float = 0.0  # each decoding seq in the step
+    context_time_per_token: float = 0.0  # each KV token the step's decoding seqs attend to
+    kv_bandwidth_gbps: float = 0.0  # KV pull link (0: no bandwidth term); with kv_bytes_per_token
+    kv_transfer_latency: float = 0.0  # fixed cost of one KV pull (handshake, descriptors, notify)
+    time_scale: float = 1.0  # every simulated duration is multiplied by this (0.1: 10x faster than real)
+    profile: str | None = None  # the profile the timings came from (sim/profiles), for /sim/state
     kv_host: str | None = None
     kv_port: int = 0
     kv_expiry: float = 30.0  # vLLM 0.32: kv_lease_duration, renewed by queued decode legs
@@ -72,9 +80,16 @@ class SimConfig:
             "decode_time_per_token",
             "kv_transfer_time_per_token",
             "kv_handshake_timeout",
+            "step_base_time",
+            "decode_time_per_seq",
+            "context_time_per_token",
+            "kv_bandwidth_gbps",
+            "kv_transfer_latency",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
+        if self.time_scale <= 0:
+            raise ValueError("time_scale must be positive")
         if self.kv_expiry <= 0:
             raise ValueError("kv_expiry must be positive")
         if self.default_max_tokens < 1:
@@ -105,11 +120,42 @@ class SimConfig:
 
     @property
     def instant(self) -> bool:
-        return (
-            self.prefill_time_per_token == 0
-            and self.decode_time_per_token == 0
-            and self.kv_transfer_time_per_token == 0
+        return not any(
+            (
+                self.prefill_time_per_token,
+                self.decode_time_per_token,
+                self.kv_transfer_time_per_token,
+                self.step_base_time,
+                self.decode_time_per_seq,
+                self.context_time_per_token,
+                self.kv_bandwidth_gbps,
+                self.kv_transfer_latency,
+            )
         )
+
+    def step_time(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
+        """Wall seconds of one engine step (already time-scaled). A step carries the running
+        decodes and the prefill chunks together, so a long chunk lengthens every stream's
+        next token: the interference disaggregation removes."""
+        t = prefill_tokens * self.prefill_time_per_token
+        if decode_seqs:
+            t += (
+                self.decode_time_per_token
+                + decode_seqs * self.decode_time_per_seq
+                + context_tokens * self.context_time_per_token
+            )
+        if prefill_tokens or decode_seqs:
+            t += self.step_base_time
+        return t * self.time_scale
+
+    def kv_transfer_time(self, tokens: int) -> float:
+        """Wall seconds to pull ``tokens`` tokens' KV (already time-scaled)."""
+        if tokens <= 0:
+            return 0.0
+        t = tokens * self.kv_transfer_time_per_token + self.kv_transfer_latency
+        if self.kv_bandwidth_gbps:
+            t += tokens * self.kv_bytes_per_token * 8 / (self.kv_bandwidth_gbps * 1e9)
+        return t * self.time_scale
 
     def accepts_prefill_legs(self) -> bool:
         return self.role in ("prefill", "both")

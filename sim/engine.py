@@ -7,10 +7,15 @@ Model (a small cousin of vLLM's v1 scheduler):
 * One asyncio task runs *steps*. A step schedules the running seqs (each computes what it
   is missing: its prompt chunk while prefilling, one token while decoding) and admits
   waiting seqs while there is a free slot (``max_num_seqs``), token budget
-  (``max_num_batched_tokens``) and free KV blocks. The step lasts
-  ``prefill_tokens * prefill_time_per_token + (decode_time_per_token if any seq decodes)``,
-  so a long prefill stalls every decoding stream in the same engine (the interference
-  that P/D disaggregation removes). A seq that has computed all its tokens samples one.
+  (``max_num_batched_tokens``) and free KV blocks: vLLM's continuous batching with chunked
+  prefill (running seqs first, then new ones; a prompt longer than the budget is prefilled
+  in chunks over several steps). A step lasts (:meth:`SimConfig.step_time`)
+  ``step_base_time + prefill_tokens * prefill_time_per_token`` plus, when any seq decodes,
+  ``decode_time_per_token + decode_seqs * decode_time_per_seq + context * context_time_per_token``
+  (context: the KV tokens the decoding seqs attend to), times ``time_scale``. So a long
+  prefill chunk stalls every decoding stream in the same engine (the interference that P/D
+  disaggregation removes). A seq that has computed all its tokens samples one. Profiles
+  (``sim/profiles/*.yaml``, :mod:`sim.profiles`) set these from a model and GPU shape.
 * KV blocks are ``block_size`` tokens; block 0 is vLLM's null block, so
   ``kv_cache_usage_perc = 1 - free / (num_gpu_blocks - 1)``. A running seq that cannot
   grow preempts the newest running seq (recompute, counted in vllm:num_preemptions).
@@ -27,7 +32,9 @@ Model (a small cousin of vLLM's v1 scheduler):
   with heartbeats.
 * Decode leg (``do_remote_prefill``): once admitted it takes its local prefix hit, allocates
   blocks for the rest of its prompt and pulls only those blocks' KV over the side channel
-  (:mod:`sim.kv`): a read, the transfer time, then a notify that frees the remote blocks.
+  (:mod:`sim.kv`): a read, the transfer time (``kv_transfer_latency`` + per token
+  ``kv_transfer_time_per_token`` + ``kv_bytes_per_token`` over ``kv_bandwidth_gbps``), then a
+  notify that frees the remote blocks.
   The pulled tokens count as ``external_kv_transfer``; the pulled full blocks enter the local
   prefix cache (as vLLM caches them once loaded); it recomputes the last prompt token and decodes.
 * Failures, as in vLLM 0.32 (``kv_load_failure_policy=fail``): a side channel that does not
@@ -546,10 +553,13 @@ class Engine:
                 await self._wake.wait()
                 continue
 
-            step = prefill_tokens * cfg.prefill_time_per_token
+            decode_seqs = context = 0
             if decode_tokens:
-                step += cfg.decode_time_per_token
-            await asyncio.sleep(step)
+                for seq, chunk in batch:
+                    if not seq.in_prefill:
+                        decode_seqs += 1
+                        context += seq.num_computed + chunk
+            await asyncio.sleep(cfg.step_time(prefill_tokens, decode_seqs, context))
 
             now = _now()
             generated = 0
@@ -848,8 +858,9 @@ class Engine:
             read_done = True
             post = _now() - t0
             n_ext = seq.prompt_len - seq.num_computed  # num_computed: the local hit
-            if cfg.kv_transfer_time_per_token:
-                await asyncio.sleep(n_ext * cfg.kv_transfer_time_per_token)
+            wait = cfg.kv_transfer_time(n_ext)
+            if wait:
+                await asyncio.sleep(wait)
             xfer = _now() - t0
             expected = block_chain(seq.prompt_ids, int(reply.get("block_size") or cfg.block_size))[first_block:]
             tags = reply.get("tags") or []

@@ -645,3 +645,57 @@ def sse(obj: dict[str, Any]) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+def _sampling_params(body: dict, job: Job, max_tokens: int) -> dict[str, Any]:
+    """The ``sampling_params`` of a render answer: vLLM's SamplingParams fields the simulator
+    knows, with the request's values or vLLM's defaults (sampling itself is not modelled)."""
+
+    def num(name: str, default: float | None) -> Any:
+        v = body.get(name)
+        return v if isinstance(v, int | float) and not isinstance(v, bool) else default
+
+    return {
+        "n": job.n,
+        "presence_penalty": num("presence_penalty", 0.0),
+        "frequency_penalty": num("frequency_penalty", 0.0),
+        "repetition_penalty": num("repetition_penalty", 1.0),
+        "temperature": num("temperature", 1.0),
+        "top_p": num("top_p", 1.0),
+        "top_k": num("top_k", 0),
+        "min_p": num("min_p", 0.0),
+        "seed": num("seed", None),
+        "stop": list(job.stop),
+        "stop_token_ids": list(job.stop_token_ids),
+        "ignore_eos": job.ignore_eos,
+        "max_tokens": max_tokens,
+        "min_tokens": job.min_tokens,
+        "logprobs": None,
+        "prompt_logprobs": None,
+        "skip_special_tokens": body.get("skip_special_tokens", True) is not False,
+        "spaces_between_special_tokens": body.get("spaces_between_special_tokens", True) is not False,
+        "include_stop_str_in_output": bool(body.get("include_stop_str_in_output")),
+    }
+
+
+def render_requests(body: dict, job: Job) -> list[dict[str, Any]]:
+    """vLLM's render answer (``/v1/*/render``): one ``GenerateRequest`` per prompt, as
+    ``ServingRender`` builds them: a fresh ``cmpl-``/``chatcmpl-`` request id, the prompt's token
+    ids, the sampling params, and the stream flags; no kv_transfer_params (render never sees any)."""
+    prefix = "cmpl" if job.endpoint == "completions" else "chatcmpl"
+    stream_options = body.get("stream_options") if job.stream else None
+    return [
+        {
+            "request_id": f"{prefix}-{random_id()}",
+            "token_ids": list(ids),
+            "features": None,
+            "sampling_params": _sampling_params(body, job, max_tokens),
+            "model": body.get("model"),
+            "stream": job.stream,
+            "stream_options": stream_options,
+            "cache_salt": body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None,
+            "priority": body.get("priority") if type(body.get("priority")) is int else 0,
+            "kv_transfer_params": None,
+        }
+        for ids, max_tokens in zip(job.prompts, job.max_tokens, strict=True)
+    ]
