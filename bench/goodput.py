@@ -166,6 +166,8 @@ def pdgate_config(name: str, cluster: Cluster, tokenizer: Path, profile: str, po
             "kv_bandwidth_gbps": float(eng.get("kv_bandwidth_gbps") or 400) / scale,
             "prefill_tokens_per_s": 1 / (float(eng.get("prefill_time_per_token") or 1e-4) * scale),
             "pd_overhead_s": (float(eng.get("kv_transfer_latency", 0.0)) + 0.005) * scale,
+            "itl_budget_s": 0.05 * scale,  # the SLO's 50 ms, in wall time
+            "prefill_chunk_tokens": int(eng.get("max_num_batched_tokens", 8192)),
         }
     return {
         "server": {"host": "127.0.0.1", "port": port, "log_level": "warning"},

@@ -9,7 +9,10 @@ prefill has not finished (x's queue, as far as this gateway knows); ``uncached(x
 tokens x does not hold in its prefix cache (the decode engine pulls only the blocks it lacks);
 ``s_per_token(x)`` x's prefill speed, learned online from observed prefill legs, else
 ``prefill_tokens_per_s``; a decode engine's is the prefill engine's times ``decode_prefill_factor``
-unless it was measured. P/D must win by ``min_gain_s``.
+unless it was measured. P/D must win by ``min_gain_s``, unless direct would stall the decode
+engine's running streams for more than ``itl_budget_s`` per step (TTFT is not the only cost:
+a long prefill there delays every running stream's next token, the interference P/D exists
+to remove).
 """
 
 from __future__ import annotations
@@ -31,6 +34,12 @@ class CostModel:
     decode_prefill_factor: float = 1.0  # prefill on a busy decode engine may run slower (until measured)
     pd_overhead_s: float = 0.005  # the extra hop, the one-token prefill answer, the NIXL handshake
     min_gain_s: float = 0.0
+    # Direct prefill shares the decode engine's steps with its running streams: a chunk of up to
+    # prefill_chunk_tokens (vLLM's max_num_batched_tokens) delays every stream's next token by
+    # its prefill time. Above this delay the request goes P/D even when direct is faster to its
+    # first token (0: TTFT alone decides).
+    itl_budget_s: float = 0.05
+    prefill_chunk_tokens: int = 8192
 
     def __post_init__(self) -> None:
         positive("kv_bytes_per_token", self.kv_bytes_per_token)
@@ -39,6 +48,8 @@ class CostModel:
         positive("decode_prefill_factor", self.decode_prefill_factor)
         non_negative("pd_overhead_s", self.pd_overhead_s)
         non_negative("min_gain_s", self.min_gain_s)
+        non_negative("itl_budget_s", self.itl_budget_s)
+        positive("prefill_chunk_tokens", self.prefill_chunk_tokens)
 
     def _spt(self, e: EndpointView, fallback: float | None = None) -> float:
         if e.prefill_s_per_token is not None:
@@ -48,14 +59,20 @@ class CostModel:
     def transfer_s(self, tokens: int) -> float:
         return tokens * self.kv_bytes_per_token * 8 / (self.kv_bandwidth_gbps * 1e9)
 
-    def predict(self, ctx: RequestContext, decode: EndpointView, prefill: EndpointView) -> tuple[float, float]:
-        """(direct, pd) predicted seconds to first token."""
+    def _decode_spt(self, decode: EndpointView, prefill: EndpointView) -> float:
         # A decode engine has the same model and usually the same hardware: before its own speed is
         # known, the prefill engine's learned speed (slowed by the factor) is the better guess.
         if decode.prefill_s_per_token is not None:
-            decode_spt = decode.prefill_s_per_token  # measured there, running decodes included
-        else:
-            decode_spt = self._spt(prefill) * self.decode_prefill_factor
+            return decode.prefill_s_per_token
+        return self._spt(prefill) * self.decode_prefill_factor
+
+    def stall_s(self, ctx: RequestContext, decode: EndpointView, prefill: EndpointView) -> float:
+        """How long one step of this prompt's direct prefill would hold up the decode engine's streams."""
+        return min(ctx.uncached(decode.url), self.prefill_chunk_tokens) * self._decode_spt(decode, prefill)
+
+    def predict(self, ctx: RequestContext, decode: EndpointView, prefill: EndpointView) -> tuple[float, float]:
+        """(direct, pd) predicted seconds to first token."""
+        decode_spt = self._decode_spt(decode, prefill)
         direct = (decode.backlog_tokens + ctx.uncached(decode.url)) * decode_spt
         pd = ((prefill.backlog_tokens + ctx.uncached(prefill.url)) * self._spt(prefill)
               + self.transfer_s(ctx.uncached(decode.url)) + self.pd_overhead_s)
@@ -70,4 +87,8 @@ class CostModel:
         predicted = (("direct", direct), ("pd", pd))
         if pd + self.min_gain_s < direct:
             return PathChoice(Path.PD, "pd_faster", detail, predicted)
+        streams = decode.running if decode.running is not None else decode.in_flight
+        if self.itl_budget_s and streams and (stall := self.stall_s(ctx, decode, p)) > self.itl_budget_s:
+            return PathChoice(Path.PD, "protect_itl", f"{detail}; direct would stall {streams} stream(s) "
+                              f"{stall * 1000:.0f}ms > {self.itl_budget_s * 1000:.0f}ms", predicted)
         return PathChoice(Path.DIRECT, "direct_faster", detail, predicted)

@@ -54,3 +54,24 @@ def test_min_gain():
 def test_rejects_bad_params(bad):
     with pytest.raises(ValueError):
         CostModel(**bad)
+
+
+def test_a_direct_prefill_that_would_stall_running_streams_goes_pd():
+    prefill = lambda: ep("p", "prefill")  # noqa: E731
+    # 1000 uncached tokens at 10k tokens/s: one 100 ms prefill step on the decode engine.
+    quiet = MODEL.decide(ctx(1000), ep("d", running=0), prefill)
+    assert quiet.path is Path.DIRECT and quiet.reason == "direct_faster"  # nobody to stall
+    busy = MODEL.decide(ctx(1000), ep("d", running=4), prefill)
+    assert busy.path is Path.PD and busy.reason == "protect_itl" and "stall 4 stream(s) 100ms" in busy.detail
+    short = MODEL.decide(ctx(300), ep("d", running=4), prefill)  # a 30 ms step: within the budget
+    assert short.path is Path.DIRECT
+    # Engine metrics stale: the gateway's own open requests there stand for its streams.
+    assert MODEL.decide(ctx(1000), ep("d", in_flight=2), prefill).reason == "protect_itl"
+    ttft_only = CostModel(kv_bytes_per_token=1_000_000, kv_bandwidth_gbps=80, prefill_tokens_per_s=10_000,
+                          pd_overhead_s=0.0, itl_budget_s=0)
+    assert ttft_only.decide(ctx(1000), ep("d", running=4), prefill).path is Path.DIRECT
+
+
+def test_one_chunk_bounds_the_stall():
+    m = CostModel(prefill_tokens_per_s=100_000, prefill_chunk_tokens=2048, itl_budget_s=0.05)
+    assert m.stall_s(ctx(50_000), ep("d"), ep("p", "prefill")) == pytest.approx(2048 / 100_000)
