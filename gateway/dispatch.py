@@ -232,18 +232,19 @@ class Dispatcher:
         rec.decode = ep.url
         with _in_flight(ep) as keep:
             try:
-                async with asyncio.timeout(self._timeouts.decode_first_byte_s):
-                    try:
-                        resp = await self._upstream.post(ep, path, body, rec.request_id, leg="decode",
-                                                         headers=span.headers)
-                    except EngineError as err:
-                        raise _LegFailed(err, reached=err.code != "engine_unreachable") from None
-                    reached = True
-                    try:
-                        head = await _read_head(resp, req.stream)
-                    except BaseException:
-                        resp.close()
-                        raise
+                # decode_first_byte_s bounds this block: the decode leg's Timeouts.first, ended below.
+                try:
+                    resp = await self._upstream.post(ep, path, body, rec.request_id, leg="decode",
+                                                     headers=span.headers)
+                except EngineError as err:
+                    raise _LegFailed(err, reached=err.code != "engine_unreachable") from None
+                reached = True
+                try:
+                    head = await _read_head(resp, req.stream)
+                except BaseException:
+                    resp.close()
+                    raise
+                resp.end_first()
             except TimeoutError:
                 span.end("engine_timeout")
                 raise _LegFailed(EngineError(504, "The decode engine did not answer in time.",

@@ -54,14 +54,23 @@ class ProtocolError(ClientError):
     """The engine's bytes are not a valid HTTP/1.1 response."""
 
 
+class FirstTimeout(TimeoutError):
+    """``Timeouts.first`` ran out before the caller called ``Response.end_first``."""
+
+
 @dataclass(frozen=True, slots=True)
 class Timeouts:
     """``connect`` bounds opening a connection; ``total`` the whole exchange, from sending the
-    request to the last body byte; ``idle`` every wait for the next bytes (headers or body)."""
+    request to the last body byte; ``idle`` every wait for the next bytes (headers or body);
+    ``first`` the exchange from the start of ``post`` (connecting included) until the caller
+    calls ``Response.end_first`` (e.g. the decode leg's first token), raising ``FirstTimeout``.
+    ``first`` rides on the exchange's one timer: an ``asyncio.timeout`` around the call would
+    cost a timer, a context manager and a cancellation check more per request."""
 
     connect: float
     total: float | None = None
     idle: float | None = None
+    first: float | None = None
 
 
 class _Connection(asyncio.Protocol):
@@ -234,14 +243,22 @@ class Response:
     ``read``. End it with exactly one ``release`` (keeps the connection if the response was
     read whole) or ``close`` (drops it: the engine aborts an unfinished request)."""
 
-    __slots__ = ("_conn", "_deadline", "_idle", "_pool", "status")
+    __slots__ = ("_conn", "_deadline", "_first", "_idle", "_pool", "_total", "status")
 
-    def __init__(self, conn: _Connection, pool: Pool, deadline: float | None, idle: float | None) -> None:
+    def __init__(self, conn: _Connection, pool: Pool, deadline: float | None, idle: float | None,
+                 first: float | None = None) -> None:
         self._conn: _Connection | None = conn
         self._pool = pool
-        self._deadline = deadline
+        self._total = deadline
+        self._first = first
+        self._deadline = deadline if first is None else first if deadline is None else min(first, deadline)
         self._idle = idle
         self.status = conn.status
+
+    def end_first(self) -> None:
+        """The part of the exchange ``Timeouts.first`` bounds is over."""
+        self._first = None
+        self._deadline = self._total
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of header ``name`` (lower case)."""
@@ -278,7 +295,12 @@ class Response:
                 return b""
             if conn.error is not None:
                 raise conn.error
-            await conn.wait(self._next_deadline())
+            try:
+                await conn.wait(self._next_deadline())
+            except TimeoutError:
+                if self._first_passed():
+                    raise FirstTimeout() from None
+                raise
 
     async def read(self) -> bytes:
         """The whole (remaining) body."""
@@ -310,8 +332,16 @@ class Response:
                 raise conn.error
             if conn.closed:
                 raise ServerDisconnected("the engine closed the connection before answering")
-            await conn.wait(self._next_deadline())
+            try:
+                await conn.wait(self._next_deadline())
+            except TimeoutError:
+                if self._first_passed():
+                    raise FirstTimeout() from None
+                raise
         self.status = conn.status
+
+    def _first_passed(self) -> bool:
+        return self._first is not None and self._pool.loop.time() >= self._first
 
     def _next_deadline(self) -> float | None:
         if self._idle is None:
@@ -352,8 +382,8 @@ class Pool:
         self._all: set[_Connection] = set()
         self._pruner: asyncio.TimerHandle | None = None
 
-    async def connection(self, timeout: float) -> _Connection:
-        """A warm idle connection, else a new one."""
+    def idle_connection(self) -> _Connection | None:
+        """A warm idle connection, if there is one."""
         idle = self._idle
         if idle:
             fresh_after = self.loop.time() - self.keepalive_s
@@ -362,6 +392,13 @@ class Pool:
                 if not conn.closed and conn.idle_since > fresh_after:
                     return conn
                 conn.close()
+        return None
+
+    async def connection(self, timeout: float) -> _Connection:
+        """A warm idle connection, else a new one."""
+        conn = self.idle_connection()
+        if conn is not None:
+            return conn
         try:
             async with asyncio.timeout(timeout):
                 _, conn = await self.loop.create_connection(
@@ -417,10 +454,22 @@ class H1Client:
         pool = self._pools.get(base_url)
         if pool is None:
             pool = self._pools[base_url] = Pool(base_url, self._keepalive_s, asyncio.get_running_loop())
-        deadline = None if timeouts.total is None else pool.loop.time() + timeouts.total
+        now = pool.loop.time()
+        deadline = None if timeouts.total is None else now + timeouts.total
+        first = None if timeouts.first is None else now + timeouts.first
         head = _request_head(target, pool.host_header, headers, len(body))
-        conn = await pool.connection(min(timeouts.connect, timeouts.total or timeouts.connect))
-        resp = Response(conn, pool, deadline, timeouts.idle)
+        conn = pool.idle_connection()
+        if conn is None:
+            connect = min(timeouts.connect, timeouts.total or timeouts.connect)
+            if timeouts.first is None or timeouts.first >= connect:
+                conn = await pool.connection(connect)
+            else:  # ``first`` runs out before the connect timeout would: a FirstTimeout, not a ConnectError
+                try:
+                    async with asyncio.timeout(timeouts.first):
+                        conn = await pool.connection(connect)
+                except TimeoutError:
+                    raise FirstTimeout() from None
+        resp = Response(conn, pool, deadline, timeouts.idle, first)
         try:
             conn.send(head + body)
             await resp._wait_head()

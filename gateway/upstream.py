@@ -15,7 +15,7 @@ import orjson
 
 from .config import TimeoutsConfig
 from .errors import APIError, bad_request
-from .h1client import ClientError, ConnectError, H1Client, Response, Timeouts
+from .h1client import ClientError, ConnectError, FirstTimeout, H1Client, Response, Timeouts
 from .pools import Endpoint
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,9 @@ class Upstream:
         self._timeouts: dict[Leg, Timeouts] = {
             "prefill": Timeouts(connect=timeouts.connect_s, total=timeouts.prefill_s),
             # No total: a decode stream lasts as long as it generates; only silence is an error.
-            "decode": Timeouts(connect=timeouts.connect_s, idle=timeouts.decode_idle_s),
+            # ``first``: until the first token (the dispatcher calls ``end_first`` then).
+            "decode": Timeouts(connect=timeouts.connect_s, idle=timeouts.decode_idle_s,
+                               first=timeouts.decode_first_byte_s),
         }
 
     async def post(self, ep: Endpoint, path: str, body: dict[str, Any], request_id: str, *, leg: Leg,
@@ -83,6 +85,8 @@ class Upstream:
         if resp.status >= 400:
             try:
                 raw = await read_capped(resp)
+            except FirstTimeout:
+                raise  # the leg's first-byte deadline: the caller's timeout, not this error's detail
             except (TimeoutError, ClientError, EngineError):
                 raw = b""
             finally:

@@ -11,8 +11,8 @@ import orjson
 import pytest
 import uvloop
 
-from gateway.config import TimeoutsConfig
-from gateway.h1client import H1Client, ProtocolError, ServerDisconnected, Timeouts
+from gateway.config import FailoverConfig, TimeoutsConfig
+from gateway.h1client import FirstTimeout, H1Client, ProtocolError, ServerDisconnected, Timeouts
 from gateway.pools import Endpoint
 from gateway.upstream import MAX_JSON_BYTES, EngineError, Upstream
 from tests.procs import free_port
@@ -303,6 +303,50 @@ async def test_total_timeout_bounds_a_trickling_answer():
         client.close()
 
 
+async def test_first_bounds_the_exchange_until_end_first():
+    async def handler(ex: Exchange) -> None:
+        await ex.answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        if orjson.loads(ex.body)["first_chunk"]:
+            await ex.answer(b"2\r\nhi\r\n")
+        while True:  # never silent for long, never finished
+            await asyncio.sleep(0.02)
+            await ex.answer(b"1\r\nx\r\n")
+
+    async with Server(handler) as server:
+        client = H1Client()
+        # Never ended: the stream is cut at ``first``, although it keeps talking.
+        resp = await post(client, server, Timeouts(connect=5, idle=1.0, first=0.2), b'{"first_chunk": false}')
+        with pytest.raises(FirstTimeout):
+            await resp.read()
+        resp.close()
+        # Ended after the first chunk: only the idle timeout is left, the stream outlives ``first``.
+        resp = await post(client, server, Timeouts(connect=5, idle=1.0, first=0.2), b'{"first_chunk": true}')
+        assert await resp.read_some() == b"hi"
+        resp.end_first()
+        got = b""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 0.5
+        while loop.time() < until:
+            got += await resp.read_some()
+        assert got.startswith(b"x")
+        resp.close()
+        client.close()
+
+
+async def test_first_bounds_waiting_for_the_head_and_idle_silence_is_a_plain_timeout():
+    async def handler(ex: Exchange) -> None:
+        await ex.reader.read()
+
+    async with Server(handler) as server:
+        client = H1Client()
+        with pytest.raises(FirstTimeout):
+            await post(client, server, Timeouts(connect=5, first=0.05))
+        with pytest.raises(TimeoutError) as info:
+            await post(client, server, Timeouts(connect=5, idle=0.05, first=5))
+        assert not isinstance(info.value, FirstTimeout)
+        client.close()
+
+
 async def test_no_answer_at_all_times_out():
     async def handler(ex: Exchange) -> None:
         await ex.reader.read()
@@ -402,3 +446,57 @@ async def test_upstream_maps_timeouts_and_disconnects():
         assert info.value.status == 502 and "ServerDisconnected" in info.value.message
         assert ep.healthy  # the engine answered the connect: not down
         up.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_decode_first_byte_timeout_is_a_504_from_an_engine_that_got_the_request(stream):
+    """timeouts.decode_first_byte_s bounds the decode leg up to its first token (the whole answer
+    when not streaming): a 504 engine_timeout the failover may retry, the connection dropped."""
+    from gateway.dispatch import Dispatcher, _LegFailed
+    from gateway.pools import Pools
+    from gateway.protocol import parse_body
+    from gateway.requestlog import RequestRecord
+
+    async def handler(ex: Exchange) -> None:
+        if stream:  # the head at once, the first chunk never
+            await ex.answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await ex.reader.read()
+
+    async with Server(handler) as server:
+        cfg = TimeoutsConfig(decode_first_byte_s=0.1, decode_idle_s=5)
+        pools = Pools([], [server.url])
+        ep = pools.decode[0]
+        dispatcher = Dispatcher(Upstream(None, cfg), pools, cfg, FailoverConfig())
+        req = parse_body(orjson.dumps({"model": "m", "prompt": "x", "stream": stream}), "completion")
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(_LegFailed) as info:
+            await dispatcher.open_decode(ep, req, "/v1/completions", RequestRecord("r", "completion"), None)
+        assert 0.09 <= asyncio.get_running_loop().time() - started < 2  # uvloop: millisecond clock
+        err = info.value.err
+        assert (err.status, err.code) == (504, "engine_timeout")
+        assert err.message == "The decode engine did not answer in time."
+        assert info.value.reached and ep.in_flight == 0
+        await asyncio.wait_for(server.closed_by_client.wait(), 10)  # dropped: the engine aborts
+
+
+async def test_decode_stream_outlives_decode_first_byte_once_its_first_token_is_in():
+    from gateway.dispatch import Dispatcher
+    from gateway.pools import Pools
+    from gateway.protocol import parse_body
+    from gateway.requestlog import RequestRecord
+
+    async def handler(ex: Exchange) -> None:
+        await ex.answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\ndata:\r\n")
+        await asyncio.sleep(0.3)  # past decode_first_byte_s, within decode_idle_s
+        await ex.answer(b"1\r\nx\r\n0\r\n\r\n")
+
+    async with Server(handler) as server:
+        cfg = TimeoutsConfig(decode_first_byte_s=0.1, decode_idle_s=5)
+        pools = Pools([], [server.url])
+        dispatcher = Dispatcher(Upstream(None, cfg), pools, cfg, FailoverConfig())
+        req = parse_body(orjson.dumps({"model": "m", "prompt": "x", "stream": True}), "completion")
+        up = await dispatcher.open_decode(pools.decode[0], req, "/v1/completions", RequestRecord("r", "completion"),
+                                          None)
+        assert up.head == b"data:"
+        assert await up.resp.read() == b"x"
+        up.close(reuse=True)
