@@ -295,12 +295,7 @@ class Response:
                 return b""
             if conn.error is not None:
                 raise conn.error
-            try:
-                await conn.wait(self._next_deadline())
-            except TimeoutError:
-                if self._first_passed():
-                    raise FirstTimeout() from None
-                raise
+            await self._wait(conn)
 
     async def read(self) -> bytes:
         """The whole (remaining) body."""
@@ -332,16 +327,18 @@ class Response:
                 raise conn.error
             if conn.closed:
                 raise ServerDisconnected("the engine closed the connection before answering")
-            try:
-                await conn.wait(self._next_deadline())
-            except TimeoutError:
-                if self._first_passed():
-                    raise FirstTimeout() from None
-                raise
+            await self._wait(conn)
         self.status = conn.status
 
-    def _first_passed(self) -> bool:
-        return self._first is not None and self._pool.loop.time() >= self._first
+    async def _wait(self, conn: _Connection) -> None:
+        """Until the connection has news or the nearest deadline passes (FirstTimeout when it was
+        the first-token one)."""
+        try:
+            await conn.wait(self._next_deadline())
+        except TimeoutError:
+            if self._first is not None and self._pool.loop.time() >= self._first:
+                raise FirstTimeout() from None
+            raise
 
     def _next_deadline(self) -> float | None:
         if self._idle is None:
