@@ -97,9 +97,16 @@ def test_decode_failing_before_its_first_byte_is_retried(cluster):
     faults(cluster.decode[0], {"error": {"status": 500}})
     for content in ("short one", LONG):
         assert wait_for(lambda: ejected(cluster) == 0, timeout=5)  # the failing engine gets traffic again
-        results = [chat(cluster, f"{i} {content}") for i in range(4)]
-        assert [r.status_code for r in results] == [200] * 4
-        assert any("decode_retried" in r.headers.get("x-pdgate-failover", "") for r in results)
+        # Which engine a request lands on follows scraped load, so send until one has met the
+        # failing engine (ties rotate: it takes a few at most); every client still gets a 200.
+        retried = False
+        for i in range(12):
+            r = chat(cluster, f"{i} {content}")
+            assert r.status_code == 200, r.text
+            if "decode_retried" in r.headers.get("x-pdgate-failover", ""):
+                retried = True
+                break
+        assert retried
 
 def test_stream_cut_mid_way_ends_with_an_error_event_never_silently(cluster):
     for sim in cluster.decode:
