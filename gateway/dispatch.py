@@ -249,14 +249,13 @@ class Dispatcher:
                 span.end("engine_timeout")
                 raise _LegFailed(EngineError(504, "The decode engine did not answer in time.",
                                              code="engine_timeout"), reached=True) from None
-            except (ClientError, _BrokenHead, _LegFailed) as err:
-                if isinstance(err, _LegFailed):
-                    failed = err
-                else:
-                    failure = err.err if isinstance(err, _BrokenHead) else transport_error(err, "decode")
-                    failed = _LegFailed(failure, reached=reached)
+            except _LegFailed as failed:
                 span.end(failed.err.code or failed.err.message)
-                raise failed from None
+                raise
+            except (ClientError, _BrokenHead) as err:
+                failure = err.err if isinstance(err, _BrokenHead) else transport_error(err, "decode")
+                span.end(failure.code or failure.message)
+                raise _LegFailed(failure, reached=reached) from None
             finally:
                 # Not learned from: a first token's time on a decode engine also holds the running
                 # decodes' step time, which would bias the per-token speed the cost model uses.

@@ -95,15 +95,11 @@ class GatewayMetrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
-    def finished(self, model: str, path: str, status: int, seconds: float) -> None:
-        """A request answered without an engine (an error, a refusal)."""
-        self._child(self.requests, model, path, str(status)).inc()
-        self._child(self.duration, model, path).observe(seconds)
-
     def record(self, rec: RequestRecord) -> None:
         """Everything one request measured, once it is over (off the relay's per-chunk path)."""
         model, path = rec.model, rec.path
-        self.finished(model, path, rec.status, rec.e2e_s)
+        self._child(self.requests, model, path, str(rec.status)).inc()
+        self._child(self.duration, model, path).observe(rec.e2e_s)
         if rec.admitted:
             self.queue_wait.observe(rec.queue_s)
         if rec.tokenize_s is not None:

@@ -63,7 +63,6 @@ class Runtime:
 class Routed:
     req: ParsedRequest
     prompts: PromptIds
-    request_id: str
     prep: Prepared
     route: Any  # policies.pipeline.Route
 
@@ -156,7 +155,7 @@ class Gateway:
         rec.uncached_tokens = prep.ctx.uncached(d.decode.url)
         if rec.trace.span is not None:
             rec.trace.record("route", t2 - t1, _route_attributes(rec, d, prep, waited))
-        return Routed(req, prompts, rec.request_id, prep, route)
+        return Routed(req, prompts, prep, route)
 
     async def _handle(self, request: Request, kind: Kind, path: str) -> Response | RelayResponse:
         rt = self.runtime
@@ -199,7 +198,7 @@ class Gateway:
             rec.finish(outcome.status, outcome.error)
             self._finished(rec)
 
-        headers = {PATH_HEADER: decision.path.value, "x-request-id": r.request_id,
+        headers = {PATH_HEADER: decision.path.value, "x-request-id": rec.request_id,
                    TOKENS_HEADER: str(len(r.prompts[0]))}
         if r.prompts.approximate_reason:
             headers[TOKENS_HEADER + "-approximate"] = r.prompts.approximate_reason
