@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -13,6 +14,7 @@ import pytest
 
 from gateway.dispatch import PREFILL_KV_PARAMS
 from tests.procs import free_port, wait_for
+from tests.promtext import sample
 
 pytestmark = pytest.mark.e2e
 
@@ -353,21 +355,20 @@ def test_disconnect_mid_stream_aborts(sims):
 
 
 def test_queued_requests_show_as_waiting(sims):
-    s = sims["slow"]  # one running slot
-    body = {"prompt": "z", "max_tokens": 10}
-    with httpx.Client(timeout=10) as c:
-        import threading
+    s = sims["slow"]  # one running slot, 50 ms per token: each request runs ~1 s
+    body = {"prompt": "z", "max_tokens": 20}
 
-        results = []
-        threads = [threading.Thread(target=lambda: results.append(c.post(s.url + "/v1/completions", json=body)))
-                   for _ in range(2)]  # fmt: skip
-        for t in threads:
-            t.start()
-        assert wait_for(lambda: s.metric("vllm:num_requests_waiting") == 1, timeout=2)
-        assert s.metric("vllm:num_requests_running") == 1
-        for t in threads:
-            t.join()
-    assert [r.status_code for r in results] == [200, 200]
+    def one_running_one_waiting() -> bool:
+        # One scrape for both gauges: between the first request's end and the second's
+        # admission the engine briefly shows waiting=1, running=0.
+        text = s.metrics()
+        return (sample(text, "vllm:num_requests_running"), sample(text, "vllm:num_requests_waiting")) == (1, 1)
+
+    # The pool is shut down (its requests finished) before the client closes, even on failure.
+    with httpx.Client(timeout=10) as c, ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(c.post, s.url + "/v1/completions", json=body) for _ in range(2)]
+        assert wait_for(one_running_one_waiting, timeout=5)
+        assert [f.result().status_code for f in futures] == [200, 200]
     assert s.metric("vllm:num_requests_waiting") == 0
 
 
@@ -376,13 +377,10 @@ def test_aborted_queued_decode_leg_releases_prefill_blocks(sims):
     body = {"prompt": PROMPT, "max_tokens": 3}
     kv = prefill_leg(p, body, "req-queued")
     assert p.metric("vllm:kv_cache_usage_perc") > 0
-    with httpx.Client(timeout=10) as c:
-        import threading
-
-        busy_body = {"prompt": "a", "max_tokens": 20}
-        busy = threading.Thread(target=lambda: c.post(s.url + "/v1/completions", json=busy_body))
-        busy.start()
+    busy_body = {"prompt": "a", "max_tokens": 20}
+    with httpx.Client(timeout=10) as c, ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(c.post, s.url + "/v1/completions", json=busy_body)
         assert wait_for(lambda: s.metric("vllm:num_requests_running") == 1, timeout=2)
         _hang_up_after(s.port, "/v1/completions", {**body, "kv_transfer_params": kv}, 0.2)
         assert wait_for(lambda: p.metric("vllm:kv_cache_usage_perc") == 0, timeout=2)
-        busy.join()
+        assert busy.result().status_code == 200
