@@ -6,15 +6,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.otlp import Collector
 from tests.procs import ProcGroup, free_port, wait_for
 from tests.promtext import sample
 
@@ -28,42 +26,6 @@ pytestmark = [
 THRESHOLD = 200
 LONG = "Summarize the incident log: " + "the decode pool kept streaming while prefill ran elsewhere. " * 40
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdgate-dashboard.json"
-
-
-class Collector:
-    """An OTLP/HTTP traces receiver on loopback: keeps every span it is sent."""
-
-    def __init__(self) -> None:
-        self.spans: list = []
-        spans = self.spans
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["content-length"]))
-                req = ExportTraceServiceRequest()
-                req.ParseFromString(body)
-                for rs in req.resource_spans:
-                    for ss in rs.scope_spans:
-                        spans.extend(ss.spans)
-                self.send_response(200)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def trace(self, trace_id: str) -> list:
-        return [s for s in self.spans if s.trace_id.hex() == trace_id]
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +42,10 @@ def setup(tokenizer_dir, tmp_path_factory):
         c.decode.append(c.start_sim("decode", "--decode-time-per-token", "0.005", "--kv-events-config", events))
         c.start_gateway(
             THRESHOLD,
-            pools={"prefill": {"endpoints": [c.prefill[0].url]},
-                   "decode": {"endpoints": [{"url": c.decode[0].url, "kv_events": f"tcp://127.0.0.1:{pub}"}]}},
+            pools={
+                "prefill": {"endpoints": [c.prefill[0].url]},
+                "decode": {"endpoints": [{"url": c.decode[0].url, "kv_events": f"tcp://127.0.0.1:{pub}"}]},
+            },
             env={"OTEL_BSP_SCHEDULE_DELAY": "100"},  # export spans every 0.1 s, not 5 s
             state={"backend": "redis", "url": f"redis://127.0.0.1:{redis_port}/0", "key_prefix": "obs-e2e"},
             telemetry={"tracing": {"exporter": "otlp", "endpoint": collector.url}},
@@ -94,10 +58,16 @@ def setup(tokenizer_dir, tmp_path_factory):
 
 
 def stream_chat(c: Cluster, content: str, request_id: str) -> httpx.Response:
-    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 12,
-            "stream": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", c.url + "/v1/chat/completions", json=body, timeout=60,
-                      headers={"x-request-id": request_id}) as r:
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 12,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream(
+        "POST", c.url + "/v1/chat/completions", json=body, timeout=60, headers={"x-request-id": request_id}
+    ) as r:
         r.read()
     assert r.status_code == 200, r.text
     return r
@@ -107,8 +77,10 @@ def test_a_pd_stream_is_one_trace_from_gateway_to_both_engines(setup):
     c, collector = setup
     r = stream_chat(c, "One. " + LONG, "obs-pd-1")
     assert r.headers["x-pdgate-path"] == "pd"
-    sent = {s.url: [q for q in s.requests() if q["headers"].get("x-request-id") == "obs-pd-1"]
-            for s in (*c.prefill, *c.decode)}
+    sent = {
+        s.url: [q for q in s.requests() if q["headers"].get("x-request-id") == "obs-pd-1"]
+        for s in (*c.prefill, *c.decode)
+    }
     [pre_leg] = sent[c.prefill[0].url]
     [dec_leg] = sent[c.decode[0].url]
     trace_id = pre_leg["headers"]["traceparent"].split("-")[1]
@@ -158,8 +130,10 @@ def test_stream_latencies_and_pool_signals_are_exported(setup):
     assert delta("pdgate_output_tokens_total", **pd) == 12
     assert delta("pdgate_prefill_leg_duration_seconds_count", model="tiny", outcome="ok") == 1
     assert sample(after, "pdgate_pool_healthy_endpoints", pool="decode") == 1
-    assert wait_for(lambda: sample(httpx.get(c.url + "/metrics").text, "pdgate_pool_reporting_endpoints",
-                                   pool="decode") == 1, timeout=10)
+    assert wait_for(
+        lambda: sample(httpx.get(c.url + "/metrics").text, "pdgate_pool_reporting_endpoints", pool="decode") == 1,
+        timeout=10,
+    )
 
 
 def dashboard_queries() -> list[str]:

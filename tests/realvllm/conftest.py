@@ -23,6 +23,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.otlp import Collector
 from tests.procs import Proc, ProcGroup, free_port
 
 from . import engines as E
@@ -39,6 +40,7 @@ class Pair:
     group: ProcGroup
     kv_events: str  # the decode engine's KV event publisher, as a subscriber connects to it
     kv_events_replay: str
+    collector: Collector  # both engines export their request spans here (OTLP/HTTP)
 
 
 @dataclass
@@ -57,19 +59,26 @@ def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     venv, model_dir = E.venv_and_model()
     work = tmp_path_factory.mktemp("realvllm")
     group = ProcGroup(work)
+    collector = Collector()
     pair = None
     try:
         p_core, d_core = E.engine_cores()
+        # vLLM joins the trace context it is sent and exports one span per request; every 0.2 s.
+        tracing_args = ["--otlp-traces-endpoint", collector.url]
+        tracing_env = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "200",
+                       "NO_PROXY": "127.0.0.1,localhost"}
         pub, replay = free_port(), free_port()
         events = {"enable_kv_cache_events": True, "publisher": "zmq",
                   "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}
-        prefill = E.start_engine(group, "prefill", venv, model_dir, work, p_core)
+        prefill = E.start_engine(group, "prefill", venv, model_dir, work, p_core, extra_args=tracing_args,
+                                 extra_env=tracing_env)
         decode = E.start_engine(
             group, "decode", venv, model_dir, work, d_core,
-            extra_args=["--enable-prefix-caching", "--kv-events-config", json.dumps(events)],
-            extra_env={"PYTHONHASHSEED": HASH_SEED, "VLLM_SERVER_DEV_MODE": "1"},
+            extra_args=["--enable-prefix-caching", "--kv-events-config", json.dumps(events), *tracing_args],
+            extra_env={"PYTHONHASHSEED": HASH_SEED, "VLLM_SERVER_DEV_MODE": "1", **tracing_env},
         )
-        pair = Pair(prefill, decode, model_dir, group, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+        pair = Pair(prefill, decode, model_dir, group, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}",
+                    collector)
         failure = None
         try:
             E.wait_ready([prefill, decode])
@@ -82,6 +91,7 @@ def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         yield pair
     finally:
         group.stop_all()
+        collector.stop()
         if pair is not None:
             pair.prefill.http.close()
             pair.decode.http.close()
