@@ -131,7 +131,6 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         shared = (RedisState(cfg.state, cfg.routing.prefix.learned_ttl_s, pools)
                   if cfg.state.backend == "redis" else None)
         subs = Subscriptions(index)
-        metrics = GatewayMetrics(pools, index, subs.all, shared)
 
         async def discovered() -> None:
             """Kubernetes discovery's endpoints changed: apply them to the pools as a reload would."""
@@ -144,6 +143,7 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
             await asyncio.gather(*(health.probe(e) for e in pools.all() if id(e) not in before))
 
         discovery = Discovery(discovered)
+        metrics = GatewayMetrics(pools, index, subs.all, shared, discovery.watchers.values)
         res = Resources(make_session(), make_client(), pools, index, shared, subs,
                         metrics.failover, discovery)
         tracing = Tracing(cfg.telemetry.tracing, span_exporter)
@@ -167,6 +167,7 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         watcher = ConfigWatcher(config_path, version, apply, reload_result) if config_path else None
         gw.watcher = watcher
         gw.feeds = res.subs.all
+        gw.discovery = discovery
         gw.shared = shared
         await res.subs.update(cfg)
         if shared:
@@ -230,6 +231,12 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
                               "error": gw.shared.status.last_error or None}
                              if gw.shared else {"backend": "memory", "healthy": True}),
         }
+        if gw.discovery is not None and gw.discovery.watchers:  # pools that follow EndpointSlices
+            body["discovery"] = {
+                w.pool: {"synced": w.synced.is_set(), "endpoints": len(w.endpoints), "errors": w.errors,
+                         "last_error": w.last_error or None}
+                for w in gw.discovery.watchers.values()
+            }
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
     async def metrics(request: Request) -> Response:

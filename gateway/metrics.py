@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -16,6 +16,9 @@ from .kvevents import KVEventSubscriber
 from .pools import Pools
 from .requestlog import RequestRecord
 from .state import RedisState
+
+if TYPE_CHECKING:
+    from .discovery import SliceWatcher
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
@@ -30,10 +33,12 @@ class GatewayMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, pools: Pools, index: PrefixStore | None = None,
-                 feeds: Callable[[], Sequence[KVEventSubscriber]] = list, shared: RedisState | None = None) -> None:
+                 feeds: Callable[[], Sequence[KVEventSubscriber]] = list, shared: RedisState | None = None,
+                 watchers: Callable[[], Iterable[SliceWatcher]] = tuple) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._pools = pools
         self.registry.register(_RoutingStateCollector(pools, index, feeds, shared))
+        self.registry.register(_DiscoveryCollector(watchers))
         self.registry.register(_PoolCollector(pools))
         self._children: dict[tuple, Any] = {}
         r = self.registry
@@ -187,6 +192,33 @@ class _PoolCollector:
             if usages:
                 kv.add_metric([name], sum(usages) / len(usages))
         yield from (healthy, in_flight, uncached, waiting, running, kv, reporting, ep_healthy, ep_in_flight)
+
+
+class _DiscoveryCollector:
+    """Per pool with Kubernetes discovery: what its EndpointSlice watch found, and whether it works
+    (a watch that keeps failing leaves the pool on the last endpoints it saw)."""
+
+    def __init__(self, watchers: Callable[[], Iterable[SliceWatcher]]) -> None:
+        self._watchers = watchers
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        synced = GaugeMetricFamily("pdgate_discovery_synced", "1 once the pool's first EndpointSlice list completed",
+                                   labels=["pool"])
+        found = GaugeMetricFamily("pdgate_discovery_endpoints", "Ready endpoints the pool's EndpointSlices list",
+                                  labels=["pool"])
+        lists = CounterMetricFamily("pdgate_discovery_lists", "Full EndpointSlice lists (the first, and one per 410)",
+                                    labels=["pool"])
+        errors = CounterMetricFamily("pdgate_discovery_errors", "Failed EndpointSlice lists or watches",
+                                     labels=["pool"])
+        for w in self._watchers():
+            synced.add_metric([w.pool], 1 if w.synced.is_set() else 0)
+            found.add_metric([w.pool], len(w.endpoints))
+            lists.add_metric([w.pool], w.lists)
+            errors.add_metric([w.pool], w.errors)
+        yield from (synced, found, lists, errors)
 
 
 class _RoutingStateCollector:

@@ -82,6 +82,7 @@ class Gateway:
         self.watcher: Any = None  # the config watcher, when the config comes from a file
         self.feeds: Callable[[], list[Any]] = list  # the KV event subscribers
         self.shared: Any = None  # the Redis shared state, when configured
+        self.discovery: Any = None  # the Kubernetes EndpointSlice watchers, when any pool uses them
 
     async def chat(self, request: Request) -> Response | RelayResponse:
         return await self._handle(request, "chat", "/v1/chat/completions")

@@ -23,7 +23,10 @@ from starlette.testclient import TestClient
 from gateway.app import create_app
 from gateway.config import ConfigError, DiscoveryConfig, GatewayConfig, parse_config
 from gateway.discovery import Discovery, SliceWatcher, ready_endpoints
+from gateway.metrics import GatewayMetrics
+from gateway.pools import Pools
 from tests.procs import free_port
+from tests.promtext import sample
 
 from .scripted_engine import ScriptedEngine
 
@@ -360,6 +363,12 @@ async def test_reconnects_after_errors_and_rereads_the_token(api, tmp_path):
         await asyncio.wait_for(watcher.synced.wait(), 10)
         assert watcher.errors == 2 and "500" in watcher.last_error
         assert urls(watcher) == ["http://10.0.0.1:8000"]
+        # An operator sees it in /metrics: synced, what it found, and the failures on the way.
+        text = GatewayMetrics(Pools([], []), watchers=lambda: [watcher]).render().decode()
+        assert sample(text, "pdgate_discovery_synced", pool="decode") == 1
+        assert sample(text, "pdgate_discovery_endpoints", pool="decode") == 1
+        assert sample(text, "pdgate_discovery_lists_total", pool="decode") == 1
+        assert sample(text, "pdgate_discovery_errors_total", pool="decode") == 2
         await until(lambda: api.watches())
         token.write_text("tok-2")  # rotated
         api.cut()  # the connection drops: the watcher comes back (with the new token)
@@ -559,6 +568,9 @@ def test_gateway_routing_set_follows_endpointslices(api, tokenizer_dir, tmp_path
 
             # the first list completes before the app serves
             assert decode_pool() == {"healthy": 1, "ejected": 0, "total": 1}
+            assert client.get("/ready").json()["discovery"] == {
+                "decode": {"synced": True, "endpoints": 1, "errors": 0, "last_error": None}}
+            assert sample(client.get("/metrics").text, "pdgate_discovery_endpoints", pool="decode") == 1
             assert client.get("/ready").json()["pools"]["prefill"]["total"] == 1
             d1.reply("/v1/completions", _completion("from d1"))
             assert complete() == "from d1"
@@ -566,6 +578,7 @@ def test_gateway_routing_set_follows_endpointslices(api, tokenizer_dir, tmp_path
             # a second engine appears, the first goes not-ready (terminating)
             api.put(endpoint_slice("pdgate-decode-2", [endpoint("127.0.0.1")], port=d2.port))
             wait(lambda: decode_pool()["total"] == 2)
+            assert sample(client.get("/metrics").text, "pdgate_discovery_endpoints", pool="decode") == 2
             api.put(endpoint_slice("pdgate-decode-1", [endpoint("127.0.0.1", ready=False, terminating=True)],
                                    port=d1.port))
             wait(lambda: decode_pool() == {"healthy": 1, "ejected": 0, "total": 1})
