@@ -135,20 +135,26 @@ def test_refused_kv_pull_still_answers(cluster):
 def test_failing_engine_is_ejected_then_comes_back(cluster):
     bad = cluster.decode[0]
     faults(bad, {"error": {"status": 500}})
-    results = [chat(cluster, f"eject {i}") for i in range(8)]
-    assert all(r.status_code == 200 for r in results)
-    assert wait_for(lambda: ejected(cluster) == 1, timeout=5)
-    # Requests sent while it is ejected (checked before and after each: ejection is time-bound)
-    # never reach it.
+    # Requests meet the failing engine as scraped load allows, and an ejection lasts 0.5-1 s here: a
+    # loaded machine can let one run out before it is looked at. So: drive it to ejection, then send
+    # while it is ejected, and go again if the ejection ran out first.
     sandwiched = 0
-    for i in range(20):
-        seen = len(bad.requests())
-        if ejected(cluster) != 1:
+    for attempt in range(5):
+        for i in range(40):
+            assert chat(cluster, f"eject {attempt} {i}").status_code == 200
+            if ejected(cluster) == 1:
+                break
+        # Requests sent while it is ejected (checked before and after each) never reach it.
+        for i in range(20):
+            seen = len(bad.requests())
+            if ejected(cluster) != 1:
+                break
+            assert chat(cluster, f"while ejected {attempt} {i}").status_code == 200
+            if ejected(cluster) == 1:
+                sandwiched += 1
+                assert len(bad.requests()) == seen
+        if sandwiched:
             break
-        assert chat(cluster, f"while ejected {i}").status_code == 200
-        if ejected(cluster) == 1:
-            sandwiched += 1
-            assert len(bad.requests()) == seen
     assert sandwiched >= 1
     faults(bad, None)
     assert wait_for(lambda: ejected(cluster) == 0, timeout=5)
