@@ -167,7 +167,7 @@ class _PoolCollector:
         running = family("pdgate_pool_engine_running_requests", "Running requests the pool's engines report")
         kv = family("pdgate_pool_kv_usage_ratio", "Mean KV cache usage (0..1) the pool's engines report")
         reporting = family("pdgate_pool_reporting_endpoints", "Endpoints whose engine metrics are fresh")
-        ep_labels = ["pool", "endpoint"]
+        ep_labels = ["pool", "engine"]  # not "endpoint": the Prometheus Operator sets that to the port name
         ep_healthy = GaugeMetricFamily("pdgate_endpoint_healthy", "1 when the endpoint passes health checks",
                                        labels=ep_labels)
         ep_in_flight = GaugeMetricFamily("pdgate_endpoint_in_flight_requests",
@@ -235,10 +235,10 @@ class _RoutingStateCollector:
         backlog = GaugeMetricFamily(
             "pdgate_endpoint_backlog_tokens",
             "Uncached prompt tokens the gateway sent to the endpoint whose prefill has not finished",
-            labels=["pool", "endpoint"])
+            labels=["pool", "engine"])
         speed = GaugeMetricFamily(
             "pdgate_endpoint_prefill_seconds_per_token", "Prefill speed learned from observed prefill legs",
-            labels=["pool", "endpoint"])
+            labels=["pool", "engine"])
         for ep in self._pools.all():
             backlog.add_metric([ep.pool, ep.url], ep.backlog_tokens)
             if ep.prefill_s_per_token is not None:
@@ -253,11 +253,11 @@ class _RoutingStateCollector:
             blocks.add_metric(["kv_events"], st.precise)
             yield blocks
         connected = GaugeMetricFamily("pdgate_kv_events_connected",
-                                      "1 while the endpoint's KV event feed is connected", labels=["endpoint"])
+                                      "1 while the endpoint's KV event feed is connected", labels=["engine"])
         events = CounterMetricFamily("pdgate_kv_events", "KV cache events applied to the prefix index",
-                                     labels=["endpoint"])
+                                     labels=["engine"])
         gaps = CounterMetricFamily("pdgate_kv_events_gaps", "Sequence gaps seen on a KV event feed",
-                                   labels=["endpoint"])
+                                   labels=["engine"])
         for feed in self._feeds():
             c = feed.counters
             connected.add_metric([feed.url], 1 if c.connected else 0)

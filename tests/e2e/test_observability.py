@@ -26,6 +26,10 @@ pytestmark = [
 THRESHOLD = 200
 LONG = "Summarize the incident log: " + "the decode pool kept streaming while prefill ran elsewhere. " * 40
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdgate-dashboard.json"
+# Labels Prometheus (and its Operator, for a ServiceMonitor) attach to every scraped series. The
+# dashboard may filter on them; the gateway must never export them, or they would be renamed
+# exported_<name> (the Operator sets `endpoint` to the scrape port's name).
+TARGET_LABELS = {"job", "instance", "namespace", "pod", "service", "container", "endpoint"}
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +160,8 @@ def test_every_dashboard_metric_and_label_is_exported(setup):
         names = {s.name for s in fam.samples} | {fam.name}
         for n in names:
             families[n] = labels
+    clashes = {m: sorted(labels & TARGET_LABELS) for m, labels in families.items() if labels & TARGET_LABELS}
+    assert not clashes, f"these labels would be renamed exported_* by the scrape: {clashes}"
     exprs = dashboard_queries()
     assert len(exprs) > 20
     for expr in exprs:
@@ -166,5 +172,11 @@ def test_every_dashboard_metric_and_label_is_exported(setup):
         used = set(re.findall(r"([a-z_]+)\s*(?:=~|!=|=)\s*\"", expr))
         for by in re.findall(r"by \(([^)]*)\)", expr):
             used |= {b.strip() for b in by.split(",")} - {"le"}
-        known = set().union(*(families[m] for m in metrics))
+        known = set().union(*(families[m] for m in metrics)) | TARGET_LABELS
         assert used <= known, f"{expr}: labels {used - known} are not on {metrics}"
+    # Every panel follows the namespace and job selectors (two releases, one Prometheus).
+    panels = [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p.get("targets", [])]
+    for expr in panels:
+        for selector in re.findall(r"pdgate_[a-z0-9_]+\{([^}]*)\}", expr):
+            assert 'namespace=~"$namespace"' in selector and 'job=~"$job"' in selector, expr
+        assert not re.search(r"pdgate_[a-z0-9_]+(?!\{)[\[\)\s]", expr), expr

@@ -245,8 +245,8 @@ def test_pool_signals_drop_stale_engine_reports_and_removed_endpoints():
     assert "pdgate_pool_engine_waiting_requests{pool=\"prefill\"}" not in text
     pools.update(["http://p:1"], ["http://d:1"])
     text = metrics.render().decode()
-    assert 'endpoint="http://d:2"' not in text  # an engine that left leaves no series behind
-    assert 'pdgate_endpoint_healthy{endpoint="http://d:1",pool="decode"}' in text
+    assert 'engine="http://d:2"' not in text  # an engine that left leaves no series behind
+    assert 'pdgate_endpoint_healthy{engine="http://d:1",pool="decode"}' in text
 
 
 def test_pd_metrics_and_pool_signals(client, eng):
