@@ -8,10 +8,10 @@ in front of them, and replays the same requests (:mod:`bench.workloads`) through
 | --- | --- | --- |
 | ``colocated-rr`` | vllm-router ``--policy round_robin`` | all serve whole requests |
 | ``colocated-prefix-load`` | pdgate, no prefill pool, prefix_affinity (2) + load (1) | all serve whole requests |
-| ``pd-always`` | pdgate, ``token_threshold`` 1 | half prefill, half decode |
-| ``pd-threshold`` | pdgate, ``token_threshold`` 4096 | half prefill, half decode |
-| ``pd-cost-model`` | pdgate, ``cost_model`` (the profile's prefill speed and KV link) | half prefill, half decode |
-| ``vllm-router-pd`` | vllm-router ``--vllm-pd-disaggregation`` (its default policy) | half prefill, half decode |
+| ``pd-always`` | pdgate, ``token_threshold`` 1 | prefill and decode pools (half each, or ``--prefill-engines``) |
+| ``pd-threshold`` | pdgate, ``token_threshold`` 4096 | the same pools |
+| ``pd-cost-model`` | pdgate, ``cost_model`` (the profile's prefill speed and KV link) | the same pools |
+| ``vllm-router-pd`` | vllm-router ``--vllm-pd-disaggregation`` (its default policy) | the same pools |
 
 Between runs every engine's prefix cache is reset and the engines are idle. Reported per
 configuration, workload and rate, in simulated time (wall time / time scale): TTFT and ITL
@@ -103,15 +103,16 @@ class Cluster:
     group: ProcGroup
     engines: list[str]
     time_scale: float
+    n_prefill: int  # how many of the engines the P/D configurations use as the prefill pool
     routers: dict[str, tuple[Proc, str]] = field(default_factory=dict)
 
     @property
     def prefill(self) -> list[str]:
-        return self.engines[: len(self.engines) // 2]
+        return self.engines[: self.n_prefill]
 
     @property
     def decode(self) -> list[str]:
-        return self.engines[len(self.engines) // 2 :]
+        return self.engines[self.n_prefill :]
 
     def reset(self, timeout: float = 120.0) -> None:
         """Wait until every engine is idle (no running, waiting or held requests), then empty
@@ -380,7 +381,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--time-scale", type=float, default=None, help="engine time scale (default 0.5: twice the modelled speed)"
     )
-    p.add_argument("--engines", type=int, default=2, help="engines per configuration (even; P/D splits them)")
+    p.add_argument("--engines", type=int, default=2, help="engines per configuration (P/D splits them)")
+    p.add_argument("--prefill-engines", type=int, default=None,
+                   help="of --engines, how many the P/D configurations use for prefill (default: half)")
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=None)
     p.add_argument("--arrivals", nargs="+", choices=ARRIVALS, default=None)
@@ -398,8 +401,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-peer", action="store_true", help="skip the vllm-router configurations")
     p.add_argument("--out", default=None, help="JSON path (default docs/benchmarks/goodput[-quick].json)")
     args = p.parse_args(argv)
-    if args.engines < 2 or args.engines % 2:
-        p.error("--engines must be even and at least 2")
+    if args.engines < 2:
+        p.error("--engines must be at least 2")
+    if args.prefill_engines is None:
+        if args.engines % 2:
+            p.error("an odd --engines needs --prefill-engines")
+        args.prefill_engines = args.engines // 2
+    if not 1 <= args.prefill_engines < args.engines:
+        p.error("--prefill-engines must leave at least one engine to each pool")
     try:
         args.rate_for = {
             w: [float(r) for r in rs.split(",")] for w, rs in (item.split("=", 1) for item in args.rate_for)
@@ -437,7 +446,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     points: list[dict[str, Any]] = []
     try:
         engines = start_engines(group, args.engines, args.profile, args.time_scale, tokenizer)
-        cluster = Cluster(group, engines, args.time_scale)
+        cluster = Cluster(group, engines, args.time_scale, args.prefill_engines)
         start_routers(cluster, args.configs, tokenizer, args.profile, logs, vr)
         plan = []
         for workload in args.workloads:
@@ -477,6 +486,7 @@ def _result(args: argparse.Namespace, vr: Path | None, started: float, points: l
         "profile_settings": engine_settings(args.profile),
         "time_scale": args.time_scale,
         "engines": args.engines,
+        "prefill_engines": args.prefill_engines,
         "duration_s": args.duration,
         "output_scale": args.scale_output,
         "quick": args.quick,

@@ -12,6 +12,13 @@ from bench.workloads import SLOS
 CONFIGS = ("colocated-rr", "colocated-prefix-load", "pd-always", "pd-threshold", "pd-cost-model", "vllm-router-pd")
 
 
+def _split(result: dict) -> str:
+    """The P/D pools, e.g. "1 prefill + 2 decode" (runs from before the option: half and half)."""
+    n = result["engines"]
+    k = result.get("prefill_engines") or n // 2
+    return f"{k} prefill + {n - k} decode"
+
+
 def _v(x: Any) -> str:
     return "-" if x is None else f"{x:g}" if isinstance(x, float) else str(x)
 
@@ -30,15 +37,16 @@ def markdown(result: dict[str, Any]) -> str:
         "`colocated-prefix-load` (pdgate, no prefill pool, prefix_affinity + load scorers), `pd-always`",
         "(pdgate, token_threshold 1), `pd-threshold` (pdgate, token_threshold 4096), `pd-cost-model`",
         "(pdgate, cost_model told the profile's prefill speed and KV link), `vllm-router-pd` (vllm-router",
-        "`--vllm-pd-disaggregation`, its default cache_aware policy). P/D configurations use half the",
-        "engines for prefill and half for decode. Workloads: `long` 4k-16k in / 256-1k out, `chat`",
+        "`--vllm-pd-disaggregation`, its default cache_aware policy). P/D configurations split the",
+        "engines into a prefill and a decode pool (the split is given below). Workloads: `long` 4k-16k",
+        "in / 256-1k out, `chat`",
         "100-1.5k in / 50-400 out, `mix` 30% long + 70% chat, `multiturn` conversations of 4-8 turns",
         "sharing a 1k system prompt and their history. Goodput = offered rate x share of requests that",
         "met their SLO (TTFT and the p90 of the request's own inter-token gaps). Load generator, routers",
         "and engines share this machine's 2 cores (with other work running): read differences of a few",
         "ms in ITL as noise; the tail-latency effects below are tens to hundreds of ms.",
         "",
-        f"Profile `{prof}`, {result['engines']} engines per configuration (P/D: half prefill, half decode), "
+        f"Profile `{prof}`, {result['engines']} engines per configuration (P/D: {_split(result)}), "
         f"time scale {result['time_scale']:g}, {result['duration_s']:g} s of arrivals per run"
         + (f", outputs x{result['output_scale']:g} (quick smoke run)" if result.get("quick") else "")
         + f"; vllm-router {result.get('vllm_router') or 'not run'}. Times are simulated "
@@ -126,7 +134,8 @@ def plots(result: dict[str, Any], stem: Path) -> list[Path]:
             ax.set_xlabel("offered load (req/s, simulated)")
             ax.grid(alpha=0.3)
         axes[0].legend(fontsize=8)
-        fig.suptitle(f"{workload} ({arrivals}) - {result['profile']}, {result['engines']} engines")
+        fig.suptitle(f"{workload} ({arrivals}) - {result['profile']}, {result['engines']} engines "
+                     f"(P/D {_split(result)})")
         fig.tight_layout()
         path = stem.parent / f"{stem.name}-{workload}-{arrivals}.png"
         fig.savefig(path, dpi=90)
