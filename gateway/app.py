@@ -143,7 +143,7 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
             await asyncio.gather(*(health.probe(e) for e in pools.all() if id(e) not in before))
 
         discovery = Discovery(discovered)
-        metrics = GatewayMetrics(pools, index, subs.all, shared, discovery.watchers.values)
+        metrics = GatewayMetrics(pools, index, subs.all, shared, lambda: discovery.watchers.values())
         res = Resources(make_session(), make_client(), pools, index, shared, subs,
                         metrics.failover, discovery)
         tracing = Tracing(cfg.telemetry.tracing, span_exporter)

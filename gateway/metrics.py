@@ -168,10 +168,10 @@ class _PoolCollector:
         kv = family("pdgate_pool_kv_usage_ratio", "Mean KV cache usage (0..1) the pool's engines report")
         reporting = family("pdgate_pool_reporting_endpoints", "Endpoints whose engine metrics are fresh")
         ep_labels = ["pool", "engine"]  # not "endpoint": the Prometheus Operator sets that to the port name
-        ep_healthy = GaugeMetricFamily("pdgate_endpoint_healthy", "1 when the endpoint passes health checks",
+        ep_healthy = GaugeMetricFamily("pdgate_endpoint_healthy", "1 when the engine passes health checks",
                                        labels=ep_labels)
         ep_in_flight = GaugeMetricFamily("pdgate_endpoint_in_flight_requests",
-                                         "Requests the gateway has open on the endpoint", labels=ep_labels)
+                                         "Requests the gateway has open on the engine", labels=ep_labels)
         for e in self._pools.all():
             ep_healthy.add_metric([e.pool, e.url], 1 if e.healthy else 0)
             ep_in_flight.add_metric([e.pool, e.url], e.in_flight)
@@ -253,7 +253,7 @@ class _RoutingStateCollector:
             blocks.add_metric(["kv_events"], st.precise)
             yield blocks
         connected = GaugeMetricFamily("pdgate_kv_events_connected",
-                                      "1 while the endpoint's KV event feed is connected", labels=["engine"])
+                                      "1 while the engine's KV event feed is connected", labels=["engine"])
         events = CounterMetricFamily("pdgate_kv_events", "KV cache events applied to the prefix index",
                                      labels=["engine"])
         gaps = CounterMetricFamily("pdgate_kv_events_gaps", "Sequence gaps seen on a KV event feed",

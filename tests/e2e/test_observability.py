@@ -30,6 +30,7 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pdgate
 # dashboard may filter on them; the gateway must never export them, or they would be renamed
 # exported_<name> (the Operator sets `endpoint` to the scrape port's name).
 TARGET_LABELS = {"job", "instance", "namespace", "pod", "service", "container", "endpoint"}
+SELECTOR_LABELS = {"namespace", "job"}  # of those, the ones the dashboard selects on
 
 
 @pytest.fixture(scope="module")
@@ -140,10 +141,20 @@ def test_stream_latencies_and_pool_signals_are_exported(setup):
     )
 
 
+def dashboard_panels() -> list[dict]:
+    """Every panel, those inside (collapsed) rows too."""
+    out, todo = [], list(json.loads(DASHBOARD.read_text())["panels"])
+    while todo:
+        panel = todo.pop(0)
+        out.append(panel)
+        todo.extend(panel.get("panels", []))
+    return out
+
+
 def dashboard_queries() -> list[str]:
-    dash = json.loads(DASHBOARD.read_text())
-    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
-    exprs += [v["query"]["query"] for v in dash["templating"]["list"] if isinstance(v.get("query"), dict)]
+    exprs = [t["expr"] for p in dashboard_panels() for t in p.get("targets", [])]
+    variables = json.loads(DASHBOARD.read_text())["templating"]["list"]
+    exprs += [v["query"]["query"] for v in variables if isinstance(v.get("query"), dict)]
     return exprs
 
 
@@ -172,11 +183,16 @@ def test_every_dashboard_metric_and_label_is_exported(setup):
         used = set(re.findall(r"([a-z_]+)\s*(?:=~|!=|=)\s*\"", expr))
         for by in re.findall(r"by \(([^)]*)\)", expr):
             used |= {b.strip() for b in by.split(",")} - {"le"}
-        known = set().union(*(families[m] for m in metrics)) | TARGET_LABELS
+        known = set().union(*(families[m] for m in metrics)) | SELECTOR_LABELS
         assert used <= known, f"{expr}: labels {used - known} are not on {metrics}"
-    # Every panel follows the namespace and job selectors (two releases, one Prometheus).
-    panels = [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p.get("targets", [])]
-    for expr in panels:
-        for selector in re.findall(r"pdgate_[a-z0-9_]+\{([^}]*)\}", expr):
-            assert 'namespace=~"$namespace"' in selector and 'job=~"$job"' in selector, expr
-        assert not re.search(r"pdgate_[a-z0-9_]+(?!\{)[\[\)\s]", expr), expr
+    for panel in dashboard_panels():
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            # Every series follows the namespace and job selectors (two releases, one Prometheus).
+            for selector in re.findall(r"pdgate_[a-z0-9_]+\{([^}]*)\}", expr):
+                assert 'namespace=~"$namespace"' in selector and 'job=~"$job"' in selector, expr
+            assert not re.search(r"\bpdgate_[a-z0-9_]+\b(?!\{)", expr), f"a series without the selectors: {expr}"
+            # A legend names labels the query's series really have.
+            known = set().union(*(families[m] for m in re.findall(r"\b(pdgate_[a-z0-9_]+)", expr)))
+            legend = set(re.findall(r"\{\{\s*([a-z_]+)\s*\}\}", target.get("legendFormat", "")))
+            assert legend <= known | SELECTOR_LABELS, f"{panel.get('title')}: legend labels {legend - known}"

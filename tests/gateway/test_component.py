@@ -256,6 +256,7 @@ def test_not_ready_without_a_healthy_decode_endpoint(tokenizer_dir):
     with TestClient(_app(tokenizer_dir, [f"http://127.0.0.1:{free_port()}"])) as c:
         r = c.get("/ready")
         assert r.status_code == 503 and r.json()["pools"]["decode"] == {"healthy": 0, "ejected": 0, "total": 1}
+        assert "discovery" not in r.json()  # no pool follows EndpointSlices
         r = c.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_endpoint"
 
