@@ -12,7 +12,10 @@ tokens x does not hold in its prefix cache (the decode engine pulls only the blo
 unless it was measured. P/D must win by ``min_gain_s``, unless direct would stall the decode
 engine's running streams for more than ``itl_budget_s`` per step (TTFT is not the only cost:
 a long prefill there delays every running stream's next token, the interference P/D exists
-to remove).
+to remove) and sparing them is worth what P/D costs this request: its extra wait (pd - direct)
+is at most the delay direct would add up over those streams (streams x direct prefill time).
+Without that bound a busy prefill pool queues requests whose stall was small (a short prompt
+on a one-engine prefill pool waited seconds to spare a few streams one 60 ms step).
 """
 
 from __future__ import annotations
@@ -89,6 +92,11 @@ class CostModel:
             return PathChoice(Path.PD, "pd_faster", detail, predicted)
         streams = decode.running if decode.running is not None else decode.in_flight
         if self.itl_budget_s and streams and (stall := self.stall_s(ctx, decode, p)) > self.itl_budget_s:
-            return PathChoice(Path.PD, "protect_itl", f"{detail}; direct would stall {streams} stream(s) "
-                              f"{stall * 1000:.0f}ms > {self.itl_budget_s * 1000:.0f}ms", predicted)
+            stalls = f"direct would stall {streams} stream(s) {stall * 1000:.0f}ms > {self.itl_budget_s * 1000:.0f}ms"
+            # Every chunk of a direct prefill delays every running stream by its prefill time.
+            spared = streams * ctx.uncached(decode.url) * self._decode_spt(decode, p)
+            if pd - direct <= spared:
+                return PathChoice(Path.PD, "protect_itl", f"{detail}; {stalls}", predicted)
+            return PathChoice(Path.DIRECT, "prefill_backlog", f"{detail}; {stalls}, but P/D would add "
+                              f"{(pd - direct) * 1000:.0f}ms > {spared * 1000:.0f}ms spared", predicted)
         return PathChoice(Path.DIRECT, "direct_faster", detail, predicted)

@@ -72,6 +72,16 @@ def test_a_direct_prefill_that_would_stall_running_streams_goes_pd():
     assert ttft_only.decide(ctx(1000), ep("d", running=4), prefill).path is Path.DIRECT
 
 
+def test_sparing_streams_is_not_worth_any_wait_in_the_prefill_queue():
+    # 1000 tokens: direct 100 ms, and one 100 ms step for each of 4 streams (400 ms in all).
+    backed_up = lambda: ep("p", "prefill", backlog_tokens=20_000)  # noqa: E731  # 2 s queued there
+    choice = MODEL.decide(ctx(1000), ep("d", running=4), backed_up)
+    assert choice.path is Path.DIRECT and choice.reason == "prefill_backlog"
+    assert "P/D would add 2100ms > 400ms spared" in choice.detail
+    # 40 streams: 4 s of their time spared is worth this request's 2.1 s.
+    assert MODEL.decide(ctx(1000), ep("d", running=40), backed_up).reason == "protect_itl"
+
+
 def test_one_chunk_bounds_the_stall():
     m = CostModel(prefill_tokens_per_s=100_000, prefill_chunk_tokens=2048, itl_budget_s=0.05)
     assert m.stall_s(ctx(50_000), ep("d"), ep("p", "prefill")) == pytest.approx(2048 / 100_000)
