@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import re
@@ -190,8 +191,9 @@ class Gateway:
             raise
 
         decision = r.route.decision
-        rt.router.learn(r.prep, r.route)
-        self.metrics.decided(decision.path.value, decision.reason)
+        # Bookkeeping that the answer does not wait for runs once the engine leg is on its way
+        # (the loop's next turn: the first wait for the engine), off the request's critical path.
+        asyncio.get_running_loop().call_soon(self._decided, rt, r)
 
         def done(outcome: Outcome) -> None:
             self.gate.leave()
@@ -223,6 +225,11 @@ class Gateway:
             on_done=done,
             record=rec,
         )
+
+    def _decided(self, rt: Runtime, r: Routed) -> None:
+        rt.router.learn(r.prep, r.route)
+        d = r.route.decision
+        self.metrics.decided(d.path.value, d.reason)
 
     async def explain(self, request: Request) -> dict[str, Any]:
         """What the gateway would do with this body (``POST /debug/route``), without sending it."""
