@@ -214,7 +214,7 @@ def build_router(rng: random.Random) -> tuple[Router, Pools, TimedIndex]:
         ep.prefill_s_per_token = rng.uniform(5e-5, 2e-4)
         ep.stats = EngineStats(rng.randint(1, 32), rng.randint(0, 4), rng.random(), 16, time.monotonic())
     index = TimedIndex()
-    # cost_model decider, the default scorers (prefix_affinity x2, load x1) and max_score picker.
+    # cost_model decider, the default bounded_load filter, scorers (prefix_affinity x2, load x1) and max_score picker.
     router = Router(RoutingConfig(decider=PolicySpec(name="cost_model")), pools, index)
     return router, pools, index
 
@@ -449,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpus": os.cpu_count(), "pinned_core": core, "python": platform.python_version(),
                     "note": "2-core shared VM; other tenants' load shows in p99"},
         "endpoints_per_pool": ENDPOINTS,
-        "routing": "cost_model decider; prefix_affinity (2) + load (1) scorers; max_score picker; block 16, sha256",
+        "routing": ("cost_model decider; bounded_load filter; prefix_affinity (2) + load (1) scorers; "
+                    "max_score picker; block 16, sha256"),
         "tokenizers": tokenizers,
         "rows": rows,
     }

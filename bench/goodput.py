@@ -7,7 +7,7 @@ in front of them, and replays the same requests (:mod:`bench.workloads`) through
 | configuration | router | engines |
 | --- | --- | --- |
 | ``colocated-rr`` | vllm-router ``--policy round_robin`` | all serve whole requests |
-| ``colocated-prefix-load`` | pdgate, no prefill pool, prefix_affinity (2) + load (1) | all serve whole requests |
+| ``colocated-prefix-load`` | pdgate, no prefill pool, bounded_load, prefix_affinity (2) + load (1) | all engines |
 | ``pd-always`` | pdgate, ``token_threshold`` 1 | prefill and decode pools (half each, or ``--prefill-engines``) |
 | ``pd-threshold`` | pdgate, ``token_threshold`` 4096 | the same pools |
 | ``pd-cost-model`` | pdgate, ``cost_model`` (the profile's prefill speed and KV link) | the same pools |

@@ -269,7 +269,8 @@ class PrefixConfig(_Strict):
 
 class RoutingConfig(_Strict):
     decider: PolicySpec = PolicySpec(name="token_threshold")
-    decode: PoolRoutingConfig = PoolRoutingConfig(scorers=_default_scorers())
+    decode: PoolRoutingConfig = PoolRoutingConfig(filters=[PolicySpec(name="bounded_load")],
+                                                  scorers=_default_scorers())
     prefill: PoolRoutingConfig = PoolRoutingConfig(scorers=_default_scorers())
     prefix: PrefixConfig = PrefixConfig()
     debug_headers: bool = Field(

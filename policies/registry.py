@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from typing import Any
 
+from .bounded_load import BoundedLoad
 from .cost_model import CostModel
 from .least_inflight import LeastInflight
 from .load import Load
@@ -20,6 +21,7 @@ ENTRY_POINT_GROUP = "pdgate.policies"
 
 BUILTIN: Mapping[str, Callable[..., Any]] = {
     "token_threshold": TokenThreshold,  # decider
+    "bounded_load": BoundedLoad,  # filter
     "cost_model": CostModel,  # decider
     "prefix_affinity": PrefixAffinity,  # scorer
     "load": Load,  # scorer

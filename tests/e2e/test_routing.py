@@ -106,7 +106,9 @@ def test_debug_route_explains_without_running(cluster):
     assert plan["path"] == "pd" and plan["reason"] == "long_uncached"
     assert plan["detail"].startswith(f"uncached={plan['prompt_tokens']}>={THRESHOLD}")
     assert plan["decode"] in [s.url for s in cluster.decode] and plan["prefill"] == cluster.prefill[0].url
-    assert [step.get("scorer") for step in plan["trace"]["decode"][:2]] == ["prefix_affinity", "load"]
+    steps = plan["trace"]["decode"]
+    assert steps[0] == {"filter": "bounded_load", "kept": [s.url for s in cluster.decode]}  # all idle
+    assert [step.get("scorer") for step in steps[1:3]] == ["prefix_affinity", "load"]
     assert all(s.requests() == [] for s in cluster.prefill + cluster.decode)  # nothing ran
     # nothing was learned either: the real request still goes P/D
     assert chat(cluster, prompt).headers["x-pdgate-path"] == "pd"

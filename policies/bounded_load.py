@@ -1,0 +1,41 @@
+"""Keep cache affinity from piling a burst onto the engines that hold a shared prefix.
+
+A candidate stays while its load is at most ``factor`` x the candidates' mean load + ``slack``
+(consistent hashing with bounded loads, applied to prefix affinity): past that bound the scorers
+choose among the others, so a hot prefix spreads once its engines are busier than the rest, and
+costs a prefill elsewhere instead of a queue.
+
+    load = in_flight + waiting      (the engine's waiting count only from a fresh scrape)
+
+The least loaded candidate is never above the mean, so the filter never empties the pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .base import EndpointView, RequestContext
+from .params import non_negative
+
+
+@dataclass(frozen=True)
+class BoundedLoad:
+    factor: float = 1.25
+    slack: float = 2.0
+
+    def __post_init__(self) -> None:
+        non_negative("slack", self.slack)
+        if non_negative("factor", self.factor) < 1:
+            raise ValueError("factor must be a number >= 1")
+
+    @staticmethod
+    def load(e: EndpointView) -> float:
+        return e.in_flight + (e.waiting or 0)
+
+    def filter(self, ctx: RequestContext, candidates: Sequence[EndpointView]) -> Sequence[EndpointView]:
+        if len(candidates) < 2:
+            return candidates
+        loads = [self.load(e) for e in candidates]
+        bound = self.factor * sum(loads) / len(loads) + self.slack
+        return [e for e, x in zip(candidates, loads, strict=True) if x <= bound]
