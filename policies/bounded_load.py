@@ -1,6 +1,6 @@
 """Keep cache affinity from piling a burst onto the engines that hold a shared prefix.
 
-A candidate stays while its load is at most ``factor`` x the candidates' mean load + ``slack``
+A candidate stays while its load is at most ``load_factor`` x the candidates' mean load + ``slack``
 (consistent hashing with bounded loads, applied to prefix affinity): past that bound the scorers
 choose among the others, so a hot prefix spreads once its engines are busier than the rest, and
 costs a prefill elsewhere instead of a queue.
@@ -21,13 +21,13 @@ from .params import non_negative
 
 @dataclass(frozen=True)
 class BoundedLoad:
-    factor: float = 1.25
+    load_factor: float = 1.25  # the same name and meaning as session_affinity's
     slack: float = 2.0
 
     def __post_init__(self) -> None:
         non_negative("slack", self.slack)
-        if non_negative("factor", self.factor) < 1:
-            raise ValueError("factor must be a number >= 1")
+        if non_negative("load_factor", self.load_factor) < 1:
+            raise ValueError("load_factor must be a number >= 1")
 
     @staticmethod
     def load(e: EndpointView) -> float:
@@ -37,5 +37,5 @@ class BoundedLoad:
         if len(candidates) < 2:
             return candidates
         loads = [self.load(e) for e in candidates]
-        bound = self.factor * sum(loads) / len(loads) + self.slack
+        bound = self.load_factor * sum(loads) / len(loads) + self.slack
         return [e for e, x in zip(candidates, loads, strict=True) if x <= bound]

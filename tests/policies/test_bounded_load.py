@@ -25,15 +25,15 @@ def test_the_engines_own_queue_counts():
 def test_small_differences_and_single_candidates_pass():
     many = [ep("a", in_flight=3), ep("b", in_flight=1), ep("c", in_flight=2)]
     assert BoundedLoad().filter(ctx(1), many) == many
-    assert BoundedLoad(factor=1, slack=0).filter(ctx(1), [ep("a", in_flight=50)])[0].url == "a"
+    assert BoundedLoad(load_factor=1, slack=0).filter(ctx(1), [ep("a", in_flight=50)])[0].url == "a"
 
 
 def test_never_leaves_no_candidate():
     views = [ep(u, in_flight=n) for u, n in (("a", 0), ("b", 7), ("c", 100))]
-    assert [e.url for e in BoundedLoad(factor=1, slack=0).filter(ctx(1), views)] == ["a", "b"]
+    assert [e.url for e in BoundedLoad(load_factor=1, slack=0).filter(ctx(1), views)] == ["a", "b"]
 
 
-@pytest.mark.parametrize("bad", [{"factor": 0.5}, {"slack": -1}, {"factor": "x"}])
+@pytest.mark.parametrize("bad", [{"load_factor": 0.5}, {"slack": -1}, {"load_factor": "x"}])
 def test_rejects_bad_params(bad):
     with pytest.raises(ValueError):
         BoundedLoad(**bad)
