@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import time
@@ -20,24 +19,31 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from policies.blockhash import HashSpec
+from policies.estimates import EngineEstimates
+from policies.hooks import Hooks, policy_hooks
 from policies.prefix_index import PrefixIndex
+from policies.prefix_learning import InFlightPrefixes, PrefixBeliefs
 
+from .admission import Gate
+from .auth import authorize, authorize_admin
 from .config import AdminConfig, GatewayConfig
 from .discovery import Discovery
-from .dispatch import Dispatcher
 from .enginestats import StatsScraper
 from .errors import APIError, error_response
 from .h1client import H1Client
 from .kvevents import KVEventSubscriber
-from .metrics import GatewayMetrics
-from .pools import HealthChecker, Pools
+from .legs import KVReleaser
+from .metrics import BeliefAudit, GatewayMetrics
+from .modelcheck import ServedModels
+from .pools import Endpoint, HealthChecker, Pools
+from .relay import InferenceEndpoint
 from .reload import ConfigWatcher, version_of
 from .requestlog import AccessLog
 from .router import DEFAULT_BLOCK_SIZE, Router, build_pipeline
-from .service import Gateway, Runtime
+from .runtime import Runtime, Services
+from .service import Gateway
 from .state import RedisState
 from .tokenizer import ModelTokenizer, Tokenizers
 from .tracing import Tracing
@@ -109,7 +115,7 @@ class Subscriptions:
 def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
                config_path: str | Path | None = None, config_version: str | None = None,
                span_exporter: SpanExporter | None = None,
-               access_sink: Callable[[bytes], None] | None = None) -> FastPath:
+               access_sink: Callable[[bytes], None] | None = None) -> Starlette:
     """The gateway app; ``tokenizers`` may be injected (tests), else loaded at startup. With
     ``config_path``, edits of that file are validated and applied while serving. ``span_exporter``
     (tests) receives every span, whatever the config's exporter; ``access_sink`` every access line
@@ -124,12 +130,21 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         if toks is None:
             loaded = await asyncio.gather(*(asyncio.to_thread(ModelTokenizer.load, m) for m in cfg.models))
             toks = Tokenizers(loaded, cfg.tokenizer)
+        estimates = EngineEstimates()
+
+        def restarted(ep: Endpoint) -> None:
+            """The engine restarted: nothing learned about it holds."""
+            beliefs.forget(ep.url)
+            estimates.forget(ep.url)
+            metrics.restarted(ep.pool)
+
         pools = Pools(cfg.pools.prefill.urls, cfg.pools.decode.urls, stats_max_age_s=cfg.signals.max_age_s,
-                      outlier=cfg.health.outlier)
+                      outlier=cfg.health.outlier, prefill_speed=estimates.prefill_s_per_token, on_restart=restarted)
         index = PrefixIndex(max_approx_entries=cfg.routing.prefix.max_learned_blocks,
                             approx_ttl_s=cfg.routing.prefix.learned_ttl_s)
         shared = (RedisState(cfg.state, cfg.routing.prefix.learned_ttl_s, pools)
                   if cfg.state.backend == "redis" else None)
+        beliefs = PrefixBeliefs(index, InFlightPrefixes(), shared, caching_off=pools.caching_off)
         subs = Subscriptions(index)
 
         async def discovered() -> None:
@@ -138,20 +153,30 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
             eff = discovery.effective(gw.runtime.cfg)
             removed = pools.update(eff.pools.prefill.urls, eff.pools.decode.urls)
             for url in {ep.url for ep in removed} - {ep.url for ep in pools.all()}:
-                index.forget(url)
+                res.learners.forget(url)
             await res.subs.update(eff)
             await asyncio.gather(*(health.probe(e) for e in pools.all() if id(e) not in before))
 
         discovery = Discovery(discovered)
-        metrics = GatewayMetrics(pools, index, subs.all, shared, lambda: discovery.watchers.values())
-        res = Resources(make_session(), make_client(), pools, index, shared, subs,
-                        metrics.failover, discovery)
-        tracing = Tracing(cfg.telemetry.tracing, span_exporter)
-        gw = Gateway(_runtime(cfg, version, res, toks), pools, metrics, tracing,
-                     AccessLog(cfg.telemetry.access_log, access_sink))
-        gw.admin_token = admin_token(cfg.admin)
-        health = HealthChecker(pools, res.session, cfg.health)
-        scraper = StatsScraper(pools, res.session, cfg.signals)
+        session = make_session()
+        models = ServedModels(pools, session, [m.name for m in cfg.models], cfg.health.timeout_s)
+        metrics = GatewayMetrics(pools, index, subs.all, shared, lambda: discovery.watchers.values(),
+                                 estimates.prefill_s_per_token, models)
+        engines = make_client()
+        res = Resources(session, engines, pools, index, shared, subs, discovery, models,
+                        Learners(beliefs, estimates, BeliefAudit(metrics)), metrics)
+        services = Services(pools, metrics, Tracing(cfg.telemetry.tracing, span_exporter),
+                            AccessLog(cfg.telemetry.access_log, access_sink), Gate(cfg.admission.max_in_flight),
+                            KVReleaser(Upstream(engines, cfg.timeouts)))
+        scraper = StatsScraper(pools, session, cfg.signals)
+
+        async def engine_up(ep: Endpoint, recovering: bool) -> None:
+            """Before routing sees an engine (again): the same run? what does it serve?"""
+            if recovering:
+                await scraper.recovered(ep)
+            await models.check(ep)
+
+        health = HealthChecker(pools, session, cfg.health, on_up=engine_up)
         metrics.config_loaded(version)
 
         async def apply(new: GatewayConfig, new_version: str) -> None:
@@ -165,10 +190,8 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
                 metrics.config_loaded(message)
 
         watcher = ConfigWatcher(config_path, version, apply, reload_result) if config_path else None
-        gw.watcher = watcher
-        gw.feeds = res.subs.all
-        gw.discovery = discovery
-        gw.shared = shared
+        gw = Gateway(_runtime(cfg, version, res, toks, admin_token(cfg.admin)), services, watcher=watcher,
+                     feeds=res.subs.all, shared=shared, discovery=discovery, models=models)
         await res.subs.update(cfg)
         if shared:
             await shared.start()
@@ -188,73 +211,47 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
             await res.subs.close()
             if shared:
                 await shared.stop()
-            await res.session.close()
-            res.engines.close()
+            await session.close()
+            engines.close()
             gw.runtime.tokenizers.close()
-            await asyncio.to_thread(tracing.shutdown)  # flushing spans may block on the exporter
-            gw.access_log.close()
+            await asyncio.to_thread(services.tracing.shutdown)  # flushing spans may block on the exporter
+            services.access_log.close()
 
-    async def chat(request: Request) -> ASGIApp:
-        return await request.state.gw.chat(request)
-
-    async def completions(request: Request) -> ASGIApp:
-        return await request.state.gw.completions(request)
-
-    async def models(request: Request) -> Response:
+    async def models_route(request: Request) -> Response:
+        gw: Gateway = request.state.gw
+        rt = gw.runtime
         try:
-            request.state.gw.authorize(request)
+            authorize(request, rt.api_keys, rt.cfg.limits.max_header_bytes)
         except APIError as err:
             return error_response(err)
         data = [
             {"id": m.name, "object": "model", "created": created, "owned_by": "pdgate",
              "root": m.name, "parent": None, "max_model_len": m.max_model_len}
-            for m in request.state.gw.runtime.cfg.models
+            for m in rt.cfg.models
         ]
         return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
-    async def health(request: Request) -> Response:
+    async def health_route(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
     async def ready(request: Request) -> Response:
-        gw = request.state.gw
-        pools = gw.pools
-        body = {
-            "ready": pools.ready(),
-            "pools": {
-                name: {"healthy": sum(e.healthy for e in eps), "ejected": sum(e.ejected for e in eps),
-                       "total": len(eps)}
-                for name, eps in (("prefill", pools.prefill), ("decode", pools.decode))
-            },
-            "kv_event_feeds": {"connected": sum(f.counters.connected for f in gw.feeds()),
-                               "total": len(gw.feeds())},
-            "shared_state": ({"backend": "redis", "healthy": gw.shared.status.healthy,
-                              "error": gw.shared.status.last_error or None}
-                             if gw.shared else {"backend": "memory", "healthy": True}),
-        }
-        if gw.discovery is not None and gw.discovery.watchers:  # pools that follow EndpointSlices
-            body["discovery"] = {
-                w.pool: {"synced": w.synced.is_set(), "endpoints": len(w.endpoints), "errors": w.errors,
-                         "last_error": w.last_error or None}
-                for w in gw.discovery.watchers.values()
-            }
+        body = request.state.gw.ready()
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
-    async def metrics(request: Request) -> Response:
-        gw = request.state.gw
-        return Response(gw.metrics.render(), media_type=gw.metrics.content_type)
+    async def metrics_route(request: Request) -> Response:
+        m = request.state.gw.services.metrics
+        return Response(m.render(), media_type=m.content_type)
 
     def admin(handler: Callable[[Gateway, Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         """Off (404) unless an admin token is configured; then the bearer token must match."""
 
         async def guarded(request: Request) -> Response:
             gw: Gateway = request.state.gw
-            if gw.admin_token is None:
+            token = gw.runtime.admin_token
+            if token is None:
                 return error_response(APIError(404, f"{request.method} {request.url.path}: Not Found"))
-            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-            if not hmac.compare_digest(given.encode(), gw.admin_token.encode()):
-                return error_response(APIError(401, "A valid admin bearer token is required.",
-                                               type_="authentication_error", code="invalid_admin_token"))
             try:
+                authorize_admin(request, token)
                 return await handler(gw, request)
             except APIError as err:
                 return error_response(err)
@@ -275,12 +272,13 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         return Response(orjson.dumps(await gw.explain(request)), media_type="application/json")
 
     routes = [
-        Route("/v1/chat/completions", chat, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
+        # ASGI endpoints (no per-request wrapper); middleware added to the app sees them like any route.
+        Route("/v1/chat/completions", InferenceEndpoint("chat", "/v1/chat/completions"), methods=["POST"]),
+        Route("/v1/completions", InferenceEndpoint("completion", "/v1/completions"), methods=["POST"]),
+        Route("/v1/models", models_route, methods=["GET"]),
+        Route("/health", health_route, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
+        Route("/metrics", metrics_route, methods=["GET"]),
         Route("/admin/config", admin(admin_config), methods=["GET"]),
         Route("/debug/route", admin(debug_route), methods=["POST"]),
     ]
@@ -289,29 +287,51 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         assert isinstance(exc, HTTPException)
         return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
 
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
-    return FastPath(app, {"/v1/chat/completions": chat, "/v1/completions": completions})
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+
+
+@dataclass(frozen=True)
+class Learners:
+    """The gateway's own lifecycle subscribers; they outlive config versions with what they learned."""
+
+    beliefs: PrefixBeliefs  # what each engine holds in its prefix cache
+    estimates: EngineEstimates  # prefill speeds and P/D hand-over times
+    audit: BeliefAudit  # how far routing's beliefs are from what the engines report
+
+    def subscribers(self) -> list[tuple[str, object]]:
+        return [("prefix_beliefs", self.beliefs), ("engine_estimates", self.estimates),
+                ("belief_audit", self.audit)]
+
+    def forget(self, url: str) -> None:
+        """``url`` left the configuration."""
+        self.beliefs.index.forget(url)
+        self.beliefs.in_flight.forget(url)
+        self.estimates.forget(url)
 
 
 @dataclass(frozen=True)
 class Resources:
     """What outlives config versions: connections, endpoint state, the prefix index, event feeds."""
 
-    session: aiohttp.ClientSession  # control plane: health checks, metrics scrapes
+    session: aiohttp.ClientSession  # control plane: health checks, metrics scrapes, model lists
     engines: H1Client  # the engine legs: warm keep-alive connections survive reloads
     pools: Pools
     index: PrefixIndex
     shared: RedisState | None
     subs: Subscriptions
-    on_failover: Callable[[str, str], None]  # (event, cause): metrics
-    discovery: Discovery | None = None  # engines found through the Kubernetes API
+    discovery: Discovery | None  # engines found through the Kubernetes API
+    models: ServedModels
+    learners: Learners
+    metrics: GatewayMetrics
 
 
-def _runtime(cfg: GatewayConfig, version: str, res: Resources, tokenizers: Tokenizers) -> Runtime:
-    return Runtime(cfg, version, Router(cfg.routing, res.pools, res.index, res.shared),
-                   Dispatcher(Upstream(res.engines, cfg.timeouts), res.pools, cfg.timeouts, cfg.failover,
-                              res.on_failover), tokenizers,
-                   tuple(k.encode() for k in cfg.auth.api_keys()))
+def _runtime(cfg: GatewayConfig, version: str, res: Resources, tokenizers: Tokenizers,
+             admin: str | None) -> Runtime:
+    learners = res.learners
+    router = Router(cfg.routing, res.pools, res.index, res.shared, learners.beliefs.in_flight, learners.estimates)
+    hooks = Hooks([*learners.subscribers(), *policy_hooks(router.pipeline.members())], res.metrics.hook_failed)
+    return Runtime(cfg, version, router, Upstream(res.engines, cfg.timeouts), tokenizers, hooks,
+                   tuple(k.encode() for k in cfg.auth.api_keys()), admin)
 
 
 # Sections bound to the process (listening socket, shared-state connection): a reload keeps the
@@ -322,7 +342,7 @@ RESTART_ONLY = ("server", "state", "telemetry")
 async def _apply(gw: Gateway, new: GatewayConfig, version: str, res: Resources) -> None:
     """Validate everything first, then swap: a reload that fails at any step changes nothing."""
     old = gw.runtime
-    pools, index = res.pools, res.index
+    pools = res.pools
     validate(new)
     token = admin_token(new.admin)
     for section in RESTART_ONLY:
@@ -339,36 +359,19 @@ async def _apply(gw: Gateway, new: GatewayConfig, version: str, res: Resources) 
         except Exception as err:  # a missing or broken tokenizer: keep serving the old config
             raise ValueError(f"models: cannot load a tokenizer ({type(err).__name__}: {err})") from None
         tokenizers = Tokenizers(loaded, new.tokenizer)
-    # Built against the live pools, so it must come after their update; nothing below can fail.
+    runtime = _runtime(new, version, res, tokenizers, token)
+    # Nothing below can fail: the new config is applied whole.
     eff = res.discovery.effective(new) if res.discovery else new  # static + discovered endpoints
     removed = pools.update(eff.pools.prefill.urls, eff.pools.decode.urls)
     pools.configure(new.signals.max_age_s, new.health.outlier)
     for url in {ep.url for ep in removed} - {ep.url for ep in pools.all()}:
-        index.forget(url)
-    gw.runtime = _runtime(new, version, res, tokenizers)
-    gw.gate.limit = new.admission.max_in_flight
-    gw.admin_token = token
+        res.learners.forget(url)
+    gw.runtime = runtime
+    gw.services.gate.limit = new.admission.max_in_flight
+    res.models.configure([m.name for m in new.models], new.health.timeout_s)
     await res.subs.update(eff)
     if res.discovery:
         await res.discovery.configure(new)
     if tokenizers is not old.tokenizers:
         old.tokenizers.close(cancel=False)  # requests still tokenizing there finish first
-
-
-class FastPath:
-    """POSTs to the two inference routes go straight to their handler, past Starlette's router and
-    middleware (which wrap every ``send`` of every streamed chunk); the handlers answer their own
-    errors. Everything else, lifespan included, is the Starlette app's."""
-
-    def __init__(self, app: Starlette, routes: dict[str, Callable[[Request], Awaitable[ASGIApp]]]) -> None:
-        self.app = app
-        self._routes = routes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            handler = self._routes.get(scope["path"])
-            if handler is not None:
-                response = await handler(Request(scope, receive))
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+    await res.models.check_all()

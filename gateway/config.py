@@ -8,12 +8,18 @@ errors, so a typo fails loudly instead of being ignored). ``load_config`` turns 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from policies import registry
+from policies.base import Decider, Filter, Picker, Scorer
+from policies.params import Number
 
 
 class _Strict(BaseModel):
@@ -217,8 +223,23 @@ class HealthConfig(_Strict):
     outlier: OutlierConfig = OutlierConfig()
 
 
+Loc = tuple[str | int, ...]
+
+
+def _error(loc: Loc, value: Any, kind: str, message: str) -> InitErrorDetails:
+    return InitErrorDetails(type=PydanticCustomError(kind, "{msg}", {"msg": message}), loc=loc, input=value)
+
+
+def _raise(title: str, errors: list[InitErrorDetails]) -> None:
+    """Report ``errors`` at their locations (below the model being validated), all at once."""
+    if errors:
+        raise ValidationError.from_exception_data(title, errors)
+
+
 class PolicySpec(BaseModel):
-    """A policy by registry name plus its own parameters (validated by the policy)."""
+    """A policy by registry name plus its own parameters. Name and parameters are checked when the
+    config is parsed (against the policy's ``Params``), so each error names its YAML location;
+    whether the policy fits its place (filter, scorer, ...) is checked by the pipeline around it."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
     name: str
@@ -227,9 +248,45 @@ class PolicySpec(BaseModel):
     def params(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
 
+    @model_validator(mode="after")
+    def _known_policy_and_params(self) -> PolicySpec:
+        try:
+            registry.validate_params(self.name, self.params, also_known=type(self).model_fields)
+        except registry.PolicyError as err:  # an unknown name
+            _raise("PolicySpec", [_error(("name",), self.name, "unknown_policy", str(err))])
+        return self  # a ValidationError from the params goes up as it is: its locations are the keys
+
 
 class ScorerSpec(PolicySpec):
-    weight: float = Field(1.0, ge=0, description="the scorer's share of the endpoint's total score")
+    weight: Number = Field(1.0, ge=0, description="the scorer's share of the endpoint's total score")
+
+
+def _fit_errors(loc: Loc, spec: PolicySpec, kind: type) -> list[InitErrorDetails]:
+    """Why ``spec``'s policy cannot serve as a ``kind`` at ``loc``. A policy without ``Params`` is
+    built to find out (only that can check its parameters)."""
+    if why := registry.kind_error(spec.name, kind):
+        return [_error((*loc, "name"), spec.name, "policy_kind", why)]
+    if registry.params_model(registry.lookup(spec.name)) is None:
+        try:
+            registry.build(spec.name, spec.params, kind)
+        except registry.PolicyError as err:
+            return [_error(loc, spec.params, "policy_params", str(err))]
+    return []
+
+
+def _once_each(field: str, specs: Iterable[PolicySpec], kind: type) -> list[InitErrorDetails]:
+    """Fit errors of a list of policies, and each repeat of a name: the pipeline's trace (and a
+    scorer's weight) are per name, and a repeated filter or scorer only says it louder."""
+    errors: list[InitErrorDetails] = []
+    seen: set[str] = set()
+    for i, spec in enumerate(specs):
+        errors += _fit_errors((field, i), spec, kind)
+        if spec.name in seen:
+            hint = " (give it more weight instead)" if kind is Scorer else ""
+            errors.append(_error((field, i, "name"), spec.name, "duplicate_policy",
+                                 f"policy {spec.name!r} is already in this list{hint}"))
+        seen.add(spec.name)
+    return errors
 
 
 class PoolRoutingConfig(_Strict):
@@ -238,6 +295,13 @@ class PoolRoutingConfig(_Strict):
     filters: list[PolicySpec] = Field(default_factory=list)
     scorers: list[ScorerSpec] = Field(default_factory=list)
     picker: PolicySpec = PolicySpec(name="max_score")
+
+    @model_validator(mode="after")
+    def _policies_fit(self) -> PoolRoutingConfig:
+        _raise("PoolRoutingConfig", [*_once_each("filters", self.filters, Filter),
+                                     *_once_each("scorers", self.scorers, Scorer),
+                                     *_fit_errors(("picker",), self.picker, Picker)])
+        return self
 
 
 def _default_scorers() -> list[ScorerSpec]:
@@ -276,6 +340,11 @@ class RoutingConfig(_Strict):
     debug_headers: bool = Field(
         False, description="add x-pdgate-route (reason, numbers, chosen endpoints) to every response",
     )
+
+    @model_validator(mode="after")
+    def _decider_fits(self) -> RoutingConfig:
+        _raise("RoutingConfig", _fit_errors(("decider",), self.decider, Decider))
+        return self
 
 
 class SignalsConfig(_Strict):
@@ -436,11 +505,18 @@ class ConfigError(ValueError):
     """A config file that cannot be used; the message says where and why."""
 
 
+def _render_loc(loc: Iterable[str | int]) -> str:
+    """``routing.decode.scorers[1].weight``: list indexes as in the YAML's paths, not as keys."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
+    return out or "(top level)"
+
+
 def _format_errors(source: str, err: ValidationError) -> str:
     lines = [f"{source}: invalid configuration"]
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        lines.append(f"  {loc}: {e['msg'].removeprefix('Value error, ')}")
+        lines.append(f"  {_render_loc(e['loc'])}: {e['msg'].removeprefix('Value error, ')}")
     return "\n".join(lines)
 
 

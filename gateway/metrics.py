@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from policies.base import LegReport, RequestContext
 from policies.prefix_index import PrefixStore
 
 from .kvevents import KVEventSubscriber
@@ -19,6 +20,7 @@ from .state import RedisState
 
 if TYPE_CHECKING:
     from .discovery import SliceWatcher
+    from .modelcheck import ServedModels
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
@@ -27,6 +29,8 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
 FAILOVER_EVENTS = ("prefill_retried", "prefill_fallback_direct", "decode_retried")
 FAILOVER_CAUSES = ("engine_unreachable", "engine_timeout", "engine_error")
 _STEP_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+# Believed minus reported cached prompt tokens: 0 is exact, > 0 believed too much, < 0 too little.
+_BELIEF_BUCKETS = (-16384, -4096, -1024, -256, -64, -1, 0, 63, 255, 1023, 4095, 16383)
 
 
 class GatewayMetrics:
@@ -34,12 +38,16 @@ class GatewayMetrics:
 
     def __init__(self, pools: Pools, index: PrefixStore | None = None,
                  feeds: Callable[[], Sequence[KVEventSubscriber]] = list, shared: RedisState | None = None,
-                 watchers: Callable[[], Iterable[SliceWatcher]] = tuple) -> None:
+                 watchers: Callable[[], Iterable[SliceWatcher]] = tuple,
+                 prefill_speed: Callable[[str], float | None] = lambda url: None,
+                 models: ServedModels | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._pools = pools
-        self.registry.register(_RoutingStateCollector(pools, index, feeds, shared))
+        self.registry.register(_RoutingStateCollector(pools, index, feeds, shared, prefill_speed))
         self.registry.register(_DiscoveryCollector(watchers))
         self.registry.register(_PoolCollector(pools))
+        if models is not None:
+            self.registry.register(_ModelsCollector(models, pools))
         self._children: dict[tuple, Any] = {}
         r = self.registry
         # What clients see, per model and path taken (pd, direct; none: answered by the gateway).
@@ -85,12 +93,31 @@ class GatewayMetrics:
                                ["result"], registry=r)
         self.config_info = Gauge("pdgate_config_info", "1 for the version of the config in use", ["version"],
                                  registry=r)
+        # How accurate routing's beliefs are (docs/operations.md, "Routing beliefs").
+        self.belief_error = Histogram(
+            "pdgate_prefix_belief_error_tokens",
+            "Cached prompt tokens the gateway believed an engine held minus what the engine reported "
+            "serving from its cache (prefill legs; direct decode legs); 0 is exact",
+            ["pool"], buckets=_BELIEF_BUCKETS, registry=r)
+        self.belief_checks = Counter("pdgate_prefix_belief_checks",
+                                     "Engine-reported cache hits compared with the gateway's belief, by result "
+                                     "(exact, over: believed more, under: believed less)",
+                                     ["pool", "result"], registry=r)
+        self.restarts = Counter("pdgate_endpoint_restarts",
+                                "Engine restarts detected (what the gateway had learned about them was dropped)",
+                                ["pool"], registry=r)
+        self.hook_errors = Counter("pdgate_hook_errors", "Lifecycle hooks that raised, by subscriber and hook",
+                                   ["subscriber", "hook"], registry=r)
         # Known label values start at 0, so rate() and alerts see the series before the first event.
         for result in ("ok", "rejected"):
             self.reloads.labels(result)
         for event in FAILOVER_EVENTS:
             for cause in FAILOVER_CAUSES:
                 self.failover_child(event, cause)
+        for pool in ("prefill", "decode"):
+            self.restarts.labels(pool)
+            for result in ("exact", "over", "under"):
+                self.belief_checks.labels(pool, result)
 
     def _child(self, metric: Any, *labels: str) -> Any:
         """prometheus_client's labels() costs microseconds a call: look each label set up once."""
@@ -135,6 +162,12 @@ class GatewayMetrics:
 
     def decided(self, path: str, reason: str) -> None:
         self._child(self.decisions, path, reason).inc()
+
+    def hook_failed(self, subscriber: str, hook: str) -> None:
+        self.hook_errors.labels(subscriber, hook).inc()
+
+    def restarted(self, pool: str) -> None:
+        self.restarts.labels(pool).inc()
 
     def config_loaded(self, version: str) -> None:
         self.config_info.clear()
@@ -225,8 +258,10 @@ class _RoutingStateCollector:
     """Routing state read at scrape time: the prefix index, the KV event feeds, engine signals."""
 
     def __init__(self, pools: Pools, index: PrefixStore | None,
-                 feeds: Callable[[], Sequence[KVEventSubscriber]], shared: RedisState | None) -> None:
+                 feeds: Callable[[], Sequence[KVEventSubscriber]], shared: RedisState | None,
+                 prefill_speed: Callable[[str], float | None]) -> None:
         self._pools, self._index, self._feeds, self._shared = pools, index, feeds, shared
+        self._speed = prefill_speed
 
     def describe(self) -> list:
         return []  # collected at scrape time only; nothing to pre-register
@@ -237,12 +272,12 @@ class _RoutingStateCollector:
             "Uncached prompt tokens the gateway sent to the endpoint whose prefill has not finished",
             labels=["pool", "engine"])
         speed = GaugeMetricFamily(
-            "pdgate_endpoint_prefill_seconds_per_token", "Prefill speed learned from observed prefill legs",
+            "pdgate_endpoint_prefill_seconds_per_token", "Prefill speed measured on the engine's prefill legs",
             labels=["pool", "engine"])
         for ep in self._pools.all():
             backlog.add_metric([ep.pool, ep.url], ep.backlog_tokens)
-            if ep.prefill_s_per_token is not None:
-                speed.add_metric([ep.pool, ep.url], ep.prefill_s_per_token)
+            if (spt := self._speed(ep.url)) is not None:
+                speed.add_metric([ep.pool, ep.url], spt)
         yield backlog
         yield speed
         if self._index is not None:
@@ -279,3 +314,40 @@ class _RoutingStateCollector:
                                           "Learned-prefix writes dropped because Redis could not keep up")
             dropped.add_metric([], self._shared.dropped_writes)
             yield dropped
+
+
+class _ModelsCollector:
+    """Per engine, each configured model it does not serve (by its /v1/models): alert on any series."""
+
+    def __init__(self, models: ServedModels, pools: Pools) -> None:
+        self._models, self._pools = models, pools
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        missing = GaugeMetricFamily("pdgate_endpoint_model_missing",
+                                    "1 for each configured model the engine's /v1/models does not list",
+                                    labels=["pool", "engine", "model"])
+        for ep in self._pools.all():
+            for model in self._models.missing(ep):
+                missing.add_metric([ep.pool, ep.url, model], 1)
+        yield missing
+
+
+class BeliefAudit:
+    """A lifecycle subscriber comparing what routing believed an engine held in its prefix cache
+    with what the engine says it served from it. Prefill legs (vLLM's handle carries the prefill
+    engine's hit) and direct decode legs (usage.prompt_tokens_details.cached_tokens, with
+    --enable-prompt-tokens-details); a decode leg on the P/D path reports the prefill engine's hit."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self._metrics = metrics
+
+    def on_leg_done(self, ctx: RequestContext, leg: LegReport) -> None:
+        if leg.cached_tokens is None or not ctx.block_size:
+            return
+        error = ctx.cached(leg.url) - leg.cached_tokens
+        m = self._metrics
+        m._child(m.belief_error, leg.leg).observe(error)
+        m._child(m.belief_checks, leg.leg, "exact" if error == 0 else "over" if error > 0 else "under").inc()

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -27,19 +28,23 @@ class EngineStats:
     kv_usage: float | None
     block_size: int | None
     at: float  # time.monotonic() of the scrape
+    prefix_caching: bool | None = None  # vllm:cache_config_info's enable_prefix_caching
+    # Which run of the engine this is: its process start time (process_start_time_seconds), and a
+    # counter that only a restart takes back (vllm:request_success_total).
+    started_at: float | None = None
+    served: float | None = None
 
-
-# Learning the prefill speed: smoothing of the per-token estimate, and the smallest amount of
-# prompt work whose timing says more about the engine than about HTTP overheads.
-_SPEED_ALPHA = 0.2
-_MIN_LEARN_TOKENS = 32
+    def restarted_since(self, old: EngineStats) -> bool:
+        """Whether this report comes from another run of the engine than ``old``."""
+        if self.started_at is not None and old.started_at is not None:
+            return abs(self.started_at - old.started_at) > 0.5
+        return self.served is not None and old.served is not None and self.served < old.served
 
 
 @dataclass(slots=True)
 class PrefillTicket:
     tokens: int
     ahead: int  # prompt tokens the gateway had already queued on the endpoint
-    started: float
 
 
 @dataclass(eq=False)
@@ -53,8 +58,10 @@ class Endpoint:
     stats: EngineStats | None = None
     # Uncached prompt tokens sent to the engine whose prefill has not visibly finished.
     backlog_tokens: int = 0
-    prefill_s_per_token: float | None = None
     on_release: Callable[[], None] | None = None  # the pools' "capacity freed" signal
+    # The model names the engine's /v1/models lists (None: not known yet).
+    served_models: frozenset[str] | None = None
+    was_up: bool = False  # it passed a health check at some point (a later down-and-up is a recovery)
     # Passive health (outlier ejection), fed by the outcome of real requests.
     outlier: OutlierConfig = field(default_factory=OutlierConfig)
     consecutive_failures: int = 0
@@ -89,15 +96,23 @@ class Endpoint:
             self.outcomes.clear()
             log.warning("endpoint %s (%s) ejected for %.0f s after failed requests", self.url, self.pool, seconds)
 
-    def view(self, now: float = 0.0, max_age_s: float = 0.0, others: int = 0) -> EndpointView:
-        """``others``: requests other gateway replicas have in flight here (shared state)."""
+    @property
+    def prefix_caching_off(self) -> bool:
+        """The engine said it runs without prefix caching: it never holds a prompt for later."""
+        return self.stats is not None and self.stats.prefix_caching is False
+
+    def view(self, now: float = 0.0, max_age_s: float = 0.0, others: int = 0,
+             s_per_token: float | None = None) -> EndpointView:
+        """``others``: requests other gateway replicas have in flight here (shared state);
+        ``s_per_token``: its measured prefill speed."""
         st = self.stats
         usable = self.healthy and not self.ejected
         if st is None or now - st.at > max_age_s:
             return EndpointView(self.url, self.pool, usable, self.in_flight + others,
-                                backlog_tokens=self.backlog_tokens, prefill_s_per_token=self.prefill_s_per_token)
+                                backlog_tokens=self.backlog_tokens, prefill_s_per_token=s_per_token,
+                                models=self.served_models)
         return EndpointView(self.url, self.pool, usable, self.in_flight + others, st.running, st.waiting,
-                            st.kv_usage, self.backlog_tokens, self.prefill_s_per_token)
+                            st.kv_usage, self.backlog_tokens, s_per_token, self.served_models)
 
     def acquire(self) -> None:
         self.in_flight += 1
@@ -108,20 +123,14 @@ class Endpoint:
             self.on_release()
 
     def start_prefill(self, tokens: int) -> PrefillTicket:
-        ticket = PrefillTicket(tokens, self.backlog_tokens, time.monotonic())
+        """``tokens`` uncached prompt tokens are on their way here (the engine's prefill queue)."""
+        ticket = PrefillTicket(tokens, self.backlog_tokens)
         self.backlog_tokens += tokens
         return ticket
 
-    def end_prefill(self, ticket: PrefillTicket, *, learn: bool) -> None:
-        """The prompt is processed (or abandoned). With ``learn``, its timing updates the speed
-        estimate: the engine had ``ahead + tokens`` of prompt work to do before answering."""
+    def end_prefill(self, ticket: PrefillTicket) -> None:
+        """That prompt is processed (or abandoned)."""
         self.backlog_tokens = max(0, self.backlog_tokens - ticket.tokens)
-        work = ticket.ahead + ticket.tokens
-        if not learn or ticket.tokens < _MIN_LEARN_TOKENS:
-            return
-        sample = (time.monotonic() - ticket.started) / work
-        old = self.prefill_s_per_token
-        self.prefill_s_per_token = sample if old is None else old + _SPEED_ALPHA * (sample - old)
 
     def mark_down(self, why: str) -> None:
         if self.healthy:
@@ -133,6 +142,7 @@ class Endpoint:
         if not self.healthy:
             log.info("endpoint %s (%s) is healthy", self.url, self.pool)
         self.healthy = True
+        self.was_up = True
         self.last_error = ""
 
 
@@ -140,11 +150,15 @@ class Pools:
     """The prefill and decode pools; the only owner of endpoint state."""
 
     def __init__(self, prefill: Iterable[str], decode: Iterable[str], *, stats_max_age_s: float = 5.0,
-                 outlier: OutlierConfig | None = None) -> None:
+                 outlier: OutlierConfig | None = None,
+                 prefill_speed: Callable[[str], float | None] = lambda url: None,
+                 on_restart: Callable[[Endpoint], None] = lambda ep: None) -> None:
         self.prefill: list[Endpoint] = []
         self.decode: list[Endpoint] = []
         self._by_url: dict[tuple[str, str], Endpoint] = {}
         self.stats_max_age_s = stats_max_age_s
+        self._speed = prefill_speed  # the measured prefill speed per engine url
+        self._on_restart = on_restart  # what forgets what was learned about an engine
         # Requests other gateway replicas have in flight per endpoint url (shared state), if any.
         self.others: Mapping[str, int] = {}
         self._release_waiters: list[asyncio.Future[None]] = []
@@ -158,6 +172,9 @@ class Pools:
         self.prefill = [old.get(("prefill", u)) or Endpoint(u, "prefill") for u in prefill]
         self.decode = [old.get(("decode", u)) or Endpoint(u, "decode") for u in decode]
         self._by_url = {(e.pool, e.url): e for e in self.all()}
+        self._of_url: dict[str, list[Endpoint]] = {}
+        for e in self.all():
+            self._of_url.setdefault(e.url, []).append(e)
         for e in self.all():
             e.on_release = self._released
             e.outlier = self.outlier
@@ -169,10 +186,26 @@ class Pools:
     def get(self, view: EndpointView) -> Endpoint:
         return self._by_url[(view.pool, view.url)]
 
+    def caching_off(self, url: str) -> bool:
+        """The engine at ``url`` runs without prefix caching (its /metrics say so)."""
+        return any(e.prefix_caching_off for e in self._of_url.get(url, ()))
+
     def snapshot(self) -> PoolSnapshot:
-        now, age, others = time.monotonic(), self.stats_max_age_s, self.others
-        return PoolSnapshot(tuple(e.view(now, age, others.get(e.url, 0)) for e in self.prefill),
-                            tuple(e.view(now, age, others.get(e.url, 0)) for e in self.decode))
+        now, age, others, speed = time.monotonic(), self.stats_max_age_s, self.others, self._speed
+        return PoolSnapshot(tuple(e.view(now, age, others.get(e.url, 0), speed(e.url)) for e in self.prefill),
+                            tuple(e.view(now, age, others.get(e.url, 0), speed(e.url)) for e in self.decode))
+
+    def report(self, ep: Endpoint, stats: EngineStats) -> None:
+        """A fresh /metrics report; one from another run of the engine (it restarted, and its
+        cache, speed and served models may have changed) makes everything learned about it go."""
+        old, ep.stats = ep.stats, stats
+        if old is not None and stats.restarted_since(old):
+            self.restarted(ep, "its /metrics show a new process")
+
+    def restarted(self, ep: Endpoint, why: str) -> None:
+        log.warning("endpoint %s (%s) restarted (%s): forgetting what was learned about it", ep.url, ep.pool, why)
+        ep.served_models = None
+        self._on_restart(ep)
 
     def configure(self, stats_max_age_s: float, outlier: OutlierConfig) -> None:
         self.stats_max_age_s = stats_max_age_s
@@ -212,17 +245,24 @@ class Pools:
 
 class HealthChecker:
     """Probes every endpoint's health path on an interval; an endpoint that keeps failing is
-    skipped by routing until a probe succeeds again."""
+    skipped by routing until a probe succeeds again. An endpoint that comes up goes through
+    ``on_up(ep, recovering)`` before routing sees it (``recovering``: it was up before, then down:
+    is it the same run of the engine?), and so does a healthy one whose served models are unknown."""
 
-    def __init__(self, pools: Pools, session: aiohttp.ClientSession, cfg: HealthConfig) -> None:
+    def __init__(self, pools: Pools, session: aiohttp.ClientSession, cfg: HealthConfig,
+                 on_up: Callable[[Endpoint, bool], Awaitable[None]] | None = None) -> None:
         self._pools = pools
         self._session = session
+        self._on_up = on_up
+        self._wake = asyncio.Event()
         self.configure(cfg)
         self._task: asyncio.Task | None = None
 
     def configure(self, cfg: HealthConfig) -> None:
+        """Takes effect at once: a new interval ends the current wait."""
         self._cfg = cfg
         self._timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
+        self._wake.set()
 
     async def probe(self, ep: Endpoint) -> None:
         try:
@@ -233,6 +273,8 @@ class HealthChecker:
             ok, why = False, f"health check failed: {type(err).__name__}"
         if ok:
             ep.failed_probes = 0
+            if self._on_up is not None and (not ep.healthy or ep.served_models is None):
+                await self._on_up(ep, not ep.healthy and ep.was_up)
             ep.mark_up()
             return
         ep.failed_probes += 1
@@ -245,7 +287,9 @@ class HealthChecker:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self._cfg.interval_s)
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._cfg.interval_s)
             try:
                 await self.probe_all()
             except Exception:  # one bad round must not stop health checking for good

@@ -1,160 +1,82 @@
-"""Relay the decode engine's answer to the client, and abort everything if the client leaves.
+"""The client's side of an exchange: the ASGI endpoint that drives it, and the wire its answer goes
+out on.
 
-The response object runs the whole upstream exchange (prefill leg included) while a watcher task
-waits for the client's ``http.disconnect`` and, if it comes first, cancels the exchange. That
-closes the upstream connections, and vLLM aborts a request whose connection closes, so a
-departed client never leaves an engine working or KV blocks held. The watcher starts only once
-an exchange has run for ``WATCH_AFTER_S``: a quick answer pays no task for it, and a request
-abandoned earlier is aborted that much later. Streams go out chunk by chunk, as they arrive.
+``InferenceEndpoint`` is what the Starlette route table holds for the two inference routes: it
+builds the request's ``Exchange`` (gateway/exchange.py) and runs it with a ``ClientWire``. Once the
+body is read, the wire watches for the client's ``http.disconnect`` and, if it comes first,
+cancels the exchange: that closes the upstream connections, and vLLM aborts a request whose
+connection closes, so a departed client never leaves an engine working or KV blocks held. The
+watch starts only once an exchange has run for ``WATCH_AFTER_S``: a quick answer pays no task for
+it, and a request abandoned earlier is aborted that much later.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import orjson
+from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
-from .dispatch import DecodeStream
 from .errors import APIError
-from .h1client import ClientError
-from .requestlog import RequestRecord
-from .upstream import transport_error
+from .protocol import Kind
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from .service import Gateway
 
-CLIENT_CLOSED = 499  # nginx's code for "client closed the request", used in metrics only
 WATCH_AFTER_S = 0.02
-PATH_HEADER = "x-pdgate-path"  # the path actually taken (failover may change the decided one)
-FAILOVER_HEADER = "x-pdgate-failover"
+DONE = b"data: [DONE]\n\n"
+
+Headers = list[tuple[bytes, bytes]]
 
 
-@dataclass
-class Outcome:
-    status: int = 0
-    error: str = ""
-    path: str = ""  # the path really taken (failover may change the decided one); "" if none
+class InferenceEndpoint:
+    """The ASGI app of ``POST /v1/chat/completions`` or ``POST /v1/completions``."""
 
-
-@dataclass
-class RelayResponse:
-    """An ASGI response whose body comes from ``start()``, an upstream exchange yet to run."""
-
-    start: Callable[[], Awaitable[DecodeStream]]
-    stream: bool
-    headers: dict[str, str]
-    on_done: Callable[[Outcome], None]
-    record: RequestRecord | None = None  # told when chunks go out (time to first token, ITL, usage)
-    outcome: Outcome = field(default_factory=Outcome)
-    _started: bool = False  # response headers have gone to the client
-    _finished: bool = False  # the whole answer (an SSE stream through [DONE]) has gone to the client
+    def __init__(self, kind: Kind, path: str) -> None:
+        self.kind = kind
+        self.path = path
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        watch = _DisconnectWatch(receive, task)
+        gw: Gateway = scope["state"]["gw"]
+        exchange = gw.exchange(Request(scope, receive), self.kind, self.path)
+        wire = ClientWire(send, receive)
         try:
-            await self._exchange(send)
+            await exchange.run(wire)
         except asyncio.CancelledError:
-            if not watch.left:  # the server is shutting down: not ours to swallow
-                self.outcome = Outcome(503, "cancelled: the gateway is shutting down", self.outcome.path)
+            if not wire.gone:  # the server is stopping: not ours to swallow
                 raise
-            task.uncancel()
-            if not self._finished:  # a client that hangs up after [DONE] got its whole answer
-                self.outcome = Outcome(CLIENT_CLOSED, "client disconnected", self.outcome.path)
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # the client hung up: the exchange has recorded it, nothing to answer
         finally:
-            watch.stop()
-            self.on_done(self.outcome)
-
-    async def _exchange(self, send: Send) -> None:
-        try:
-            upstream = await self.start()
-        except APIError as err:
-            self.outcome = Outcome(err.status, err.message)
-            # No path was completed: the decided one, maybe abandoned by failover, would mislead.
-            await _send_error(send, err, {k: v for k, v in self.headers.items() if k != PATH_HEADER})
-            return
-        except Exception:
-            log.exception("upstream exchange failed")
-            await self._internal_error(send)
-            return
-        clean = False
-        try:
-            clean = await self._relay(upstream, send)
-        except Exception:
-            log.exception("relaying the decode answer failed")
-            await self._internal_error(send)
-        finally:
-            upstream.close(reuse=clean)
-
-    async def _internal_error(self, send: Send) -> None:
-        """A bug, not the client's or an engine's doing: still an OpenAI-shaped answer, never a hang."""
-        err = APIError(500, "The gateway failed to handle this request.", code="internal_error")
-        self.outcome = Outcome(500, err.message)
-        if not self._started:
-            await _send_error(send, err, self.headers)
-        elif self.stream:
-            await send({"type": "http.response.body", "body": err.sse_event(), "more_body": False})
-
-    async def _relay(self, up: DecodeStream, send: Send) -> bool:
-        """Send the engine's answer on; True when it arrived whole (the connection is reusable)."""
-        resp = up.resp
-        rec = self.record
-        fields = {**self.headers, PATH_HEADER: up.path.value}
-        if up.failover:
-            fields[FAILOVER_HEADER] = ",".join(up.failover)
-        headers = [(k.encode(), v.encode()) for k, v in fields.items()]
-        headers.append((b"content-type", resp.header(b"content-type") or b"application/json"))
-        if not self.stream:
-            body = up.head  # the dispatcher read the whole answer before handing it over
-            headers.append((b"content-length", str(len(body)).encode()))
-            self._started = True
-            await send({"type": "http.response.start", "status": resp.status, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
-            self.outcome = Outcome(resp.status, path=up.path.value)
-            self._finished = True
-            if rec is not None:
-                rec.sent_body(body)
-            return True
-        self._started = True
-        await send({"type": "http.response.start", "status": resp.status, "headers": headers})
-        self.outcome = Outcome(resp.status, path=up.path.value)
-        try:
-            chunk = up.head  # the first chunk, read by the dispatcher
-            while chunk:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                if rec is not None:
-                    rec.sent_chunk(chunk)
-                if chunk.endswith(b"data: [DONE]\n\n"):
-                    self._finished = True
-                chunk = await resp.read_some()
-        except (TimeoutError, ClientError) as err:
-            # Headers are gone already: end the stream with an error event, never a silent cut.
-            cut = transport_error(err, "decode")
-            self.outcome = Outcome(cut.status, cut.message, up.path.value)
-            await send({"type": "http.response.body", "body": cut.sse_event(), "more_body": False})
-            return False
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-        return True
+            wire.stop()
 
 
-class _DisconnectWatch:
-    """Cancels ``task`` (the exchange, and so both upstream legs) when the client disconnects,
-    watching from ``WATCH_AFTER_S`` on."""
+class ClientWire:
+    """Sends the response; ``watch`` turns a client hang-up into a cancellation of the exchange."""
 
-    __slots__ = ("_receive", "_task", "_timer", "_watcher", "left")
+    __slots__ = ("_receive", "_send", "_task", "_timer", "_watcher", "gone", "started")
 
-    def __init__(self, receive: Receive, task: asyncio.Task) -> None:
-        self.left = False
+    def __init__(self, send: Send, receive: Receive) -> None:
+        self._send = send
         self._receive = receive
-        self._task = task
+        self._task: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._watcher: asyncio.Task | None = None
-        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start)
+        self.gone = False  # the client disconnected
+        self.started = False  # response headers have gone out
 
-    def _start(self) -> None:
+    # -- the client leaving ---------------------------------------------------------------------------
+
+    def watch(self) -> None:
+        """From now on (the request body is read: nothing else reads ``receive``), a disconnect
+        cancels the task running the exchange."""
+        self._task = asyncio.current_task()
+        self._timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start_watch)
+
+    def _start_watch(self) -> None:
         self._timer = None
         self._watcher = asyncio.ensure_future(self._watch())
 
@@ -162,8 +84,9 @@ class _DisconnectWatch:
         while True:
             message = await self._receive()
             if message["type"] == "http.disconnect":
-                self.left = True
-                self._task.cancel()
+                self.gone = True
+                if self._task is not None:
+                    self._task.cancel()
                 return
 
     def stop(self) -> None:
@@ -172,10 +95,31 @@ class _DisconnectWatch:
         if self._watcher is not None:
             self._watcher.cancel()
 
+    # -- the answer ------------------------------------------------------------------------------------
 
-async def _send_error(send: Send, err: APIError, headers: dict[str, str]) -> None:
-    body = orjson.dumps(err.body())
-    raw_headers = [(k.encode(), v.encode()) for k, v in headers.items()]
-    raw_headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": err.status, "headers": raw_headers})
-    await send({"type": "http.response.body", "body": body})
+    async def whole(self, status: int, headers: Headers, body: bytes) -> None:
+        """A complete response in one go."""
+        self.started = True
+        await self._send({"type": "http.response.start", "status": status,
+                          "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+        await self._send({"type": "http.response.body", "body": body})
+
+    async def start(self, status: int, headers: Headers) -> None:
+        self.started = True
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def send(self, chunk: bytes) -> None:
+        await self._send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    async def end(self) -> None:
+        await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def error(self, err: APIError, headers: Headers) -> None:
+        """``err`` in the OpenAI shape: the whole response if nothing went out yet, else (a stream
+        under way) an error event and ``[DONE]``, as vLLM ends a stream that fails."""
+        if not self.started:
+            fields = [*headers, *((k.lower().encode(), v.encode()) for k, v in err.headers.items()),
+                      (b"content-type", b"application/json")]
+            await self.whole(err.status, fields, orjson.dumps(err.body()))
+            return
+        await self._send({"type": "http.response.body", "body": err.sse_event() + DONE, "more_body": False})

@@ -1,7 +1,7 @@
 """What one request measured on its way (times, tokens, endpoints), and its JSON access line.
 
-The record is filled in by whoever knows each piece (the service, the dispatcher, the relay) and
-read once, when the request is over, by the metrics and the access log.
+The record is filled in by the request's ``Exchange`` as it goes, and read once, when the request
+is over, by the metrics and the access log.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import orjson
 from .tracing import NO_TRACE, RequestTrace
 
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 
 class Observer(Protocol):
@@ -45,6 +46,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     uncached_tokens: int = 0  # on the decode endpoint chosen
     output_tokens: int | None = None
+    cached_tokens: int | None = None  # the decode engine's usage.prompt_tokens_details.cached_tokens
     queue_s: float = 0.0
     tokenize_s: float | None = None
     route_s: float | None = None
@@ -77,6 +79,8 @@ class RequestRecord:
             found = _COMPLETION_TOKENS.findall(chunk)
             if found:
                 self.output_tokens = int(found[-1])
+            if (cached := _CACHED_TOKENS.search(chunk)) is not None:
+                self.cached_tokens = int(cached.group(1))
             empty += chunk.count(b'"choices":[]') + chunk.count(b'"choices": []')
         if events <= empty:
             return
@@ -92,6 +96,9 @@ class RequestRecord:
         at = body.rfind(b'"completion_tokens"')
         if at >= 0 and (m := _COMPLETION_TOKENS.match(body, at)):
             self.output_tokens = int(m.group(1))
+        at = body.rfind(b'"cached_tokens"')
+        if at >= 0 and (m := _CACHED_TOKENS.match(body, at)):
+            self.cached_tokens = int(m.group(1))
 
     def finish(self, status: int, error: str = "") -> None:
         self.status = status

@@ -1,16 +1,28 @@
 """From a tokenized request to a routing decision: hash the prompt's blocks, ask the prefix index
-which endpoint holds how much of it, run the policy pipeline, and, for requests really sent, teach
-the index where the prompt now lives."""
+(and the prompts in flight) which endpoint holds how much of it, and run the policy pipeline over
+the engines that serve the request's model. What the request teaches comes later, through the
+lifecycle hooks (policies/prefix_learning.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from policies.base import Decider, EndpointView, Filter, Path, Picker, PoolSnapshot, RequestContext, Scorer
+from policies.base import (
+    NOTHING_MEASURED,
+    Decider,
+    EndpointView,
+    Filter,
+    Measured,
+    Picker,
+    PoolSnapshot,
+    RequestContext,
+    Scorer,
+)
 from policies.blockhash import BlockHash, HashSpec, block_hashes
 from policies.pipeline import PoolPipeline, Route, RoutingPipeline, Weighted
 from policies.prefix_index import PrefixIndex
+from policies.prefix_learning import InFlightPrefixes
 from policies.registry import build
 
 from .config import PoolRoutingConfig, RoutingConfig
@@ -25,6 +37,7 @@ def _pool_pipeline(cfg: PoolRoutingConfig) -> PoolPipeline:
         picker=build(cfg.picker.name, cfg.picker.params, Picker),
         filters=tuple((f.name, build(f.name, f.params, Filter)) for f in cfg.filters),
         scorers=tuple(Weighted(s.name, build(s.name, s.params, Scorer), s.weight) for s in cfg.scorers),
+        picker_name=cfg.picker.name,
     )
 
 
@@ -34,11 +47,31 @@ def build_pipeline(cfg: RoutingConfig) -> RoutingPipeline:
         decider=build(cfg.decider.name, cfg.decider.params, Decider),
         decode=_pool_pipeline(cfg.decode),
         prefill=_pool_pipeline(cfg.prefill),
+        decider_name=cfg.decider.name,
     )
 
 
 class Saturated(RuntimeError):
     """Every healthy decode engine is at its in-flight limit."""
+
+
+class NotServed(RuntimeError):
+    """No healthy decode engine serves the request's model (by its /v1/models)."""
+
+
+def _serving(snap: PoolSnapshot, model: str, *, strict: bool = True) -> PoolSnapshot:
+    """The snapshot without engines known not to serve ``model`` (unknown ones stay); ``strict``:
+    raise NotServed when that leaves no healthy decode engine where there was one."""
+    def serving(views: tuple[EndpointView, ...]) -> tuple[EndpointView, ...]:
+        if all(v.models is None or model in v.models for v in views):
+            return views
+        return tuple(v for v in views if v.models is None or model in v.models)
+
+    decode = serving(snap.decode)
+    if strict and decode is not snap.decode and not any(v.healthy for v in decode) \
+            and any(v.healthy for v in snap.decode):
+        raise NotServed(model)
+    return PoolSnapshot(serving(snap.prefill), decode)
 
 
 def _with_capacity(snap: PoolSnapshot, max_prefill: int, max_decode: int) -> PoolSnapshot:
@@ -61,14 +94,17 @@ class Prepared:
 
 class Router:
     """One config's routing: immutable after construction (a reload builds a new Router), sharing
-    the pools and the prefix index, which outlive reloads."""
+    the pools, the prefix index, the prompts in flight and the measurements, which outlive reloads."""
 
-    def __init__(self, cfg: RoutingConfig, pools: Pools, index: PrefixIndex, shared: RedisState | None = None) -> None:
+    def __init__(self, cfg: RoutingConfig, pools: Pools, index: PrefixIndex, shared: RedisState | None = None,
+                 in_flight: InFlightPrefixes | None = None, measured: Measured = NOTHING_MEASURED) -> None:
         self.cfg = cfg
         self.pipeline = build_pipeline(cfg)
         self._pools = pools
         self._index = index
         self._shared = shared
+        self._in_flight = in_flight if in_flight is not None else InFlightPrefixes()
+        self._measured = measured
         self._spec: HashSpec | None = None
         if cfg.prefix.enabled:  # fails now, not on the first request, for an unusable hash algo
             try:
@@ -91,6 +127,7 @@ class Router:
                       headers: Mapping[str, str], cache_salt: str | None = None) -> Prepared:
         spec = self.hash_spec()
         hashes: Sequence[BlockHash] = ()
+        settled: Mapping[str, int] = {}
         cached: Mapping[str, int] = {}
         if spec is not None and len(token_ids) >= spec.block_size:
             hashes = block_hashes(token_ids, spec, cache_salt=cache_salt)
@@ -99,32 +136,27 @@ class Router:
                 for url, n in (await self._shared.match(hashes)).items():
                     if n > blocks.get(url, 0):
                         blocks[url] = n
-            cached = {url: n * spec.block_size for url, n in blocks.items()}
-        ctx = RequestContext(model, request_id, token_ids, local_only, headers, cached)
+            in_flight = self._in_flight.extend(hashes, blocks)
+            off = self._pools.caching_off
+            settled = {url: n * spec.block_size for url, n in blocks.items() if not off(url)}
+            cached = settled if in_flight is blocks else \
+                {url: n * spec.block_size for url, n in in_flight.items() if not off(url)}
+        ctx = RequestContext(model, request_id, token_ids, local_only, headers, cached, settled, hashes,
+                             spec.block_size if spec else 0, self._measured)
         return Prepared(ctx, hashes, spec.block_size if spec else 0)
 
     def route(self, prep: Prepared, *, explain: bool = False, max_decode: int = 0, max_prefill: int = 0) -> Route:
-        """Raises NoEndpointError (no healthy decode engine) or Saturated (all at ``max_decode``)."""
-        snap = self._pools.snapshot()
+        """Raises NoEndpointError (no healthy decode engine), NotServed (none serving the model) or
+        Saturated (all at ``max_decode``)."""
+        snap = _serving(self._pools.snapshot(), prep.ctx.model)
         if max_decode or max_prefill:
             snap = _with_capacity(snap, max_prefill, max_decode)
         return self.pipeline.route(prep.ctx, snap, explain=explain)
 
     def other(self, prep: Prepared, pool: str, exclude: set[str]) -> Endpoint | None:
         """The pool's next choice for this request without the ``exclude``d engines (failover)."""
-        snap = self._pools.snapshot()
+        snap = _serving(self._pools.snapshot(), prep.ctx.model, strict=False)
         views = snap.prefill if pool == "prefill" else snap.decode
         pipe = self.pipeline.prefill if pool == "prefill" else self.pipeline.decode
         view = pipe.choose(prep.ctx, [v for v in views if v.url not in exclude])
         return self._pools.get(view) if view is not None else None
-
-    def learn(self, prep: Prepared, route: Route) -> None:
-        """The engines that will compute or receive this prompt's KV will hold its blocks."""
-        if not prep.hashes:
-            return
-        d = route.decision
-        urls = [d.decode.url] + ([d.prefill.url] if d.path is Path.PD and d.prefill is not None else [])
-        for url in urls:
-            self._index.learn(url, prep.hashes)
-            if self._shared is not None:
-                self._shared.learn(url, prep.hashes)

@@ -8,6 +8,9 @@ What is shared, and how:
   merges the answer with its local index, so affinity holds whichever replica a request lands on.
   Blocks known from the engines' KV events are not copied to Redis: every replica subscribes to
   the engines' feeds itself (ZMQ PUB serves any number of subscribers) and holds the same view.
+- **forgotten engines**: an engine that restarted (or whose answers showed blocks gone) has its
+  entries learned up to some time voided: ``{prefix}:resets`` -> ``{endpoint url: unix time}``,
+  applied by every replica's lookups (read back on each sync).
 - **in-flight requests per endpoint**: each replica publishes its own counts every
   ``sync_interval_s`` in ``{prefix}:inflight:<replica id>`` (expiring after a few intervals, so a
   dead replica's counts vanish) and reads the others'. A replica's routing sees its own counts
@@ -48,13 +51,16 @@ def _key(h: BlockHash) -> str:
     return h.hex() if isinstance(h, bytes) else format(h, "x")
 
 
-def leading_runs(rows: Iterable[dict[str, str]], oldest: float) -> dict[str, int]:
-    """Per endpoint, how many of the first blocks in a row it holds (learned at or after ``oldest``)."""
+def leading_runs(rows: Iterable[dict[str, str]], oldest: float,
+                 resets: dict[str, float] | None = None) -> dict[str, int]:
+    """Per endpoint, how many of the first blocks in a row it holds (learned at or after ``oldest``,
+    and after the endpoint's time in ``resets``)."""
     counts: dict[str, int] = {}
     alive: set[str] | None = None
+    resets = resets or {}
     n = 0
     for row in rows:
-        holders = {url for url, ts in row.items() if float(ts) >= oldest}
+        holders = {url for url, ts in row.items() if float(ts) >= oldest and float(ts) > resets.get(url, 0.0)}
         if alive is None:
             alive = holders
         else:
@@ -92,6 +98,7 @@ class RedisState:
         self.status = StateStatus("redis", healthy=False, last_error="not connected yet")
         self._down_until = 0.0
         self._writes: asyncio.Queue[tuple[str, Sequence[BlockHash]]] = asyncio.Queue(_WRITE_QUEUE)
+        self._resets: dict[str, float] = {}  # url -> entries learned up to then are void (every replica's)
         self._tasks: list[asyncio.Task] = []
         self.dropped_writes = 0
         self.errors = 0
@@ -133,13 +140,22 @@ class RedisState:
             self._failed(err)
             return {}
         self._ok()
-        return leading_runs(rows, time.time() - self.learned_ttl_s)
+        return leading_runs(rows, time.time() - self.learned_ttl_s, self._resets)
 
     def learn(self, url: str, hashes: Sequence[BlockHash]) -> None:
         if not hashes or not self.usable:
             return
         try:
             self._writes.put_nowait((url, hashes[:MAX_LOOKUP_BLOCKS]))
+        except asyncio.QueueFull:
+            self.dropped_writes += 1
+
+    def forget(self, url: str, until: float) -> None:
+        """What ``url`` learned up to ``until`` (unix time) no longer counts, for every replica."""
+        if until > self._resets.get(url, 0.0):
+            self._resets[url] = until
+        try:
+            self._writes.put_nowait((url, ()))  # an empty batch writes the reset
         except asyncio.QueueFull:
             self.dropped_writes += 1
 
@@ -150,6 +166,9 @@ class RedisState:
             now = str(time.time())
             try:
                 pipe = self._redis.pipeline(transaction=False)
+                if not hashes:
+                    pipe.hset(f"{self._p}:resets", url, str(self._resets.get(url, 0.0)))
+                    pipe.expire(f"{self._p}:resets", ttl)
                 for h in hashes:
                     key = f"{self._p}:blk:{_key(h)}"
                     pipe.hset(key, url, now)
@@ -180,7 +199,8 @@ class RedisState:
                 pipe.zadd(f"{self._p}:replicas", {self.replica: time.time()})
                 pipe.zremrangebyscore(f"{self._p}:replicas", 0, time.time() - self.cfg.sync_interval_s * 4)
                 pipe.zrange(f"{self._p}:replicas", 0, -1)
-                *_, replicas = await pipe.execute()
+                pipe.hgetall(f"{self._p}:resets")
+                *_, replicas, resets = await pipe.execute()
                 others = [r for r in replicas if r != self.replica]
                 pipe = self._redis.pipeline(transaction=False)
                 for r in others:
@@ -190,6 +210,9 @@ class RedisState:
             self._failed(err)
             return
         self._ok()
+        for url, until in resets.items():
+            if float(until) > self._resets.get(url, 0.0):
+                self._resets[url] = float(until)
         total: dict[str, int] = {}
         for row in rows:
             for url, n in row.items():

@@ -42,6 +42,7 @@ from .errors import APIError, bad_request
 from .protocol import ParsedRequest, check_lengths
 
 log = logging.getLogger(__name__)
+_IMPORT_LOCK = threading.Lock()
 
 # vLLM renders these models' chat prompts with its own Python code (or tokenizer) instead of the
 # Jinja chat template, so the gateway's chat counts for them are approximate.
@@ -549,7 +550,8 @@ class ModelTokenizer:
 
     @classmethod
     def load(cls, cfg: ModelConfig) -> ModelTokenizer:
-        from transformers import AutoTokenizer  # heavy import: only when a gateway starts
+        with _IMPORT_LOCK:  # transformers' lazy imports fail when two threads race through them
+            from transformers import AutoTokenizer  # heavy import: only when a gateway starts
 
         hf = AutoTokenizer.from_pretrained(
             cfg.tokenizer, revision=cfg.tokenizer_revision, trust_remote_code=cfg.trust_remote_code,

@@ -11,6 +11,12 @@ endpoints go in; a decision comes out. Policies are plain classes of four kinds,
 
 Policies see only what is handed to them (no globals, no I/O): live signals arrive as fields of
 ``EndpointView`` and ``RequestContext``, so every policy is a pure function of its inputs.
+
+Parameters: a policy class declares them as ``Params: ClassVar[type[pydantic.BaseModel]]`` (with
+``extra="forbid"``, so a typo is an error; see ``params.py``) and takes each field as a keyword. The
+config loader checks a policy's YAML parameters against ``Params`` at parse time, so each error names
+its YAML location; the registry builds the policy as ``cls(**dict(Params.model_validate(params)))``.
+A third-party policy without ``Params`` is built as ``factory(**params)``.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
+
+from .blockhash import BlockHash
 
 
 class Path(StrEnum):
@@ -40,8 +48,9 @@ class EndpointView:
     kv_usage: float | None = None  # 0..1
     # Uncached prompt tokens the gateway has sent there whose prefill has not visibly finished.
     backlog_tokens: int = 0
-    # Prefill speed learned from observed prefill legs (seconds per uncached token); None until seen.
+    # Prefill speed measured on its prefill legs (seconds per computed prompt token); None until seen.
     prefill_s_per_token: float | None = None
+    models: frozenset[str] | None = None  # what the engine's /v1/models lists; None: not known yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,24 +60,67 @@ class PoolSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class HandoverEstimate:
+    """Predicted seconds from a prefill leg's answer to the decode engine's first token (the KV
+    pull, the decode engine's queue and first step), and where the figure comes from."""
+
+    seconds: float
+    source: str  # "pair" (measured on this prefill/decode pair), "pool" (measured across pairs), "config"
+    samples: int = 0
+
+
+class Measured(Protocol):
+    """What the gateway has measured on real requests (fed by the lifecycle hooks, read by policies)."""
+
+    def handover(self, prefill: str, decode: str, tokens: int, prior_s_per_token: float) -> HandoverEstimate | None:
+        """The P/D hand-over time for ``tokens`` pulled from ``prefill`` to ``decode`` (None: not
+        measured yet); ``prior_s_per_token`` is the slope to assume until the measurements show one."""
+        ...
+
+
+class _NothingMeasured:
+    def handover(self, prefill: str, decode: str, tokens: int, prior_s_per_token: float) -> HandoverEstimate | None:
+        return None
+
+
+NOTHING_MEASURED: Measured = _NothingMeasured()
+
+
+@dataclass(frozen=True, slots=True)
 class RequestContext:
     model: str
     request_id: str
     token_ids: Sequence[int]  # the (first) prompt's tokens, exactly as the engine will see them
     local_only: str | None = None  # why the request cannot take the P/D path, if it cannot
     headers: Mapping[str, str] = field(default_factory=dict)
-    # Leading prompt tokens each endpoint (by url) already holds in its prefix cache.
+    # Leading prompt tokens each endpoint (by url) is believed to hold in its prefix cache: what
+    # requests confirmed or the engine's KV events say (``settled_tokens``), plus what requests
+    # still in flight are bringing there.
     cached_tokens: Mapping[str, int] = field(default_factory=dict)
+    settled_tokens: Mapping[str, int] = field(default_factory=dict)
+    block_hashes: Sequence[BlockHash] = ()  # the prompt's full KV blocks, hashed as the engines do
+    block_size: int = 0  # 0: prefix routing is off
+    measured: Measured = NOTHING_MEASURED
 
     @property
     def prompt_tokens(self) -> int:
         return len(self.token_ids)
 
     def cached(self, url: str) -> int:
-        """Cached leading tokens on ``url``. vLLM always computes the last prompt token, so at
-        most all but one count."""
-        n = len(self.token_ids)
-        return min(self.cached_tokens.get(url, 0), max(n - 1, 0))
+        """Cached leading tokens on ``url`` as the engine will count them: vLLM computes the last
+        prompt token whatever it holds, and takes cache hits in whole blocks, so at most the whole
+        blocks within all but the last token count."""
+        return self._capped(self.cached_tokens.get(url, 0))
+
+    def settled(self, url: str) -> int:
+        """Like ``cached``, without what requests still in flight are bringing."""
+        return self._capped(self.settled_tokens.get(url, 0))
+
+    def _capped(self, tokens: int) -> int:
+        room = max(len(self.token_ids) - 1, 0)
+        if self.block_size:
+            room -= room % self.block_size
+        return min(tokens, room)
 
     def uncached(self, url: str) -> int:
         return len(self.token_ids) - self.cached(url)
@@ -119,3 +171,75 @@ class Picker(Protocol):
 @runtime_checkable
 class Decider(Protocol):
     def decide(self, ctx: RequestContext, decode: EndpointView, prefill: PrefillFinder) -> PathChoice: ...
+
+
+# -- lifecycle hooks ------------------------------------------------------------------------------
+# What happened to a routed request, for whatever learns from it (the prefix index, the measured
+# hand-over and prefill speeds, a third-party policy): a policy or learner implements any of
+# ``on_routed``, ``on_leg_done`` and ``on_finished`` (see ``Lifecycle``), and the gateway calls it
+# once per event, on the event loop, off the request's critical path, in event order.
+
+
+class LegOutcome(StrEnum):
+    OK = "ok"  # the engine answered: the KV handle (prefill), the whole answer or stream (decode)
+    CUT = "cut"  # the answer broke off, or the client left, after the first token: prefill was done
+    REJECTED = "rejected"  # the engine refused the request (4xx) before running it
+    UNREACHED = "unreached"  # the engine never got the request (connection refused)
+    FAILED = "failed"  # error, timeout or broken stream before the first token
+    ABANDONED = "abandoned"  # the client left (or the gateway stopped) before the first token
+
+
+@dataclass(frozen=True, slots=True)
+class LegReport:
+    """One engine leg, once it is over."""
+
+    leg: Literal["prefill", "decode"]
+    url: str
+    outcome: LegOutcome
+    path: Path  # the path this leg served (a decode leg is ``pd`` when it carried a KV handle)
+    seconds: float  # sent to the last byte (prefill: the KV handle; decode: the end of the answer)
+    first_token_s: float | None = None  # decode streams: sent to first token (P/D: the hand-over)
+    uncached_tokens: int = 0  # the gateway's belief: prompt tokens the engine had to compute
+    queued_tokens: int = 0  # uncached prompt tokens the gateway had sent there before this one
+    # The engine's own count of prompt tokens served from its prefix cache (vLLM: the prefill
+    # handle's remote_prefill_cached_tokens, or usage.prompt_tokens_details.cached_tokens with
+    # --enable-prompt-tokens-details); None when it did not say.
+    cached_tokens: int | None = None
+    prefill_url: str | None = None  # decode legs on the P/D path: the engine the KV came from
+    status: int = 0  # the engine's HTTP status (0: no answer)
+
+    @property
+    def prefilled(self) -> bool:
+        """The engine holds the prompt's KV now (it computed or received it)."""
+        return self.outcome is LegOutcome.OK or self.outcome is LegOutcome.CUT
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A request's end, as the client saw it."""
+
+    status: int
+    path: str  # the path that served it: pd, direct, or none (the gateway answered itself)
+    legs: tuple[LegReport, ...]
+    e2e_s: float
+    ttft_s: float | None = None
+    output_tokens: int | None = None
+
+
+class Lifecycle(Protocol):
+    """The hooks; implement any subset (the gateway calls only the methods present)."""
+
+    def on_routed(self, ctx: RequestContext, decision: Decision) -> None:
+        """The route is chosen and the first leg is on its way."""
+        ...
+
+    def on_leg_done(self, ctx: RequestContext, leg: LegReport) -> None:
+        """One engine leg ended (every attempt: failover makes several)."""
+        ...
+
+    def on_finished(self, ctx: RequestContext, decision: Decision, result: Finished) -> None:
+        """The client's answer is complete (or abandoned)."""
+        ...
+
+
+HOOKS = ("on_routed", "on_leg_done", "on_finished")

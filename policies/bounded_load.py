@@ -14,20 +14,32 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
+
+from pydantic import Field
 
 from .base import EndpointView, RequestContext
-from .params import non_negative
+from .params import Number, PolicyParams, check_fields
+
+
+class BoundedLoadParams(PolicyParams):
+    load_factor: Number = Field(1.25, ge=1, description="bound as a multiple of the candidates' mean load "
+                                "(the same name and meaning as session_affinity's)")
+    slack: Number = Field(2.0, ge=0, description="requests allowed above that bound")
+
+
+_DEFAULTS = BoundedLoadParams()
 
 
 @dataclass(frozen=True)
 class BoundedLoad:
-    load_factor: float = 1.25  # the same name and meaning as session_affinity's
-    slack: float = 2.0
+    Params: ClassVar[type[BoundedLoadParams]] = BoundedLoadParams
+
+    load_factor: float = _DEFAULTS.load_factor
+    slack: float = _DEFAULTS.slack
 
     def __post_init__(self) -> None:
-        non_negative("slack", self.slack)
-        if non_negative("load_factor", self.load_factor) < 1:
-            raise ValueError("load_factor must be a number >= 1")
+        check_fields(self)
 
     @staticmethod
     def load(e: EndpointView) -> float:

@@ -1,8 +1,12 @@
 """Take the path with the lower predicted time to first token.
 
     direct = (backlog(decode) + uncached(decode)) * s_per_token(decode)
-    pd     = (backlog(prefill) + uncached(prefill)) * s_per_token(prefill)
-             + uncached(decode) * kv_bytes_per_token / bandwidth + pd_overhead_s
+    pd     = (backlog(prefill) + uncached(prefill)) * s_per_token(prefill) + handover(uncached(decode))
+
+``handover(n)`` is the time from the prefill leg's answer to the decode engine's first token when
+``n`` tokens of KV move: measured on recent P/D streams of this prefill/decode pair (or of the pool)
+once there are a few (``policies/estimates.py``), else configured as
+``n * kv_bytes_per_token / bandwidth + pd_overhead_s``.
 
 ``backlog(x)`` is the uncached prompt tokens the gateway has already sent to endpoint x whose
 prefill has not finished (x's queue, as far as this gateway knows); ``uncached(x)`` the prompt
@@ -21,38 +25,58 @@ on a one-engine prefill pool waited seconds to spare a few streams one 60 ms ste
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
+
+from pydantic import Field
 
 from .base import EndpointView, Path, PathChoice, PrefillFinder, RequestContext
-from .params import non_negative, positive
+from .params import Number, PolicyParams, check_fields
 
 # Llama-3.3-70B in bf16: 2 (K and V) * 80 layers * 8 KV heads * 128 head dim * 2 bytes.
 LLAMA_70B_KV_BYTES_PER_TOKEN = 2 * 80 * 8 * 128 * 2
 
 
-@dataclass(frozen=True)
-class CostModel:
-    kv_bytes_per_token: int = LLAMA_70B_KV_BYTES_PER_TOKEN
-    kv_bandwidth_gbps: float = 400.0  # one EFA link per GPU on p5 nodes (3,200 Gbps per node)
-    prefill_tokens_per_s: float = 10_000.0  # until an endpoint's own speed has been observed
-    decode_prefill_factor: float = 1.0  # prefill on a busy decode engine may run slower (until measured)
-    pd_overhead_s: float = 0.005  # the extra hop, the one-token prefill answer, the NIXL handshake
-    min_gain_s: float = 0.0
+class CostModelParams(PolicyParams):
+    kv_bytes_per_token: Number = Field(LLAMA_70B_KV_BYTES_PER_TOKEN, gt=0,
+                                       description="KV cache bytes per prompt token (all layers, K and V)")
+    kv_bandwidth_gbps: Number = Field(400.0, gt=0,  # one EFA link per GPU on p5 nodes (3,200 Gbps per node)
+                                      description="KV transfer bandwidth, Gbit/s")
+    prefill_tokens_per_s: Number = Field(10_000.0, gt=0,
+                                         description="prefill speed until an endpoint's own has been observed")
+    decode_prefill_factor: Number = Field(1.0, gt=0, description="prefill on a busy decode engine may run "
+                                          "slower (until measured)")
+    pd_overhead_s: Number = Field(0.005, ge=0, description="the extra hop, the one-token prefill answer, "
+                                  "the NIXL handshake")
+    min_gain_s: Number = Field(0.0, ge=0, description="how much faster P/D must be predicted to be")
     # Direct prefill shares the decode engine's steps with its running streams: a chunk of up to
     # prefill_chunk_tokens (vLLM's max_num_batched_tokens) delays every stream's next token by
     # its prefill time. Above this delay the request goes P/D even when direct is faster to its
     # first token (0: TTFT alone decides).
-    itl_budget_s: float = 0.05
-    prefill_chunk_tokens: int = 8192
+    itl_budget_s: Number = Field(0.05, ge=0, description="longest stall of running streams direct may cause "
+                                 "(0: TTFT alone decides)")
+    prefill_chunk_tokens: Number = Field(8192, gt=0, description="the engines' max_num_batched_tokens")
+
+
+_DEFAULTS = CostModelParams()
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Parameters, defaults and bounds: ``CostModelParams``."""
+
+    Params: ClassVar[type[CostModelParams]] = CostModelParams
+
+    kv_bytes_per_token: int = _DEFAULTS.kv_bytes_per_token
+    kv_bandwidth_gbps: float = _DEFAULTS.kv_bandwidth_gbps
+    prefill_tokens_per_s: float = _DEFAULTS.prefill_tokens_per_s
+    decode_prefill_factor: float = _DEFAULTS.decode_prefill_factor
+    pd_overhead_s: float = _DEFAULTS.pd_overhead_s
+    min_gain_s: float = _DEFAULTS.min_gain_s
+    itl_budget_s: float = _DEFAULTS.itl_budget_s
+    prefill_chunk_tokens: int = _DEFAULTS.prefill_chunk_tokens
 
     def __post_init__(self) -> None:
-        positive("kv_bytes_per_token", self.kv_bytes_per_token)
-        positive("kv_bandwidth_gbps", self.kv_bandwidth_gbps)
-        positive("prefill_tokens_per_s", self.prefill_tokens_per_s)
-        positive("decode_prefill_factor", self.decode_prefill_factor)
-        non_negative("pd_overhead_s", self.pd_overhead_s)
-        non_negative("min_gain_s", self.min_gain_s)
-        non_negative("itl_budget_s", self.itl_budget_s)
-        positive("prefill_chunk_tokens", self.prefill_chunk_tokens)
+        check_fields(self)
 
     def _spt(self, e: EndpointView, fallback: float | None = None) -> float:
         if e.prefill_s_per_token is not None:
@@ -61,6 +85,14 @@ class CostModel:
 
     def transfer_s(self, tokens: int) -> float:
         return tokens * self.kv_bytes_per_token * 8 / (self.kv_bandwidth_gbps * 1e9)
+
+    def handover(self, ctx: RequestContext, decode: EndpointView, prefill: EndpointView) -> tuple[float, str]:
+        """Seconds from the prefill answer to the decode engine's first token, and their source."""
+        tokens = ctx.uncached(decode.url)
+        measured = ctx.measured.handover(prefill.url, decode.url, tokens, self.transfer_s(1))
+        if measured is not None:
+            return measured.seconds, f"measured on the {measured.source}, n={measured.samples}"
+        return self.transfer_s(tokens) + self.pd_overhead_s, "configured"
 
     def _decode_spt(self, decode: EndpointView, prefill: EndpointView) -> float:
         # A decode engine has the same model and usually the same hardware: before its own speed is
@@ -75,18 +107,23 @@ class CostModel:
 
     def predict(self, ctx: RequestContext, decode: EndpointView, prefill: EndpointView) -> tuple[float, float]:
         """(direct, pd) predicted seconds to first token."""
+        return self._predict(ctx, decode, prefill)[:2]
+
+    def _predict(self, ctx: RequestContext, decode: EndpointView, prefill: EndpointView
+                 ) -> tuple[float, float, float, str]:
         decode_spt = self._decode_spt(decode, prefill)
         direct = (decode.backlog_tokens + ctx.uncached(decode.url)) * decode_spt
-        pd = ((prefill.backlog_tokens + ctx.uncached(prefill.url)) * self._spt(prefill)
-              + self.transfer_s(ctx.uncached(decode.url)) + self.pd_overhead_s)
-        return direct, pd
+        handover, source = self.handover(ctx, decode, prefill)
+        pd = (prefill.backlog_tokens + ctx.uncached(prefill.url)) * self._spt(prefill) + handover
+        return direct, pd, handover, source
 
     def decide(self, ctx: RequestContext, decode: EndpointView, prefill: PrefillFinder) -> PathChoice:
         p = prefill()
         if p is None:  # the pipeline answers direct and says why P/D was not possible
             return PathChoice(Path.PD, "pd_unavailable", "no prefill endpoint for this request")
-        direct, pd = self.predict(ctx, decode, p)
-        detail = f"ttft direct={direct * 1000:.1f}ms pd={pd * 1000:.1f}ms"
+        direct, pd, handover, source = self._predict(ctx, decode, p)
+        detail = (f"ttft direct={direct * 1000:.1f}ms pd={pd * 1000:.1f}ms "
+                  f"(hand-over {handover * 1000:.1f}ms, {source})")
         predicted = (("direct", direct), ("pd", pd))
         if pd + self.min_gain_s < direct:
             return PathChoice(Path.PD, "pd_faster", detail, predicted)

@@ -5,12 +5,16 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from .base import EndpointView, RequestContext
+from .params import NoParams
 
 
 @dataclass
 class LeastInflight:
+    Params: ClassVar[type[NoParams]] = NoParams
+
     # Ties rotate, per pool: one shared counter would alternate between pools and pin every P/D
     # request to the same prefill/decode pair.
     _turns: dict[str, int] = field(default_factory=lambda: defaultdict(int), init=False, repr=False)

@@ -9,21 +9,35 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
+
+from pydantic import Field
 
 from .base import EndpointView, RequestContext
-from .params import non_negative
+from .params import Number, PolicyParams, check_fields
+
+
+class LoadParams(PolicyParams):
+    inflight_weight: Number = Field(1.0, ge=0, description="per request the gateway has in flight there")
+    waiting_weight: Number = Field(1.0, ge=0, description="per request the engine reports waiting")
+    running_weight: Number = Field(0.25, ge=0, description="per request the engine reports running")
+    kv_weight: Number = Field(1.0, ge=0, description="per 10% of KV cache in use")
+
+
+_DEFAULTS = LoadParams()
 
 
 @dataclass(frozen=True)
 class Load:
-    inflight_weight: float = 1.0
-    waiting_weight: float = 1.0
-    running_weight: float = 0.25
-    kv_weight: float = 1.0
+    Params: ClassVar[type[LoadParams]] = LoadParams
+
+    inflight_weight: float = _DEFAULTS.inflight_weight
+    waiting_weight: float = _DEFAULTS.waiting_weight
+    running_weight: float = _DEFAULTS.running_weight
+    kv_weight: float = _DEFAULTS.kv_weight
 
     def __post_init__(self) -> None:
-        for name in ("inflight_weight", "waiting_weight", "running_weight", "kv_weight"):
-            non_negative(name, getattr(self, name))
+        check_fields(self)
 
     def load(self, e: EndpointView) -> float:
         return (self.inflight_weight * e.in_flight

@@ -6,19 +6,31 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
+
+from pydantic import Field
 
 from .base import EndpointView, RequestContext
-from .params import non_negative
+from .params import Number, PolicyParams, check_fields
+
+
+class MaxScoreParams(PolicyParams):
+    tie_margin: Number = Field(1e-6, ge=0, description="scores closer than this count as equal")
+
+
+_DEFAULTS = MaxScoreParams()
 
 
 @dataclass
 class MaxScore:
-    tie_margin: float = 1e-6  # scores closer than this count as equal
+    Params: ClassVar[type[MaxScoreParams]] = MaxScoreParams
+
+    tie_margin: float = _DEFAULTS.tie_margin
 
     _turns: dict[str, int] = field(default_factory=lambda: defaultdict(int), init=False, repr=False)
 
     def __post_init__(self) -> None:
-        non_negative("tie_margin", self.tie_margin)
+        check_fields(self)
 
     def pick(self, ctx: RequestContext, candidates: Sequence[EndpointView], scores: Sequence[float]
              ) -> EndpointView:

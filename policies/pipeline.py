@@ -29,6 +29,13 @@ class PoolPipeline:
     picker: Picker
     filters: tuple[tuple[str, Filter], ...] = ()
     scorers: tuple[Weighted, ...] = ()
+    picker_name: str = "picker"
+
+    def members(self, pool: str) -> list[tuple[str, object]]:
+        """Its policies, each named by where the config puts it (e.g. ``decode.scorers.load``)."""
+        return [*((f"{pool}.filters.{name}", f) for name, f in self.filters),
+                *((f"{pool}.scorers.{w.name}", w.scorer) for w in self.scorers),
+                (f"{pool}.picker.{self.picker_name}", self.picker)]
 
     def choose(self, ctx: RequestContext, endpoints: Sequence[EndpointView], trace: list[dict[str, Any]] | None = None
                ) -> EndpointView | None:
@@ -74,6 +81,12 @@ class RoutingPipeline:
     decider: Decider
     decode: PoolPipeline
     prefill: PoolPipeline
+    decider_name: str = "decider"
+
+    def members(self) -> list[tuple[str, object]]:
+        """Every policy instance, named by its place in the config (the lifecycle hooks' subscribers)."""
+        return [(f"decider.{self.decider_name}", self.decider), *self.decode.members("decode"),
+                *self.prefill.members("prefill")]
 
     def route(self, ctx: RequestContext, pools: PoolSnapshot, *, explain: bool = False) -> Route:
         traces: dict[str, list[dict[str, Any]]] = {"decode": [], "prefill": []} if explain else {}

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .base import EndpointView, RequestContext
+from .params import NoParams
 
 
 @dataclass(frozen=True)
 class PrefixAffinity:
+    Params: ClassVar[type[NoParams]] = NoParams
+
     def score(self, ctx: RequestContext, candidates: Sequence[EndpointView]) -> Sequence[float]:
         n = ctx.prompt_tokens
         if not n or not ctx.cached_tokens:

@@ -45,7 +45,7 @@ class _Run:
     at: float
 
 
-def _shared(a: Sequence[BlockHash], b: list[BlockHash]) -> int:
+def shared_prefix(a: Sequence[BlockHash], b: Sequence[BlockHash]) -> int:
     """How many leading hashes ``a`` and ``b`` share. Chained hashes diverge once for good, which
     a binary search on single items finds; one slice comparison then proves it (any inputs)."""
     n = min(len(a), len(b))
@@ -56,7 +56,8 @@ def _shared(a: Sequence[BlockHash], b: list[BlockHash]) -> int:
             lo = mid
         else:
             hi = mid - 1
-    if list(a[:lo]) == b[:lo] and (lo == n or a[lo] != b[lo]):
+    head = b[:lo] if type(b) is list else list(b[:lo])
+    if list(a[:lo]) == head and (lo == n or a[lo] != b[lo]):
         return lo
     for i in range(n):  # not a chain (only hand-made hashes): item by item
         if a[i] != b[i]:
@@ -184,7 +185,7 @@ class PrefixIndex:
         best = 0
         for run in runs:
             if run.seq > self._evicted_seq and cutoff <= run.at <= now and len(run.hashes) > best:
-                best = max(best, _shared(hashes, run.hashes))
+                best = max(best, shared_prefix(hashes, run.hashes))
         return best
 
     def _limit(self, url: str) -> float:
@@ -247,7 +248,7 @@ class PrefixIndex:
         """Remember a learn call, in place of the runs it covers (the conversation's earlier turns)."""
         key = (url, run.hashes[0])
         runs = self._runs.pop(key, [])
-        kept = [r for r in runs if _shared(run.hashes, r.hashes) < len(r.hashes)][: self.RUNS_PER_KEY - 1]
+        kept = [r for r in runs if shared_prefix(run.hashes, r.hashes) < len(r.hashes)][: self.RUNS_PER_KEY - 1]
         self._run_blocks += len(run.hashes) - sum(len(r.hashes) for r in runs) + sum(len(r.hashes) for r in kept)
         self._runs[key] = [run, *kept]
         while self._run_blocks > self.max_run_blocks and self._runs:
@@ -277,6 +278,34 @@ class PrefixIndex:
             if not learned:
                 del approx_of[url]
         self._evicted_seq = evicted
+
+    def learned_at(self, url: str, h: BlockHash) -> float | None:
+        """When ``url`` was last routed a prompt with block ``h`` (None: not a learned entry now)."""
+        learned = self._approx_of.get(url)
+        return learned.get(h) if learned else None
+
+    def forget_learned_until(self, url: str, until: float) -> int:
+        """Drop what ``url`` learned at or before ``until`` (its engine evicts least recently used
+        blocks first: one that was found gone takes the older ones with it); returns how many.
+        Runs of later learn calls stay valid: their entries are all newer than ``until``."""
+        learned = self._approx_of.get(url)
+        if not learned:
+            return 0
+        old = [h for h, ts in learned.items() if ts <= until]
+        for h in old:
+            del learned[h]
+            del self._approx[(url, h)]
+        if not learned:
+            del self._approx_of[url]
+        for key in [k for k in self._runs if k[0] == url]:
+            runs = self._runs[key]
+            kept = [r for r in runs if r.at > until]
+            self._run_blocks -= sum(len(r.hashes) for r in runs) - sum(len(r.hashes) for r in kept)
+            if kept:
+                self._runs[key] = kept
+            else:
+                del self._runs[key]
+        return len(old)
 
     # -- precise source --------------------------------------------------------------------------
 

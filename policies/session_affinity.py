@@ -13,31 +13,41 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
+
+from pydantic import Field, StrictInt, StrictStr
 
 from .base import EndpointView, RequestContext
-from .params import positive, positive_int
+from .params import Number, PolicyParams, check_fields
 
 
 def _point(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
 
 
+class SessionAffinityParams(PolicyParams):
+    header: StrictStr = Field("x-session-id", min_length=1, description="the request header naming the session")
+    load_factor: Number = Field(1.25, ge=1, description="an endpoint above this multiple of its fair share of "
+                                "in-flight requests passes the session on")
+    vnodes: StrictInt = Field(64, gt=0, description="ring points per endpoint: evens out the share each gets")
+
+
+_DEFAULTS = SessionAffinityParams()
+
+
 @dataclass
 class SessionAffinity:
-    header: str = "x-session-id"
-    load_factor: float = 1.25
-    vnodes: int = 64  # ring points per endpoint: evens out the share each endpoint gets
+    Params: ClassVar[type[SessionAffinityParams]] = SessionAffinityParams
+
+    header: str = _DEFAULTS.header
+    load_factor: float = _DEFAULTS.load_factor
+    vnodes: int = _DEFAULTS.vnodes
 
     _rings: dict[tuple[str, ...], tuple[list[int], list[str]]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.header, str) or not self.header:
-            raise ValueError("header must be a header name")
-        self.header = self.header.lower()
-        positive("load_factor", self.load_factor)
-        if self.load_factor < 1:
-            raise ValueError("load_factor must be >= 1")
-        positive_int("vnodes", self.vnodes)
+        check_fields(self)
+        self.header = self.header.lower()  # headers arrive lower-cased
 
     def _ring(self, urls: tuple[str, ...]) -> tuple[list[int], list[str]]:
         ring = self._rings.get(urls)

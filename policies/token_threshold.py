@@ -5,20 +5,29 @@ direct: the engine only computes the new tail."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
+
+from pydantic import Field, StrictInt
 
 from .base import EndpointView, Path, PathChoice, PrefillFinder, RequestContext
-from .params import positive_int
+from .params import PolicyParams, check_fields
 
 # AWS's guidance for disaggregated prefill/decode: it pays off from about 4,000 input tokens.
 DEFAULT_THRESHOLD = 4096
 
 
+class TokenThresholdParams(PolicyParams):
+    threshold: StrictInt = Field(DEFAULT_THRESHOLD, gt=0, description="uncached prompt tokens from which P/D is taken")
+
+
 @dataclass(frozen=True)
 class TokenThreshold:
+    Params: ClassVar[type[TokenThresholdParams]] = TokenThresholdParams
+
     threshold: int = DEFAULT_THRESHOLD
 
     def __post_init__(self) -> None:
-        positive_int("threshold", self.threshold)
+        check_fields(self)
 
     def decide(self, ctx: RequestContext, decode: EndpointView, prefill: PrefillFinder) -> PathChoice:
         n = ctx.prompt_tokens

@@ -116,7 +116,9 @@ def test_stream_cut_mid_way_ends_with_an_error_event_never_silently(cluster):
         assert r.status_code == 200
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
     payloads = [e[6:] for e in events]
-    assert "[DONE]" not in payloads
+    # The error event, then [DONE] (as vLLM ends a failed stream), and [DONE] nowhere else.
+    assert payloads[-1] == "[DONE]" and payloads.count("[DONE]") == 1
+    payloads = payloads[:-1]
     last = orjson.loads(payloads[-1])
     assert last["error"]["type"] == "server_error" or last["error"]["code"], last
     contents = [orjson.loads(p)["choices"][0]["delta"].get("content") for p in payloads[:-1]
@@ -190,6 +192,6 @@ def test_stream_that_goes_silent_ends_with_a_timeout_event(cluster):
     with httpx.stream("POST", cluster.url + "/v1/chat/completions", json=body, timeout=30) as r:
         assert r.status_code == 200
         payloads = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-    assert "[DONE]" not in payloads
-    err = orjson.loads(payloads[-1])["error"]
+    assert payloads[-1] == "[DONE]" and payloads.count("[DONE]") == 1
+    err = orjson.loads(payloads[-2])["error"]
     assert err["code"] == "engine_timeout" and "did not answer in time" in err["message"]

@@ -1,8 +1,12 @@
 from __future__ import annotations
 
-import pytest
+import re
 
-from gateway.config import ConfigError, load_config, parse_config
+import pytest
+from pydantic import BaseModel
+
+from gateway.config import ConfigError, PolicySpec, RoutingConfig, load_config, parse_config
+from policies import registry
 
 BASE = {
     "models": [{"name": "m", "tokenizer": "/tok", "max_model_len": 4096}],
@@ -25,7 +29,7 @@ def test_defaults():
         ({"pools": {"decode": {"endpoints": ["d0:8000"]}}}, "pools.decode.endpoints"),
         ({"pools": {"decode": {"endpoints": ["http://d0/v1"]}}}, "pools.decode.endpoints"),
         ({"serverr": {}}, "serverr"),
-        ({"models": [{"name": "m", "tokenizer": "/t", "max_model_len": "big"}]}, "models.0.max_model_len"),
+        ({"models": [{"name": "m", "tokenizer": "/t", "max_model_len": "big"}]}, "models[0].max_model_len"),
         ({"models": []}, "models"),
     ],
 )
@@ -72,14 +76,166 @@ def test_endpoint_objects_with_kv_events_and_pipeline_per_pool():
 @pytest.mark.parametrize(
     ("routing", "where"),
     [({"prefix": {"hash_algo": "md5"}}, "routing.prefix.hash_algo"),
-     ({"decode": {"scorers": [{"name": "load", "weight": -1}]}}, "routing.decode.scorers.0.weight"),
+     ({"decode": {"scorers": [{"name": "load", "weight": -1}]}}, "routing.decode.scorers[0].weight"),
      ({"prefix": {"block_size": 0}}, "routing.prefix.block_size")],
 )
 def test_bad_routing_values_name_their_place(routing, where):
-    with pytest.raises(ConfigError, match=where.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(where)):
         parse_config({**BASE, "routing": routing})
 
 
 def test_kv_events_address_must_be_zmq():
     with pytest.raises(ConfigError, match="ZMQ address"):
         parse_config({**BASE, "pools": {"decode": {"endpoints": [{"url": "http://d0", "kv_events": "http://x"}]}}})
+
+
+def routing_errors(routing: dict) -> list[str]:
+    """The error lines a config with this ``routing`` section gets, without the header line."""
+    with pytest.raises(ConfigError) as info:
+        parse_config({**BASE, "routing": routing}, "gw.yaml")
+    header, *lines = str(info.value).splitlines()
+    assert header == "gw.yaml: invalid configuration"
+    return [line.strip() for line in lines]
+
+
+@pytest.mark.parametrize(("routing", "error"), [
+    ({"decode": {"scorers": [{"name": "prefix_affinity"}, {"name": "session_affinity", "haeder": "x-chat"}]}},
+     "routing.decode.scorers[1].haeder: unknown parameter (did you mean 'header'?)"),
+    ({"decider": {"name": "token_threshold", "treshold": 2048}},
+     "routing.decider.treshold: unknown parameter (did you mean 'threshold'?)"),
+    ({"prefill": {"scorers": [{"name": "load", "wieght": 2}]}},  # the scorer's own key is suggested too
+     "routing.prefill.scorers[0].wieght: unknown parameter (did you mean 'weight'?)"),
+    ({"decode": {"filters": [{"name": "bounded_load", "limit": 2}]}},
+     "routing.decode.filters[0].limit: unknown parameter of policy 'bounded_load' (known: load_factor, slack)"),
+    ({"decode": {"picker": {"name": "least_inflight", "tie_margin": 0.1}}},
+     "routing.decode.picker.tie_margin: unknown parameter: policy 'least_inflight' takes none"),
+    ({"decider": {"name": "token_threshold", "threshold": 0}},
+     "routing.decider.threshold: Input should be greater than 0"),
+    ({"decider": {"name": "cost_model", "min_gain_s": -1}},
+     "routing.decider.min_gain_s: Input should be greater than or equal to 0"),
+    ({"decode": {"filters": [{"name": "bounded_load", "load_factor": 0.8}]}},
+     "routing.decode.filters[0].load_factor: Input should be greater than or equal to 1"),
+    ({"decode": {"scorers": [{"name": "prefix_afinity"}]}},
+     "routing.decode.scorers[0].name: unknown policy 'prefix_afinity' (known: bounded_load, cost_model, "
+     "least_inflight, load, max_score, prefix_affinity, session_affinity, token_threshold)"),
+])
+def test_policy_errors_name_their_yaml_location(routing, error):
+    assert routing_errors(routing) == [error]
+
+
+@pytest.mark.parametrize(("routing", "error"), [
+    ({"decider": {"name": "token_threshold", "threshold": True}},
+     "routing.decider.threshold: Input should be a valid integer"),
+    ({"decider": {"name": "cost_model", "itl_budget_s": False}},
+     "routing.decider.itl_budget_s: Input should be a valid number"),
+    ({"decode": {"filters": [{"name": "bounded_load", "slack": True}]}},
+     "routing.decode.filters[0].slack: Input should be a valid number"),
+    ({"decode": {"scorers": [{"name": "load", "weight": True}]}},
+     "routing.decode.scorers[0].weight: Input should be a valid number"),
+    ({"decode": {"scorers": [{"name": "session_affinity", "vnodes": True}]}},
+     "routing.decode.scorers[0].vnodes: Input should be a valid integer"),
+])
+def test_yaml_booleans_are_not_numbers(routing, error):
+    assert routing_errors(routing) == [error]
+
+
+def test_yaml_yes_is_refused_where_a_number_is_expected(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "models: [{name: m, tokenizer: /tok, max_model_len: 4096}]\n"
+        "pools: {decode: {endpoints: [http://d0:8000]}}\n"
+        "routing:\n  decider: {name: token_threshold, threshold: yes}\n"
+    )
+    with pytest.raises(ConfigError, match=re.escape("routing.decider.threshold: Input should be a valid integer")):
+        load_config(path)
+
+
+def test_every_bad_parameter_is_reported_at_once():
+    assert routing_errors({
+        "decider": {"name": "cost_model", "kv_bandwidth_gbps": 0, "min_gain": 1},
+        "decode": {"scorers": [{"name": "load", "kv_weight": -1}]},
+    }) == [
+        "routing.decider.kv_bandwidth_gbps: Input should be greater than 0",
+        "routing.decider.min_gain: unknown parameter (did you mean 'min_gain_s'?)",
+        "routing.decode.scorers[0].kv_weight: Input should be greater than or equal to 0",
+    ]
+
+
+@pytest.mark.parametrize(("routing", "error"), [
+    ({"decode": {"filters": [{"name": "load"}]}},
+     "routing.decode.filters[0].name: policy 'load' is a scorer, not a filter"),
+    ({"prefill": {"scorers": [{"name": "bounded_load"}]}},
+     "routing.prefill.scorers[0].name: policy 'bounded_load' is a filter, not a scorer"),
+    ({"decode": {"picker": {"name": "prefix_affinity"}}},
+     "routing.decode.picker.name: policy 'prefix_affinity' is a scorer, not a picker"),
+    ({"decider": {"name": "max_score"}}, "routing.decider.name: policy 'max_score' is a picker, not a decider"),
+])
+def test_a_policy_in_the_wrong_place(routing, error):
+    assert routing_errors(routing) == [error]
+
+
+def test_a_policy_named_twice_in_one_list():
+    assert routing_errors({"decode": {
+        "filters": [{"name": "bounded_load"}, {"name": "bounded_load", "slack": 4}],
+        "scorers": [{"name": "load"}, {"name": "prefix_affinity"}, {"name": "load", "weight": 3}],
+    }}) == [
+        "routing.decode.filters[1].name: policy 'bounded_load' is already in this list",
+        "routing.decode.scorers[2].name: policy 'load' is already in this list (give it more weight instead)",
+    ]
+
+
+def test_the_same_policy_in_different_lists_and_pools_is_fine():
+    cfg = parse_config({**BASE, "routing": {
+        "decode": {"scorers": [{"name": "load"}, {"name": "session_affinity"}]},
+        "prefill": {"scorers": [{"name": "load"}, {"name": "session_affinity"}]},
+    }})
+    assert [s.name for s in cfg.routing.decode.scorers] == [s.name for s in cfg.routing.prefill.scorers]
+
+
+def test_params_stay_as_written():
+    """The spec keeps what the YAML says (defaults are the policy's business)."""
+    cfg = parse_config({**BASE, "routing": {"decider": {"name": "cost_model", "itl_budget_s": 0}}})
+    assert cfg.routing.decider.params == {"itl_budget_s": 0}
+    assert RoutingConfig(decider=PolicySpec(name="cost_model")).decider.params == {}
+
+
+class _Margin:
+    class Params(BaseModel):
+        model_config = {"extra": "forbid"}
+        margin_tokens: int = 100
+
+    def __init__(self, margin_tokens: int = 100) -> None:
+        self.margin_tokens = margin_tokens
+
+    def decide(self, ctx, decode, prefill): ...
+
+
+class _Plain:
+    def __init__(self, pd: bool = False) -> None:
+        self.pd = pd
+
+    def score(self, ctx, candidates): ...
+
+
+@pytest.fixture
+def third_party(monkeypatch):
+    class EntryPoint:
+        def __init__(self, name, cls):
+            self.name, self.cls = name, cls
+
+        def load(self):
+            return self.cls
+
+    eps = [EntryPoint("margin", _Margin), EntryPoint("plain", _Plain)]
+    monkeypatch.setattr(registry, "entry_points", lambda group: eps)
+
+
+def test_third_party_policies_get_the_same_checks(third_party):
+    assert parse_config({**BASE, "routing": {"decider": {"name": "margin", "margin_tokens": 5}}})
+    assert routing_errors({"decider": {"name": "margin", "margin_token": 5}}) == [
+        "routing.decider.margin_token: unknown parameter (did you mean 'margin_tokens'?)"]
+    # Without Params only building it can tell: the error is the constructor's, at the policy's place.
+    [error] = routing_errors({"decode": {"scorers": [{"name": "plain", "p": True}]}})
+    assert error.startswith("routing.decode.scorers[0]: policy 'plain': ") and "'p'" in error
+    assert routing_errors({"decider": {"name": "plain"}}) == [
+        "routing.decider.name: policy 'plain' is a scorer, not a decider"]

@@ -11,7 +11,7 @@ import orjson
 import pytest
 import uvloop
 
-from gateway.config import FailoverConfig, TimeoutsConfig
+from gateway.config import TimeoutsConfig
 from gateway.h1client import FirstTimeout, H1Client, ProtocolError, ServerDisconnected, Timeouts
 from gateway.pools import Endpoint
 from gateway.upstream import MAX_JSON_BYTES, EngineError, Upstream
@@ -452,10 +452,8 @@ async def test_upstream_maps_timeouts_and_disconnects():
 async def test_decode_first_byte_timeout_is_a_504_from_an_engine_that_got_the_request(stream):
     """timeouts.decode_first_byte_s bounds the decode leg up to its first token (the whole answer
     when not streaming): a 504 engine_timeout the failover may retry, the connection dropped."""
-    from gateway.dispatch import Dispatcher, _LegFailed
+    from gateway import legs
     from gateway.pools import Pools
-    from gateway.protocol import parse_body
-    from gateway.requestlog import RequestRecord
 
     async def handler(ex: Exchange) -> None:
         if stream:  # the head at once, the first chunk never
@@ -464,26 +462,22 @@ async def test_decode_first_byte_timeout_is_a_504_from_an_engine_that_got_the_re
 
     async with Server(handler) as server:
         cfg = TimeoutsConfig(decode_first_byte_s=0.1, decode_idle_s=5)
-        pools = Pools([], [server.url])
-        ep = pools.decode[0]
-        dispatcher = Dispatcher(Upstream(None, cfg), pools, cfg, FailoverConfig())
-        req = parse_body(orjson.dumps({"model": "m", "prompt": "x", "stream": stream}), "completion")
+        ep = Pools([], [server.url]).decode[0]
         started = asyncio.get_running_loop().time()
-        with pytest.raises(_LegFailed) as info:
-            await dispatcher.open_decode(ep, req, "/v1/completions", RequestRecord("r", "completion"), None)
+        with pytest.raises(legs.LegFailed) as info:
+            await legs.open_decode(Upstream(None, cfg), ep, "/v1/completions", {"model": "m", "prompt": "x"}, "r",
+                                   stream, {})
         assert 0.09 <= asyncio.get_running_loop().time() - started < 2  # uvloop: millisecond clock
         err = info.value.err
         assert (err.status, err.code) == (504, "engine_timeout")
         assert err.message == "The decode engine did not answer in time."
-        assert info.value.reached and ep.in_flight == 0
+        assert info.value.reached
         await asyncio.wait_for(server.closed_by_client.wait(), 10)  # dropped: the engine aborts
 
 
 async def test_decode_stream_outlives_decode_first_byte_once_its_first_token_is_in():
-    from gateway.dispatch import Dispatcher
+    from gateway import legs
     from gateway.pools import Pools
-    from gateway.protocol import parse_body
-    from gateway.requestlog import RequestRecord
 
     async def handler(ex: Exchange) -> None:
         await ex.answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\ndata:\r\n")
@@ -492,11 +486,9 @@ async def test_decode_stream_outlives_decode_first_byte_once_its_first_token_is_
 
     async with Server(handler) as server:
         cfg = TimeoutsConfig(decode_first_byte_s=0.1, decode_idle_s=5)
-        pools = Pools([], [server.url])
-        dispatcher = Dispatcher(Upstream(None, cfg), pools, cfg, FailoverConfig())
-        req = parse_body(orjson.dumps({"model": "m", "prompt": "x", "stream": True}), "completion")
-        up = await dispatcher.open_decode(pools.decode[0], req, "/v1/completions", RequestRecord("r", "completion"),
-                                          None)
+        ep = Pools([], [server.url]).decode[0]
+        up = await legs.open_decode(Upstream(None, cfg), ep, "/v1/completions",
+                                    {"model": "m", "prompt": "x", "stream": True}, "r", True, {})
         assert up.head == b"data:"
         assert await up.resp.read() == b"x"
         up.close(reuse=True)

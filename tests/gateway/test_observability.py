@@ -17,11 +17,9 @@ from opentelemetry.trace import SpanKind, StatusCode
 from starlette.testclient import TestClient
 
 from gateway.app import create_app
-from gateway.config import ConfigError, FailoverConfig, TimeoutsConfig, TracingConfig, parse_config
-from gateway.dispatch import Dispatcher
+from gateway.config import ConfigError, TracingConfig, parse_config
 from gateway.metrics import GatewayMetrics
 from gateway.pools import EngineStats, Pools
-from gateway.protocol import parse_body
 from gateway.requestlog import LineWriter, RequestRecord
 from gateway.tracing import Tracing
 from tests.promtext import sample
@@ -377,54 +375,3 @@ async def test_access_lines_are_written_whole_in_order_and_flushed_at_close():
             await asyncio.sleep(0.02)  # some batches go out while requests keep coming
     writer.close()
     assert [json.loads(x)["n"] for x in out.getvalue().splitlines()] == list(range(1000))
-
-
-class _HeldResponse:
-    """An engine answer whose first bytes wait for ``gate``."""
-
-    status = 200
-
-    def __init__(self, gate: asyncio.Event) -> None:
-        self._gate = gate
-
-    async def read_some(self) -> bytes:
-        await self._gate.wait()
-        return b'data: {"choices":[{"text":"a"}]}\n\n'
-
-    async def read(self) -> bytes:
-        return await self.read_some()
-
-    def end_first(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def release(self) -> None:
-        pass
-
-
-@pytest.mark.parametrize("stream", [True, False])
-async def test_a_direct_stream_is_decode_backlog_until_its_first_token(stream: bool):
-    gate = asyncio.Event()
-
-    class Upstream:
-        async def post(self, *args, **kwargs) -> _HeldResponse:
-            return _HeldResponse(gate)
-
-    pools = Pools([], ["http://d:1"])
-    ep = pools.decode[0]
-    dispatcher = Dispatcher(Upstream(), pools, TimeoutsConfig(), FailoverConfig())  # type: ignore[arg-type]
-    req = parse_body(orjson.dumps({"model": "m", "prompt": "x", "stream": stream}), "completion")
-    leg = asyncio.create_task(dispatcher.open_decode(ep, req, "/v1/completions", RequestRecord("r", "completion"),
-                                                     None, tokens=500))
-    for _ in range(20):
-        await asyncio.sleep(0)
-    # A stream's first token shows when its prefill is done; a whole answer's does not, so it never counts.
-    assert ep.backlog_tokens == (500 if stream else 0)
-    assert ep.in_flight == 1
-    gate.set()
-    up = await leg
-    assert ep.backlog_tokens == 0
-    up.close(reuse=False)
-    assert ep.in_flight == 0

@@ -4,9 +4,23 @@ import time
 
 from gateway.config import RoutingConfig
 from gateway.pools import EngineStats, Pools
-from gateway.router import Router
-from policies.base import Path
+from gateway.router import Prepared, Router
+from policies.base import Finished, LegOutcome, LegReport, Path
+from policies.pipeline import Route
 from policies.prefix_index import PrefixIndex
+from policies.prefix_learning import PrefixBeliefs
+
+
+def served(index: PrefixIndex, prep: Prepared, route: Route) -> None:
+    """What the lifecycle hooks do for a request whose legs all succeeded."""
+    beliefs, d = PrefixBeliefs(index), route.decision
+    beliefs.on_routed(prep.ctx, d)
+    legs = [LegReport("decode", d.decode.url, LegOutcome.OK, d.path, 0.1)]
+    if d.prefill is not None:
+        legs.append(LegReport("prefill", d.prefill.url, LegOutcome.OK, d.path, 0.1))
+    for leg in legs:
+        beliefs.on_leg_done(prep.ctx, leg)
+    beliefs.on_finished(prep.ctx, d, Finished(200, d.path.value, tuple(legs), 0.2))
 
 
 def make(block_size: int | None = None, threshold: int = 64) -> tuple[Router, Pools, PrefixIndex]:
@@ -33,13 +47,13 @@ def test_block_size_comes_from_the_engines_until_configured():
 
 
 async def test_learned_prompt_routes_back_to_its_engine_and_goes_direct():
-    router, _, _ = make()
+    router, _, index = make()
     tokens = list(range(1000, 1100))  # 100 tokens: 6 full blocks of 16
     first = await router.prepare("m", "r1", tokens, None, {})
     assert len(first.hashes) == 6 and first.ctx.cached_tokens == {}
     route = router.route(first)
     assert route.decision.path is Path.PD
-    router.learn(first, route)
+    served(index, first, route)
     home = route.decision.decode.url
     again = await router.prepare("m", "r2", tokens, None, {})
     assert again.ctx.cached_tokens[home] == 96 and again.ctx.cached_tokens["http://p0"] == 96
@@ -48,10 +62,10 @@ async def test_learned_prompt_routes_back_to_its_engine_and_goes_direct():
 
 
 async def test_cache_salt_separates_tenants():
-    router, _, _ = make()
+    router, _, index = make()
     tokens = list(range(100))
     a = await router.prepare("m", "r", tokens, None, {}, cache_salt="tenant-a")
-    router.learn(a, router.route(a))
+    served(index, a, router.route(a))
     assert (await router.prepare("m", "r", tokens, None, {}, cache_salt="tenant-b")).ctx.cached_tokens == {}
     assert (await router.prepare("m", "r", tokens, None, {}, cache_salt="tenant-a")).ctx.cached_tokens
 

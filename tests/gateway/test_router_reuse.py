@@ -46,10 +46,12 @@ async def test_turns_decide_as_with_the_full_walk() -> None:
         k = rng.randrange(len(chats))
         chats[k] = chats[k] + [rng.randrange(5000) for _ in range(rng.randint(5, 120))]
         seen = []
-        for router, _ in routers:
+        for router, index in routers:
             prep = await router.prepare("m", f"r{step}", chats[k], None, {})
             route = router.route(prep)
-            router.learn(prep, route)
+            d = route.decision  # what the lifecycle hooks confirm once both legs succeed
+            for url in [d.decode.url] + ([d.prefill.url] if d.prefill else []):
+                index.learn(url, prep.hashes)
             d = route.decision
             seen.append((dict(prep.ctx.cached_tokens), d.path, d.decode.url, d.prefill and d.prefill.url, d.reason))
         assert seen[0] == seen[1], step

@@ -33,9 +33,14 @@ def test_never_leaves_no_candidate():
     assert [e.url for e in BoundedLoad(load_factor=1, slack=0).filter(ctx(1), views)] == ["a", "b"]
 
 
-@pytest.mark.parametrize("bad", [{"load_factor": 0.5}, {"slack": -1}, {"load_factor": "x"}])
-def test_rejects_bad_params(bad):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(("bad", "message"), [
+    ({"load_factor": 0.5}, "load_factor: Input should be greater than or equal to 1"),
+    ({"slack": -1}, "slack: Input should be greater than or equal to 0"),
+    ({"load_factor": "x"}, "load_factor: Input should be a valid number"),
+    ({"slack": True}, "slack: Input should be a valid number"),
+])
+def test_rejects_bad_params(bad, message):
+    with pytest.raises(ValueError, match=message):
         BoundedLoad(**bad)
 
 

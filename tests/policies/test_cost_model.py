@@ -50,10 +50,20 @@ def test_min_gain():
     assert choice.path is Path.DIRECT  # P/D is 0.5 s faster, less than the 1 s it must win by
 
 
-@pytest.mark.parametrize("bad", [{"kv_bandwidth_gbps": 0}, {"min_gain_s": -1}, {"kv_bytes_per_token": "x"}])
-def test_rejects_bad_params(bad):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(("bad", "message"), [
+    ({"kv_bandwidth_gbps": 0}, "kv_bandwidth_gbps: Input should be greater than 0"),
+    ({"min_gain_s": -1}, "min_gain_s: Input should be greater than or equal to 0"),
+    ({"kv_bytes_per_token": "x"}, "kv_bytes_per_token: Input should be a valid number"),
+    ({"itl_budget_s": True}, "itl_budget_s: Input should be a valid number"),
+    ({"itl_budget": 0}, "unexpected keyword argument 'itl_budget'"),
+])
+def test_rejects_bad_params(bad, message):
+    with pytest.raises((ValueError, TypeError), match=message):
         CostModel(**bad)
+
+
+def test_zero_itl_budget_is_accepted():
+    assert CostModel(itl_budget_s=0).itl_budget_s == 0
 
 
 def test_a_direct_prefill_that_would_stall_running_streams_goes_pd():

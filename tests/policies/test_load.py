@@ -28,5 +28,7 @@ def test_unknown_engine_stats_do_not_penalize():
 
 
 def test_rejects_negative_weights():
-    with pytest.raises(ValueError, match="waiting_weight"):
+    with pytest.raises(ValueError, match="waiting_weight: Input should be greater than or equal to 0"):
         Load(waiting_weight=-1)
+    with pytest.raises(ValueError, match="kv_weight: Input should be a valid number"):
+        Load(kv_weight=True)

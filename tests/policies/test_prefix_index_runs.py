@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from policies.blockhash import BlockHash, HashSpec, block_hashes
-from policies.prefix_index import PrefixIndex, _shared
+from policies.prefix_index import PrefixIndex, shared_prefix
 
 A, B = "http://a:8000", "http://b:8000"
 
@@ -93,12 +93,12 @@ def test_shared_prefix_of_chained_and_hand_made_hashes() -> None:
         a = [rng.randrange(3) for _ in range(n)]  # not chained: equal items anywhere
         b = [rng.randrange(3) for _ in range(rng.randrange(0, 12))]
         want = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-        assert _shared(a, b) == want, (a, b)
+        assert shared_prefix(a, b) == want, (a, b)
     spec = HashSpec(block_size=4)
     ids = [rng.randrange(1000) for _ in range(200)]
     chain = block_hashes(ids, spec)
     branch = block_hashes([*ids[:101], 7, *ids[102:]], spec)
-    assert _shared(chain, branch) == 25 and _shared(chain, chain[:30]) == 30
+    assert shared_prefix(chain, branch) == 25 and shared_prefix(chain, chain[:30]) == 30
 
 
 def test_reuse_gives_the_full_walks_counts_on_random_histories() -> None:

@@ -1,0 +1,530 @@
+"""One client request from admission to its last byte: the gateway's request path, top to bottom.
+
+    authorize -> read the body -> admission slot -> parse, tokenize -> route
+              -> [prefill leg, with failover or fallback to direct] -> decode leg, with failover
+              -> relay the answer -> finish: the slot released, the outcome recorded, hooks told
+
+An ``Exchange`` owns everything about its request: the admission slot (released in ``_finish``
+only), the ``RequestRecord`` (written here only, read once by metrics and the access log), the
+route, both engine legs and their accounting on the endpoints, failover, and the outcome. What the
+gateway learns from the request goes out through the lifecycle hooks (``policies.base.Lifecycle``):
+``on_routed`` once the route is chosen, ``on_leg_done`` after every engine leg, ``on_finished`` at
+the end, each on the event loop's next turn, off the request's critical path. The engine I/O of a
+single leg is ``gateway/legs.py``; the client side is ``gateway/relay.py``'s ``ClientWire``.
+
+Failover happens only before the client has received a byte: a failed prefill leg is retried on
+another prefill engine, then (if allowed) the request goes direct; a decode leg that fails before
+its first token is retried on another decode engine. The retry keeps the KV handle only when the
+failed engine never saw the request (connection refused): an engine that did see it may have told
+the prefill engine to drop the blocks, so the retry goes direct (the decode engine prefills).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+
+from policies.base import Decision, Finished, LegOutcome, LegReport, Path, RequestContext
+from policies.pipeline import NoEndpointError, Route
+
+from . import legs
+from .admission import too_busy
+from .auth import authorize
+from .errors import APIError
+from .h1client import ClientError
+from .legs import DecodeStream, LegFailed, PrefillAnswer
+from .pools import Endpoint
+from .protocol import Kind, ParsedRequest, check_output_limit, parse_body, too_large
+from .relay import ClientWire
+from .requestlog import RequestRecord
+from .router import NotServed, Prepared, Saturated
+from .runtime import Runtime, Services
+from .tokenizer import PromptIds
+from .upstream import transport_error
+
+log = logging.getLogger(__name__)
+
+PATH_HEADER = "x-pdgate-path"  # the path that served the request (failover may change the decided one)
+TOKENS_HEADER = "x-pdgate-prompt-tokens"  # the gateway's own count, comparable with usage.prompt_tokens
+ROUTE_HEADER = "x-pdgate-route"  # with routing.debug_headers: reason, numbers, endpoints
+FAILOVER_HEADER = "x-pdgate-failover"
+CLIENT_CLOSED = 499  # nginx's code for "client closed the request", in metrics and logs only
+
+_SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def request_id(client_id: str | None) -> str:
+    """The client's X-Request-Id when it is a sane token (vLLM builds its response ids from it and
+    suffixes its internal ids, so reuse cannot collide inside an engine), else a fresh one."""
+    if client_id and _SAFE_ID.fullmatch(client_id):
+        return client_id
+    return uuid.uuid4().hex
+
+
+@dataclass(slots=True)
+class _OpenDecode:
+    """A decode leg past its first token (or whole answer), until the relay has sent it on."""
+
+    stream: DecodeStream
+    ep: Endpoint
+    path: Path
+    started: float
+    first_token_s: float | None
+    tokens: int  # the gateway's belief: uncached prompt tokens on this engine
+    prefill_url: str | None
+    span: Any
+
+
+class Exchange:
+    def __init__(self, rt: Runtime, svc: Services, request: Request, kind: Kind, path: str) -> None:
+        self.rt = rt  # the config version this request keeps to its end
+        self.svc = svc
+        self.request = request
+        self.kind: Kind = kind
+        self.path = path  # the route, also the engines' route
+        self.rec = RequestRecord(request_id(request.headers.get("x-request-id")), kind)
+        self.rec.trace = svc.tracing.start(f"POST {path}", request.headers, {"url.path": path})
+        if self.rec.trace.span is not None:
+            self.rec.trace.set({"http.request.method": "POST", "pdgate.request_id": self.rec.request_id})
+        self.prompts: PromptIds | None = None
+        self.prep: Prepared | None = None
+        self.decision: Decision | None = None
+        self.legs: list[LegReport] = []
+        self.status = 0
+        self.error = ""
+        self._admitted = False
+        self._deadline = 0.0  # admission and engine capacity are waited for until then
+        self._prefilled_on: Endpoint | None = None  # the prefill engine that answered, if any
+
+    # -- the request path -----------------------------------------------------------------------------
+
+    async def run(self, client: ClientWire) -> None:
+        """Serve the request; returns once the client has its answer (or is gone). Never raises
+        but for cancellation (the client left, or the server is stopping)."""
+        try:
+            await self._serve(client)
+        except APIError as err:
+            self._outcome(err.status, err.message)
+            await client.error(err, self._headers(failed=True))
+        except ClientDisconnect:  # while the body was read
+            self._outcome(CLIENT_CLOSED, "client disconnected")
+        except asyncio.CancelledError:
+            self._outcome(CLIENT_CLOSED, "client disconnected") if client.gone else \
+                self._outcome(503, "cancelled: the gateway is shutting down")
+            raise
+        except Exception:  # a bug: still an OpenAI-shaped answer, never a hang
+            log.exception("request %s failed", self.rec.request_id)
+            err = APIError(500, "The gateway failed to handle this request.", code="internal_error")
+            self._outcome(500, err.message)
+            await client.error(err, self._headers(failed=True))
+        finally:
+            self._finish()
+
+    async def _serve(self, client: ClientWire) -> None:
+        rt = self.rt
+        authorize(self.request, rt.api_keys, rt.cfg.limits.max_header_bytes)
+        body = await self._read_body()
+        client.watch()  # from here on a client hang-up cancels this exchange, engine legs included
+        await self._admit()
+        req = await self._understand(body)
+        route = await self._route(req)
+        decision = self.decision = route.decision
+        loop = asyncio.get_running_loop()
+        loop.call_soon(rt.hooks.routed, self.ctx, decision)  # learning, off the critical path
+        loop.call_soon(self.svc.metrics.decided, decision.path.value, decision.reason)
+        handle = await self._prefill(req, decision) if decision.path is Path.PD else None
+        leg = await self._decode(req, decision, handle)
+        await self._relay(client, req, leg)
+
+    @property
+    def ctx(self) -> RequestContext:
+        assert self.prep is not None, "routed requests only"
+        return self.prep.ctx
+
+    # -- before any engine ------------------------------------------------------------------------------
+
+    async def _read_body(self) -> bytes:
+        limit = self.rt.cfg.server.max_body_bytes
+        request = self.request
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_large(limit)
+        cached = getattr(request, "_body", None)  # already read (POST /debug/route peeks at it)
+        if cached is not None:
+            if len(cached) > limit:
+                raise too_large(limit)
+            return cached
+        # Straight from ASGI ``receive``: Starlette's request.stream() costs ~20 us more per request.
+        chunks, size = [], 0
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnect()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def _admit(self) -> None:
+        adm = self.rt.cfg.admission
+        self._deadline = time.monotonic() + adm.queue_timeout_s
+        waited_from = time.perf_counter()
+        if not await self.svc.gate.enter(adm.queue_timeout_s):
+            raise too_busy(adm, "too many requests in flight")
+        self._admitted = self.rec.admitted = True
+        self.rec.queue_s = time.perf_counter() - waited_from
+
+    async def _understand(self, body: bytes) -> ParsedRequest:
+        """Parse, check and tokenize: everything the client must fix is found here."""
+        rt, rec = self.rt, self.rec
+        t0 = time.perf_counter_ns()
+        req = parse_body(body, self.kind)
+        tok = rt.tokenizers.get(req.model)
+        if tok is None:
+            raise APIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found")
+        rec.model, rec.stream = req.model, req.stream
+        check_output_limit(req, rt.cfg.limits.max_output_tokens)
+        prompts = self.prompts = await rt.tokenizers.prompt_ids(tok, req)
+        t1 = time.perf_counter_ns()
+        rec.tokenize_s = (t1 - t0) / 1e9
+        rec.prompt_tokens = len(prompts[0])
+        if rec.trace.span is not None:
+            rec.trace.record("tokenize", t1 - t0, {"pdgate.prompt_tokens": rec.prompt_tokens})
+        limit = rt.cfg.limits.max_prompt_tokens
+        if limit and (longest := max(map(len, prompts))) > limit:
+            raise APIError(400, f"This gateway accepts prompts of at most {limit} tokens; this one has "
+                           f"{longest}.", param="messages" if self.kind == "chat" else "prompt",
+                           code="prompt_too_long")
+        return req
+
+    async def _route(self, req: ParsedRequest, *, explain: bool = False) -> Route:
+        """Hash, look up the prefix index, run the pipeline; waits for engine capacity until the
+        admission deadline."""
+        rt, rec = self.rt, self.rec
+        assert self.prompts is not None
+        t1 = time.perf_counter_ns()
+        salt = req.body.get("cache_salt")  # vLLM mixes it into the first block's hash
+        prep = self.prep = await rt.router.prepare(req.model, rec.request_id, self.prompts[0], req.local_only(),
+                                                   self.request.headers, salt if isinstance(salt, str) else None)
+        adm = rt.cfg.admission
+        waited = 0.0
+        while True:
+            try:
+                route = rt.router.route(prep, explain=explain, max_decode=adm.max_per_decode_endpoint,
+                                        max_prefill=adm.max_per_prefill_endpoint)
+                break
+            except NotServed:
+                raise APIError(503, f"No decode engine serves the model `{req.model}` right now (see /ready).",
+                               code="model_not_served", headers={"Retry-After": "5"}) from None
+            except NoEndpointError:
+                raise APIError(503, "No decode engine is available right now.", code="no_healthy_endpoint",
+                               type_="server_error") from None
+            except Saturated:
+                left = self._deadline - time.monotonic()
+                if explain or left <= 0:
+                    raise too_busy(adm, "every decode engine is at its limit") from None
+                w0 = time.perf_counter()
+                await self.svc.pools.wait_release(left)
+                waited += time.perf_counter() - w0
+        t2 = time.perf_counter_ns()
+        rec.route_s = (t2 - t1) / 1e9 - waited
+        rec.queue_s += waited
+        d = route.decision
+        rec.path, rec.reason, rec.decode = d.path.value, d.reason, d.decode.url
+        rec.prefill = d.prefill.url if d.prefill else ""
+        rec.uncached_tokens = prep.ctx.uncached(d.decode.url)
+        if rec.trace.span is not None:
+            rec.trace.record("route", t2 - t1, _route_attributes(rec, d, prep, waited))
+        return route
+
+    # -- the engine legs --------------------------------------------------------------------------------
+
+    async def _prefill(self, req: ParsedRequest, decision: Decision) -> PrefillAnswer | None:
+        """Steps 1-2 of the handshake, on the chosen prefill engine, else another one, else none:
+        then the request goes direct (``failover.fallback_to_direct``)."""
+        assert decision.prefill is not None
+        ep, retries = self.svc.pools.get(decision.prefill), self.rt.cfg.failover.prefill_retries
+        tried = {ep.url}
+        for attempt in range(retries + 1):
+            try:
+                answer = await self._prefill_leg(ep, req)
+                ep.record(True)
+                self._prefilled_on = ep
+                return answer
+            except LegFailed as failed:
+                if not legs.retryable(failed.err):
+                    raise failed.err from None
+                ep.record(False)
+                log.warning("request %s: prefill leg on %s failed (%s)", self.rec.request_id, ep.url,
+                            failed.err.message)
+                other = self._other("prefill", tried) if attempt < retries else None
+                if other is None:
+                    if not self.rt.cfg.failover.fallback_to_direct:
+                        raise failed.err from None
+                    self._failover("prefill_fallback_direct", failed.err, ep)
+                    self.rec.prefill = ""
+                    return None
+                self._failover("prefill_retried", failed.err, ep)
+                ep = other
+                tried.add(ep.url)
+        raise AssertionError("unreachable: the loop returns or raises")
+
+    async def _prefill_leg(self, ep: Endpoint, req: ParsedRequest) -> PrefillAnswer:
+        rec = self.rec
+        tokens = self.ctx.uncached(ep.url)
+        ticket = ep.start_prefill(tokens)
+        span = rec.trace.leg("prefill", ep.url)
+        span.set("pdgate.uncached_tokens", tokens)
+        started = time.perf_counter()
+        outcome, status, answer = LegOutcome.ABANDONED, 0, None
+        ep.acquire()
+        try:
+            answer = await legs.prefill(self.rt.upstream, ep, self.path, req.body, rec.request_id, span.headers)
+            outcome, status = LegOutcome.OK, 200
+            return answer
+        except LegFailed as failed:
+            outcome, status = _failed(failed), failed.err.status
+            raise
+        finally:
+            ep.release()
+            ep.end_prefill(ticket)
+            seconds = time.perf_counter() - started
+            rec.prefill_legs.append(("ok" if outcome is LegOutcome.OK else "error", seconds))
+            rec.prefill = ep.url
+            span.end(None if outcome is LegOutcome.OK else outcome.value)
+            self._leg_done(LegReport("prefill", ep.url, outcome, Path.PD, seconds, uncached_tokens=tokens,
+                                     queued_tokens=ticket.ahead, status=status,
+                                     cached_tokens=answer.cached_tokens if answer else None))
+
+    async def _decode(self, req: ParsedRequest, decision: Decision, handle: PrefillAnswer | None) -> _OpenDecode:
+        """Step 3 up to its first token, on the chosen decode engine, else another one."""
+        ep, retries = self.svc.pools.get(decision.decode), self.rt.cfg.failover.decode_retries
+        tried = {ep.url}
+        try:
+            for attempt in range(retries + 1):
+                try:
+                    leg = await self._decode_leg(ep, req, handle)
+                    ep.record(True)
+                    return leg
+                except LegFailed as failed:
+                    if not legs.retryable(failed.err):
+                        raise failed.err from None
+                    ep.record(False)
+                    log.warning("request %s: decode leg on %s failed (%s)", self.rec.request_id, ep.url,
+                                failed.err.message)
+                    other = self._other("decode", tried) if attempt < retries else None
+                    if other is None:
+                        raise failed.err from None
+                    self._failover("decode_retried", failed.err, ep)
+                    if failed.reached:
+                        handle = None  # its blocks may be gone: the next engine prefills itself
+                    ep = other
+                    tried.add(ep.url)
+            raise AssertionError("unreachable: the loop returns or raises")
+        except asyncio.CancelledError:
+            if handle is not None:  # the client left: its prefilled KV need not wait out the lease
+                self.svc.releaser.release(ep, req.model, handle.kv_params, self.rec.request_id)
+            raise
+
+    async def _decode_leg(self, ep: Endpoint, req: ParsedRequest, handle: PrefillAnswer | None) -> _OpenDecode:
+        """A direct stream prefills its uncached tokens on the engine first: they count in its
+        backlog until the first token (the cost model's queue estimate); a whole answer's first
+        token cannot be seen, so non-streamed legs do not count."""
+        rec = self.rec
+        path = Path.DIRECT if handle is None else Path.PD
+        body = req.body if handle is None else {**req.body, "kv_transfer_params": handle.kv_params}
+        prefill_url = self._prefilled_on.url if handle is not None and self._prefilled_on else None
+        tokens = self.ctx.uncached(ep.url)
+        span = rec.trace.leg("decode", ep.url)
+        span.set("pdgate.kv_from_prefill", handle is not None)
+        ticket = ep.start_prefill(tokens if handle is None and req.stream else 0)
+        started = time.perf_counter()
+        rec.decode = ep.url
+        ep.acquire()
+        try:
+            stream = await legs.open_decode(self.rt.upstream, ep, self.path, body, rec.request_id, req.stream,
+                                            span.headers)
+        except BaseException as err:
+            ep.release()
+            outcome = _failed(err) if isinstance(err, LegFailed) else LegOutcome.ABANDONED
+            span.end(outcome.value)
+            self._leg_done(LegReport("decode", ep.url, outcome, path, time.perf_counter() - started,
+                                     uncached_tokens=tokens, prefill_url=prefill_url,
+                                     status=err.err.status if isinstance(err, LegFailed) else 0))
+            raise
+        finally:
+            ep.end_prefill(ticket)
+        first = None
+        if req.stream:
+            first = rec.decode_first_token_s = time.perf_counter() - started
+            span.set("pdgate.first_token_s", first)
+            rec.itl = self.svc.metrics.itl_for(rec.model, path.value)
+        return _OpenDecode(stream, ep, path, started, first, tokens, prefill_url, span)
+
+    # -- the answer -------------------------------------------------------------------------------------
+
+    async def _relay(self, client: ClientWire, req: ParsedRequest, leg: _OpenDecode) -> None:
+        """Send the decode engine's answer on as it comes. The engine has the prompt's KV from here
+        on (it answered), so a stream that breaks off, or a client that leaves, is a ``cut`` leg."""
+        rec, resp = self.rec, leg.stream.resp
+        rec.path = leg.path.value
+        headers = self._headers(path=leg.path)
+        headers.append((b"content-type", resp.header(b"content-type") or b"application/json"))
+        outcome, clean = LegOutcome.CUT, False
+        try:
+            if not req.stream:
+                self._outcome(resp.status)
+                await client.whole(resp.status, headers, leg.stream.head)
+                rec.sent_body(leg.stream.head)
+                outcome = LegOutcome.OK
+                clean = True
+                return
+            self._outcome(resp.status)
+            await client.start(resp.status, headers)
+            chunk = leg.stream.head
+            try:
+                while chunk:
+                    await client.send(chunk)
+                    rec.sent_chunk(chunk)
+                    chunk = await resp.read_some()
+            except (TimeoutError, ClientError) as err:
+                # Headers are gone already: an error event and [DONE], as vLLM ends a failed stream.
+                cut = transport_error(err, "decode")
+                self._outcome(cut.status, cut.message)
+                await client.error(cut, [])
+                return
+            await client.end()
+            outcome = LegOutcome.OK
+            clean = True
+        finally:
+            leg.stream.close(reuse=clean)
+            leg.ep.release()
+            leg.span.end(None if clean else "decode stream cut short")
+            self._leg_done(LegReport(
+                "decode", leg.ep.url, outcome, leg.path, time.perf_counter() - leg.started,
+                first_token_s=leg.first_token_s, uncached_tokens=leg.tokens, prefill_url=leg.prefill_url,
+                status=resp.status,
+                # on the P/D path vLLM reports the prefill engine's cache hit here, not this engine's
+                cached_tokens=rec.cached_tokens if leg.path is Path.DIRECT else None))
+
+    def _headers(self, *, path: Path | None = None, failed: bool = False) -> list[tuple[bytes, bytes]]:
+        """The gateway's response headers. ``x-pdgate-path`` only on an answer from an engine: on an
+        error no path was completed, and the decided one, maybe abandoned by failover, would mislead."""
+        rec = self.rec
+        headers = [(b"x-request-id", rec.request_id.encode())]
+        if self.prompts is not None:
+            headers.append((TOKENS_HEADER.encode(), str(len(self.prompts[0])).encode()))
+            if self.prompts.approximate_reason:
+                headers.append((TOKENS_HEADER.encode() + b"-approximate", self.prompts.approximate_reason.encode()))
+        d = self.decision
+        if d is not None and self.rt.cfg.routing.debug_headers:
+            route = f"{d.reason}; {d.detail}; decode={d.decode.url}"
+            if d.prefill is not None:
+                route += f"; prefill={d.prefill.url}"
+            headers.append((ROUTE_HEADER.encode(), route.encode()))
+        if path is not None and not failed:
+            headers.append((PATH_HEADER.encode(), path.value.encode()))
+        if rec.failover:
+            headers.append((FAILOVER_HEADER.encode(), ",".join(rec.failover).encode()))
+        return headers
+
+    # -- bookkeeping ------------------------------------------------------------------------------------
+
+    def _other(self, pool: str, exclude: set[str]) -> Endpoint | None:
+        assert self.prep is not None
+        return self.rt.router.other(self.prep, pool, exclude)
+
+    def _failover(self, event: str, err: APIError, ep: Endpoint) -> None:
+        cause = err.code or "engine_error"
+        self.rec.failover.append(event)
+        self.rec.trace.event(event, {"pdgate.cause": cause, "pdgate.failed_endpoint": ep.url})
+        self.svc.metrics.failover(event, cause)
+
+    def _leg_done(self, report: LegReport) -> None:
+        self.legs.append(report)
+        asyncio.get_running_loop().call_soon(self.rt.hooks.leg_done, self.ctx, report)
+
+    def _outcome(self, status: int, error: str = "") -> None:
+        self.status, self.error = status, error
+
+    def _finish(self) -> None:
+        """The one place a request ends: its slot freed, its outcome recorded and told."""
+        rec = self.rec
+        if self._admitted:
+            self.svc.gate.leave()
+        if self.decision is None:
+            rec.path = "none"  # the gateway answered itself
+        rec.finish(self.status, self.error)
+        if rec.trace.span is not None:
+            rec.trace.set({"pdgate.path": rec.path})
+            if rec.output_tokens is not None:
+                rec.trace.set({"gen_ai.usage.output_tokens": rec.output_tokens})
+        rec.trace.end(rec.status, rec.error)
+        self.svc.metrics.record(rec)
+        self.svc.access_log.write(rec)
+        if self.decision is not None:
+            result = Finished(rec.status, rec.path, tuple(self.legs), rec.e2e_s, rec.ttft_s, rec.output_tokens)
+            asyncio.get_running_loop().call_soon(self.rt.hooks.finished, self.ctx, self.decision, result)
+
+    # -- POST /debug/route ------------------------------------------------------------------------------
+
+    async def plan(self) -> dict[str, Any]:
+        """What the gateway would do with this body, without sending it or learning from it."""
+        body = await self._read_body()
+        if self.request.query_params.get("kind") is None:  # a chat body has messages, a completion a prompt
+            self.kind = "chat" if b'"messages"' in body else "completion"
+        req = await self._understand(body)
+        route = await self._route(req, explain=True)
+        d, ctx = route.decision, self.ctx
+        assert self.prompts is not None and self.prep is not None
+        snap = self.svc.pools.snapshot()  # what the policies saw, give or take the time to answer
+        return {
+            "path": d.path.value,
+            "reason": d.reason,
+            "detail": d.detail,
+            "decode": d.decode.url,
+            "prefill": d.prefill.url if d.prefill else None,
+            "prompt_tokens": ctx.prompt_tokens,
+            "prompt_tokens_approximate": self.prompts.approximate_reason,
+            "block_size": self.prep.block_size,
+            "blocks": len(self.prep.hashes),
+            "cached_tokens": {url: ctx.cached(url) for url in ctx.cached_tokens},
+            "settled_tokens": {url: ctx.settled(url) for url in ctx.settled_tokens},
+            "predicted_ttft_s": dict(d.predicted_ttft),
+            "local_only": ctx.local_only,
+            "config_version": self.rt.version,
+            "trace": route.trace,
+            "endpoints": [{k: sorted(v) if isinstance(v, frozenset) else v for k, v in asdict(e).items()}
+                          for pool in (snap.prefill, snap.decode) for e in pool],
+        }
+
+
+def _failed(failed: LegFailed) -> LegOutcome:
+    if not failed.reached:
+        return LegOutcome.UNREACHED
+    return LegOutcome.REJECTED if 400 <= failed.err.status < 500 else LegOutcome.FAILED
+
+
+def _route_attributes(rec: RequestRecord, d: Decision, prep: Prepared, waited: float) -> dict[str, Any]:
+    attrs: dict[str, Any] = {
+        "pdgate.path": rec.path, "pdgate.reason": rec.reason, "pdgate.detail": d.detail,
+        "pdgate.decode_endpoint": rec.decode, "pdgate.prompt_tokens": rec.prompt_tokens,
+        "pdgate.uncached_tokens": rec.uncached_tokens, "gen_ai.request.model": rec.model,
+        "pdgate.capacity_wait_s": waited,
+    }
+    if d.prefill is not None:
+        attrs["pdgate.prefill_endpoint"] = d.prefill.url
+        attrs["pdgate.prefill_uncached_tokens"] = prep.ctx.uncached(d.prefill.url)
+    for path, seconds in d.predicted_ttft:  # when the decider predicts (the cost model)
+        attrs[f"pdgate.predicted_ttft_{path}_s"] = seconds
+    return attrs

@@ -1,0 +1,182 @@
+"""One engine leg at a time: what goes on the wire to a prefill or decode engine, and what comes back.
+
+vLLM's NixlConnector handshake (DESIGN.md, "The P/D handshake"):
+
+1. prefill leg: the client's body, non-streaming, one output token, asking for remote decode;
+2. the prefill engine answers with ``kv_transfer_params`` naming where its KV blocks wait;
+3. decode leg: the client's body plus those params, verbatim; its answer goes to the client.
+
+The direct path is step 3 without params. This module only does the I/O of one leg; which engine,
+retries, accounting and learning belong to the request's ``Exchange`` (gateway/exchange.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import APIError
+from .h1client import ClientError, Response
+from .pools import Endpoint
+from .upstream import EngineError, Upstream, transport_error
+
+PREFILL_KV_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    leg = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    leg["stream"] = False
+    leg["max_tokens"] = 1
+    if "max_completion_tokens" in leg:
+        leg["max_completion_tokens"] = 1
+    leg["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
+    return leg
+
+
+def release_body(model: str, kv_params: dict[str, Any]) -> dict[str, Any]:
+    """A decode request vLLM 0.32 rejects before running it (beam search cannot stream); its
+    rejection path notifies the prefill engine, which frees the held blocks at once, with no
+    transfer and no compute (``_with_kv_transfer_rejection_cleanup``)."""
+    return {"model": model, "prompt": "x", "max_tokens": 1, "stream": True, "use_beam_search": True,
+            "kv_transfer_params": kv_params}
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillAnswer:
+    kv_params: dict[str, Any]  # verbatim: newer vLLM adds fields a rebuilt object would lose
+    cached_tokens: int | None  # the prefill engine's own prefix-cache hit, as it reports it
+
+
+class LegFailed(Exception):
+    """A leg failed before the client got a byte of it; ``reached``: the engine got the request."""
+
+    def __init__(self, err: APIError, reached: bool) -> None:
+        super().__init__(err.message)
+        self.err = err
+        self.reached = reached
+
+
+def retryable(err: APIError) -> bool:
+    """An engine's 4xx is its verdict on the request: another engine would say the same."""
+    return err.status >= 500
+
+
+async def prefill(upstream: Upstream, ep: Endpoint, path: str, body: dict[str, Any], request_id: str,
+                  headers: dict[str, str]) -> PrefillAnswer:
+    """Steps 1 and 2; raises LegFailed."""
+    try:
+        resp = await upstream.post(ep, path, prefill_body(body), request_id, leg="prefill", headers=headers)
+    except EngineError as err:
+        raise LegFailed(err, reached=err.code != "engine_unreachable") from None
+    try:
+        data = await upstream.read_json(resp, "prefill")
+    except EngineError as err:
+        resp.close()
+        raise LegFailed(err, reached=True) from None
+    except BaseException:
+        resp.close()  # also on cancellation: the engine sees the connection drop and aborts
+        raise
+    resp.release()
+    params = data.get("kv_transfer_params")
+    if not isinstance(params, dict):
+        raise LegFailed(EngineError(
+            502, "The prefill engine returned no kv_transfer_params; is it running with a KV connector "
+            "such as the NixlConnector?", code="engine_error"), reached=True)
+    return PrefillAnswer(params, _prefill_cached(params, data))
+
+
+def _prefill_cached(params: dict[str, Any], data: dict[str, Any]) -> int | None:
+    """vLLM puts the prefill engine's cache hit in the handle (``remote_prefill_cached_tokens``,
+    so the decode engine can report it), and in usage with ``--enable-prompt-tokens-details``."""
+    cached = params.get("remote_prefill_cached_tokens")
+    if type(cached) is int:
+        return cached
+    usage = data.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if type(cached) is int else None
+
+
+@dataclass(slots=True)
+class DecodeStream:
+    """The open decode response. ``head``: what was already read of the body (all of it when not
+    streaming, else the first chunk)."""
+
+    resp: Response
+    head: bytes
+
+    def close(self, *, reuse: bool) -> None:
+        if reuse:
+            self.resp.release()
+        else:  # dropping the connection is how vLLM learns to abort the request
+            self.resp.close()
+
+
+async def open_decode(upstream: Upstream, ep: Endpoint, path: str, body: dict[str, Any], request_id: str,
+                      stream: bool, headers: dict[str, str]) -> DecodeStream:
+    """Step 3 up to the first token (a stream) or the whole answer; raises LegFailed before that.
+    ``timeouts.decode_first_byte_s`` bounds this: the h1client's first-byte timer, ended here."""
+    try:
+        resp = await upstream.post(ep, path, body, request_id, leg="decode", headers=headers)
+    except EngineError as err:
+        raise LegFailed(err, reached=err.code != "engine_unreachable") from None
+    except TimeoutError:
+        raise LegFailed(_timed_out(), reached=True) from None
+    try:
+        head = await _read_head(resp, stream)
+    except BaseException as err:
+        resp.close()
+        if isinstance(err, TimeoutError):
+            raise LegFailed(_timed_out(), reached=True) from None
+        if isinstance(err, ClientError):
+            raise LegFailed(transport_error(err, "decode"), reached=True) from None
+        raise
+    resp.end_first()
+    return DecodeStream(resp, head)
+
+
+def _timed_out() -> EngineError:
+    return EngineError(504, "The decode engine did not answer in time.", code="engine_timeout")
+
+
+async def _read_head(resp: Response, stream: bool) -> bytes:
+    """The whole body (not streaming) or the first chunk of the stream. A stream that ends at
+    once, or opens with an error event (vLLM 0.32 reports a failed KV load so), has failed before
+    its first token: the caller may still retry it."""
+    if not stream:
+        return await resp.read()
+    head = await resp.read_some()
+    if not head or head.lstrip().startswith(b'data: {"error"'):
+        raise LegFailed(EngineError(502, "The decode engine failed before its first token.", code="engine_error"),
+                        reached=True)
+    return head
+
+
+class KVReleaser:
+    """Frees KV a prefill engine holds for a decode that will never come (the client left between
+    the legs), instead of letting it wait out the lease; background tasks, bounded in time."""
+
+    def __init__(self, upstream: Upstream) -> None:
+        self._upstream = upstream
+        self._tasks: set[asyncio.Task] = set()
+
+    def release(self, ep: Endpoint, model: str, kv_params: dict[str, Any], request_id: str) -> None:
+        async def release() -> None:
+            try:
+                async with asyncio.timeout(5):
+                    resp = await self._upstream.post(ep, "/v1/completions", release_body(model, kv_params),
+                                                     f"{request_id}-release", leg="decode")
+                    resp.close()
+            except (EngineError, TimeoutError, ClientError):
+                pass  # the 400 we expect is an EngineError: the rejection did its work
+        task = asyncio.get_running_loop().create_task(release())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

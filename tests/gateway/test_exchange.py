@@ -1,0 +1,245 @@
+"""The request lifecycle: one ``Exchange`` per request, driven through its real ASGI endpoint against
+scripted engine legs. What a user or operator would notice: the answer, the headers, the admission
+slot and engine counts given back on every path, and the hooks told what happened, in order."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+
+from gateway.upstream import EngineError
+from policies.base import LegOutcome, Path
+
+from .exchange_harness import D2, KV, D, P, answer, completion, make, stream, unreachable
+
+LONG = "def handler(request):\n    return request.body\n" * 40  # well over the threshold (64 tokens)
+
+
+@pytest.fixture
+def h(tokenizer_dir):
+    harness = make(tokenizer_dir)
+    yield harness
+    harness.close()
+
+
+async def until(condition, timeout: float = 5.0) -> None:
+    """Wait for ``condition()`` on the loop's own turns (no wall-clock sleeps)."""
+    async with asyncio.timeout(timeout):
+        while not condition():  # noqa: ASYNC110 - yielding to the loop is the point
+            await asyncio.sleep(0)
+
+
+def kinds(h) -> list[str]:
+    return [kind for kind, _ in h.recorder.events]
+
+
+def settled(h) -> None:
+    """Everything a request took is given back."""
+    assert h.gate.in_flight == 0
+    assert all(ep.in_flight == 0 and ep.backlog_tokens == 0 for ep in h.pools.all())
+    assert len(h.beliefs.in_flight) == 0 and h.beliefs._open == {}
+
+
+async def test_direct_request_tells_every_hook_once_in_order(h):
+    h.upstream.on("decode", answer(completion("hi")))
+    r = await h.send({"model": "tiny", "prompt": "hello", "max_tokens": 2})
+    assert r.status == 200 and r.headers["x-pdgate-path"] == "direct" and r.json()["choices"][0]["text"] == "hi"
+    assert kinds(h) == ["routed", "leg", "finished"]
+    [leg] = h.recorder.legs()
+    assert (leg.leg, leg.outcome, leg.path, leg.status) == ("decode", LegOutcome.OK, Path.DIRECT, 200)
+    finished = h.recorder.events[-1][1]
+    assert (finished.status, finished.path, finished.legs) == (200, "direct", (leg,))
+    settled(h)
+
+
+async def test_pd_stream_reports_both_legs_and_the_hand_over(h):
+    h.upstream.on(P, answer(completion("x", kv=KV)))
+    h.upstream.on("decode", stream("a", "b"))
+    r = await h.send({"model": "tiny", "prompt": LONG, "max_tokens": 2, "stream": True})
+    assert r.status == 200 and r.headers["x-pdgate-path"] == "pd"
+    assert r.body.endswith(b"data: [DONE]\n\n")
+    prefill, decode = h.recorder.legs()
+    assert (prefill.leg, prefill.outcome, prefill.cached_tokens) == ("prefill", LegOutcome.OK, 0)
+    assert (decode.leg, decode.outcome, decode.path, decode.prefill_url) == ("decode", LegOutcome.OK, Path.PD, P)
+    assert decode.first_token_s is not None and decode.cached_tokens is None  # vLLM reports P's hit there
+    # Confirmed on both engines: the next turn finds them holding the prompt.
+    assert set((await _plan(h, LONG))["settled_tokens"]) == {P, decode.url}
+    settled(h)
+
+
+async def test_a_rejected_prefill_is_the_clients_answer_and_teaches_nothing(h):
+    """Reproduction 3 of issue 12: the engine refuses the request (4xx); the prompt must not count
+    as cached anywhere afterwards, so the same prompt later still takes the P/D path."""
+    h.upstream.on(P, EngineError(400, "logprobs too large", code="engine_rejected"))  # as Upstream.post raises
+    r = await h.send({"model": "tiny", "prompt": LONG, "logprobs": 100})
+    assert r.status == 400 and r.json()["error"]["message"] == "logprobs too large"
+    assert "x-pdgate-path" not in r.headers
+    [leg] = h.recorder.legs()
+    assert (leg.leg, leg.outcome) == ("prefill", LegOutcome.REJECTED)
+    assert h.index.stats().approximate == 0
+    settled(h)
+    # The same prompt again: still long and uncached, so P/D (it would be "direct, prefix_cached"
+    # had the refused request been learned).
+    h.upstream.on(P, answer(completion("x", kv=KV)))
+    h.upstream.on("decode", answer(completion("y")))
+    r = await h.send({"model": "tiny", "prompt": LONG})
+    assert r.headers["x-pdgate-path"] == "pd"
+
+
+async def test_an_unreachable_decode_engine_is_retried_on_the_other_one(h):
+    h.upstream.on("decode", unreachable(), answer(completion("served")))
+    r = await h.send({"model": "tiny", "prompt": "hello"})
+    assert r.status == 200 and r.headers["x-pdgate-failover"] == "decode_retried"
+    first, second = h.recorder.legs()
+    assert first.outcome is LegOutcome.UNREACHED and second.outcome is LegOutcome.OK
+    assert first.url != second.url
+    settled(h)
+
+
+async def test_a_stream_that_breaks_off_ends_with_an_error_event_then_done(h):
+    """As vLLM ends a stream that fails: the error event, then ``data: [DONE]``."""
+    h.upstream.on("decode", stream("a", "b", "c", break_after=2))
+    r = await h.send({"model": "tiny", "prompt": "hello", "stream": True})
+    assert r.status == 200
+    events = [e for e in r.body.split(b"\n\n") if e]
+    assert events[:2] == [b'data: {"choices":[{"text":"a"}]}', b'data: {"choices":[{"text":"b"}]}']
+    assert orjson.loads(events[2].removeprefix(b"data: "))["error"]["code"] == "engine_error"
+    assert events[3] == b"data: [DONE]"
+    [leg] = h.recorder.legs()
+    assert leg.outcome is LegOutcome.CUT and leg.prefilled  # it had prefilled: its cache holds the prompt
+    assert h.recorder.events[-1][1].status == 502
+    settled(h)
+
+
+async def test_a_client_leaving_mid_stream_closes_the_engine_leg_and_frees_everything(h):
+    resp = stream("a", "b", hold_after=1)  # the engine goes quiet after its first chunk
+    h.upstream.on("decode", resp)
+    leave = asyncio.Event()
+    sent: list[dict] = []
+
+    async def hang_up_after_first_chunk() -> None:
+        await until(lambda: any(m.get("body") for m in sent))
+        leave.set()
+
+    hanger = asyncio.create_task(hang_up_after_first_chunk())
+    await asyncio.wait_for(h.send({"model": "tiny", "prompt": "hello", "stream": True}, leave=leave, sent=sent), 5)
+    await hanger
+    [leg] = h.recorder.legs()
+    assert leg.outcome is LegOutcome.CUT
+    assert resp.closed  # the connection dropped: vLLM aborts the request
+    assert h.recorder.events[-1][1].status == 499
+    settled(h)
+
+
+async def test_a_client_leaving_during_prefill_abandons_it_and_learns_nothing(h):
+    gate = asyncio.Event()
+    held = answer(completion("x", kv=KV), gate=gate)
+    h.upstream.on(P, held)
+    leave = asyncio.Event()
+
+    async def hang_up() -> None:
+        await until(lambda: h.upstream.calls)
+        await asyncio.sleep(0.05)  # past the disconnect watch's start (WATCH_AFTER_S)
+        leave.set()
+
+    hanger = asyncio.create_task(hang_up())
+    await asyncio.wait_for(h.send({"model": "tiny", "prompt": LONG}, leave=leave), 5)
+    await hanger
+    [leg] = h.recorder.legs()
+    assert (leg.leg, leg.outcome) == ("prefill", LegOutcome.ABANDONED)
+    assert held.closed and h.index.stats().approximate == 0
+    assert h.recorder.events[-1][1].status == 499
+    settled(h)
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+async def test_a_direct_stream_is_decode_backlog_until_its_first_token(h, streamed):
+    """A stream's first token shows when its prefill is done; a whole answer's does not, so it never counts."""
+    gate = asyncio.Event()
+    body = completion("x")
+    for url in (D, D2):
+        h.upstream.on(url, stream("a", gate=gate) if streamed else answer(body, gate=gate))
+    prompt = "def handler(request):\n    return request.body\n" * 4  # under the threshold: direct
+    task = asyncio.create_task(h.send({"model": "tiny", "prompt": prompt, "stream": streamed}))
+    await until(lambda: h.upstream.calls)
+    ep = next(e for e in h.pools.decode if e.url == h.upstream.calls[0][0])
+    assert ep.in_flight == 1
+    assert (ep.backlog_tokens > 0) is streamed
+    gate.set()
+    assert (await task).status == 200
+    settled(h)
+
+
+async def test_a_burst_sees_a_prompt_in_flight_as_cached_and_a_failure_takes_it_back(h):
+    """Tentative beliefs: while the first request's leg runs, an identical prompt counts as cached on
+    its engines (a burst follows it); when that leg fails before its first token, it no longer does."""
+    gate = asyncio.Event()
+    h.upstream.on(P, answer(completion("x", kv=KV), gate=gate))
+    first = asyncio.create_task(h.send({"model": "tiny", "prompt": LONG}))
+    await until(lambda: h.upstream.calls)
+    plan = await _plan(h, LONG)
+    assert plan["settled_tokens"] == {} and set(plan["cached_tokens"]) == {P, plan["decode"]}
+    h.upstream.on("decode", unreachable(), unreachable())  # its decode leg fails before its first token
+    gate.set()
+    assert (await first).status == 502
+    for ep in h.pools.decode:
+        ep.mark_up()  # refused connections marked them down
+    plan = await _plan(h, LONG)
+    # The prefill engine did compute it (confirmed); neither decode engine got it (retracted).
+    assert set(plan["cached_tokens"]) == {P} and plan["path"] == "pd"
+    settled(h)
+
+
+async def _plan(h, prompt: str) -> dict:
+    from starlette.requests import Request
+
+    raw = orjson.dumps({"model": "tiny", "prompt": prompt})
+    scope = {"type": "http", "method": "POST", "path": "/debug/route", "query_string": b"kind=completion",
+             "headers": []}
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    return await h.gateway.explain(Request(scope, receive))
+
+
+async def test_a_hook_that_raises_never_reaches_the_request(h):
+    class Broken:
+        def on_leg_done(self, ctx, leg):
+            raise RuntimeError("plugin bug")
+
+    from policies.hooks import Hooks
+
+    rt = h.gateway.runtime
+    hooks = Hooks([("broken", Broken()), ("recorder", h.recorder)], lambda *a: h.hook_errors.append(a))
+    h.gateway.runtime = type(rt)(rt.cfg, rt.version, rt.router, rt.upstream, rt.tokenizers, hooks)
+    h.upstream.on("decode", answer(completion()), answer(completion()))
+    assert (await h.send({"model": "tiny", "prompt": "hello"})).status == 200
+    assert (await h.send({"model": "tiny", "prompt": "hello"})).status == 200
+    assert h.hook_errors == [("broken", "on_leg_done")] * 2
+    assert kinds(h) == ["routed", "leg", "finished"] * 2  # later subscribers still told
+
+
+async def test_unknown_model_and_bad_body_end_before_routing_with_no_hooks(h):
+    r = await h.send({"model": "nope", "prompt": "x"})
+    assert r.status == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert r.headers["x-request-id"]
+    r = await h.send({"model": "tiny", "prompt": 5})
+    assert r.status == 400
+    assert h.recorder.events == [] and h.upstream.calls == []
+    settled(h)
+
+
+async def test_an_engine_serving_other_models_is_left_out(h):
+    """What /v1/models says an engine serves is a belief the router acts on."""
+    h.pools.decode[0].served_models = frozenset({"other"})
+    h.upstream.on("decode", *(answer(completion()) for _ in range(3)))
+    for _ in range(3):
+        assert (await h.send({"model": "tiny", "prompt": "hello"})).status == 200
+    assert {url for url, _, _ in h.upstream.calls} == {h.pools.decode[1].url}
+    h.pools.decode[1].served_models = frozenset({"other"})
+    r = await h.send({"model": "tiny", "prompt": "hello"})
+    assert r.status == 503 and r.json()["error"]["code"] == "model_not_served"
+
