@@ -9,8 +9,10 @@ The same measurement runs through the peer ``vllm-router`` (PyPI, Rust; installe
 its own venv in the cache folder): plain mode (``--policy round_robin``, one worker) next to the
 gateway's direct path, and ``--vllm-pd-disaggregation`` next to its P/D path, all alternated in
 the same rounds; ``ratios`` compares the two (pdgate / vllm-router) per cell. ``--no-peer`` skips it.
+``--baseline DIR`` also runs the gateway of another checkout of pdgate (e.g. ``git worktree add DIR
+REV``), with this environment's packages, in the same rounds: a before/after comparison of a change.
 
-    python -m bench.overhead [--requests 2000] [--out docs/benchmarks/overhead.json]
+    python -m bench.overhead [--requests 2000] [--baseline DIR] [--out docs/benchmarks/overhead.json]
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="docs/benchmarks/overhead.json")
     parser.add_argument("--no-peer", action="store_true", help="skip vllm-router")
     parser.add_argument("--vllm-router", default=None, help="an existing vllm-router binary")
+    parser.add_argument("--baseline", default=None, help="a checkout of another pdgate version to compare with")
     parser.add_argument(
         "--pin",
         action="store_true",
@@ -147,7 +150,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             p.wait_http(f"http://127.0.0.1:{port}/health")
         gws = {}
-        for name, threshold in (("gateway", 1_000_000), ("gateway-pd", 1)):
+        gateways = [("gateway", 1_000_000, None), ("gateway-pd", 1, None)]
+        if args.baseline:
+            gateways += [("baseline", 1_000_000, args.baseline), ("baseline-pd", 1, args.baseline)]
+        for name, threshold, checkout in gateways:
             gw_port = free_port()
             cfg = {
                 "server": {"host": "127.0.0.1", "port": gw_port, "log_level": "warning"},
@@ -159,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                 "routing": {"decider": {"name": "token_threshold", "threshold": threshold}},
             }
             (logs / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
-            proc = group.start(name, [sys.executable, "-m", "gateway", "serve", "--config", str(logs / f"{name}.yaml")])
+            env = {"PYTHONPATH": str(Path(checkout).resolve())} if checkout else None
+            proc = group.start(name, [sys.executable, "-m", "gateway", "serve", "--config", str(logs / f"{name}.yaml")],
+                               env=env, cwd=checkout)
             proc.wait_http(f"http://127.0.0.1:{gw_port}/ready", timeout=60)
             if args.pin:
                 for tid in os.listdir(f"/proc/{proc.pid}/task"):
@@ -197,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             for stream, conc in plan:
                 body = _body(stream)
                 targets = [("engine", engine_url, None)]
-                names = ["gateway", "vllm-router"] + (["gateway-pd", "vllm-router-pd"] if conc == 1 else [])
+                names = ["gateway", "baseline", "vllm-router"]
+                names += ["gateway-pd", "baseline-pd", "vllm-router-pd"] if conc == 1 else []
                 targets += [(n, gws[n][1], gws[n][0].pid) for n in names if n in gws]
                 for name, url, pid in targets if rnd % 2 == 0 else reversed(targets):
                     cpu0 = _cpu_seconds(pid) if pid else 0.0
@@ -235,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             if r.target != "engine" and r.stream == stream and r.concurrency == conc:
                 added.append(
                     {
-                        "router": "vllm-router" if r.target.startswith("vllm-router") else "pdgate",
+                        "router": "vllm-router" if r.target.startswith("vllm-router") else
+                        "pdgate (baseline)" if r.target.startswith("baseline") else "pdgate",
                         "path": "pd" if r.target.endswith("-pd") else "direct",
                         "stream": stream,
                         "concurrency": conc,
@@ -268,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     result = {
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "baseline": args.baseline,
         "pinned": args.pin,
         "requests_per_cell": args.requests * args.rounds,
         "stream_tokens": STREAM_TOKENS,

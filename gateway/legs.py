@@ -1,6 +1,6 @@
 """One engine leg at a time: what goes on the wire to a prefill or decode engine, and what comes back.
 
-vLLM's NixlConnector handshake (DESIGN.md, "The P/D handshake"):
+vLLM's NixlConnector handshake (the README's "How a request flows", step 4):
 
 1. prefill leg: the client's body, non-streaming, one output token, asking for remote decode;
 2. the prefill engine answers with ``kv_transfer_params`` naming where its KV blocks wait;

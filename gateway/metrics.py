@@ -29,8 +29,8 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
 FAILOVER_EVENTS = ("prefill_retried", "prefill_fallback_direct", "decode_retried")
 FAILOVER_CAUSES = ("engine_unreachable", "engine_timeout", "engine_error")
 _STEP_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
-# Believed minus reported cached prompt tokens: 0 is exact, > 0 believed too much, < 0 too little.
-_BELIEF_BUCKETS = (-16384, -4096, -1024, -256, -64, -1, 0, 63, 255, 1023, 4095, 16383)
+# How far off a wrong belief was, in cached prompt tokens (a block is 16-128 tokens on vLLM).
+_BELIEF_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536)
 
 
 class GatewayMetrics:
@@ -96,9 +96,9 @@ class GatewayMetrics:
         # How accurate routing's beliefs are (docs/operations.md, "Routing beliefs").
         self.belief_error = Histogram(
             "pdgate_prefix_belief_error_tokens",
-            "Cached prompt tokens the gateway believed an engine held minus what the engine reported "
-            "serving from its cache (prefill legs; direct decode legs); 0 is exact",
-            ["pool"], buckets=_BELIEF_BUCKETS, registry=r)
+            "Wrong beliefs: how many cached prompt tokens the gateway believed an engine held beyond (over) or "
+            "short of (under) what the engine reported serving from its cache",
+            ["pool", "direction"], buckets=_BELIEF_BUCKETS, registry=r)
         self.belief_checks = Counter("pdgate_prefix_belief_checks",
                                      "Engine-reported cache hits compared with the gateway's belief, by result "
                                      "(exact, over: believed more, under: believed less)",
@@ -178,8 +178,9 @@ class GatewayMetrics:
 
 
 class _PoolCollector:
-    """Per pool, the signals to scale it on (README, "Scaling each pool"). Engine-reported figures
-    count only endpoints whose last scrape is fresh: stale data ages out instead of lingering.
+    """Per pool, the signals to scale it on (docs/operations.md, "Scaling each pool on its own
+    signal"). Engine-reported figures count only endpoints whose last scrape is fresh: stale data
+    ages out instead of lingering.
     Built at scrape time, so engines that left (a reload, discovery) leave no series behind."""
 
     def __init__(self, pools: Pools) -> None:
@@ -349,5 +350,7 @@ class BeliefAudit:
             return
         error = ctx.cached(leg.url) - leg.cached_tokens
         m = self._metrics
-        m._child(m.belief_error, leg.leg).observe(error)
-        m._child(m.belief_checks, leg.leg, "exact" if error == 0 else "over" if error > 0 else "under").inc()
+        result = "exact" if error == 0 else "over" if error > 0 else "under"
+        m._child(m.belief_checks, leg.leg, result).inc()
+        if error:
+            m._child(m.belief_error, leg.leg, result).observe(abs(error))

@@ -1,7 +1,7 @@
 """HTTP to the engines: pooled keep-alive connections, per-leg timeouts, errors in client terms.
 
 The engine legs use the gateway's own HTTP/1.1 client (``h1client``): against an instant local
-server it costs a fraction of aiohttp's CPU per request (bench notes in the README), and that
+server it costs a fraction of aiohttp's CPU per request (docs/benchmarks.md, "Upstream HTTP client"), and that
 cost is most of what the gateway adds to a request. The health checker keeps using aiohttp.
 """
 

@@ -1,6 +1,6 @@
 """The gateway's own logic against scripted engines on loopback.
 
-(respx only mocks httpx; the gateway's upstream client is aiohttp, see the README's numbers.)"""
+(respx only mocks httpx; the engine legs use the gateway's own HTTP/1.1 client, gateway/h1client.py.)"""
 
 from __future__ import annotations
 
@@ -279,3 +279,61 @@ def test_a_gateway_bug_still_answers_in_openai_shape(tokenizer_dir, engines, mon
         r = c.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
         assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
         assert sample(c.get("/metrics").text, "pdgate_requests_total", status="500") == 1
+
+
+def test_a_third_party_policy_gets_the_lifecycle_hooks(tokenizer_dir, engines, monkeypatch):
+    """A policy from the ``pdgate.policies`` entry points learns through the same hooks as the
+    gateway's own learners: it defines them, the gateway calls them."""
+    from policies import registry
+
+    seen: list[tuple[str, str]] = []
+
+    class Remembering:  # a scorer that learns which engine answered
+        def score(self, ctx, candidates):
+            return [0.0] * len(candidates)
+
+        def on_routed(self, ctx, decision):
+            seen.append(("routed", decision.decode.url))
+
+        def on_leg_done(self, ctx, leg):
+            seen.append((f"{leg.leg} {leg.outcome.value}", leg.url))
+
+        def on_finished(self, ctx, decision, result):
+            seen.append(("finished", str(result.status)))
+
+    class EntryPoint:
+        name = "remembering"
+
+        def load(self):
+            return Remembering
+
+    monkeypatch.setattr(registry, "entry_points", lambda group: [EntryPoint()])
+    engines[1].reset()
+    engines[1].reply("/v1/completions", completion("hi"))
+    with TestClient(_app(tokenizer_dir, [engines[1].url], decode={"scorers": [{"name": "remembering"}]})) as c:
+        assert c.post("/v1/completions", json={"model": "tiny", "prompt": "x"}).status_code == 200
+    assert seen == [("routed", engines[1].url), ("decode ok", engines[1].url), ("finished", "200")]
+
+
+def test_middleware_added_to_the_app_sees_inference_traffic(tokenizer_dir, engines):
+    """The inference routes are in Starlette's route table: an operator's middleware (auth, audit,
+    rate limits) wraps them like any other route."""
+    seen: list[str] = []
+
+    class Audit:
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] == "http":
+                seen.append(f"{scope['method']} {scope['path']}")
+            await self.app(scope, receive, send)
+
+    engines[1].reset()
+    engines[1].reply("/v1/chat/completions", completion("hi"))
+    app = _app(tokenizer_dir, [engines[1].url])
+    app.add_middleware(Audit)
+    with TestClient(app) as c:
+        r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 200
+    assert seen == ["POST /v1/chat/completions"]

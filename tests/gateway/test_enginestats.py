@@ -36,3 +36,30 @@ def test_old_metric_names_still_count():
 
 def test_a_page_without_vllm_signals_is_not_stats():
     assert parse_stats("# nothing\nprocess_cpu_seconds_total 1.0\n", at=0.0) is None
+
+
+RUN_PAGE = V1_PAGE + """\
+process_start_time_seconds 1.796144996e+09
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 5.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 2.0
+"""
+
+
+def test_the_engine_run_and_its_prefix_caching_are_read():
+    st = parse_stats(RUN_PAGE, at=0.0)
+    assert (st.prefix_caching, st.started_at, st.served) == (True, 1.796144996e09, 7.0)
+    off = parse_stats(RUN_PAGE.replace('enable_prefix_caching="True"', 'enable_prefix_caching="False"'), at=0.0)
+    assert off.prefix_caching is False
+    assert parse_stats(OLD_PAGE, at=0.0).prefix_caching is None  # not said: not assumed off
+
+
+def test_a_new_process_or_a_counter_going_back_is_a_restart():
+    from gateway.pools import EngineStats
+
+    def stats(started: float | None, served: float | None) -> EngineStats:
+        return EngineStats(0, 0, None, 16, 0.0, True, started, served)
+
+    assert stats(2.0, 1.0).restarted_since(stats(1.0, 50.0))
+    assert not stats(1.0, 60.0).restarted_since(stats(1.0, 50.0))
+    assert stats(None, 3.0).restarted_since(stats(None, 50.0))  # multiprocess mode: no start time
+    assert not stats(None, None).restarted_since(stats(None, None))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -27,6 +26,7 @@ from gateway.kvevents import (
 )
 from policies.blockhash import HashSpec, block_hashes
 from policies.prefix_index import PrefixIndex
+from tests.procs import free_port
 
 URL = "http://engine-1:8000"
 TOPIC = "kv@engine-1"
@@ -76,12 +76,6 @@ def stored(hashes: list[Any], tokens: list[int] | None = None, parent: Any = Non
 def removed(hashes: list[Any], **kw: Any) -> WireRemoved:
     kw.setdefault("group_idx", 0)
     return WireRemoved(hashes, "GPU", **kw)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeEngine:

@@ -267,6 +267,7 @@ def test_engines_nixl_over_efa_with_lmcache_tiers(rendered):
         args = c["args"]
         assert c["command"] == ["vllm", "serve"] and args[0] == "meta-llama/Llama-3.3-70B-Instruct"
         assert _flag(args, "--tensor-parallel-size") == "8"
+        assert "--enable-prompt-tokens-details" in args  # what the gateway audits its beliefs against
         kv = json.loads(_flag(args, "--kv-transfer-config"))
         assert kv["kv_connector"] == "MultiConnector" and kv["kv_role"] == "kv_both"
         nixl, lm = kv["kv_connector_extra_config"]["connectors"]  # NIXL first: P/D transfer wins

@@ -17,7 +17,7 @@ from .helpers import ctx, ep
 KIND = {"token_threshold": Decider, "cost_model": Decider, "bounded_load": Filter, "prefix_affinity": Scorer,
         "load": Scorer, "session_affinity": Scorer, "max_score": Picker, "least_inflight": Picker}
 
-# The defaults README.md's policy table documents.
+# The defaults docs/configuration.md's policy table documents.
 DOCUMENTED = {
     "token_threshold": {"threshold": 4096},
     "cost_model": {"kv_bytes_per_token": 327680, "kv_bandwidth_gbps": 400, "prefill_tokens_per_s": 10000,

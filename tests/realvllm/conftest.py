@@ -64,7 +64,9 @@ def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     try:
         p_core, d_core = E.engine_cores()
         # vLLM joins the trace context it is sent and exports one span per request; every 0.2 s.
-        tracing_args = ["--otlp-traces-endpoint", collector.url]
+        # With prompt tokens details, its usage says how much of a prompt came from its prefix cache
+        # (what the gateway checks its beliefs against).
+        tracing_args = ["--otlp-traces-endpoint", collector.url, "--enable-prompt-tokens-details"]
         tracing_env = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "200",
                        "NO_PROXY": "127.0.0.1,localhost"}
         pub, replay = free_port(), free_port()

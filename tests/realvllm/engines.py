@@ -19,11 +19,13 @@ engine of a P/D pair dies with SIGILL on its first request.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -120,6 +122,10 @@ class Engine:
     side_channel_port: int
     core: int
     http: httpx.Client
+    group: ProcGroup | None = None
+    argv: list[str] | None = None  # how it was started, so that it can be started again
+    env: dict[str, str] | None = None
+    cwd: str | None = None
 
     @property
     def url(self) -> str:
@@ -206,7 +212,25 @@ def start_engine(
     env = {**engine_env(cache_root, side, core), **(extra_env or {})}
     argv = engine_argv(venv, model_dir, port, nixl=nixl, extra_args=extra_args)
     proc = group.start(f"vllm-{role}", argv, env=env, cwd=str(work))
-    return Engine(role, proc, port, side, core, httpx.Client(timeout=REQUEST_TIMEOUT_S))
+    return Engine(role, proc, port, side, core, httpx.Client(timeout=REQUEST_TIMEOUT_S), group, argv, env, str(work))
+
+
+def kill(eng: Engine) -> None:
+    """SIGKILL the engine's whole process group (a crash, not a shutdown), and reap it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(eng.proc.pid, signal.SIGKILL)
+    eng.proc.stop(grace=1)
+
+
+def restart(eng: Engine, *, without: Sequence[str] = (), adding: Sequence[str] = ()) -> None:
+    """Stop the engine (if running) and start it again on the same ports, its flags changed:
+    ``without`` drops flags, ``adding`` appends some. Returns once it is ready and pinned."""
+    assert eng.group is not None and eng.argv is not None
+    eng.proc.stop()
+    eng.argv = [a for a in eng.argv if a not in without] + list(adding)
+    eng.proc = eng.group.start(f"vllm-{eng.role}-{len(eng.group.procs)}", eng.argv, env=eng.env, cwd=eng.cwd)
+    wait_ready([eng])
+    pin_engine(eng)
 
 
 def wait_ready(engines: list[Engine], timeout: float = READY_TIMEOUT_S) -> None:

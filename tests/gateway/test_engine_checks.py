@@ -1,0 +1,148 @@
+"""What the gateway believes about each engine, checked against the engine itself: which run of it
+this is (a restart drops what was learned), what it serves (/v1/models), and how often it is
+probed (a reloaded interval applies at once). Real HTTP on loopback; the engines are tiny servers."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from gateway.config import HealthConfig, SignalsConfig
+from gateway.enginestats import StatsScraper
+from gateway.modelcheck import ServedModels
+from gateway.pools import EngineStats, HealthChecker, Pools
+
+PAGE = """\
+vllm:num_requests_running{engine="0"} 0.0
+vllm:num_requests_waiting{engine="0"} 0.0
+vllm:cache_config_info{block_size="16",enable_prefix_caching="True",engine="0"} 1.0
+process_start_time_seconds %s
+"""
+
+
+class Engine:
+    """An engine stand-in whose answers the test changes as it goes."""
+
+    def __init__(self) -> None:
+        self.started_at = 1000.0
+        self.models = ["tiny"]
+        self.healthy = True
+        self.health_checks = 0
+
+    async def serve(self) -> str:
+        async def health(request: web.Request) -> web.Response:
+            self.health_checks += 1
+            return web.Response(status=200 if self.healthy else 503)
+
+        async def metrics(request: web.Request) -> web.Response:
+            return web.Response(text=PAGE % self.started_at)
+
+        async def models(request: web.Request) -> web.Response:
+            return web.Response(body=orjson.dumps({"object": "list", "data": [{"id": m} for m in self.models]}),
+                                content_type="application/json")
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/v1/models", models)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))  # the port is ours from here: no race with another process
+        await web.SockSite(self.runner, sock).start()
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.fixture
+async def engine():
+    e = Engine()
+    e.url = await e.serve()
+    yield e
+    await e.runner.cleanup()
+
+
+async def test_a_new_engine_run_makes_the_gateway_forget_it(engine):
+    restarted: list[str] = []
+    pools = Pools([], [engine.url], on_restart=lambda ep: restarted.append(ep.url))
+    async with aiohttp.ClientSession() as session:
+        scraper = StatsScraper(pools, session, SignalsConfig())
+        ep = pools.decode[0]
+        assert await scraper.scrape(ep) and restarted == []
+        assert await scraper.scrape(ep) and restarted == []  # same run
+        engine.started_at = 2000.0
+        assert await scraper.scrape(ep)
+        assert restarted == [engine.url]
+
+
+async def test_an_engine_back_from_down_is_checked_before_routing_sees_it(engine):
+    restarted: list[str] = []
+    pools = Pools([], [engine.url], on_restart=lambda ep: restarted.append(ep.url))
+    async with aiohttp.ClientSession() as session:
+        scraper = StatsScraper(pools, session, SignalsConfig())
+        models = ServedModels(pools, session, ["tiny"])
+        ups: list[bool] = []
+
+        async def on_up(ep, recovering: bool) -> None:
+            ups.append(recovering)
+            if recovering:
+                await scraper.recovered(ep)
+            await models.check(ep)
+
+        health = HealthChecker(pools, session, HealthConfig(failures_to_mark_down=1), on_up=on_up)
+        ep = pools.decode[0]
+        await health.probe(ep)
+        assert ep.healthy and ups == [False] and ep.served_models == frozenset({"tiny"})
+        await scraper.scrape(ep)
+        engine.healthy = False
+        await health.probe(ep)
+        assert not ep.healthy
+        engine.healthy, engine.started_at = True, 5000.0  # it came back as a new process
+        await health.probe(ep)
+        assert ep.healthy and ups == [False, True] and restarted == [engine.url]
+        assert ep.served_models == frozenset({"tiny"})  # asked again after the restart
+
+
+async def test_a_recovered_engine_whose_metrics_cannot_tell_is_taken_as_new(engine):
+    restarted: list[str] = []
+    pools = Pools([], [engine.url], on_restart=lambda ep: restarted.append(ep.url))
+    ep = pools.decode[0]
+    ep.stats = EngineStats(0, 0, None, 16, time.monotonic())  # no start time, no counter
+    async with aiohttp.ClientSession() as session:
+        await StatsScraper(pools, session, SignalsConfig()).recovered(ep)
+    assert restarted == [engine.url]
+
+
+async def test_served_models_are_compared_with_the_configured_names(engine, caplog):
+    pools = Pools([engine.url], [engine.url])
+    async with aiohttp.ClientSession() as session:
+        models = ServedModels(pools, session, ["tiny", "big"])
+        assert models.status()["unchecked"] == [engine.url, engine.url]
+        await models.check_all()
+    status = models.status()
+    assert status["configured"] == ["tiny", "big"] and status["unchecked"] == []
+    assert [(m["pool"], m["missing"], m["served"]) for m in status["mismatched"]] == [
+        ("prefill", ["big"], ["tiny"]), ("decode", ["big"], ["tiny"])]
+    assert sum("does not serve big" in r.message for r in caplog.records) == 2
+
+
+async def test_a_reloaded_health_interval_applies_at_once(engine):
+    pools = Pools([], [engine.url])
+    async with aiohttp.ClientSession() as session:
+        health = HealthChecker(pools, session, HealthConfig(interval_s=3600))
+        await health.start()
+        try:
+            first = engine.health_checks
+            await asyncio.sleep(0.2)
+            assert engine.health_checks == first  # an hour to go
+            health.configure(HealthConfig(interval_s=0.05))
+            async with asyncio.timeout(5):
+                while engine.health_checks < first + 3:  # noqa: ASYNC110 - polling a counter the server bumps
+                    await asyncio.sleep(0.01)
+        finally:
+            await health.stop()
