@@ -42,7 +42,7 @@ from .h1client import ClientError
 from .legs import DecodeStream, LegFailed, PrefillAnswer
 from .pools import Endpoint
 from .protocol import Kind, ParsedRequest, check_output_limit, parse_body, too_large
-from .relay import ClientWire
+from .relay import DONE, ClientWire
 from .requestlog import RequestRecord
 from .router import NotServed, Prepared, Saturated
 from .runtime import Runtime, Services
@@ -58,6 +58,9 @@ FAILOVER_HEADER = "x-pdgate-failover"
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request", in metrics and logs only
 
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_TOKENS, _TOKENS_APPROXIMATE = TOKENS_HEADER.encode(), (TOKENS_HEADER + "-approximate").encode()
+_ROUTE, _FAILOVER = ROUTE_HEADER.encode(), FAILOVER_HEADER.encode()
+_PATH = {p: (PATH_HEADER.encode(), p.value.encode()) for p in Path}
 
 
 def request_id(client_id: str | None) -> str:
@@ -96,10 +99,11 @@ class Exchange:
         self.prompts: PromptIds | None = None
         self.prep: Prepared | None = None
         self.decision: Decision | None = None
-        self.legs: list[LegReport] = []
+        self.reports: list[LegReport] = []  # every engine leg attempt, as the hooks were told
         self.status = 0
         self.error = ""
         self._admitted = False
+        self._answered = False  # the client has the whole answer (an SSE stream through [DONE])
         self._deadline = 0.0  # admission and engine capacity are waited for until then
         self._prefilled_on: Endpoint | None = None  # the prefill engine that answered, if any
 
@@ -116,8 +120,10 @@ class Exchange:
         except ClientDisconnect:  # while the body was read
             self._outcome(CLIENT_CLOSED, "client disconnected")
         except asyncio.CancelledError:
-            self._outcome(CLIENT_CLOSED, "client disconnected") if client.gone else \
+            if not client.gone:
                 self._outcome(503, "cancelled: the gateway is shutting down")
+            elif not self._answered:  # a client that hangs up after [DONE] got its whole answer
+                self._outcome(CLIENT_CLOSED, "client disconnected")
             raise
         except Exception:  # a bug: still an OpenAI-shaped answer, never a hang
             log.exception("request %s failed", self.rec.request_id)
@@ -136,9 +142,7 @@ class Exchange:
         req = await self._understand(body)
         route = await self._route(req)
         decision = self.decision = route.decision
-        loop = asyncio.get_running_loop()
-        loop.call_soon(rt.hooks.routed, self.ctx, decision)  # learning, off the critical path
-        loop.call_soon(self.svc.metrics.decided, decision.path.value, decision.reason)
+        asyncio.get_running_loop().call_soon(self._routed, decision)  # off the critical path
         handle = await self._prefill(req, decision) if decision.path is Path.PD else None
         leg = await self._decode(req, decision, handle)
         await self._relay(client, req, leg)
@@ -385,19 +389,26 @@ class Exchange:
             if not req.stream:
                 self._outcome(resp.status)
                 await client.whole(resp.status, headers, leg.stream.head)
+                self._answered = True
                 rec.sent_body(leg.stream.head)
                 outcome = LegOutcome.OK
                 clean = True
                 return
             self._outcome(resp.status)
             await client.start(resp.status, headers)
-            chunk = leg.stream.head
+            chunk, send, read = leg.stream.head, client.asgi_send, resp.read_some
             try:
                 while chunk:
-                    await client.send(chunk)
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     rec.sent_chunk(chunk)
-                    chunk = await resp.read_some()
+                    if chunk.endswith(DONE):
+                        self._answered = True
+                        outcome = LegOutcome.OK  # whatever happens to the connection now
+                    chunk = await read()
             except (TimeoutError, ClientError) as err:
+                if self._answered:  # the engine broke off after [DONE]: the answer is whole
+                    await client.end()
+                    return
                 # Headers are gone already: an error event and [DONE], as vLLM ends a failed stream.
                 cut = transport_error(err, "decode")
                 self._outcome(cut.status, cut.message)
@@ -423,19 +434,19 @@ class Exchange:
         rec = self.rec
         headers = [(b"x-request-id", rec.request_id.encode())]
         if self.prompts is not None:
-            headers.append((TOKENS_HEADER.encode(), str(len(self.prompts[0])).encode()))
+            headers.append((_TOKENS, str(len(self.prompts[0])).encode()))
             if self.prompts.approximate_reason:
-                headers.append((TOKENS_HEADER.encode() + b"-approximate", self.prompts.approximate_reason.encode()))
+                headers.append((_TOKENS_APPROXIMATE, self.prompts.approximate_reason.encode()))
         d = self.decision
         if d is not None and self.rt.cfg.routing.debug_headers:
             route = f"{d.reason}; {d.detail}; decode={d.decode.url}"
             if d.prefill is not None:
                 route += f"; prefill={d.prefill.url}"
-            headers.append((ROUTE_HEADER.encode(), route.encode()))
+            headers.append((_ROUTE, route.encode()))
         if path is not None and not failed:
-            headers.append((PATH_HEADER.encode(), path.value.encode()))
+            headers.append(_PATH[path])
         if rec.failover:
-            headers.append((FAILOVER_HEADER.encode(), ",".join(rec.failover).encode()))
+            headers.append((_FAILOVER, ",".join(rec.failover).encode()))
         return headers
 
     # -- bookkeeping ------------------------------------------------------------------------------------
@@ -450,8 +461,12 @@ class Exchange:
         self.rec.trace.event(event, {"pdgate.cause": cause, "pdgate.failed_endpoint": ep.url})
         self.svc.metrics.failover(event, cause)
 
+    def _routed(self, decision: Decision) -> None:
+        self.rt.hooks.routed(self.ctx, decision)
+        self.svc.metrics.decided(decision.path.value, decision.reason)
+
     def _leg_done(self, report: LegReport) -> None:
-        self.legs.append(report)
+        self.reports.append(report)
         asyncio.get_running_loop().call_soon(self.rt.hooks.leg_done, self.ctx, report)
 
     def _outcome(self, status: int, error: str = "") -> None:
@@ -473,7 +488,7 @@ class Exchange:
         self.svc.metrics.record(rec)
         self.svc.access_log.write(rec)
         if self.decision is not None:
-            result = Finished(rec.status, rec.path, tuple(self.legs), rec.e2e_s, rec.ttft_s, rec.output_tokens)
+            result = Finished(rec.status, rec.path, tuple(self.reports), rec.e2e_s, rec.ttft_s, rec.output_tokens)
             asyncio.get_running_loop().call_soon(self.rt.hooks.finished, self.ctx, self.decision, result)
 
     # -- POST /debug/route ------------------------------------------------------------------------------

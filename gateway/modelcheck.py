@@ -47,7 +47,7 @@ class ServedModels:
             log.debug("GET %s/v1/models failed: %s", ep.url, type(err).__name__)
             return
         names = {m.get("id") for m in data.get("data", ()) if isinstance(m, dict)} if isinstance(data, dict) else set()
-        ep.served_models = frozenset(n for n in names if isinstance(n, str))
+        self._pools.set_served(ep, frozenset(n for n in names if isinstance(n, str)))
         self._log_change(ep)
 
     async def check_all(self) -> None:

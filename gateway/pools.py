@@ -172,9 +172,7 @@ class Pools:
         self.prefill = [old.get(("prefill", u)) or Endpoint(u, "prefill") for u in prefill]
         self.decode = [old.get(("decode", u)) or Endpoint(u, "decode") for u in decode]
         self._by_url = {(e.pool, e.url): e for e in self.all()}
-        self._of_url: dict[str, list[Endpoint]] = {}
-        for e in self.all():
-            self._of_url.setdefault(e.url, []).append(e)
+        self._refresh_beliefs()
         for e in self.all():
             e.on_release = self._released
             e.outlier = self.outlier
@@ -188,7 +186,25 @@ class Pools:
 
     def caching_off(self, url: str) -> bool:
         """The engine at ``url`` runs without prefix caching (its /metrics say so)."""
-        return any(e.prefix_caching_off for e in self._of_url.get(url, ()))
+        return url in self.caching_off_urls
+
+    def not_serving(self, model: str) -> frozenset[tuple[str, str]]:
+        """(pool, url) of the endpoints whose /v1/models lacks ``model`` (computed once per change)."""
+        gaps = self._not_serving.get(model)
+        if gaps is None:
+            gaps = self._not_serving[model] = frozenset(
+                (e.pool, e.url) for e in self.all() if e.served_models is not None and model not in e.served_models)
+        return gaps
+
+    def set_served(self, ep: Endpoint, models: frozenset[str] | None) -> None:
+        """What ``ep`` serves (its /v1/models; None: not known)."""
+        ep.served_models = models
+        self._not_serving = {}
+
+    def _refresh_beliefs(self) -> None:
+        """Derived per-request lookups: keep them in step with endpoint changes."""
+        self.caching_off_urls = frozenset(e.url for e in self.all() if e.prefix_caching_off)
+        self._not_serving: dict[str, frozenset[tuple[str, str]]] = {}
 
     def snapshot(self) -> PoolSnapshot:
         now, age, others, speed = time.monotonic(), self.stats_max_age_s, self.others, self._speed
@@ -199,12 +215,14 @@ class Pools:
         """A fresh /metrics report; one from another run of the engine (it restarted, and its
         cache, speed and served models may have changed) makes everything learned about it go."""
         old, ep.stats = ep.stats, stats
+        if (old.prefix_caching if old else None) != stats.prefix_caching:
+            self._refresh_beliefs()
         if old is not None and stats.restarted_since(old):
             self.restarted(ep, "its /metrics show a new process")
 
     def restarted(self, ep: Endpoint, why: str) -> None:
         log.warning("endpoint %s (%s) restarted (%s): forgetting what was learned about it", ep.url, ep.pool, why)
-        ep.served_models = None
+        self.set_served(ep, None)
         self._on_restart(ep)
 
     def configure(self, stats_max_age_s: float, outlier: OutlierConfig) -> None:

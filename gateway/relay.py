@@ -111,6 +111,12 @@ class ClientWire:
     async def send(self, chunk: bytes) -> None:
         await self._send({"type": "http.response.body", "body": chunk, "more_body": True})
 
+    @property
+    def asgi_send(self) -> Send:
+        """The server's own ``send``, for a relay loop that would rather not pay ``send``'s extra
+        call per chunk (~0.5 us each)."""
+        return self._send
+
     async def end(self) -> None:
         await self._send({"type": "http.response.body", "body": b"", "more_body": False})
 

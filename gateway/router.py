@@ -59,19 +59,16 @@ class NotServed(RuntimeError):
     """No healthy decode engine serves the request's model (by its /v1/models)."""
 
 
-def _serving(snap: PoolSnapshot, model: str, *, strict: bool = True) -> PoolSnapshot:
-    """The snapshot without engines known not to serve ``model`` (unknown ones stay); ``strict``:
+def _serving(snap: PoolSnapshot, gaps: frozenset[tuple[str, str]], model: str, *, strict: bool = True
+             ) -> PoolSnapshot:
+    """The snapshot without the endpoints in ``gaps`` (known not to serve ``model``); ``strict``:
     raise NotServed when that leaves no healthy decode engine where there was one."""
-    def serving(views: tuple[EndpointView, ...]) -> tuple[EndpointView, ...]:
-        if all(v.models is None or model in v.models for v in views):
-            return views
-        return tuple(v for v in views if v.models is None or model in v.models)
-
-    decode = serving(snap.decode)
-    if strict and decode is not snap.decode and not any(v.healthy for v in decode) \
-            and any(v.healthy for v in snap.decode):
+    if not gaps:
+        return snap
+    decode = tuple(v for v in snap.decode if (v.pool, v.url) not in gaps)
+    if strict and not any(v.healthy for v in decode) and any(v.healthy for v in snap.decode):
         raise NotServed(model)
-    return PoolSnapshot(serving(snap.prefill), decode)
+    return PoolSnapshot(tuple(v for v in snap.prefill if (v.pool, v.url) not in gaps), decode)
 
 
 def _with_capacity(snap: PoolSnapshot, max_prefill: int, max_decode: int) -> PoolSnapshot:
@@ -137,10 +134,10 @@ class Router:
                     if n > blocks.get(url, 0):
                         blocks[url] = n
             in_flight = self._in_flight.extend(hashes, blocks)
-            off = self._pools.caching_off
-            settled = {url: n * spec.block_size for url, n in blocks.items() if not off(url)}
+            off, size = self._pools.caching_off_urls, spec.block_size
+            settled = {url: n * size for url, n in blocks.items() if url not in off}
             cached = settled if in_flight is blocks else \
-                {url: n * spec.block_size for url, n in in_flight.items() if not off(url)}
+                {url: n * size for url, n in in_flight.items() if url not in off}
         ctx = RequestContext(model, request_id, token_ids, local_only, headers, cached, settled, hashes,
                              spec.block_size if spec else 0, self._measured)
         return Prepared(ctx, hashes, spec.block_size if spec else 0)
@@ -148,14 +145,16 @@ class Router:
     def route(self, prep: Prepared, *, explain: bool = False, max_decode: int = 0, max_prefill: int = 0) -> Route:
         """Raises NoEndpointError (no healthy decode engine), NotServed (none serving the model) or
         Saturated (all at ``max_decode``)."""
-        snap = _serving(self._pools.snapshot(), prep.ctx.model)
+        model = prep.ctx.model
+        snap = _serving(self._pools.snapshot(), self._pools.not_serving(model), model)
         if max_decode or max_prefill:
             snap = _with_capacity(snap, max_prefill, max_decode)
         return self.pipeline.route(prep.ctx, snap, explain=explain)
 
     def other(self, prep: Prepared, pool: str, exclude: set[str]) -> Endpoint | None:
         """The pool's next choice for this request without the ``exclude``d engines (failover)."""
-        snap = _serving(self._pools.snapshot(), prep.ctx.model, strict=False)
+        model = prep.ctx.model
+        snap = _serving(self._pools.snapshot(), self._pools.not_serving(model), model, strict=False)
         views = snap.prefill if pool == "prefill" else snap.decode
         pipe = self.pipeline.prefill if pool == "prefill" else self.pipeline.decode
         view = pipe.choose(prep.ctx, [v for v in views if v.url not in exclude])

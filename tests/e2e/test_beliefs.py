@@ -65,13 +65,17 @@ def gateway_metric(cluster: Cluster, name: str, **labels: str) -> float:
 
 def restart_decode(cluster: Cluster, *flags: str) -> None:
     """Stop the decode engine and start a new one on the same port; returns once the gateway has
-    noticed the new run (pdgate_endpoint_restarts_total)."""
+    noticed the new run (pdgate_endpoint_restarts_total) and routes to it again."""
     before = gateway_metric(cluster, "pdgate_endpoint_restarts_total", pool="decode")
     old = cluster.decode.pop()
     old.proc.stop()
     cluster.decode.append(cluster.start_sim("decode", *flags, port=old.port, kv_port=old.kv_port))
-    assert wait_for(lambda: gateway_metric(cluster, "pdgate_endpoint_restarts_total", pool="decode") > before,
-                    timeout=15), "the gateway never noticed the decode engine's restart"
+    def back() -> bool:
+        ready = httpx.get(cluster.url + "/ready", timeout=10).json()
+        return (ready["pools"]["decode"]["healthy"] == 1
+                and gateway_metric(cluster, "pdgate_endpoint_restarts_total", pool="decode") > before)
+
+    assert wait_for(back, timeout=15), "the gateway never noticed the decode engine's restart"
 
 
 def test_turn_two_goes_direct_on_a_cache_the_engine_really_has(cluster):

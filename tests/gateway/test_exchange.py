@@ -11,6 +11,7 @@ import pytest
 
 from gateway.upstream import EngineError
 from policies.base import LegOutcome, Path
+from tests.promtext import sample
 
 from .exchange_harness import D2, KV, D, P, answer, completion, make, stream, unreachable
 
@@ -133,6 +134,28 @@ async def test_a_client_leaving_mid_stream_closes_the_engine_leg_and_frees_every
     settled(h)
 
 
+async def test_a_client_leaving_right_after_done_got_its_whole_answer(h):
+    """Clients (the openai SDK among them) close the connection once they read [DONE]: that is a
+    whole answer, counted 200, not a hang-up."""
+    resp = stream("a", "b", hold_after=3)  # [DONE] is out; the engine has not closed its stream yet
+    h.upstream.on("decode", resp)
+    leave = asyncio.Event()
+    sent: list[dict] = []
+
+    async def hang_up_after_done() -> None:
+        await until(lambda: any(m.get("body", b"").endswith(b"data: [DONE]\n\n") for m in sent))
+        leave.set()
+
+    hanger = asyncio.create_task(hang_up_after_done())
+    await asyncio.wait_for(h.send({"model": "tiny", "prompt": "hello", "stream": True}, leave=leave, sent=sent), 5)
+    await hanger
+    [leg] = h.recorder.legs()
+    assert leg.outcome is LegOutcome.OK
+    assert h.recorder.events[-1][1].status == 200
+    assert sample(h.metrics.render().decode(), "pdgate_requests_total", status="200") == 1
+    settled(h)
+
+
 async def test_a_client_leaving_during_prefill_abandons_it_and_learns_nothing(h):
     gate = asyncio.Event()
     held = answer(completion("x", kv=KV), gate=gate)
@@ -234,12 +257,12 @@ async def test_unknown_model_and_bad_body_end_before_routing_with_no_hooks(h):
 
 async def test_an_engine_serving_other_models_is_left_out(h):
     """What /v1/models says an engine serves is a belief the router acts on."""
-    h.pools.decode[0].served_models = frozenset({"other"})
+    h.pools.set_served(h.pools.decode[0], frozenset({"other"}))
     h.upstream.on("decode", *(answer(completion()) for _ in range(3)))
     for _ in range(3):
         assert (await h.send({"model": "tiny", "prompt": "hello"})).status == 200
     assert {url for url, _, _ in h.upstream.calls} == {h.pools.decode[1].url}
-    h.pools.decode[1].served_models = frozenset({"other"})
+    h.pools.set_served(h.pools.decode[1], frozenset({"other"}))
     r = await h.send({"model": "tiny", "prompt": "hello"})
     assert r.status == 503 and r.json()["error"]["code"] == "model_not_served"
 
