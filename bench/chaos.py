@@ -13,7 +13,14 @@ concurrency, and halfway through one prefill and one decode engine are killed (`
 Afterwards the gateway's in-flight gauges must read 0, and its resident memory is sampled along
 the run (flat: no growth between the second quarter and the end).
 
-    python -m bench.chaos [--requests 2000] [--concurrency 64] [--out docs/benchmarks/chaos.json]
+``--attacks`` runs hostile clients alongside, for the whole run, reconnecting whenever the gateway
+cuts them off: one sending an endless request header, ``--slowloris`` connections trickling a
+head a byte every half second, ``--stalled`` clients sending a request head and part of its body.
+``--redis`` shares state through a private redis-server, killed three quarters of the way through.
+The report adds the legitimate requests' latency (p50/p99 of the ``ok`` ones) and what the
+attackers got back.
+
+    python -m bench.chaos [--requests 2000] [--concurrency 64] [--attacks] [--redis] [--out FILE]
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import yaml
@@ -51,6 +59,9 @@ class Report:
     in_flight_after: int
     rss_mb: list[float] = field(default_factory=list)
     seconds: float = 0.0
+    latency_ms: dict[str, float] = field(default_factory=dict)  # of the ok requests
+    attacks: dict[str, int] = field(default_factory=dict)  # what the attackers got: answers by status, cuts
+    redis_killed: bool = False
 
     @property
     def clean(self) -> bool:
@@ -62,6 +73,48 @@ def _rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+async def _attack(kind: str, port: int, seen: Counter[str], stop: asyncio.Event) -> None:
+    """One hostile client, reconnecting each time the gateway cuts it off."""
+    heads = {
+        "endless_header": b"GET /health HTTP/1.1\r\nHost: x\r\nX-E: ",
+        "slowloris": b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ",
+        "stalled_body": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 1000\r\n\r\n{\"model\":",
+    }
+    while not stop.is_set():
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            seen["connect_failed"] += 1
+            await asyncio.sleep(0.1)
+            continue
+        first = b""
+        try:
+            writer.write(heads[kind])
+            while not stop.is_set() and not first:
+                if kind == "endless_header":
+                    writer.write(b"a" * 65536)
+                    await writer.drain()
+                    continue
+                if kind == "slowloris":
+                    writer.write(b"z")
+                    await writer.drain()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.5):
+                        first = await reader.read(1)  # an answer (or EOF): the gateway cut this one off
+                        if not first:
+                            break
+        except (OSError, RuntimeError):
+            pass
+        status = ""
+        with contextlib.suppress(OSError, RuntimeError, TimeoutError):
+            async with asyncio.timeout(2):
+                rest = first + await reader.read(4096)
+                status = rest.split(b" ", 2)[1].decode() if rest.startswith(b"HTTP/1.1 ") else ""
+        seen[f"{kind} {status or 'cut'}"] += 1  # cut: closed (or reset) with no answer read
+        writer.close()
 
 
 async def _one(session: aiohttp.ClientSession, url: str, i: int, timeout: float) -> tuple[str, str, str]:
@@ -92,21 +145,29 @@ async def _one(session: aiohttp.ClientSession, url: str, i: int, timeout: float)
 
 
 async def _load(gateway: str, sims: dict[str, list[str]], n: int, concurrency: int, timeout: float,
-                gateway_pid: int) -> Report:
+                gateway_pid: int, attackers: dict[str, int], redis: Any = None) -> Report:
     url = gateway + "/v1/chat/completions"
     outcomes: Counter[str] = Counter()
     paths: Counter[str] = Counter()
     failovers: Counter[str] = Counter()
     killed: list[str] = []
     rss: list[float] = []
+    latencies: list[float] = []
+    seen: Counter[str] = Counter()
     todo = iter(range(n))
     done = 0
+    stop = asyncio.Event()
+    port = int(gateway.rsplit(":", 1)[1])
+    hostile = [asyncio.create_task(_attack(kind, port, seen, stop)) for kind, k in attackers.items() for _ in range(k)]
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
         async def worker() -> None:
             nonlocal done
             for i in todo:
+                t0 = time.perf_counter()
                 outcome, path, failover = await _one(session, url, i, timeout)
+                if outcome == "ok":
+                    latencies.append(time.perf_counter() - t0)
                 outcomes[outcome] += 1
                 paths[path] += 1
                 for event in filter(None, failover.split(",")):
@@ -120,23 +181,38 @@ async def _load(gateway: str, sims: dict[str, list[str]], n: int, concurrency: i
                         killed.append(f"{pool} {victim}")
                         with contextlib.suppress(aiohttp.ClientError):  # it may die answering
                             await session.post(victim + "/sim/crash")
+                if redis is not None and done == 3 * n // 4 and redis.popen.poll() is None:
+                    redis.stop(grace=0)
+                    killed.append("redis")
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         seconds = time.perf_counter() - t0
+        stop.set()
+        await asyncio.gather(*hostile, return_exceptions=True)
         await asyncio.sleep(0.5)
         async with session.get(gateway + "/metrics") as resp:
             metrics = await resp.text()
     in_flight = sum(int(float(line.rsplit(" ", 1)[1])) for line in metrics.splitlines()
                     if line.startswith("pdgate_endpoint_in_flight_requests{"))
+    latencies.sort()
+    pct = {f"p{q}": round(latencies[min(len(latencies) - 1, int(q / 100 * len(latencies)))] * 1000, 1)
+           for q in (50, 99)} if latencies else {}
     return Report(n, concurrency, killed, dict(outcomes), dict(paths), dict(failovers), in_flight, rss,
-                  round(seconds, 1))
+                  round(seconds, 1), pct, dict(seen), redis is not None)
 
 
-def run(n: int, concurrency: int, timeout: float, logs: Path) -> Report:
+def run(n: int, concurrency: int, timeout: float, logs: Path, attackers: dict[str, int] | None = None,
+        redis: bool = False) -> Report:
     tokenizer = build_tokenizer(cache_dir() / "demo-tokenizer")
     group = ProcGroup(logs)
     try:
+        redis_proc, state = None, {}
+        if redis:
+            redis_port = free_port()
+            redis_proc = group.start("redis", ["redis-server", "--bind", "127.0.0.1", "--port", str(redis_port),
+                                               "--save", "", "--appendonly", "no"])
+            state = {"state": {"backend": "redis", "url": f"redis://127.0.0.1:{redis_port}/0"}}
         sims: dict[str, list[str]] = {"prefill": [], "decode": []}
         for pool in ("prefill", "decode"):
             for _ in range(2):
@@ -150,17 +226,19 @@ def run(n: int, concurrency: int, timeout: float, logs: Path) -> Report:
                 sims[pool].append(f"http://127.0.0.1:{port}")
         port = free_port()
         cfg = {
-            "server": {"host": "127.0.0.1", "port": port},
             "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": 4096}],
             "pools": {"prefill": {"endpoints": sims["prefill"]}, "decode": {"endpoints": sims["decode"]}},
             "routing": {"decider": {"name": "token_threshold", "threshold": 200}},
             "health": {"interval_s": 0.5, "timeout_s": 0.5},
             "timeouts": {"connect_s": 1, "prefill_s": 10, "decode_first_byte_s": 10, "decode_idle_s": 5},
+            "server": {"host": "127.0.0.1", "port": port, "head_timeout_s": 2, "body_idle_timeout_s": 2},
+            **state,
         }
         (logs / "gateway.yaml").write_text(yaml.safe_dump(cfg))
         gw = group.start("gateway", [sys.executable, "-m", "gateway", "serve", "--config", str(logs / "gateway.yaml")])
         gw.wait_http(f"http://127.0.0.1:{port}/ready", timeout=60)
-        return asyncio.run(_load(f"http://127.0.0.1:{port}", sims, n, concurrency, timeout, gw.pid))
+        return asyncio.run(_load(f"http://127.0.0.1:{port}", sims, n, concurrency, timeout, gw.pid,
+                                 attackers or {}, redis_proc))
     finally:
         group.stop_all()
 
@@ -170,10 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=60.0, help="a request not over by then counts as hung")
+    ap.add_argument("--attacks", action="store_true", help="hostile clients alongside (see above)")
+    ap.add_argument("--slowloris", type=int, default=20, help="with --attacks: trickling connections")
+    ap.add_argument("--stalled", type=int, default=8, help="with --attacks: clients stalling their bodies")
+    ap.add_argument("--redis", action="store_true", help="shared state on a private redis-server, killed at 3/4")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    attackers = {"endless_header": 1, "slowloris": args.slowloris, "stalled_body": args.stalled} if args.attacks else {}
     with tempfile.TemporaryDirectory(prefix="pdgate-chaos-") as logs:
-        report = run(args.requests, args.concurrency, args.timeout, Path(logs))
+        report = run(args.requests, args.concurrency, args.timeout, Path(logs), attackers, args.redis)
     data = {**asdict(report), "clean": report.clean}
     print(json.dumps(data, indent=2))
     if args.out:

@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-peer", action="store_true", help="skip vllm-router")
     parser.add_argument("--vllm-router", default=None, help="an existing vllm-router binary")
     parser.add_argument("--baseline", default=None, help="a checkout of another pdgate version to compare with")
+    parser.add_argument("--servers", default="", help="also run the gateway app on these ASGI servers "
+                        "(comma-separated, from bench/servers.py: uvicorn-httptools, uvicorn-h11, hypercorn, granian)")
     parser.add_argument(
         "--pin",
         action="store_true",
@@ -153,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         gateways = [("gateway", 1_000_000, None), ("gateway-pd", 1, None)]
         if args.baseline:
             gateways += [("baseline", 1_000_000, args.baseline), ("baseline-pd", 1, args.baseline)]
+        servers = [s for s in args.servers.split(",") if s]
+        gateways += [(f"server-{s}", 1_000_000, None) for s in servers]
         for name, threshold, checkout in gateways:
             gw_port = free_port()
             cfg = {
@@ -166,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
             }
             (logs / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
             env = {"PYTHONPATH": str(Path(checkout).resolve())} if checkout else None
-            proc = group.start(name, [sys.executable, "-m", "gateway", "serve", "--config", str(logs / f"{name}.yaml")],
-                               env=env, cwd=checkout)
+            command = ["-m", "gateway", "serve", "--config", str(logs / f"{name}.yaml")]
+            if name.startswith("server-"):
+                command = ["-m", "bench.servers", name.removeprefix("server-"), str(logs / f"{name}.yaml")]
+            proc = group.start(name, [sys.executable, *command], env=env, cwd=checkout)
             proc.wait_http(f"http://127.0.0.1:{gw_port}/ready", timeout=60)
             if args.pin:
                 for tid in os.listdir(f"/proc/{proc.pid}/task"):
@@ -205,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             for stream, conc in plan:
                 body = _body(stream)
                 targets = [("engine", engine_url, None)]
-                names = ["gateway", "baseline", "vllm-router"]
+                names = ["gateway", "baseline", "vllm-router", *(f"server-{s}" for s in servers)]
                 names += ["gateway-pd", "baseline-pd", "vllm-router-pd"] if conc == 1 else []
                 targets += [(n, gws[n][1], gws[n][0].pid) for n in names if n in gws]
                 for name, url, pid in targets if rnd % 2 == 0 else reversed(targets):
@@ -245,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                 added.append(
                     {
                         "router": "vllm-router" if r.target.startswith("vllm-router") else
-                        "pdgate (baseline)" if r.target.startswith("baseline") else "pdgate",
+                        "pdgate (baseline)" if r.target.startswith("baseline") else
+                        f"pdgate on {r.target.removeprefix('server-')}" if r.target.startswith("server-") else "pdgate",
                         "path": "pd" if r.target.endswith("-pd") else "direct",
                         "stream": stream,
                         "concurrency": conc,

@@ -49,7 +49,9 @@ class Gate:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         try:
-            await asyncio.wait_for(asyncio.shield(fut), timeout)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow the client's cancel
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(fut)
             return True  # leave() handed its slot over: in_flight already counts us
         except TimeoutError:
             return fut.done()  # a slot that arrived as the wait ended is kept

@@ -11,13 +11,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import orjson
 from opentelemetry.sdk.trace.export import SpanExporter
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -35,6 +36,7 @@ from .discovery import Discovery
 from .enginestats import StatsScraper
 from .errors import APIError, error_response
 from .h1client import H1Client
+from .httpserver import Connections
 from .kvevents import KVEventSubscriber
 from .legs import KVReleaser
 from .metrics import BeliefAudit, GatewayMetrics
@@ -47,6 +49,7 @@ from .router import DEFAULT_BLOCK_SIZE, Router, build_pipeline
 from .runtime import Runtime, Services
 from .service import Gateway
 from .state import RedisState
+from .tasks import STOP_BOUND_S
 from .tokenizer import ModelTokenizer, Tokenizers
 from .tracing import Tracing
 from .upstream import Upstream, make_client, make_session
@@ -109,19 +112,19 @@ class Subscriptions:
         return list(self._subs.values())
 
     async def close(self) -> None:
-        for sub in self._subs.values():
-            await sub.stop()
+        await asyncio.gather(*(sub.stop() for sub in self._subs.values()))  # each bounded; all at once
         self._subs.clear()
 
 
 def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
                config_path: str | Path | None = None, config_version: str | None = None,
                span_exporter: SpanExporter | None = None,
-               access_sink: Callable[[bytes], None] | None = None) -> Starlette:
+               access_sink: Callable[[bytes], None] | None = None,
+               connections: Connections | None = None) -> Starlette:
     """The gateway app; ``tokenizers`` may be injected (tests), else loaded at startup. With
     ``config_path``, edits of that file are validated and applied while serving. ``span_exporter``
     (tests) receives every span, whatever the config's exporter; ``access_sink`` every access line
-    (default: stdout)."""
+    (default: stdout); ``connections`` the HTTP server's open-connection count (for /metrics)."""
     created = int(time.time())
     validate(cfg)  # a bad policy name fails before the server binds its port
     version = config_version or version_of(orjson.dumps(cfg.model_dump(mode="json")))
@@ -171,6 +174,7 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
                             AccessLog(cfg.telemetry.access_log, access_sink), Gate(cfg.admission.max_in_flight),
                             KVReleaser(Upstream(engines, cfg.timeouts)))
         scraper = StatsScraper(pools, session, cfg.signals)
+        metrics.watch_admission(services.gate, connections)
 
         async def engine_up(ep: Endpoint, recovering: bool) -> None:
             """Before routing sees an engine (again): the same run? what does it serve?"""
@@ -205,18 +209,19 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         try:
             yield {"gw": gw}
         finally:
-            if watcher:
-                await watcher.stop()
-            await scraper.stop()
-            await discovery.close()
-            await health.stop()
-            await res.subs.close()
-            if shared:
-                await shared.stop()
+            # Every background part stops at once, each within gateway/tasks.py's bound: shutdown
+            # takes at most one bound, never the sum, and never hangs.
+            await asyncio.gather(*(stop() for stop in (
+                *((watcher.stop,) if watcher else ()), scraper.stop, discovery.close, health.stop, res.subs.close,
+                *((shared.stop,) if shared else ()), services.releaser.close)), return_exceptions=True)
             await session.close()
             engines.close()
             gw.runtime.tokenizers.close()
-            await asyncio.to_thread(services.tracing.shutdown)  # flushing spans may block on the exporter
+            try:  # flushing spans may block on the exporter
+                async with asyncio.timeout(STOP_BOUND_S):
+                    await asyncio.to_thread(services.tracing.shutdown)
+            except TimeoutError:
+                log.warning("tracing: spans not flushed within %.0f s at shutdown", STOP_BOUND_S)
             services.access_log.close()
 
     async def models_route(request: Request) -> Response:
@@ -257,6 +262,8 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
                 return await handler(gw, request)
             except APIError as err:
                 return error_response(err)
+            except ClientDisconnect:  # gone while its body was read: nobody to answer
+                return Response(status_code=499)
 
         return guarded
 
@@ -266,7 +273,7 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
             "version": rt.version,
             "source": str(config_path) if config_path else None,
             "last_reload_error": gw.watcher.last_error if gw.watcher else None,
-            "config": rt.cfg.model_dump(mode="json"),
+            "config": redacted(rt.cfg.model_dump(mode="json")),
         }
         return Response(orjson.dumps(body), media_type="application/json")
 
@@ -289,7 +296,31 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         assert isinstance(exc, HTTPException)
         return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
 
-    return GatewayApp(inference, routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    app = GatewayApp(inference, routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    # No trailing-slash redirects: Starlette builds them from the request's Host header, which the
+    # client chooses (POST /v1/chat/completions/ with Host: evil.example would redirect there).
+    app.router.redirect_slashes = False
+    return app
+
+
+_SECRET_KEYS = ("headers",)  # header values (e.g. an OTLP Authorization header) are credentials
+
+
+def redacted(value: Any, key: str = "") -> Any:
+    """A config dump safe to show: header values and URL passwords replaced."""
+    if isinstance(value, dict):
+        if key in _SECRET_KEYS:
+            return {k: "<redacted>" for k in value}
+        return {k: redacted(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redacted(v, key) for v in value]
+    if isinstance(value, str) and "://" in value:
+        parts = urlsplit(value)
+        if parts.password:
+            host = parts.hostname or ""
+            netloc = f"{parts.username or ''}:<redacted>@{host}" + (f":{parts.port}" if parts.port else "")
+            return urlunsplit(parts._replace(netloc=netloc))
+    return value
 
 
 class GatewayApp(Starlette):
@@ -358,6 +389,12 @@ def _runtime(cfg: GatewayConfig, version: str, res: Resources, tokenizers: Token
                    tuple(k.encode() for k in cfg.auth.api_keys()), admin)
 
 
+def _shown(value: Any) -> str:
+    """A config value for a log line: set or unset, never what it holds (file and variable names
+    only)."""
+    return "unset" if value in (None, "", [], {}) else repr(value)
+
+
 # Sections bound to the process (listening socket, shared-state connection): a reload keeps the
 # running values and says so.
 RESTART_ONLY = ("server", "state", "telemetry")
@@ -369,6 +406,14 @@ async def _apply(gw: Gateway, new: GatewayConfig, version: str, res: Resources) 
     pools = res.pools
     validate(new)
     token = admin_token(new.admin)
+    for section in ("auth", "admin"):  # who may call the gateway: never changed quietly
+        before, after = getattr(old.cfg, section), getattr(new, section)
+        if before != after:
+            changed = {k: (getattr(before, k), getattr(after, k)) for k in type(after).model_fields
+                       if getattr(before, k) != getattr(after, k)}
+            log.warning("config reload changes %s: %s%s", section, ", ".join(
+                f"{k}: {_shown(a)} -> {_shown(b)}" for k, (a, b) in changed.items()),
+                " (access is now open)" if section == "auth" and not new.auth.api_keys() else "")
     for section in RESTART_ONLY:
         if getattr(new, section) != getattr(old.cfg, section):
             log.warning("config reload: the %s section changed; it takes effect at the next restart", section)

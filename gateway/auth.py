@@ -28,8 +28,8 @@ def authorize(request: Request, api_keys: Sequence[bytes], max_header_bytes: int
 
 
 def authorize_admin(request: Request, token: str) -> None:
-    """Raises 401 unless the request carries ``token`` as its bearer token."""
-    given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-    if not hmac.compare_digest(given.encode(), token.encode()):
+    """Raises 401 unless the request carries ``token`` as its bearer token (``Authorization:
+    Bearer <token>``, the scheme in any case, as for API keys)."""
+    if not hmac.compare_digest(_bearer(request), token.encode()):
         raise APIError(401, "A valid admin bearer token is required.", type_="authentication_error",
                        code="invalid_admin_token")

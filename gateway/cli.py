@@ -11,10 +11,8 @@ from .config import ConfigError, PoolConfig, load_config
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from .app import create_app
-    from .httpserver import HeadHoldingProtocol
+    from .httpserver import make_server
     from .reload import version_of
 
     try:
@@ -32,15 +30,16 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("watchfiles").setLevel(logging.WARNING)  # it logs every file event at INFO
     try:
-        app = create_app(cfg, config_path=args.config, config_version=version_of(raw))
+        server = make_server(
+            cfg, lambda connections: create_app(cfg, config_path=args.config, config_version=version_of(raw),
+                                                connections=connections),
+            host=host, port=port, log_level=cfg.server.log_level.lower())
     except ValueError as err:  # e.g. an unknown policy name
         print(f"{args.config}: {err}", file=sys.stderr)
         return 2
-    # No proxy-headers middleware: nothing reads the client address, and it wraps every request.
-    uvicorn.run(
-        app, host=host, port=port, loop="uvloop", http=HeadHoldingProtocol, access_log=False, proxy_headers=False,
-        log_level=cfg.server.log_level.lower(), server_header=False, timeout_graceful_shutdown=30,
-    )
+    server.run()
+    if not server.started:
+        return 3  # as uvicorn.run exits when startup fails
     return 0
 
 

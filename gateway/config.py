@@ -27,9 +27,20 @@ class _Strict(BaseModel):
 
 
 class ServerConfig(_Strict):
+    """The listening socket and what one client may hold on it (gateway/httpserver.py)."""
+
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="larger request bodies get 413")
+    max_connections: int = Field(10000, ge=0, description="open connections; past it new ones get 503 (0: no cap)")
+    head_timeout_s: float = Field(10.0, gt=0, description="a request head (line and headers) must arrive whole "
+                                  "within this, from the connection's start or the head's first byte; else 408")
+    body_timeout_s: float = Field(60.0, gt=0, description="a request body must arrive whole within this; else 408")
+    body_idle_timeout_s: float = Field(15.0, gt=0, description="longest wait for the next bytes of a request "
+                                       "body; else 408")
+    shutdown_grace_s: float = Field(25.0, ge=0, description="on SIGTERM, how long requests in flight may finish "
+                                    "before they are ended (streams with an error event); then background parts "
+                                    "stop within 5 s")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     @field_validator("log_level", mode="before")
@@ -389,8 +400,16 @@ class LimitsConfig(_Strict):
     """Per-request limits beyond the model's own (0: none)."""
 
     max_prompt_tokens: int = Field(0, ge=0, description="longer prompts get 400 (the model's context still applies)")
-    max_output_tokens: int = Field(0, ge=0, description="max_tokens / max_completion_tokens above this get 400")
-    max_header_bytes: int = Field(16384, gt=0, description="requests whose headers add up to more get 431")
+    max_output_tokens: int = Field(
+        0, ge=0, description="output tokens one request may ask for in all: its max tokens x its sequences (n or "
+        "best_of, x prompts); above it 400, and a request without max tokens gets its share")
+    # One request's sequences each hold a decode slot and KV: without caps one client holds an engine.
+    max_n: int = Field(16, ge=0, description="`n` above this gets 400 (0: no cap)")
+    max_best_of: int = Field(16, ge=0, description="`best_of` above this gets 400 (0: no cap)")
+    max_prompts: int = Field(64, ge=0, description="completions: more prompts in one request get 400 (0: no cap)")
+    max_header_bytes: int = Field(16384, gt=0, description="request heads (line and headers) over this get 431, "
+                                  "counted while they arrive")
+    max_headers: int = Field(100, gt=0, description="requests with more headers get 431")
 
 
 class AuthConfig(_Strict):

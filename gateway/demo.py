@@ -9,7 +9,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,8 @@ import urllib.request
 from pathlib import Path
 
 import yaml
+
+from .ports import free_port
 
 MODEL = "demo"
 MAX_MODEL_LEN = 32768
@@ -31,12 +32,6 @@ def cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdgate"
     )
     return Path(base)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -88,12 +83,11 @@ def _curls(port: int) -> str:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from sim.tinymodel import build_tokenizer
 
     from .app import create_app
     from .config import parse_config
+    from .httpserver import make_server
     from .reload import version_of
 
     def _exit(signum: int, frame: object) -> None:
@@ -108,7 +102,7 @@ def run_demo(args: argparse.Namespace) -> int:
     try:
         for role, count in (("prefill", args.prefill), ("decode", args.decode)):
             for i in range(count):
-                port, kv_port, events, replay = (_free_port() for _ in range(4))
+                port, kv_port, events, replay = (free_port() for _ in range(4))
                 # Every engine publishes its KV cache events, as vLLM does with --kv-events-config;
                 # the gateway follows them for precise prefix routing.
                 events_cfg = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{events}",
@@ -137,11 +131,10 @@ def run_demo(args: argparse.Namespace) -> int:
               f"gateway on http://{args.host}:{args.port} (P/D from {args.threshold} uncached prompt tokens)")
         print(f"config: {config_path} (edits apply live)   engine logs: {logs}\n")
         print(_curls(args.port), "\n\nCtrl-C stops everything.\n", flush=True)
-        server = uvicorn.Server(uvicorn.Config(
-            create_app(cfg, config_path=config_path, config_version=version_of(raw)),
-            host=args.host, port=args.port, loop="uvloop", http="httptools",
-            access_log=False, log_level="warning", server_header=False,
-        ))
+        server = make_server(
+            cfg, lambda connections: create_app(cfg, config_path=config_path, config_version=version_of(raw),
+                                                connections=connections),
+            host=args.host, port=args.port, log_level="warning")
         server.run()  # returns on SIGINT/SIGTERM
         return 0 if server.started else 1
     except KeyboardInterrupt:

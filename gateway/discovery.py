@@ -21,7 +21,6 @@ read on a worker thread (the token again on every connection: projected tokens r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import ssl
@@ -34,6 +33,7 @@ import aiohttp
 import orjson
 
 from .config import DiscoveryConfig, EndpointConfig, GatewayConfig
+from .tasks import cancel_checkpoint, stop_task
 
 log = logging.getLogger(__name__)
 
@@ -140,10 +140,10 @@ class SliceWatcher:
         self._task = asyncio.create_task(self._run(), name=f"discovery-{self.pool}")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        """Bounded (gateway/tasks.py): a hung API connection or a swallowed cancel cannot hang
+        shutdown or a reload."""
+        task, self._task = self._task, None
+        await stop_task(task)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -165,6 +165,7 @@ class SliceWatcher:
             self._session = session
             listed = False  # False: the next step is a full list (at the start and after a 410)
             while True:
+                cancel_checkpoint()  # a cancel a library swallowed ends the loop here (gateway/tasks.py)
                 try:
                     if not listed:
                         await self._list(access, path)
@@ -353,7 +354,8 @@ class Discovery:
         waits = [w.synced.wait() for w in self.watchers.values()]
         if waits:
             try:
-                await asyncio.wait_for(asyncio.gather(*waits), wait_s)
+                async with asyncio.timeout(wait_s):
+                    await asyncio.gather(*waits)
             except TimeoutError:
                 log.warning("discovery: the first list has not completed in %.0f s; serving with the "
                             "static endpoints until it does", wait_s)
@@ -369,17 +371,15 @@ class Discovery:
             self._dirty.clear()
             try:
                 await self._on_change()
-            except Exception:  # one bad update must not stop discovery for good
+            except Exception:  # one bad update must not stop discovery for good (not BaseException)
                 log.exception("discovery: applying discovered endpoints failed")
             if not self._dirty.is_set():
                 self._idle.set()
+            cancel_checkpoint()  # a cancel a library swallowed ends the loop here (gateway/tasks.py)
 
     async def close(self) -> None:
-        for watcher in self.watchers.values():
-            await watcher.stop()
+        """Stop every watcher and the worker, all at once and within one bound (gateway/tasks.py)."""
+        watchers = list(self.watchers.values())
         self.watchers.clear()
-        if self._worker:
-            self._worker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._worker
-            self._worker = None
+        worker, self._worker = self._worker, None
+        await asyncio.gather(*(w.stop() for w in watchers), stop_task(worker))

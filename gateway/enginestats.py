@@ -29,6 +29,7 @@ import aiohttp
 
 from .config import SignalsConfig
 from .pools import Endpoint, EngineStats, Pools
+from .tasks import cancel_checkpoint, stop_task
 
 log = logging.getLogger(__name__)
 
@@ -145,14 +146,16 @@ class StatsScraper:
         while True:
             try:
                 await self.scrape_all()
-            except Exception:  # one bad round must not end scraping for good
+            except Exception:  # one bad round must not end scraping for good (not BaseException)
                 log.exception("metrics scrape round failed")
+            cancel_checkpoint()  # a cancel a library swallowed ends the loop here (gateway/tasks.py)
             await asyncio.sleep(self._cfg.scrape_interval_s)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="engine-stats")
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="engine-stats")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        """Bounded (gateway/tasks.py): a stuck scrape or a swallowed cancel cannot hang shutdown."""
+        task, self._task = self._task, None
+        await stop_task(task)

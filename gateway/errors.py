@@ -18,8 +18,18 @@ _TYPES = {
 }
 
 
+MAX_MESSAGE_CHARS = 1024  # client strings echoed in a message (a model name, an engine's verdict) stop here
+
+
+def clip(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was left out: what a client sent is
+    never echoed back (or logged) at whatever size it chose."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
 class APIError(Exception):
-    """An error the client should see, with the HTTP status that goes with it."""
+    """An error the client should see, with the HTTP status that goes with it. The message is
+    clipped (``clip``): it may carry client strings."""
 
     def __init__(
         self,
@@ -31,6 +41,7 @@ class APIError(Exception):
         type_: str | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> None:
+        message = clip(message)
         super().__init__(message)
         self.headers = dict(headers or {})
         self.status = status

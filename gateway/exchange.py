@@ -22,7 +22,9 @@ the prefill engine to drop the blocks, so the retry goes direct (the decode engi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import re
 import time
 import uuid
@@ -37,7 +39,7 @@ from policies.pipeline import NoEndpointError, Route
 from . import legs
 from .admission import too_busy
 from .auth import authorize
-from .errors import APIError
+from .errors import APIError, clip
 from .h1client import ClientError
 from .legs import DecodeStream, LegFailed, PrefillAnswer
 from .pools import Endpoint
@@ -61,6 +63,7 @@ _SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _TOKENS, _TOKENS_APPROXIMATE = TOKENS_HEADER.encode(), (TOKENS_HEADER + "-approximate").encode()
 _ROUTE, _FAILOVER = ROUTE_HEADER.encode(), FAILOVER_HEADER.encode()
 _PATH = {p: (PATH_HEADER.encode(), p.value.encode()) for p in Path}
+_SHUTTING_DOWN = APIError(503, "The gateway is shutting down; the answer was cut short.", code="shutting_down")
 
 
 def request_id(client_id: str | None) -> str:
@@ -120,8 +123,12 @@ class Exchange:
         except ClientDisconnect:  # while the body was read
             self._outcome(CLIENT_CLOSED, "client disconnected")
         except asyncio.CancelledError:
-            if not client.gone:
+            if not client.gone:  # the server is stopping and the grace period is over
                 self._outcome(503, "cancelled: the gateway is shutting down")
+                if client.started and not self._answered:  # a stream: say so, never a silent cut
+                    with contextlib.suppress(Exception, asyncio.CancelledError):
+                        async with asyncio.timeout(1):
+                            await client.error(_SHUTTING_DOWN, [])
             elif not self._answered:  # a client that hangs up after [DONE] got its whole answer
                 self._outcome(CLIENT_CLOSED, "client disconnected")
             raise
@@ -166,9 +173,18 @@ class Exchange:
                 raise too_large(limit)
             return cached
         # Straight from ASGI ``receive``: Starlette's request.stream() costs ~20 us more per request.
+        # A client that stalls its body is cut off (408): no read waits longer than the idle
+        # timeout, nor past the whole body's deadline.
+        server = self.rt.cfg.server
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + server.body_timeout_s
         chunks, size = [], 0
         while True:
-            message = await request.receive()
+            try:
+                async with asyncio.timeout_at(min(deadline, loop.time() + server.body_idle_timeout_s)):
+                    message = await request.receive()
+            except TimeoutError:
+                raise APIError(408, "The request body did not arrive in time.", code="request_timeout") from None
             if message["type"] == "http.disconnect":
                 raise ClientDisconnect()
             chunk = message.get("body", b"")
@@ -195,9 +211,10 @@ class Exchange:
         req = parse_body(body, self.kind)
         tok = rt.tokenizers.get(req.model)
         if tok is None:
-            raise APIError(404, f"The model `{req.model}` does not exist.", param="model", code="model_not_found")
+            raise APIError(404, f"The model `{clip(req.model, 256)}` does not exist.", param="model",
+                           code="model_not_found")
         rec.model, rec.stream = req.model, req.stream
-        check_output_limit(req, rt.cfg.limits.max_output_tokens)
+        check_output_limit(req, rt.cfg.limits, tok.cfg.max_model_len)
         prompts = self.prompts = await rt.tokenizers.prompt_ids(tok, req)
         t1 = time.perf_counter_ns()
         rec.tokenize_s = (t1 - t0) / 1e9
@@ -221,6 +238,7 @@ class Exchange:
         prep = self.prep = await rt.router.prepare(req.model, rec.request_id, self.prompts[0], req.local_only(),
                                                    self.request.headers, salt if isinstance(salt, str) else None)
         adm = rt.cfg.admission
+        retry_after = {"Retry-After": str(math.ceil(adm.retry_after_s))}
         waited = 0.0
         while True:
             try:
@@ -229,10 +247,10 @@ class Exchange:
                 break
             except NotServed:
                 raise APIError(503, f"No decode engine serves the model `{req.model}` right now (see /ready).",
-                               code="model_not_served", headers={"Retry-After": "5"}) from None
+                               code="model_not_served", headers=retry_after) from None
             except NoEndpointError:
                 raise APIError(503, "No decode engine is available right now.", code="no_healthy_endpoint",
-                               type_="server_error") from None
+                               type_="server_error", headers=retry_after) from None
             except Saturated:
                 left = self._deadline - time.monotonic()
                 if explain or left <= 0:

@@ -1,79 +1,249 @@
-"""uvicorn's httptools protocol, sending a response's head and body in one write.
+"""The gateway's HTTP front: uvicorn's httptools protocol behind a guard that bounds what one client
+can make the gateway hold before a request reaches the app.
 
-uvicorn writes the status line and headers as soon as the app sends ``http.response.start`` and
-the body on ``http.response.body``: two syscalls and two TCP segments per answer, and for a
-non-streaming answer a client that may wake up twice. Here the head waits for the first body
-write of the same loop iteration and goes out with it; if none comes (a stream whose first
-chunk is still on its way), it goes out alone at the end of the iteration. Bytes are never
-reordered: whatever is held is written before anything after it.
+uvicorn's httptools protocol buffers a request head without limit (its parser joins a header's
+pieces, so the cost grows faster than the bytes) and waits for it forever; a connection that
+sends nothing stays open. The guard sees every byte first, parses the framing with its own
+``httptools`` parser (the same C parser: a second pass costs ~2-5 us a request, docs/benchmarks.md)
+and passes the bytes on unchanged, or cuts the connection short:
+
+- a request head (request line and headers) over ``max_head_bytes``, or with more than
+  ``max_headers`` headers, is answered 431 as soon as it passes the limit;
+- a head that does not arrive whole within ``head_timeout_s`` (from the connection's start for
+  the first request, from its first byte for later ones) is answered 408;
+- malformed HTTP is answered 400 in the OpenAI error shape (not uvicorn's plain text);
+- past ``max_connections`` open connections, a new one is answered 503 and closed, with a log
+  line (at most one every 10 s).
+
+Each of these closes the connection. On a connection that already carried a request the guard
+only closes it (a response of its own could land in the middle of an earlier one). Bodies are
+bounded by the app: size (``server.max_body_bytes``) and read timeouts (gateway/exchange.py);
+idle keep-alive connections by uvicorn's ``timeout_keep_alive``.
+
+The guard composes uvicorn's protocol (it constructs it with the arguments uvicorn gives every
+``http`` protocol class and forwards the asyncio protocol calls); it touches none of its internals.
+tests/gateway/test_httpserver.py fails if uvicorn changes that construction.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import httptools
+import orjson
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-_HEAD = b"HTTP/1."
+from .config import GatewayConfig
+
+log = logging.getLogger(__name__)
+
+LINGER_S = 1.0  # how long a cut connection stays open for the client to read the answer
+_REASONS = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large",
+            503: "Service Unavailable"}
 
 
-class HeadHoldingTransport:
-    """A transport wrapper that holds a response head for the next write or the loop's next turn."""
+@dataclass(frozen=True)
+class Limits:
+    max_head_bytes: int = 16384  # request line + headers
+    max_headers: int = 100
+    head_timeout_s: float = 10.0
+    max_connections: int = 10000
 
-    __slots__ = ("_held", "_loop", "_transport")
 
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._held: bytes | None = None
+class Connections:
+    """Open connections of one server, and the rate-limited log line when the cap is reached."""
 
-    def write(self, data: bytes) -> None:
-        held = self._held
-        if held is not None:
-            self._held = None
-            self._transport.write(held + data)
-        elif data.startswith(_HEAD):
-            self._held = data
-            self._loop.call_soon(self._flush)
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open = 0
+        self.refused = 0
+        self._logged = 0.0
+
+    def enter(self) -> bool:
+        if self.limit and self.open >= self.limit:
+            self.refused += 1
+            now = time.monotonic()
+            if now - self._logged >= 10.0:
+                self._logged = now
+                log.warning("%d connections open, the limit (server.max_connections): refusing new ones "
+                            "(%d refused so far)", self.open, self.refused)
+            return False
+        self.open += 1
+        return True
+
+    def leave(self) -> None:
+        self.open -= 1
+
+
+def make_server(cfg: GatewayConfig, build_app: Callable[[Connections], Any], *, host: str, port: int,
+                log_level: str) -> uvicorn.Server:
+    """The uvicorn server for ``cfg``, behind the guard; ``build_app`` gets the connection count
+    (for /metrics)."""
+    limits = Limits(max_head_bytes=cfg.limits.max_header_bytes, max_headers=cfg.limits.max_headers,
+                    head_timeout_s=cfg.server.head_timeout_s, max_connections=cfg.server.max_connections)
+    connections = Connections(limits.max_connections)
+    # No proxy-headers middleware: nothing reads the client address, and it wraps every request.
+    return uvicorn.Server(uvicorn.Config(
+        build_app(connections), host=host, port=port, loop="uvloop", http=guarded_protocol(limits, connections),
+        access_log=False, proxy_headers=False, log_level=log_level, server_header=False,
+        timeout_graceful_shutdown=cfg.server.shutdown_grace_s,
+    ))
+
+
+def guarded_protocol(limits: Limits, connections: Connections | None = None) -> type[asyncio.Protocol]:
+    """An ``http`` protocol class for uvicorn, bound to ``limits`` (one per server)."""
+    shared = connections or Connections(limits.max_connections)
+
+    class Guarded(GuardedProtocol):
+        LIMITS = limits
+        CONNECTIONS = shared
+
+    return Guarded
+
+
+def _response(status: int, message: str, code: str) -> bytes:
+    body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error" if status < 500
+                                   else "server_error", "param": None, "code": code}})
+    return (f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+
+
+class GuardedProtocol(asyncio.Protocol):
+    LIMITS: Limits = Limits()
+    CONNECTIONS: Connections = Connections(0)
+
+    def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._inner = HttpToolsProtocol(config=config, server_state=server_state, app_state=app_state, _loop=_loop)
+        self._loop = _loop or asyncio.get_event_loop()
+        self._parser = httptools.HttpRequestParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._entered = False  # counted in CONNECTIONS, and handed to uvicorn's protocol
+        self._done = False  # cut short: nothing more goes to uvicorn
+        self._passthrough = False  # an upgrade: not HTTP/1 requests any more
+        self._in_head = True
+        self._head_raw = 0  # bytes of chunks that were all head
+        self._head_size = 0  # request target + header names and values, as parsed
+        self._headers = 0
+        self._requests = 0  # heads completed on this connection
+        self._rejection: tuple[int, str, str] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    # -- asyncio.Protocol ------------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        if not self.CONNECTIONS.enter():
+            self._cut(503, "The gateway has too many open connections; retry later.", "too_many_connections")
+            return
+        self._entered = True
+        self._inner.connection_made(transport)  # type: ignore[arg-type]
+        self._timer = self._loop.call_later(self.LIMITS.head_timeout_s, self._head_timed_out)
+
+    def data_received(self, data: bytes) -> None:
+        if self._done:
+            return
+        if not self._passthrough:
+            try:
+                self._parser.feed_data(data)
+            except httptools.HttpParserUpgrade:
+                self._passthrough = True
+            except httptools.HttpParserCallbackError:
+                pass  # a limit raised it: the rejection below says which
+            except httptools.HttpParserError as err:
+                self._cut(400, f"Invalid HTTP request: {err}.", "invalid_http")
+                return
+            if self._rejection is None and self._in_head:
+                self._head_raw += len(data)  # the whole chunk was head
+                if self._head_raw > self.LIMITS.max_head_bytes:
+                    self._reject_head()
+            if self._rejection is not None:
+                self._cut(*self._rejection)
+                return
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received() if self._entered else None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._entered:
+            self._entered = False
+            self.CONNECTIONS.leave()
+            self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self._entered:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._entered:
+            self._inner.resume_writing()
+
+    # -- httptools callbacks (framing only) ------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._in_head = True
+        self._head_raw = self._head_size = self._headers = 0
+        if self._timer is None:
+            self._timer = self._loop.call_later(self.LIMITS.head_timeout_s, self._head_timed_out)
+
+    def on_url(self, url: bytes) -> None:
+        self._head_size += len(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers += 1
+        self._head_size += len(name) + len(value) + 4
+        if self._headers > self.LIMITS.max_headers or self._head_size > self.LIMITS.max_head_bytes:
+            self._reject_head()
+            raise ValueError("request head over the limits")  # stops this parse
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._requests += 1
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._head_size > self.LIMITS.max_head_bytes:
+            self._reject_head()
+
+    # -- cutting a connection short --------------------------------------------------------------------
+
+    def _reject_head(self) -> None:
+        if self._rejection is None:
+            lim = self.LIMITS
+            self._rejection = (431, f"Request headers exceed {lim.max_head_bytes} bytes or {lim.max_headers} "
+                               "headers.", "headers_too_large")
+
+    def _head_timed_out(self) -> None:
+        self._timer = None
+        if self._in_head and not self._done:
+            self._cut(408, f"The request head did not arrive within {self.LIMITS.head_timeout_s:g} s.",
+                      "request_timeout")
+
+    def _cut(self, status: int, message: str, code: str) -> None:
+        """Answer (on a connection that has not carried a request yet) and close. The close lingers
+        (``LINGER_S``, what arrives meanwhile is dropped unread): closing a socket with unread bytes
+        resets it, and the client would lose the answer."""
+        self._done = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        if self._requests == 0 or (status == 431 and self._requests == 1 and self._in_head is False):
+            transport.write(_response(status, message, code))
+        if transport.can_write_eof():
+            transport.write_eof()
+            self._loop.call_later(LINGER_S, transport.close)
         else:
-            self._transport.write(data)
-
-    def _flush(self) -> None:
-        held, self._held = self._held, None
-        if held is not None and not self._transport.is_closing():
-            self._transport.write(held)
-
-    def close(self) -> None:
-        self._flush()
-        self._transport.close()
-
-    def write_eof(self) -> None:
-        self._flush()
-        self._transport.write_eof()
-
-    def abort(self) -> None:
-        self._held = None
-        self._transport.abort()
-
-    def is_closing(self) -> bool:
-        return self._transport.is_closing()
-
-    def pause_reading(self) -> None:
-        self._transport.pause_reading()
-
-    def resume_reading(self) -> None:
-        self._transport.resume_reading()
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return self._transport.get_extra_info(name, default)
-
-    def __getattr__(self, name: str) -> Any:  # the rest of the transport interface, as is
-        return getattr(self._transport, name)
-
-
-class HeadHoldingProtocol(HttpToolsProtocol):
-    """Pass as uvicorn's ``http`` protocol class."""
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(HeadHoldingTransport(transport, self.loop))  # type: ignore[arg-type]
+            transport.close()

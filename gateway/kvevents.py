@@ -55,6 +55,8 @@ from zmq.utils.monitor import parse_monitor_message
 from policies.blockhash import BlockHash, Digest, HashSpec, block_digests
 from policies.prefix_index import PrefixStore
 
+from .tasks import cancel_checkpoint, stop_task
+
 log = logging.getLogger(__name__)
 
 END_SEQ = -1  # the replay socket's end marker (signed)
@@ -264,10 +266,7 @@ class KVEventSubscriber:
     async def stop(self) -> None:
         """Stop following; the engine's precise entries go (nothing keeps them true any more)."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_task(task)  # bounded: a swallowed cancel or a stuck replay cannot hang shutdown
         if self._sub is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._sub.disable_monitor()
@@ -277,7 +276,9 @@ class KVEventSubscriber:
             self._monitor.close(linger=0)
             self._monitor = None
         if self._own_ctx and self._ctx is not None:
-            self._ctx.term()
+            # destroy, not term: term() blocks the loop until every socket is closed, and a task
+            # that would not stop may still hold its replay socket
+            self._ctx.destroy(linger=0)
             self._ctx = None
         self.counters.connected = False
         self.index.set_precise(self.url, False)
@@ -292,6 +293,7 @@ class KVEventSubscriber:
         poller.register(self._sub, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         while True:
+            cancel_checkpoint()  # a cancel a library swallowed ends the loop here (gateway/tasks.py)
             try:
                 ready = dict(await poller.poll())
                 if self._monitor in ready:
@@ -385,7 +387,9 @@ class KVEventSubscriber:
             dealer.connect(self.replay_endpoint)
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
-                frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout_s)
+                # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that lands as the frames do
+                async with asyncio.timeout(self.replay_timeout_s):
+                    frames = await dealer.recv_multipart()
                 if frames and frames[0] == b"":
                     frames = frames[1:]
                 if len(frames) == 3:

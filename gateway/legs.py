@@ -19,6 +19,7 @@ from typing import Any
 from .errors import APIError
 from .h1client import ClientError, Response
 from .pools import Endpoint
+from .tasks import STOP_BOUND_S, stop_tasks
 from .upstream import EngineError, Upstream, transport_error
 
 PREFILL_KV_PARAMS = {
@@ -180,3 +181,8 @@ class KVReleaser:
         task = asyncio.get_running_loop().create_task(release())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def close(self, bound_s: float = STOP_BOUND_S) -> None:
+        """Cancel the releases still out, within ``bound_s`` (shutdown): an abandoned one only
+        means the prefill engine holds those blocks until its KV lease runs out."""
+        await stop_tasks(list(self._tasks), bound_s=bound_s)

@@ -19,7 +19,9 @@ from .requestlog import RequestRecord
 from .state import RedisState
 
 if TYPE_CHECKING:
+    from .admission import Gate
     from .discovery import SliceWatcher
+    from .httpserver import Connections
     from .modelcheck import ServedModels
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
@@ -162,6 +164,10 @@ class GatewayMetrics:
 
     def decided(self, path: str, reason: str) -> None:
         self._child(self.decisions, path, reason).inc()
+
+    def watch_admission(self, gate: Gate, connections: Connections | None) -> None:
+        """Export the admission slots and the HTTP server's connections (read at scrape time)."""
+        self.registry.register(_AdmissionCollector(gate, connections))
 
     def hook_failed(self, subscriber: str, hook: str) -> None:
         self.hook_errors.labels(subscriber, hook).inc()
@@ -354,3 +360,28 @@ class BeliefAudit:
         m._child(m.belief_checks, leg.leg, result).inc()
         if error:
             m._child(m.belief_error, leg.leg, result).observe(abs(error))
+
+
+class _AdmissionCollector:
+    """Slots held and waited for (admission.max_in_flight), and the server's connections."""
+
+    def __init__(self, gate: Gate, connections: Connections | None) -> None:
+        self._gate, self._connections = gate, connections
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        held = GaugeMetricFamily("pdgate_admission_in_flight", "Requests holding an admission slot (their body "
+                                 "read, not yet answered)")
+        held.add_metric([], self._gate.in_flight)
+        queued = GaugeMetricFamily("pdgate_admission_queued", "Requests waiting for an admission slot")
+        queued.add_metric([], self._gate.queued)
+        yield from (held, queued)
+        if self._connections is not None:
+            open_ = GaugeMetricFamily("pdgate_http_connections", "Open client connections")
+            open_.add_metric([], self._connections.open)
+            refused = CounterMetricFamily("pdgate_http_connections_refused", "Connections refused at "
+                                          "server.max_connections")
+            refused.add_metric([], self._connections.refused)
+            yield from (open_, refused)

@@ -15,6 +15,7 @@ import aiohttp
 from policies.base import EndpointView, PoolSnapshot
 
 from .config import HealthConfig, OutlierConfig
+from .tasks import cancel_checkpoint, stop_task
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +243,9 @@ class Pools:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._release_waiters.append(fut)
         try:
-            await asyncio.wait_for(fut, timeout)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow the request's own cancel
+            async with asyncio.timeout(timeout):
+                await fut
         except TimeoutError:
             pass
         finally:
@@ -306,18 +309,21 @@ class HealthChecker:
     async def _run(self) -> None:
         while True:
             self._wake.clear()
+            # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that lands as the wake fires
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._cfg.interval_s)
+                async with asyncio.timeout(self._cfg.interval_s):
+                    await self._wake.wait()
             try:
                 await self.probe_all()
-            except Exception:  # one bad round must not stop health checking for good
+            except Exception:  # one bad round must not stop health checking for good (not BaseException)
                 log.exception("health check round failed")
+            cancel_checkpoint()  # a cancel a library swallowed ends the loop here (gateway/tasks.py)
 
     async def start(self) -> None:
         await self.probe_all()  # so /ready is truthful from the first request
         self._task = asyncio.create_task(self._run(), name="health-checker")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        """Bounded (gateway/tasks.py): a stuck probe or a swallowed cancel cannot hang shutdown."""
+        task, self._task = self._task, None
+        await stop_task(task)

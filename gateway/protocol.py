@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
 from .errors import APIError, bad_request
+
+if TYPE_CHECKING:
+    from .config import LimitsConfig
 
 Kind = Literal["chat", "completion"]
 
@@ -250,12 +253,74 @@ def too_large(limit: int) -> APIError:
                     code="request_too_large")
 
 
-def check_output_limit(req: ParsedRequest, limit: int) -> None:
-    """The gateway's own cap on output tokens (``limits.max_output_tokens``; 0: none)."""
+# vLLM's default max_tokens for completions (CompletionRequest); chat has none (the context's room).
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+def check_output_limit(req: ParsedRequest, limits: LimitsConfig, max_model_len: int | None = None) -> None:
+    """The gateway's caps on what one request may ask for (``limits``), checked once after parsing.
+
+    ``n``, ``best_of`` and the number of prompts are capped first: each sequence holds a decode
+    slot and its KV. ``max_output_tokens`` (0: none) then bounds the request as a whole, max tokens
+    x sequences, since a per-sequence cap alone is multiplied away by ``n``. A request that names no
+    max tokens gets its share written into the body the engines receive (never forwarded
+    uncapped), no more than ``max_model_len`` (vLLM refuses more). Within the limits the body is
+    otherwise left as sent.
+    """
+    body = req.body
+    n = body.get("n") or 1
+    best_of = body.get("best_of") or 1
+    prompts = len(req.prompts) if req.kind == "completion" else 1
+    if limits.max_prompts and prompts > limits.max_prompts:
+        raise bad_request(f"prompt must hold at most {limits.max_prompts} prompts on this gateway, got {prompts}.",
+                          param="prompt", code="too_many_prompts")
+    if limits.max_n and n > limits.max_n:
+        raise bad_request(f"n must be at most {limits.max_n} on this gateway, got {n}.", param="n",
+                          code="n_too_large")
+    if limits.max_best_of and best_of > limits.max_best_of:
+        raise bad_request(f"best_of must be at most {limits.max_best_of} on this gateway, got {best_of}.",
+                          param="best_of", code="best_of_too_large")
+    # What vLLM refuses anyway (older versions for best_of): refused here, before any engine is held.
+    if body.get("best_of") is not None and best_of < n:
+        raise bad_request(f"best_of must be greater than or equal to n, got n={n} and best_of={best_of}.",
+                          param="best_of")
+    temperature = body.get("temperature")  # below vLLM's _SAMPLING_EPS: greedy, one sequence only
+    if n > 1 and temperature is not None and temperature < 1e-5 and not body.get("use_beam_search"):
+        raise bad_request(f"n must be 1 when using greedy sampling, got {n}.", param="n")
+
+    limit = limits.max_output_tokens
     if not limit:
         return
-    for param in ("max_tokens", "max_completion_tokens"):
-        value = req.body.get(param)
-        if isinstance(value, int) and value > limit:
-            raise bad_request(f"{param} must be at most {limit} on this gateway, got {value}.", param=param,
-                              code="max_tokens_too_large")
+    per_prompt = max(n, best_of)
+    seqs = per_prompt * prompts
+    parts = [f"best_of={best_of}" if best_of > n else f"n={n}"] if per_prompt > 1 else []
+    parts += [f"{prompts} prompts"] if prompts > 1 else []
+    asks = f"{seqs} sequences ({' x '.join(parts)})"
+    cap = limit // seqs
+    if cap < 1:
+        param = "best_of" if best_of > n else "n" if n > 1 else "prompt"
+        raise bad_request(f"This request asks for {asks}, more than the {limit} output tokens this gateway "
+                          "allows per request (at least 1 per sequence); ask for fewer.",
+                          param=param, code="too_many_sequences")
+
+    def over(param: str, value: int, code: str) -> APIError:
+        total = "" if seqs == 1 else f", and this one asks for {asks}, {value * seqs} tokens in all"
+        return bad_request(f"{param} must be at most {cap}, got {value}: this gateway allows at most {limit} "
+                           f"output tokens per request{total}.", param=param, code=code)
+
+    # The value vLLM uses: for chat max_completion_tokens wins when both are set.
+    chat_mct = req.kind == "chat" and body.get("max_completion_tokens") is not None
+    param = "max_completion_tokens" if chat_mct else "max_tokens"
+    value = body.get(param)
+    if value is not None and value > cap:
+        raise over(param, value, "max_tokens_too_large")
+    min_tokens = body.get("min_tokens") or 0
+    if min_tokens > cap:
+        raise over("min_tokens", min_tokens, "min_tokens_too_large")
+    if value is None:
+        share = min(cap, max_model_len) if max_model_len else cap
+        if req.kind == "chat":
+            body["max_completion_tokens"] = share
+        else:
+            # Absent, vLLM's default applies (a null asks for the context's room): keep it, bounded.
+            body["max_tokens"] = share if "max_tokens" in body else min(COMPLETION_DEFAULT_MAX_TOKENS, share)

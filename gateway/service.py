@@ -60,8 +60,10 @@ class Gateway:
                 for name, eps in (("prefill", pools.prefill), ("decode", pools.decode))
             },
             "kv_event_feeds": {"connected": sum(f.counters.connected for f in feeds), "total": len(feeds)},
+            # The error's kind only: its text names Redis's address, and /ready needs no credentials
+            # (the whole text is in the log).
             "shared_state": ({"backend": "redis", "healthy": self.shared.status.healthy,
-                              "error": self.shared.status.last_error or None}
+                              "error": self.shared.status.last_error.split(":", 1)[0] or None}
                              if self.shared else {"backend": "memory", "healthy": True}),
         }
         if self.models is not None:

@@ -40,11 +40,13 @@ from policies.blockhash import BlockHash
 
 from .config import StateConfig
 from .pools import Pools
+from .tasks import STOP_BOUND_S, cancel_checkpoint, stop_task, stop_tasks
 
 log = logging.getLogger(__name__)
 
 MAX_LOOKUP_BLOCKS = 4096  # a 64k-token prompt at block size 16; longer prompts match on their start
 _WRITE_QUEUE = 1024  # pending learn() batches
+_CLEANUP_S = 1.0  # longest the last steps with Redis (remove this replica's keys, close) may take
 
 
 def _key(h: BlockHash) -> str:
@@ -177,6 +179,7 @@ class RedisState:
                     await pipe.execute()
             except (RedisError, OSError, TimeoutError) as err:
                 self._failed(err)
+            cancel_checkpoint()  # redis-py can swallow a cancel (see gateway/tasks.py)
 
     # -- in-flight counts ----------------------------------------------------------------------
 
@@ -223,8 +226,9 @@ class RedisState:
         while True:
             try:
                 await self.sync_in_flight()
-            except Exception:  # one bad round must not end sharing for good
+            except Exception:  # one bad round must not end sharing for good (not BaseException: stop must work)
                 log.exception("shared state sync failed")
+            cancel_checkpoint()  # redis-py can swallow a cancel mid round trip (see gateway/tasks.py)
             await asyncio.sleep(self.cfg.sync_interval_s)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -234,12 +238,22 @@ class RedisState:
         self._tasks = [asyncio.create_task(self._writer(), name="state-writer"),
                        asyncio.create_task(self._syncer(), name="state-sync")]
 
-    async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+    async def stop(self, bound_s: float = STOP_BOUND_S) -> None:
+        """Stop syncing, remove this replica's keys and close; at most ``bound_s`` in all, even when
+        Redis is dead or a cancellation gets swallowed inside a round trip (shutdown waits on this)."""
+        tasks, self._tasks = self._tasks, []
+        await stop_tasks(tasks, bound_s=max(bound_s - _CLEANUP_S, 0.1))
+        # In a task of its own: redis-py retries with backoff (seconds) and can swallow the cancel
+        # that asyncio.timeout relies on, so only stop_task's re-cancel bounds it for sure.
+        cleanup = asyncio.create_task(self._cleanup(), name="state-cleanup")
+        await stop_task(cleanup, grace_s=_CLEANUP_S * 0.8, bound_s=_CLEANUP_S)
+
+    async def _cleanup(self) -> None:
+        # Others would count this replica's in-flight requests until its keys expire: best effort.
         with contextlib.suppress(RedisError, OSError, TimeoutError):
-            async with asyncio.timeout(0.5):
-                await self._redis.delete(f"{self._p}:inflight:{self.replica}")
-                await self._redis.zrem(f"{self._p}:replicas", self.replica)
+            async with asyncio.timeout(_CLEANUP_S / 2):
+                pipe = self._redis.pipeline(transaction=False)
+                pipe.delete(f"{self._p}:inflight:{self.replica}")
+                pipe.zrem(f"{self._p}:replicas", self.replica)
+                await pipe.execute()
         await self._redis.aclose()

@@ -14,7 +14,7 @@ import aiohttp
 import orjson
 
 from .config import TimeoutsConfig
-from .errors import APIError, bad_request
+from .errors import APIError, bad_request, clip
 from .h1client import ClientError, ConnectError, FirstTimeout, H1Client, Response, Timeouts
 from .pools import Endpoint
 
@@ -150,5 +150,5 @@ def _engine_error(status: int, raw: bytes, leg: Leg, ep: Endpoint) -> EngineErro
         message = raw[:500].decode("utf-8", "replace")
     if 400 <= status < 500:
         return EngineError(status, message or f"The {leg} engine rejected the request.", code="engine_rejected")
-    log.warning("%s engine %s answered HTTP %d: %s", leg, ep.url, status, message or "(no body)")
+    log.warning("%s engine %s answered HTTP %d: %s", leg, ep.url, status, clip(message, 500) or "(no body)")
     return EngineError(502, f"The {leg} engine failed (HTTP {status}).", code="engine_error")

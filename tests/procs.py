@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,37 +17,9 @@ from pathlib import Path
 
 import httpx
 
-_GIVEN: set[int] = set()
+from gateway import ports
 
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(lo), int(hi)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def free_port() -> int:
-    """A port free now, for a server started a moment later. Taken below the kernel's ephemeral
-    range, so the outgoing connections every test makes (which draw their local port from that
-    range) cannot grab it in between, and never handed out twice by this process."""
-    lo, hi = _ephemeral_range()
-    start, stop = (10000, lo) if lo > 11000 else (hi + 1, 65535)
-    for _ in range(200):
-        port = random.randrange(start, stop)
-        if port in _GIVEN:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _GIVEN.add(port)
-        return port
-    with socket.socket() as s:  # a crowded range: let the kernel choose
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+free_port = ports.free_port  # below the ephemeral range (gateway/ports.py)
 
 
 class Proc:

@@ -63,8 +63,11 @@ class Cluster:
 
     def start_gateway(self, threshold: int, env: dict[str, str] | None = None, **overrides) -> None:
         self.gateway_port = free_port()
+        server = {"host": "127.0.0.1", "port": self.gateway_port, "max_body_bytes": 1_000_000,
+                  **overrides.pop("server", {})}  # the listening address stays the one chosen here
+        server["port"] = self.gateway_port
         cfg = {
-            "server": {"host": "127.0.0.1", "port": self.gateway_port, "max_body_bytes": 1_000_000},
+            "server": server,
             "models": [{"name": self.model, "tokenizer": str(self.tokenizer), "max_model_len": 4096}],
             "pools": {"prefill": {"endpoints": [s.url for s in self.prefill]},
                       "decode": {"endpoints": [s.url for s in self.decode]}},

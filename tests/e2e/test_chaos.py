@@ -17,3 +17,15 @@ def test_engines_killed_under_load(tmp_path):
     assert report.outcomes.get("unclear", 0) == 0, report
     assert report.in_flight_after == 0, report
     assert report.outcomes["ok"] >= 250, report  # the survivors carry the load: failures stay rare
+
+
+def test_legitimate_clients_are_served_through_attacks_and_a_redis_kill(tmp_path):
+    """The same, with hostile clients alongside (an endless header, slowloris, stalled bodies) and
+    the shared-state Redis killed at three quarters: every legitimate request still ends cleanly."""
+    attackers = {"endless_header": 1, "slowloris": 10, "stalled_body": 4}
+    report = run(n=300, concurrency=32, timeout=30, logs=tmp_path, attackers=attackers, redis=True)
+    assert report.killed[-1] == "redis" and report.redis_killed
+    assert report.outcomes.get("hung", 0) == 0 and report.outcomes.get("unclear", 0) == 0, report
+    assert report.in_flight_after == 0, report
+    assert report.outcomes["ok"] >= 250, report
+    assert sum(report.attacks.values()) > 0, report  # the attackers did run

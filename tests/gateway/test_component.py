@@ -337,3 +337,43 @@ def test_middleware_added_to_the_app_sees_inference_traffic(tokenizer_dir, engin
         r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 200
     assert seen == ["POST /v1/chat/completions"]
+
+
+@pytest.fixture(scope="module")
+def limited(tokenizer_dir, engines):
+    """A gateway with an output limit of 100 tokens per request and the default caps."""
+    cfg = parse_config({
+        "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}],
+        "pools": {"decode": {"endpoints": [engines[1].url]}},
+        "limits": {"max_output_tokens": 100},
+    })
+    with TestClient(create_app(cfg)) as c:
+        yield c
+
+
+def test_engine_receives_the_output_share_when_none_was_asked(limited, decode):
+    decode.reply("/v1/chat/completions", completion())
+    decode.reply("/v1/completions", completion())
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 4}
+    assert limited.post("/v1/chat/completions", json=chat).status_code == 200
+    assert limited.post("/v1/completions", json={"model": "tiny", "prompt": ["a", "b"], "n": 10}).status_code == 200
+    [sent_chat] = decode.posts("/v1/chat/completions")
+    [sent_cmpl] = decode.posts("/v1/completions")
+    assert sent_chat.body == {**chat, "max_completion_tokens": 25}  # 100 tokens / 4 sequences
+    assert sent_cmpl.body == {"model": "tiny", "prompt": ["a", "b"], "n": 10, "max_tokens": 5}
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [({"max_tokens": 100, "n": 50}, "n", "n_too_large"),
+     ({"max_tokens": 100, "n": 2}, "max_tokens", "max_tokens_too_large"),
+     ({"min_tokens": 101}, "min_tokens", "min_tokens_too_large"),
+     ({"n": 100000}, "n", "n_too_large"),
+     ({"prompt": ["p"] * 65}, "prompt", "too_many_prompts")],
+)
+def test_a_request_over_a_cap_never_reaches_an_engine(limited, decode, body, param, code):
+    r = limited.post("/v1/completions", json={"model": "tiny", "prompt": "x", **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error")
+    assert decode.requests == []

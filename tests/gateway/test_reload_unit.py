@@ -26,7 +26,7 @@ class Recorder:
         self.results: list[tuple[str, str]] = []
 
     async def apply(self, cfg: GatewayConfig, version: str) -> None:
-        threshold = cfg.routing.decider.params["threshold"]
+        threshold = cfg.routing.decider.params.get("threshold", 4096)  # the default, when the section is missing
         if threshold == 13:
             raise ValueError("unlucky threshold")  # what apply does for an unusable policy
         self.applied.append((threshold, version))
@@ -103,5 +103,29 @@ async def test_configmap_symlink_swap(tmp_path):
         raw = publish("..2026_11_29_2", config(777))
         await wait_for(lambda: rec.applied, timeout=4.0)  # before the 5 s poll: the swap's event did it
         assert rec.applied == [(777, version_of(raw))]
+    finally:
+        await w.stop()
+
+
+async def test_a_file_caught_half_written_is_never_applied(tmp_path):
+    """A writer that pauses after a valid YAML prefix: the prefix is a config of its own (here the
+    decider section is missing, so the default threshold would apply) and must not be served."""
+    path = tmp_path / "pdgate.yaml"
+    first = write(path, config(100))
+    rec = Recorder()
+    w = ConfigWatcher(path, version_of(first), rec.apply, rec.result, poll_s=0.1, settle_s=0.5)
+    w.start()
+    try:
+        whole = yaml.safe_dump(config(300), sort_keys=False).encode()
+        half = whole[: whole.index(b"routing:")]
+        assert yaml.safe_load(half)  # valid YAML on its own
+        with open(path, "wb") as f:  # noqa: ASYNC230 - a plain rewrite, not atomic, paused half-way
+            f.write(half)
+            f.flush()
+            await asyncio.sleep(0.3)
+            f.write(whole[len(half):])
+        await wait_for(lambda: rec.applied)
+        await asyncio.sleep(0.6)  # what a late check could still apply
+        assert rec.applied == [(300, version_of(whole))]
     finally:
         await w.stop()
