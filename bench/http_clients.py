@@ -1,4 +1,6 @@
-"""Why the gateway has its own upstream client: per-request cost of httpx, aiohttp and h1client.
+"""Why the gateway has its own upstream client: per-request cost of httpx, aiohttp and the two
+engine transports (gateway/transport.py): ``AiohttpTransport`` (the reference, aiohttp plus the
+interface's timeouts and limits) and ``H1Client`` (the default).
 
 Each client posts the same small JSON body over one keep-alive connection to a minimal local
 HTTP server at concurrency 1, alternating in rounds; reported are p50/p99 latency and CPU time
@@ -14,12 +16,15 @@ import asyncio
 import resource
 import sys
 import time
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import httpx
 import uvloop
 
-from gateway.h1client import H1Client, Timeouts
+from gateway.h1client import H1Client
+from gateway.transport import EngineTransport, Timeouts
+from gateway.transport_aiohttp import AiohttpTransport
 
 BODY = b'{"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"hi"}]}'
 RESPONSE = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(BODY), BODY)
@@ -66,7 +71,8 @@ async def main(requests: int, rounds: int) -> None:
     base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     url = base + "/v1/completions"
     headers = {"content-type": "application/json"}
-    h1, timeouts = H1Client(), Timeouts(connect=5, total=60)
+    h1, ref = H1Client(), AiohttpTransport()
+    timeouts = Timeouts(connect=5, total=60)
     async with httpx.AsyncClient() as hx, aiohttp.ClientSession() as ah:
 
         async def with_httpx() -> None:
@@ -77,14 +83,18 @@ async def main(requests: int, rounds: int) -> None:
             async with ah.post(url, data=PAYLOAD, headers=headers) as r:
                 await r.read()
 
-        async def with_h1client() -> None:
-            r = await h1.post(base, "/v1/completions", PAYLOAD, headers, timeouts)
-            await r.read()
-            r.release()
+        def with_transport(client: EngineTransport) -> Callable[[], Awaitable[None]]:
+            async def call() -> None:
+                r = await client.post(base, "/v1/completions", PAYLOAD, headers, timeouts)
+                await r.read()
+                r.release()
+            return call
 
+        clients = (("httpx", with_httpx), ("aiohttp", with_aiohttp), ("AiohttpTransport", with_transport(ref)),
+                   ("h1client", with_transport(h1)))
         print("| client | round | p50 us | p99 us | CPU us/request |\n|---|---|---|---|---|")
         for rnd in range(rounds):
-            for name, call in (("httpx", with_httpx), ("aiohttp", with_aiohttp), ("h1client", with_h1client)):
+            for name, call in clients:
                 for _ in range(200):
                     await call()
                 lat, c0 = [], _cpu()
@@ -99,6 +109,8 @@ async def main(requests: int, rounds: int) -> None:
                     f"| {cpu * 1e6:.0f} |"
                 )
     h1.close()
+    ref.close()
+    await asyncio.sleep(0)  # the reference's close runs as a task
     server.close()
     await server.wait_closed()
 

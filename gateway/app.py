@@ -35,7 +35,6 @@ from .config import AdminConfig, GatewayConfig
 from .discovery import Discovery
 from .enginestats import StatsScraper
 from .errors import APIError, error_response
-from .h1client import H1Client
 from .httpserver import Connections
 from .kvevents import KVEventSubscriber
 from .legs import KVReleaser
@@ -52,6 +51,7 @@ from .state import RedisState
 from .tasks import STOP_BOUND_S
 from .tokenizer import ModelTokenizer, Tokenizers
 from .tracing import Tracing
+from .transport import EngineTransport
 from .upstream import Upstream, make_client, make_session
 
 log = logging.getLogger(__name__)
@@ -163,11 +163,11 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
             await asyncio.gather(*(health.probe(e) for e in pools.all() if id(e) not in before))
 
         discovery = Discovery(discovered)
-        session = make_session()
+        session = make_session(cfg.engines)  # control plane: the engines' TLS settings too
         models = ServedModels(pools, session, [m.name for m in cfg.models], cfg.health.timeout_s)
         metrics = GatewayMetrics(pools, index, subs.all, shared, lambda: discovery.watchers.values(),
                                  estimates.prefill_s_per_token, models)
-        engines = make_client()
+        engines = make_client(cfg.engines)
         res = Resources(session, engines, pools, index, shared, subs, discovery, models,
                         Learners(beliefs, estimates, BeliefAudit(metrics)), metrics)
         services = Services(pools, metrics, Tracing(cfg.telemetry.tracing, span_exporter),
@@ -369,7 +369,7 @@ class Resources:
     """What outlives config versions: connections, endpoint state, the prefix index, event feeds."""
 
     session: aiohttp.ClientSession  # control plane: health checks, metrics scrapes, model lists
-    engines: H1Client  # the engine legs: warm keep-alive connections survive reloads
+    engines: EngineTransport  # the engine legs: warm keep-alive connections survive reloads
     pools: Pools
     index: PrefixIndex
     shared: RedisState | None
@@ -397,7 +397,7 @@ def _shown(value: Any) -> str:
 
 # Sections bound to the process (listening socket, shared-state connection): a reload keeps the
 # running values and says so.
-RESTART_ONLY = ("server", "state", "telemetry")
+RESTART_ONLY = ("server", "state", "telemetry", "engines")
 
 
 async def _apply(gw: Gateway, new: GatewayConfig, version: str, res: Resources) -> None:

@@ -4,10 +4,31 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .config import ConfigError, PoolConfig, load_config
+from .config import ConfigError, GatewayConfig, PoolConfig, load_config
+
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizers
+
+
+def load_tokenizers(cfg: GatewayConfig) -> Tokenizers:
+    """Every model's tokenizer, as the gateway serves with them; raises ValueError naming the
+    model's ``tokenizer`` key and the cause (one line, no traceback)."""
+    from .tokenizer import ModelTokenizer, Tokenizers
+
+    loaded = []
+    for i, model in enumerate(cfg.models):
+        try:
+            loaded.append(ModelTokenizer.load(model))
+        except Exception as err:  # whatever transformers raises for a missing or broken tokenizer
+            cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(f"models[{i}].tokenizer: cannot load {model.tokenizer!r} "
+                             f"({type(err).__name__}: {cause})") from None
+    return Tokenizers(loaded, cfg.tokenizer)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -30,11 +51,12 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("watchfiles").setLevel(logging.WARNING)  # it logs every file event at INFO
     try:
+        tokenizers = load_tokenizers(cfg)  # here, not at startup: a missing tokenizer is one line, not a traceback
         server = make_server(
-            cfg, lambda connections: create_app(cfg, config_path=args.config, config_version=version_of(raw),
-                                                connections=connections),
+            cfg, lambda connections: create_app(cfg, tokenizers, config_path=args.config,
+                                                config_version=version_of(raw), connections=connections),
             host=host, port=port, log_level=cfg.server.log_level.lower())
-    except ValueError as err:  # e.g. an unknown policy name
+    except ValueError as err:  # e.g. an unknown policy name, a tokenizer that cannot load
         print(f"{args.config}: {err}", file=sys.stderr)
         return 2
     server.run()
@@ -49,9 +71,15 @@ def _check(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config)
         validate(cfg)
-    except (ConfigError, ValueError) as err:
+        if not args.no_tokenizers:
+            load_tokenizers(cfg).close()
+    except ConfigError as err:
         print(err, file=sys.stderr)
         return 1
+    except ValueError as err:
+        print(f"{args.config}: {err}", file=sys.stderr)
+        return 1
+
     def pool(p: PoolConfig) -> str:
         found = f" + discovery ({p.discovery.label_selector})" if p.discovery else ""
         return f"{len(p.endpoints)}{found}"
@@ -69,6 +97,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # The gateway only tokenizes: transformers' "PyTorch was not found" advice at import is noise.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     if argv[:1] == ["sim"]:  # the simulator owns its flags
         from sim.cli import main as sim_main
 
@@ -84,17 +114,23 @@ def main(argv: list[str] | None = None) -> int:
     serve.set_defaults(func=_serve)
 
     demo = sub.add_parser("demo", help="gateway + simulated prefill and decode engines on this machine")
-    demo.add_argument("--port", type=int, default=8000)
-    demo.add_argument("--host", default="127.0.0.1")
+    demo.add_argument("--port", type=int, default=8000, help="the gateway's port (default 8000)")
+    demo.add_argument("--host", default="127.0.0.1", help="the gateway's address (default 127.0.0.1)")
     demo.add_argument("--prefill", type=int, default=2, help="simulated prefill engines")
     demo.add_argument("--decode", type=int, default=2, help="simulated decode engines")
     demo.add_argument("--threshold", type=int, default=4096, help="P/D from this many prompt tokens")
+    demo.add_argument("--keep-logs", action="store_true",
+                      help="keep the demo's temporary folder (engine logs, config, access log) after exit")
+    demo.add_argument("--access-log", action="store_true",
+                      help="print the JSON access log on the terminal (default: a file in the demo's folder)")
     demo.set_defaults(func=_demo)
 
     sub.add_parser("sim", help="run one simulated vLLM engine (see `pdgate sim --help`)")
 
-    check = sub.add_parser("check-config", help="validate a config file and exit")
+    check = sub.add_parser("check-config", help="validate a config file (and load its models' tokenizers) and exit")
     check.add_argument("config")
+    check.add_argument("--no-tokenizers", action="store_true",
+                       help="skip loading the tokenizers (e.g. hub names where the hub is unreachable)")
     check.set_defaults(func=_check)
 
     args = parser.parse_args(argv)

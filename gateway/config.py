@@ -148,14 +148,45 @@ class DiscoveryConfig(_Strict):
     kv_events_replay_port: int | None = Field(None, ge=1, le=65535, description="and replay them on this one")
     kv_events_topic: str = ""
     api_url: str | None = Field(
-        None, description="the Kubernetes API; unset: in-cluster (KUBERNETES_SERVICE_HOST/_PORT)",
+        None, description="the Kubernetes API; unset: kubeconfig if set, else in-cluster "
+        "(KUBERNETES_SERVICE_HOST/_PORT), else $KUBECONFIG",
+    )
+    kubeconfig: str | None = Field(
+        None, description="a kubeconfig file (outside the cluster): its current context's server, CA, token or "
+        "client certificate, and namespace",
     )
     token_file: str | None = Field(f"{_SA_DIR}/token", description="bearer token, re-read on each connection")
-    ca_file: str | None = Field(f"{_SA_DIR}/ca.crt", description="CA bundle of an https API")
+    ca_file: str | None = Field(
+        f"{_SA_DIR}/ca.crt", description="CA bundle of an https API; a file set here must exist (the default, the "
+        "service account's, must exist in-cluster)",
+    )
     namespace_file: str = f"{_SA_DIR}/namespace"
     watch_timeout_s: int = Field(300, gt=0, description="a watch is renewed (same resourceVersion) this often")
     retry_s: float = Field(1.0, gt=0, description="first wait after a failed list or watch; doubles up to max_retry_s")
     max_retry_s: float = Field(30.0, gt=0)
+    max_event_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="longest watch event (one JSON line); a longer one ends the watch "
+        "with an error and a fresh list",
+    )
+
+    @field_validator("label_selector")
+    @classmethod
+    def _selector(cls, text: str) -> str:
+        from .discovery import LabelSelector  # discovery imports this module
+
+        LabelSelector.parse(text)  # the watcher checks slices against it too
+        return text
+
+    @model_validator(mode="after")
+    def _files_exist(self) -> DiscoveryConfig:
+        """Files the config names (ca_file other than the service account's, kubeconfig) must be
+        usable here; what the environment decides (in-cluster, $KUBECONFIG) is checked by the
+        watcher when it starts, so a config can be checked away from its cluster."""
+        from .discovery import check_files
+
+        _raise("DiscoveryConfig", [_error((field,), getattr(self, field), "discovery_file", message)
+                                   for field, message in check_files(self)])
+        return self
 
     @field_validator("api_url")
     @classmethod
@@ -452,6 +483,30 @@ class TimeoutsConfig(_Strict):
     decode_idle_s: float = Field(600.0, gt=0, description="wait for the decode leg's next bytes")
 
 
+class EnginesConfig(_Strict):
+    """The engine legs' HTTP client (gateway/transport.py). Applied at startup only: the client and
+    its warm connections outlive reloads."""
+
+    transport: Literal["h1", "aiohttp"] = Field(
+        "h1", description="h1: the gateway's own HTTP/1.1 client (the cheapest per request); aiohttp: the "
+        "reference implementation on aiohttp, same behavior",
+    )
+    ca_file: str | None = Field(None, description="CA bundle verifying https:// engines; unset: the system's CAs")
+    cert_file: str | None = Field(None, description="client certificate (PEM) presented to https:// engines")
+    key_file: str | None = Field(None, description="its private key (PEM); unset: in cert_file")
+
+    @model_validator(mode="after")
+    def _usable_files(self) -> EnginesConfig:
+        """Checked with the config (check-config, reload), not first at startup."""
+        if self.key_file and not self.cert_file:
+            raise ValueError("key_file is set without cert_file")
+        unreadable = [(field, path) for field in ("ca_file", "cert_file", "key_file")
+                      if (path := getattr(self, field)) and not (os.path.isfile(path) and os.access(path, os.R_OK))]
+        _raise("EnginesConfig", [_error((field,), path, "engines_file", f"{path} is not a readable file")
+                                 for field, path in unreadable])
+        return self
+
+
 class FailoverConfig(_Strict):
     """What the gateway does when an engine fails before the client got a byte (never after)."""
 
@@ -499,6 +554,7 @@ class GatewayConfig(_Strict):
     health: HealthConfig = HealthConfig()
     routing: RoutingConfig = RoutingConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
+    engines: EnginesConfig = EnginesConfig()
     failover: FailoverConfig = FailoverConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
     signals: SignalsConfig = SignalsConfig()

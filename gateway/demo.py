@@ -1,14 +1,18 @@
 """``pdgate demo``: the whole system on one machine, no GPU: simulated prefill and decode engines
-behind a real gateway. Every process it starts is stopped on Ctrl-C or SIGTERM."""
+behind a real gateway. Every process it starts is stopped on Ctrl-C or SIGTERM, and its temporary
+folder (engine logs, generated config, access log) removed unless ``--keep-logs`` is given."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import ctypes
+import errno
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +42,32 @@ def _die_with_parent() -> None:
     """Child side: get SIGTERM if the demo itself is killed (Linux), so no engine is left behind."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The gateway's listening socket, bound as uvicorn binds it (SO_REUSEADDR) and held from the
+    start, so that a busy port is told before anything starts and no engine can take it meanwhile."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _port_problem(host: str, port: int, err: OSError) -> str:
+    """One line: why the gateway cannot listen, and what to pass instead."""
+    if err.errno != errno.EADDRINUSE:
+        return (f"pdgate demo: cannot listen on {host}:{port} ({err.strerror or err}); "
+                f"choose another port with --port")
+    suggestion = ""
+    for other in range(port + 1, min(port + 50, 65536)):
+        with contextlib.suppress(OSError), _bind(host, other):
+            suggestion = f" (e.g. --port {other})"
+            break
+    return f"pdgate demo: port {port} is already in use on {host}; choose another with --port{suggestion}"
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
@@ -83,23 +113,35 @@ def _curls(port: int) -> str:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    keep_logs = args.keep_logs
+    access_to_terminal = args.access_log
+    try:  # before anything starts or is printed: a busy port is one line, not a traceback
+        listener = _bind(args.host, args.port)
+    except OSError as err:
+        print(_port_problem(args.host, args.port, err), file=sys.stderr, flush=True)
+        return 1
+
     from sim.tinymodel import build_tokenizer
 
     from .app import create_app
     from .config import parse_config
     from .httpserver import make_server
     from .reload import version_of
+    from .requestlog import LineWriter
 
     def _exit(signum: int, frame: object) -> None:
         raise SystemExit(0)
 
     # uvicorn hands a captured SIGTERM back to this handler after its graceful shutdown.
     signal.signal(signal.SIGTERM, _exit)
-    tokenizer = build_tokenizer(cache_dir() / "demo-tokenizer")
     procs: list[subprocess.Popen] = []
-    logs = tempfile.mkdtemp(prefix="pdgate-demo-")
+    logs = ""
+    access_file = None
+    access_sink: LineWriter | None = None
     pools: dict[str, list[dict[str, str]]] = {"prefill": [], "decode": []}
     try:
+        tokenizer = build_tokenizer(cache_dir() / "demo-tokenizer")
+        logs = tempfile.mkdtemp(prefix="pdgate-demo-")
         for role, count in (("prefill", args.prefill), ("decode", args.decode)):
             for i in range(count):
                 port, kv_port, events, replay = (free_port() for _ in range(4))
@@ -127,18 +169,34 @@ def run_demo(args: argparse.Namespace) -> int:
         config_path = os.path.join(logs, "gateway.yaml")
         raw = yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True), sort_keys=False).encode()
         Path(config_path).write_bytes(raw)
+        access_path = os.path.join(logs, "access.log")
+        if not access_to_terminal:  # one JSON line per request would flood the terminal under load
+            access_file = open(access_path, "ab")  # noqa: SIM115 - closed in finally
+            access_sink = LineWriter(access_file)
+        kept = "kept after exit" if keep_logs else "removed on exit; --keep-logs keeps them"
         print(f"pdgate demo: {args.prefill} prefill + {args.decode} decode simulated engines, "
               f"gateway on http://{args.host}:{args.port} (P/D from {args.threshold} uncached prompt tokens)")
-        print(f"config: {config_path} (edits apply live)   engine logs: {logs}\n")
+        print(f"config: {config_path} (edits apply live)   engine logs: {logs} ({kept})")
+        print("access log (one JSON line per request): "
+              + ("this terminal" if access_to_terminal else f"{access_path} (--access-log prints it here instead)"))
+        print(f"tokenizer: {tokenizer} (model {MODEL!r}; give this folder to load tools as their tokenizer)\n")
         print(_curls(args.port), "\n\nCtrl-C stops everything.\n", flush=True)
         server = make_server(
             cfg, lambda connections: create_app(cfg, config_path=config_path, config_version=version_of(raw),
-                                                connections=connections),
+                                                access_sink=access_sink, connections=connections),
             host=args.host, port=args.port, log_level="warning")
-        server.run()  # returns on SIGINT/SIGTERM
+        server.run(sockets=[listener])  # returns on SIGINT/SIGTERM
         return 0 if server.started else 1
     except KeyboardInterrupt:
         return 0
     finally:
         _stop(procs)
-        print("pdgate demo: stopped all engines.", flush=True)
+        listener.close()
+        if access_sink is not None:
+            access_sink.close()
+        if access_file is not None:
+            access_file.close()
+        if logs and not keep_logs:
+            shutil.rmtree(logs, ignore_errors=True)
+        where = f"; logs kept in {logs}" if logs and keep_logs else ""
+        print(f"pdgate demo: stopped all engines{where}.", flush=True)

@@ -14,23 +14,42 @@ configured port. ``Discovery`` adds them to the static endpoints of the config i
 config reload does. A watcher replaced by a reload (its discovery section changed) hands its
 endpoints to its successor, which keeps them until its own first list completes.
 
-Everything runs on the event loop without blocking it: HTTP through aiohttp, the token and CA files
-read on a worker thread (the token again on every connection: projected tokens rotate).
+The API is reached in one of three ways (``_access``): ``api_url`` (with ``token_file`` and
+``ca_file``); a kubeconfig (``kubeconfig``, or ``$KUBECONFIG`` when not in a cluster) whose current
+context gives the server, the CA, a token or a client certificate, and the namespace; else in-cluster
+(``KUBERNETES_SERVICE_HOST`` and the service account's files). A CA file the config names must exist:
+config validation refuses it otherwise, and so does the watcher for the service account's CA in
+in-cluster mode (no silent fallback to the system CAs, which cannot verify a cluster's own CA).
+
+The API server filters by ``labelSelector``; the watcher checks every slice against the selector
+too (``LabelSelector``), so what it follows never depends on a server or proxy honoring it, and a
+slice whose labels stop matching leaves the pool (a real server reports that as DELETED). Watch
+events are newline-delimited JSON, split in linear time with a bound per event
+(``max_event_bytes``): a larger one ends the watch with an error and a fresh list.
+
+Everything runs on the event loop without blocking it: HTTP through aiohttp, the token, CA and
+kubeconfig files read on a worker thread (the token again on every connection: projected tokens
+rotate).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import logging
 import os
+import re
 import ssl
-from collections.abc import Awaitable, Callable
+import tempfile
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
+import yaml
 
 from .config import DiscoveryConfig, EndpointConfig, GatewayConfig
 from .tasks import cancel_checkpoint, stop_task
@@ -49,33 +68,354 @@ class APIError(Exception):
     """The API answered something other than what a list or watch expects."""
 
 
+class EventTooLarge(Exception):
+    """A watch event longer than ``max_event_bytes``: the watch ends and the slices are listed again."""
+
+
+# -- label selectors ------------------------------------------------------------------------------
+
+_KEY = r"[A-Za-z0-9](?:[-A-Za-z0-9_./]*[A-Za-z0-9])?"
+_VALUE = r"(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?)?"
+_EQUALITY = re.compile(rf"({_KEY})\s*(==|=|!=)\s*({_VALUE})")
+_SET = re.compile(rf"({_KEY})\s+(in|notin)\s*\(([^()]*)\)")
+_EXISTS = re.compile(rf"(!?)\s*({_KEY})")
+_VALUE_RE = re.compile(_VALUE)
+
+
+@dataclass(frozen=True)
+class LabelSelector:
+    """A Kubernetes label selector (``a=b,c!=d,e in (f,g),h notin (i),j,!k``), to check slices
+    client-side with the very semantics the API server applies."""
+
+    text: str
+    requirements: tuple[tuple[str, str, frozenset[str]], ...]  # (key, op, values)
+
+    @classmethod
+    def parse(cls, text: str) -> LabelSelector:
+        """Raises ValueError naming the term it cannot read."""
+        reqs: list[tuple[str, str, frozenset[str]]] = []
+        for term in _terms(text):
+            if m := _EQUALITY.fullmatch(term):
+                reqs.append((m[1], "!=" if m[2] == "!=" else "=", frozenset((m[3],))))
+            elif m := _SET.fullmatch(term):
+                values = [v.strip() for v in m[3].split(",")]
+                if not all(values) or not all(_VALUE_RE.fullmatch(v) for v in values):
+                    raise ValueError(f"label selector {text!r}: bad values in {term!r}")
+                reqs.append((m[1], m[2], frozenset(values)))
+            elif m := _EXISTS.fullmatch(term):
+                reqs.append((m[2], "!" if m[1] else "exists", frozenset()))
+            else:
+                raise ValueError(f"label selector {text!r}: cannot read {term!r}")
+        return cls(text, tuple(reqs))
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        for key, op, values in self.requirements:
+            have = labels.get(key)
+            if op in ("=", "in"):
+                ok = have is not None and have in values
+            elif op in ("!=", "notin"):
+                ok = have is None or have not in values
+            else:
+                ok = (have is not None) == (op == "exists")
+            if not ok:
+                return False
+        return True
+
+
+def _terms(text: str) -> list[str]:
+    """The selector's comma-separated terms (commas inside ``in (...)`` belong to the term)."""
+    terms, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            terms.append(text[start:i].strip())
+            start = i + 1
+    terms.append(text[start:].strip())
+    if depth or (text.strip() and not all(terms)):
+        raise ValueError(f"label selector {text!r}: empty term or unbalanced parentheses")
+    return [t for t in terms if t]
+
+
+def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
+    return (obj.get("metadata") or {}).get("labels") or {}
+
+
+# -- reaching the API -----------------------------------------------------------------------------
+
+class AccessError(ValueError):
+    """API access cannot be set up; ``field`` is the discovery key at fault (for the message's
+    location, ``pools.<pool>.discovery.<field>``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass(frozen=True)
 class Access:
-    """How to reach the API server: base URL, TLS context, token file and namespace."""
+    """How to reach the API server: base URL, TLS context, credentials and namespace. The token
+    file (re-read on every connection) wins over a static token, as in client-go."""
 
     url: str
     ssl: ssl.SSLContext | None
     token_file: str | None
     namespace: str
+    token: str | None = None
 
 
 def _read(path: str) -> str:
     return Path(path).read_text(encoding="utf-8").strip()
 
 
+def _explicit(cfg: DiscoveryConfig, field: str) -> str | None:
+    """The file ``cfg`` names for ``field`` when it is not the service account's default."""
+    value = getattr(cfg, field)
+    return value if value is not None and value != type(cfg).model_fields[field].default else None
+
+
+def check_files(cfg: DiscoveryConfig) -> list[tuple[str, str]]:
+    """What config validation checks (environment-independent): the files the config itself
+    names. ``(field, message)`` per problem. Blocking (reads the kubeconfig)."""
+    errors: list[tuple[str, str]] = []
+    if cfg.api_url and cfg.kubeconfig:
+        errors.append(("kubeconfig", "set api_url or kubeconfig, not both"))
+    if (ca := _explicit(cfg, "ca_file")) and not Path(ca).is_file():
+        errors.append(("ca_file", f"{ca} does not exist"))
+    if cfg.kubeconfig:
+        try:
+            read_kubeconfig([cfg.kubeconfig])
+        except ValueError as err:
+            errors.append(("kubeconfig", str(err)))
+    return errors
+
+
+def _in_cluster_url() -> str | None:
+    host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+    if not host:
+        return None
+    return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+
+
 def _access(cfg: DiscoveryConfig) -> Access:
-    """Blocking (reads files): call it on a worker thread."""
-    url = cfg.api_url
-    if url is None:
-        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-        if not host:
-            raise ValueError("discovery: no api_url and KUBERNETES_SERVICE_HOST is not set (not in a pod?)")
-        url = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
-    ctx = None
-    if url.startswith("https://"):
-        ctx = ssl.create_default_context(cafile=cfg.ca_file if cfg.ca_file and Path(cfg.ca_file).exists() else None)
+    """Blocking (reads files): call it on a worker thread. Raises AccessError (or OSError for an
+    unreadable namespace file). Modes, first match: ``api_url``, ``kubeconfig``, in-cluster,
+    ``$KUBECONFIG``."""
+    if cfg.kubeconfig is not None and cfg.api_url is None:
+        return _kubeconfig_access(cfg, [cfg.kubeconfig], "kubeconfig")
+    for field, message in check_files(cfg):  # a file removed since validation
+        raise AccessError(field, message)
+    if cfg.api_url is not None:
+        url = cfg.api_url
+        # An explicit API's CA: the one named, else the service account's when mounted, else the
+        # system's (e.g. an API behind a public certificate).
+        ca = cfg.ca_file if cfg.ca_file and Path(cfg.ca_file).is_file() else None
+    elif (in_cluster := _in_cluster_url()) is not None:
+        url = in_cluster
+        # The service account's CA is the only one that verifies the API: missing means the
+        # service account is not mounted (automountServiceAccountToken: false?).
+        if cfg.ca_file and not Path(cfg.ca_file).is_file():
+            raise AccessError("ca_file", f"{cfg.ca_file} does not exist (in-cluster API access needs the service "
+                              "account's CA: is the service account token mounted?)")
+        ca = cfg.ca_file
+    else:
+        paths = [p for p in os.environ.get("KUBECONFIG", "").split(os.pathsep) if p]
+        if not paths:
+            raise AccessError("api_url", "no api_url, KUBERNETES_SERVICE_HOST is not set (not in a pod?) and no "
+                              "kubeconfig (discovery.kubeconfig or $KUBECONFIG)")
+        if not (existing := [p for p in paths if Path(p).expanduser().is_file()]):  # kubectl skips missing ones
+            raise AccessError("kubeconfig", f"$KUBECONFIG: none of {', '.join(paths)} exists")
+        return _kubeconfig_access(cfg, existing, "kubeconfig")
+    ctx = ssl.create_default_context(cafile=ca) if url.startswith("https://") else None
     namespace = cfg.namespace or _read(cfg.namespace_file)
     return Access(url, ctx, cfg.token_file, namespace)
+
+
+# -- kubeconfig -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Kubeconfig:
+    """What a kubeconfig's current context says (files resolved against the kubeconfig's folder)."""
+
+    server: str
+    namespace: str | None = None
+    ca_file: str | None = None
+    ca_data: str | None = None  # PEM
+    insecure: bool = False
+    token: str | None = None
+    token_file: str | None = None
+    cert_file: str | None = None
+    cert_data: bytes | None = None
+    key_file: str | None = None
+    key_data: bytes | None = None
+
+
+_UNSUPPORTED_AUTH = ("exec", "auth-provider", "username", "password")
+
+
+def read_kubeconfig(paths: Sequence[str]) -> Kubeconfig:
+    """The current context of the kubeconfig ``paths`` (merged as kubectl merges ``$KUBECONFIG``:
+    the first file to define a name or ``current-context`` wins). Supported: ``server``,
+    ``certificate-authority[-data]``, ``insecure-skip-tls-verify``, ``token``, ``tokenFile``,
+    ``client-certificate[-data]`` and ``client-key[-data]``; credential plugins (``exec``,
+    ``auth-provider``) and basic auth are refused with a ValueError, as is anything missing."""
+    merged: dict[str, dict[str, tuple[dict[str, Any], Path]]] = {"clusters": {}, "users": {}, "contexts": {}}
+    current: str | None = None
+    for path in paths:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise ValueError(f"{path} does not exist")
+        try:
+            doc = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+            raise ValueError(f"{path}: cannot read it as YAML ({type(err).__name__})") from None
+        if not isinstance(doc, dict):
+            raise ValueError(f"{path}: not a kubeconfig (a mapping)")
+        current = current or doc.get("current-context") or None
+        for section, inner in (("clusters", "cluster"), ("users", "user"), ("contexts", "context")):
+            for entry in doc.get(section) or []:
+                if isinstance(entry, dict) and isinstance(entry.get("name"), str):
+                    merged[section].setdefault(entry["name"], (entry.get(inner) or {}, p.parent))
+    where = ", ".join(paths)
+    if not current:
+        raise ValueError(f"{where}: no current-context")
+    if current not in merged["contexts"]:
+        raise ValueError(f"{where}: context {current!r} not found")
+    context, _ = merged["contexts"][current]
+    cluster_name, user_name = context.get("cluster"), context.get("user")
+    if cluster_name not in merged["clusters"]:
+        raise ValueError(f"{where}: cluster {cluster_name!r} of context {current!r} not found")
+    cluster, cluster_dir = merged["clusters"][cluster_name]
+    server = cluster.get("server")
+    if not isinstance(server, str) or not server.startswith(("https://", "http://")):
+        raise ValueError(f"{where}: cluster {cluster_name!r} has no http(s) server")
+    user, user_dir = merged["users"].get(user_name, ({}, cluster_dir)) if user_name else ({}, cluster_dir)
+    if user_name and user_name not in merged["users"]:
+        raise ValueError(f"{where}: user {user_name!r} of context {current!r} not found")
+    if bad := [k for k in _UNSUPPORTED_AUTH if user.get(k)]:
+        raise ValueError(f"{where}: user {user_name!r} authenticates with {'/'.join(bad)}, which pdgate does not "
+                         "support: give it a token, tokenFile or client certificate")
+
+    def file(section: dict[str, Any], key: str, folder: Path) -> str | None:
+        value = section.get(key)
+        if not value:
+            return None
+        path = folder / os.path.expanduser(str(value))
+        if not path.is_file():
+            raise ValueError(f"{where}: {key} {path} does not exist")
+        return str(path)
+
+    def data(section: dict[str, Any], key: str) -> bytes | None:
+        value = section.get(key)
+        if not value:
+            return None
+        try:
+            return base64.b64decode(str(value), validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError(f"{where}: {key} is not base64") from None
+
+    ca_data = data(cluster, "certificate-authority-data")
+    kc = Kubeconfig(
+        server=server.rstrip("/"),
+        namespace=context.get("namespace") or None,
+        ca_file=file(cluster, "certificate-authority", cluster_dir),
+        ca_data=ca_data.decode("ascii", "replace") if ca_data else None,
+        insecure=bool(cluster.get("insecure-skip-tls-verify")),
+        token=str(user["token"]) if user.get("token") else None,
+        token_file=file(user, "tokenFile", user_dir),
+        cert_file=file(user, "client-certificate", user_dir),
+        cert_data=data(user, "client-certificate-data"),
+        key_file=file(user, "client-key", user_dir),
+        key_data=data(user, "client-key-data"),
+    )
+    if bool(kc.cert_file or kc.cert_data) != bool(kc.key_file or kc.key_data):
+        raise ValueError(f"{where}: user {user_name!r} has a client certificate without its key, or a key without it")
+    return kc
+
+
+def _kubeconfig_access(cfg: DiscoveryConfig, paths: list[str], field: str) -> Access:
+    """Access from a kubeconfig; a ``ca_file`` or ``token_file`` the config names explicitly wins."""
+    try:
+        kc = read_kubeconfig(paths)
+    except ValueError as err:
+        raise AccessError(field, str(err) if cfg.kubeconfig else f"$KUBECONFIG: {err}") from None
+    ctx = None
+    if kc.server.startswith("https://"):
+        ca = _explicit(cfg, "ca_file")
+        if ca and not Path(ca).is_file():
+            raise AccessError("ca_file", f"{ca} does not exist")
+        if ca:
+            ctx = ssl.create_default_context(cafile=ca)
+        else:
+            ctx = ssl.create_default_context(cafile=kc.ca_file, cadata=kc.ca_data)
+            if kc.insecure and not (kc.ca_file or kc.ca_data):
+                log.warning("discovery: kubeconfig cluster %s has insecure-skip-tls-verify: the API server's "
+                            "certificate is not verified", kc.server)
+                ctx.check_hostname = False
+                ctx.verify_mode = ssl.CERT_NONE
+        if kc.cert_file or kc.cert_data:
+            try:
+                _load_client_cert(ctx, kc)
+            except (OSError, ssl.SSLError) as err:
+                raise AccessError(field, f"{', '.join(paths)}: cannot load the client certificate ({err})") from None
+    token_file = _explicit(cfg, "token_file") or kc.token_file
+    return Access(kc.server, ctx, token_file, cfg.namespace or kc.namespace or "default",
+                  None if token_file else kc.token)
+
+
+def _load_client_cert(ctx: ssl.SSLContext, kc: Kubeconfig) -> None:
+    """``ssl`` loads certificates from files only: inline data goes through a private temporary
+    folder that is gone once they are loaded."""
+    with tempfile.TemporaryDirectory(prefix="pdgate-kube-") as tmp:
+        cert, key = kc.cert_file, kc.key_file
+        if kc.cert_data:
+            cert = os.path.join(tmp, "client.crt")
+            Path(cert).write_bytes(kc.cert_data)
+        if kc.key_data:
+            key = os.path.join(tmp, "client.key")
+            fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(kc.key_data)
+        assert cert is not None
+        ctx.load_cert_chain(cert, key)
+
+
+# -- the watch stream -----------------------------------------------------------------------------
+
+class _Lines:
+    """Splits a watch stream into its newline-ended events in linear time: each byte is scanned
+    once and copied at most twice, whatever the chunking; an event over ``limit`` bytes raises
+    EventTooLarge before it is held whole."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._part = bytearray()  # the start of an event whose newline has not arrived
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        lines: list[bytes] = []
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            if self._part:
+                self._check(len(self._part) + end - start)
+                self._part += memoryview(chunk)[start:end]
+                line = bytes(self._part)
+                self._part.clear()
+            else:
+                self._check(end - start)
+                line = chunk[start:end]
+            lines.append(line)
+            start = end + 1
+        self._check(len(self._part) + len(chunk) - start)
+        self._part += memoryview(chunk)[start:]
+        return lines
+
+    def rest(self) -> bytes:
+        """What came after the last newline (a server may end the stream without one)."""
+        return bytes(self._part)
+
+    def _check(self, size: int) -> None:
+        if size > self._limit:
+            raise EventTooLarge(f"a watch event is over {self._limit} bytes (max_event_bytes)")
 
 
 def _host(address: str, address_type: str) -> str:
@@ -133,6 +473,7 @@ class SliceWatcher:
         self.last_error = ""
         self.resource_version: str | None = None
         self._slices: dict[str, dict[str, Any]] = {}
+        self._selector = LabelSelector.parse(cfg.label_selector)  # valid: the config checked it
         self._task: asyncio.Task | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -153,8 +494,9 @@ class SliceWatcher:
             try:
                 access = await asyncio.to_thread(_access, self.cfg)
                 break
-            except (OSError, ValueError, ssl.SSLError) as err:  # e.g. the service account not mounted
-                self._failed(f"cannot set up API access: {err}")
+            except (OSError, ValueError) as err:  # e.g. the service account not mounted (SSLError: an OSError)
+                where = f"pools.{self.pool}.discovery.{err.field}: " if isinstance(err, AccessError) else ""
+                self._failed(f"cannot set up API access: {where}{err}")
                 log.error("discovery (%s): %s; retrying in %.1f s", self.pool, self.last_error, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.cfg.max_retry_s)
@@ -183,6 +525,12 @@ class SliceWatcher:
                     listed = False
                     await asyncio.sleep(self.cfg.retry_s)  # a short pause: many clients relist at once
                     continue
+                except EventTooLarge as err:
+                    # Re-watching from the same resourceVersion would meet the same event again: a
+                    # list reads the state it led to, and the next watch starts after it.
+                    self._failed(f"EventTooLarge: {err}")
+                    log.error("discovery (%s): %s; listing again in %.1f s", self.pool, err, backoff)
+                    listed = False
                 except (aiohttp.ClientError, TimeoutError, OSError, ValueError, APIError) as err:
                     self._failed(f"{type(err).__name__}: {err}")
                     log.warning("discovery (%s): %s; %s in %.1f s", self.pool, self.last_error,
@@ -190,7 +538,8 @@ class SliceWatcher:
                 except Exception as err:  # e.g. an object without the fields a slice has: keep going
                     self._failed(f"{type(err).__name__}: {err}")
                     log.exception("discovery (%s): unexpected failure; retrying in %.1f s", self.pool, backoff)
-                # a watch that failed resumes from the last resourceVersion seen (no relist)
+                # a watch that failed resumes from the last resourceVersion seen (no relist), unless
+                # it was too large an event
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.cfg.max_retry_s)
 
@@ -200,13 +549,14 @@ class SliceWatcher:
 
     async def _headers(self, access: Access) -> dict[str, str]:
         headers = {"Accept": "application/json"}
+        token = access.token
         if access.token_file:
             try:
                 token = await asyncio.to_thread(_read, access.token_file)
             except OSError as err:
                 raise APIError(f"cannot read the token file ({err.strerror})") from None
-            if token:
-                headers["Authorization"] = f"Bearer {token}"
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
         return headers
 
     async def _list(self, access: Access, path: str) -> None:
@@ -224,7 +574,8 @@ class SliceWatcher:
                     raise APIError(f"list answered {resp.status}: {body[:200].decode(errors='replace')}")
             data = orjson.loads(body)
             for item in data.get("items") or []:
-                slices[item["metadata"]["name"]] = item
+                if self._selector.matches(_labels(item)):  # the server filters; a proxy might not
+                    slices[item["metadata"]["name"]] = item
             meta = data.get("metadata") or {}
             if not meta.get("continue"):
                 break
@@ -251,15 +602,13 @@ class SliceWatcher:
             if resp.status != 200:
                 body = await resp.read()
                 raise APIError(f"watch answered {resp.status}: {body[:200].decode(errors='replace')}")
-            buf = b""
+            lines = _Lines(self.cfg.max_event_bytes)
             async for chunk in resp.content.iter_any():
-                buf += chunk
-                *lines, buf = buf.split(b"\n")
-                for line in lines:
+                for line in lines.feed(chunk):
                     if line.strip():
                         self._event(orjson.loads(line))
-            if buf.strip():
-                self._event(orjson.loads(buf))
+            if (rest := lines.rest()).strip():
+                self._event(orjson.loads(rest))
 
     def _event(self, event: dict[str, Any]) -> None:
         kind, obj = event.get("type"), event.get("object") or {}
@@ -270,9 +619,9 @@ class SliceWatcher:
         meta = obj.get("metadata") or {}
         if meta.get("resourceVersion"):
             self.resource_version = meta["resourceVersion"]
-        if kind in ("ADDED", "MODIFIED"):
+        if kind in ("ADDED", "MODIFIED") and self._selector.matches(_labels(obj)):
             self._slices[meta["name"]] = obj
-        elif kind == "DELETED":
+        elif kind in ("ADDED", "MODIFIED", "DELETED"):  # gone, or its labels no longer match
             self._slices.pop(meta.get("name"), None)
         else:  # BOOKMARK: only the resourceVersion moves
             return

@@ -40,7 +40,6 @@ from . import legs
 from .admission import too_busy
 from .auth import authorize
 from .errors import APIError, clip
-from .h1client import ClientError
 from .legs import DecodeStream, LegFailed, PrefillAnswer
 from .pools import Endpoint
 from .protocol import Kind, ParsedRequest, check_output_limit, parse_body, too_large
@@ -49,6 +48,7 @@ from .requestlog import RequestRecord
 from .router import NotServed, Prepared, Saturated
 from .runtime import Runtime, Services
 from .tokenizer import PromptIds
+from .transport import ClientError
 from .upstream import transport_error
 
 log = logging.getLogger(__name__)

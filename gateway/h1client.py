@@ -1,5 +1,7 @@
 """A lean HTTP/1.1 client for the engine legs: an asyncio Protocol, httptools parsing, keep-alive pools.
 
+One implementation of ``transport.EngineTransport`` (its contract, exceptions and timeouts live
+there); ``AiohttpTransport`` is the reference it is tested against (tests/gateway/test_transport.py).
 Why not aiohttp: the gateway only ever POSTs a JSON body and relays the answer, and aiohttp's
 generality (a writer task per request, header multidicts, cookie jars, tracing hooks) costs more
 CPU per request than the rest of the upstream exchange (``python -m bench.http_clients``).
@@ -10,9 +12,9 @@ framed by content-length, chunked encoding or connection close; bodies handed ov
 pool only after a fully read response, and idle ones are dropped after ``keepalive_s`` (below the
 engine's own keep-alive timeout, so a connection the engine is closing is never reused). Closing a
 response's connection is how a request is aborted: vLLM aborts a request whose connection closes.
-No Accept-Encoding is sent and nothing is decompressed. Timeouts raise ``TimeoutError``;
-transport failures raise ``ClientError`` subclasses. A ``Response`` also answers the few
-aiohttp calls the gateway used on the engine legs (``headers``, ``content.readany``/``iter_any``).
+No Accept-Encoding is sent and nothing is decompressed. Response heads are bounded
+(``max_head_bytes``, ``max_headers``). Timeouts raise ``TimeoutError``; transport failures raise
+the interface's ``ClientError`` subclasses.
 """
 
 from __future__ import annotations
@@ -21,56 +23,33 @@ import asyncio
 import socket
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import Mapping
 from urllib.parse import urlsplit
 
-import aiohttp
 import httptools
-from multidict import CIMultiDict, CIMultiDictProxy
+
+# The interface's names, raised and taken here; importable from this module as before.
+from .transport import (
+    MAX_HEAD_BYTES,
+    MAX_HEADERS,
+    ClientError,
+    ConnectError,
+    FirstTimeout,
+    HeadTooLarge,
+    ProtocolError,
+    ServerDisconnected,
+    Timeouts,
+    tls_context,
+)
+
+__all__ = ["ClientError", "ConnectError", "FirstTimeout", "H1Client", "HeadTooLarge", "Pool", "ProtocolError",
+           "Response", "ServerDisconnected", "Timeouts"]
 
 # Past this many unread body bytes, stop reading the socket until the reader catches up.
 READ_HIGH_WATER = 1 << 18
-
-
-class ClientError(aiohttp.ClientError):
-    """The exchange failed below HTTP: connection, framing or protocol. An aiohttp.ClientError,
-    so that code written against aiohttp's exceptions catches it too."""
-
-
-class ConnectError(ClientError):
-    """No connection could be opened (refused, unresolvable, TLS failure)."""
-
-    def __init__(self, message: str, os_error: OSError) -> None:
-        super().__init__(message)
-        self.os_error = os_error
-
-
-class ServerDisconnected(ClientError):
-    """The engine closed the connection before the response was complete."""
-
-
-class ProtocolError(ClientError):
-    """The engine's bytes are not a valid HTTP/1.1 response."""
-
-
-class FirstTimeout(TimeoutError):
-    """``Timeouts.first`` ran out before the caller called ``Response.end_first``."""
-
-
-@dataclass(frozen=True, slots=True)
-class Timeouts:
-    """``connect`` bounds opening a connection; ``total`` the whole exchange, from sending the
-    request to the last body byte; ``idle`` every wait for the next bytes (headers or body);
-    ``first`` the exchange from the start of ``post`` (connecting included) until the caller
-    calls ``Response.end_first`` (e.g. the decode leg's first token), raising ``FirstTimeout``.
-    ``first`` rides on the exchange's one timer: an ``asyncio.timeout`` around the call would
-    cost a timer, a context manager and a cancellation check more per request."""
-
-    connect: float
-    total: float | None = None
-    idle: float | None = None
-    first: float | None = None
+# Raw bytes a head may take beyond ``max_head_bytes`` before it is complete: the status line and
+# whitespace the parser trims, which the fields' count leaves out.
+HEAD_SLACK = 1 << 12
 
 
 class _Connection(asyncio.Protocol):
@@ -79,6 +58,8 @@ class _Connection(asyncio.Protocol):
     def __init__(self, pool: Pool) -> None:
         self._pool = pool
         self._loop = pool.loop
+        self._max_head = pool.max_head_bytes
+        self._max_headers = pool.max_headers
         self._parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.closed = False
@@ -94,6 +75,8 @@ class _Connection(asyncio.Protocol):
     def _reset(self) -> None:
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
+        self.head_bytes = 0  # header fields' size as the limit counts it (name + value + 4)
+        self.head_raw = 0  # bytes received while the head was incomplete
         self.head = False  # status line and headers parsed
         self.done = False  # the whole message parsed
         self.keep_alive = False
@@ -183,8 +166,16 @@ class _Connection(asyncio.Protocol):
             return
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserError as err:
-            self.error = ProtocolError(f"invalid HTTP response: {err}")
+            if not self.head:  # httptools holds a partial header in memory: bound what it may hold
+                self.head_raw += len(data)
+                if self.head_raw > self._max_head + HEAD_SLACK:
+                    raise HeadTooLarge(f"response head over {self._max_head} bytes")
+        except httptools.HttpParserError as err:  # a callback's own error comes as the context
+            cause = err.__context__
+            self.error = cause if isinstance(cause, ClientError) else ProtocolError(f"invalid HTTP response: {err}")
+            self.close()
+        except ClientError as err:
+            self.error = err
             self.close()
         else:
             if self.buffered > READ_HIGH_WATER and not self._paused and self.transport is not None:
@@ -212,7 +203,13 @@ class _Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self.done:
-            self.headers.append((name.lower(), value))
+            headers = self.headers
+            headers.append((name.lower(), value))
+            self.head_bytes += len(name) + len(value) + 4
+            if self.head_bytes > self._max_head:
+                raise HeadTooLarge(f"response head over {self._max_head} bytes")
+            if len(headers) > self._max_headers:
+                raise HeadTooLarge(f"response head with over {self._max_headers} headers")
 
     def on_headers_complete(self) -> None:
         if self.done:
@@ -220,6 +217,7 @@ class _Connection(asyncio.Protocol):
         status = self._parser.get_status_code()
         if status < 200:  # informational (100 Continue): the real response follows
             self.headers = []
+            self.head_bytes = self.head_raw = 0
             return
         self.status = status
         framed = any(n in (b"content-length", b"transfer-encoding") for n, _ in self.headers)
@@ -241,7 +239,9 @@ class _Connection(asyncio.Protocol):
 class Response:
     """An engine's response: status and headers are in, the body is read with ``read_some`` or
     ``read``. End it with exactly one ``release`` (keeps the connection if the response was
-    read whole) or ``close`` (drops it: the engine aborts an unfinished request)."""
+    read whole) or ``close`` (drops it: the engine aborts an unfinished request).
+    ``Timeouts.first`` rides on the exchange's one timer: an ``asyncio.timeout`` around the call
+    would cost a timer, a context manager and a cancellation check more per request."""
 
     __slots__ = ("_conn", "_deadline", "_first", "_idle", "_pool", "_total", "status")
 
@@ -267,17 +267,6 @@ class Response:
             if n == name:
                 return v
         return None
-
-    @property
-    def headers(self) -> CIMultiDictProxy[str]:
-        """All headers, case-insensitive (built on each access: the hot path uses ``header``)."""
-        assert self._conn is not None
-        return CIMultiDictProxy(CIMultiDict((n.decode("latin-1"), v.decode("latin-1")) for n, v in self._conn.headers))
-
-    @property
-    def content(self) -> _Content:
-        """aiohttp's ``resp.content`` reading calls, for code written against aiohttp."""
-        return _Content(self)
 
     @property
     def content_length(self) -> int | None:
@@ -347,32 +336,22 @@ class Response:
         return idle_end if self._deadline is None else min(idle_end, self._deadline)
 
 
-class _Content:
-    __slots__ = ("_resp",)
-
-    def __init__(self, resp: Response) -> None:
-        self._resp = resp
-
-    async def readany(self) -> bytes:
-        return await self._resp.read_some()
-
-    async def iter_any(self) -> AsyncIterator[bytes]:
-        while chunk := await self._resp.read_some():
-            yield chunk
-
-
 class Pool:
     """Keep-alive connections to one engine (``scheme://host:port``)."""
 
-    def __init__(self, base_url: str, keepalive_s: float, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, base_url: str, keepalive_s: float, loop: asyncio.AbstractEventLoop, *,
+                 tls: ssl.SSLContext | None = None, max_head_bytes: int = MAX_HEAD_BYTES,
+                 max_headers: int = MAX_HEADERS) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) base URL: {base_url!r}")
-        tls = parts.scheme == "https"
+        https = parts.scheme == "https"
         self.loop = loop
         self.host = parts.hostname
-        self.port = parts.port or (443 if tls else 80)
-        self.ssl = ssl.create_default_context() if tls else None
+        self.port = parts.port or (443 if https else 80)
+        self.ssl = (tls or tls_context()) if https else None
+        self.max_head_bytes = max_head_bytes
+        self.max_headers = max_headers
         self.host_header = parts.netloc.rpartition("@")[2].encode("idna")
         self.keepalive_s = keepalive_s
         self._idle: deque[_Connection] = deque()  # oldest first
@@ -438,23 +417,33 @@ class Pool:
 
 
 class H1Client:
-    """POSTs to engines over pooled keep-alive connections, one pool per base URL."""
+    """POSTs to engines over pooled keep-alive connections, one pool per base URL (an
+    ``EngineTransport``). ``tls``: the context for ``https://`` engines (``transport.tls_context``;
+    unset: the system's CAs, no client certificate)."""
 
-    def __init__(self, *, keepalive_s: float = 4.0) -> None:
+    def __init__(self, *, keepalive_s: float = 4.0, tls: ssl.SSLContext | None = None,
+                 max_head_bytes: int = MAX_HEAD_BYTES, max_headers: int = MAX_HEADERS) -> None:
         self._keepalive_s = keepalive_s
+        self._tls = tls
+        self._max_head_bytes = max_head_bytes
+        self._max_headers = max_headers
         self._pools: dict[str, Pool] = {}
 
     async def post(
-        self, base_url: str, target: str, body: bytes, headers: dict[str, str], timeouts: Timeouts
+        self, base_url: str, path: str, body: bytes, headers: Mapping[str, str], timeouts: Timeouts
     ) -> Response:
         """Send the request and return once the response's status and headers are in."""
         pool = self._pools.get(base_url)
         if pool is None:
-            pool = self._pools[base_url] = Pool(base_url, self._keepalive_s, asyncio.get_running_loop())
+            if self._tls is None and base_url.startswith("https:"):
+                self._tls = tls_context()  # once per client: building one reads the CA store
+            pool = self._pools[base_url] = Pool(base_url, self._keepalive_s, asyncio.get_running_loop(),
+                                                tls=self._tls, max_head_bytes=self._max_head_bytes,
+                                                max_headers=self._max_headers)
         now = pool.loop.time()
         deadline = None if timeouts.total is None else now + timeouts.total
         first = None if timeouts.first is None else now + timeouts.first
-        head = _request_head(target, pool.host_header, headers, len(body))
+        head = _request_head(path, pool.host_header, headers, len(body))
         conn = pool.idle_connection()
         if conn is None:
             connect = min(timeouts.connect, timeouts.total or timeouts.connect)
@@ -482,7 +471,7 @@ class H1Client:
         self._pools.clear()
 
 
-def _request_head(target: str, host: bytes, headers: dict[str, str], length: int) -> bytes:
+def _request_head(target: str, host: bytes, headers: Mapping[str, str], length: int) -> bytes:
     lines = [b"POST ", target.encode("ascii"), b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
     for name, value in headers.items():
         if "\r" in value or "\n" in value or "\r" in name or "\n" in name:

@@ -42,7 +42,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +49,7 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
+from cachetools import LRUCache
 from zmq.utils.monitor import parse_monitor_message
 
 from policies.blockhash import BlockHash, Digest, HashSpec, block_digests
@@ -238,7 +238,7 @@ class KVEventSubscriber:
         self._task: asyncio.Task[None] | None = None
         self._last_seq: int | None = None  # None: no baseline (nothing to compare the next seq to)
         self._skip_upto: int | None = None  # live batches up to this seq came through a replay already
-        self._xlate: OrderedDict[BlockHash, Digest] = OrderedDict()
+        self._xlate = self._translations()
         self._warned_block_size = False
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -283,7 +283,7 @@ class KVEventSubscriber:
         self.counters.connected = False
         self.index.set_precise(self.url, False)
         self.index.cleared(self.url)
-        self._xlate.clear()
+        self._xlate = self._translations()
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -429,7 +429,13 @@ class KVEventSubscriber:
 
     def _clear(self) -> None:
         self.index.cleared(self.url)
-        self._xlate.clear()
+        self._xlate = self._translations()
+
+    def _translations(self) -> LRUCache[BlockHash, Digest]:
+        """A fresh engine hash -> gateway digest map, LRU-bounded by ``max_translations``. Dropping
+        the old one is how it is cleared: ``LRUCache.clear`` pops entries one by one in Python,
+        seconds on the event loop for a full map."""
+        return LRUCache(max(self.max_translations, 1))
 
     # -- applying batches ------------------------------------------------------------------------
 
@@ -492,10 +498,7 @@ class KVEventSubscriber:
             return
         xlate = self._xlate
         for engine_hash, digest in zip(ev.block_hashes, digests, strict=True):
-            xlate[engine_hash] = digest
-            xlate.move_to_end(engine_hash)
-        while len(xlate) > self.max_translations:
-            xlate.popitem(last=False)
+            xlate[engine_hash] = digest  # the most recent; evicts the least recently used past the bound
         self.index.stored(self.url, [spec.external(d) for d in digests])
 
     def _removed(self, ev: BlockRemoved) -> None:

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import APIError
-from .h1client import ClientError, Response
 from .pools import Endpoint
 from .tasks import STOP_BOUND_S, stop_tasks
+from .transport import ClientError
+from .transport import EngineResponse as Response  # what every transport returns
 from .upstream import EngineError, Upstream, transport_error
 
 PREFILL_KV_PARAMS = {
@@ -124,7 +125,7 @@ class DecodeStream:
 async def open_decode(upstream: Upstream, ep: Endpoint, path: str, body: dict[str, Any], request_id: str,
                       stream: bool, headers: dict[str, str]) -> DecodeStream:
     """Step 3 up to the first token (a stream) or the whole answer; raises LegFailed before that.
-    ``timeouts.decode_first_byte_s`` bounds this: the h1client's first-byte timer, ended here."""
+    ``timeouts.decode_first_byte_s`` bounds this: the transport's first-byte timer, ended here."""
     try:
         resp = await upstream.post(ep, path, body, request_id, leg="decode", headers=headers)
     except EngineError as err:

@@ -13,6 +13,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from policies.base import LegReport, RequestContext
 from policies.prefix_index import PrefixStore
 
+from . import fasttok
 from .kvevents import KVEventSubscriber
 from .pools import Pools
 from .requestlog import RequestRecord
@@ -48,6 +49,7 @@ class GatewayMetrics:
         self.registry.register(_RoutingStateCollector(pools, index, feeds, shared, prefill_speed))
         self.registry.register(_DiscoveryCollector(watchers))
         self.registry.register(_PoolCollector(pools))
+        self.registry.register(_FastTokenizerCollector())
         if models is not None:
             self.registry.register(_ModelsCollector(models, pools))
         self._children: dict[tuple, Any] = {}
@@ -385,3 +387,20 @@ class _AdmissionCollector:
                                           "server.max_connections")
             refused.add_metric([], self._connections.refused)
             yield from (open_, refused)
+
+
+class _FastTokenizerCollector:
+    """Texts whose fast (tiktoken) ids differed from the Rust tokenizer's, per model: any turns that
+    model's checked fast path off (``gateway.fasttok``). Process-wide counts, read at scrape time."""
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "pdgate_tokenizer_fastpath_mismatches",
+            "Texts whose fast-path token ids differed from the Rust tokenizer's (load-time self-check or "
+            "run-time sample); the model's fast path is off after one", labels=["model"])
+        for model, count in sorted(fasttok.mismatches().items()):
+            family.add_metric([model], count)
+        yield family

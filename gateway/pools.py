@@ -63,6 +63,7 @@ class Endpoint:
     # The model names the engine's /v1/models lists (None: not known yet).
     served_models: frozenset[str] | None = None
     was_up: bool = False  # it passed a health check at some point (a later down-and-up is a recovery)
+    clock: Callable[[], float] = time.monotonic  # the pools' clock (tests inject one)
     # Passive health (outlier ejection), fed by the outcome of real requests.
     outlier: OutlierConfig = field(default_factory=OutlierConfig)
     consecutive_failures: int = 0
@@ -72,7 +73,7 @@ class Endpoint:
 
     @property
     def ejected(self) -> bool:
-        return time.monotonic() < self.ejected_until
+        return self.clock() < self.ejected_until
 
     def record(self, ok: bool) -> None:
         """The outcome of one request to this engine (engine errors, not client mistakes)."""
@@ -91,7 +92,7 @@ class Endpoint:
             len(self.outcomes) >= cfg.min_requests and failed / len(self.outcomes) >= cfg.error_rate)
         if too_many and not self.ejected:
             seconds = min(cfg.base_ejection_s * 2 ** self.ejections, cfg.max_ejection_s)
-            self.ejected_until = time.monotonic() + seconds
+            self.ejected_until = self.clock() + seconds
             self.ejections += 1
             self.consecutive_failures = 0
             self.outcomes.clear()
@@ -153,11 +154,13 @@ class Pools:
     def __init__(self, prefill: Iterable[str], decode: Iterable[str], *, stats_max_age_s: float = 5.0,
                  outlier: OutlierConfig | None = None,
                  prefill_speed: Callable[[str], float | None] = lambda url: None,
-                 on_restart: Callable[[Endpoint], None] = lambda ep: None) -> None:
+                 on_restart: Callable[[Endpoint], None] = lambda ep: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.prefill: list[Endpoint] = []
         self.decode: list[Endpoint] = []
         self._by_url: dict[tuple[str, str], Endpoint] = {}
         self.stats_max_age_s = stats_max_age_s
+        self._clock = clock  # monotonic seconds (tests inject a fake one)
         self._speed = prefill_speed  # the measured prefill speed per engine url
         self._on_restart = on_restart  # what forgets what was learned about an engine
         # Requests other gateway replicas have in flight per endpoint url (shared state), if any.
@@ -177,6 +180,7 @@ class Pools:
         for e in self.all():
             e.on_release = self._released
             e.outlier = self.outlier
+            e.clock = self._clock
         return [e for key, e in old.items() if key not in self._by_url]
 
     def all(self) -> list[Endpoint]:
@@ -208,7 +212,7 @@ class Pools:
         self._not_serving: dict[str, frozenset[tuple[str, str]]] = {}
 
     def snapshot(self) -> PoolSnapshot:
-        now, age, others, speed = time.monotonic(), self.stats_max_age_s, self.others, self._speed
+        now, age, others, speed = self._clock(), self.stats_max_age_s, self.others, self._speed
         return PoolSnapshot(tuple(e.view(now, age, others.get(e.url, 0), speed(e.url)) for e in self.prefill),
                             tuple(e.view(now, age, others.get(e.url, 0), speed(e.url)) for e in self.decode))
 
@@ -257,7 +261,7 @@ class Pools:
 
     def block_size(self) -> int | None:
         """The KV block size the engines report (the first one known)."""
-        now = time.monotonic()
+        now = self._clock()
         for e in self.all():
             if e.stats and e.stats.block_size and now - e.stats.at <= self.stats_max_age_s * 10:
                 return e.stats.block_size

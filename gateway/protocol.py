@@ -47,8 +47,10 @@ def _str_list(v: Any) -> bool:
 _COMMON: dict[str, tuple[Callable[[Any], bool], str]] = {
     "stream": (_opt(lambda v: isinstance(v, bool)), "a boolean"),
     "stream_options": (_opt(lambda v: isinstance(v, dict)), "an object"),
-    "max_tokens": (_opt(lambda v: _is_int(v) and v >= 0), "a non-negative integer"),
-    "max_completion_tokens": (_opt(lambda v: _is_int(v) and v >= 0), "a non-negative integer"),
+    # Any integer here: below 1 gets vLLM's own "must be at least 1, got N" (check_lengths), so 0
+    # and -1 get the same message.
+    "max_tokens": (_opt(_is_int), "an integer"),
+    "max_completion_tokens": (_opt(_is_int), "an integer"),
     "min_tokens": (_opt(lambda v: _is_int(v) and v >= 0), "a non-negative integer"),
     "n": (_opt(lambda v: _is_int(v) and v >= 1), "an integer >= 1"),
     "temperature": (_opt(lambda v: _is_num(v) and v >= 0), "a number >= 0"),
@@ -121,6 +123,11 @@ def parse_body(raw: bytes, kind: Kind) -> ParsedRequest:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as err:
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as bad:  # orjson says "surrogates not allowed": say what is wrong
+            raise bad_request(f"The request body is not valid UTF-8 (byte {bad.start}).",
+                              code="invalid_json") from None
         raise bad_request(f"The request body is not valid JSON: {err}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")

@@ -16,7 +16,9 @@ so only the new turn's text is tokenized again, with ids provably equal to encod
 when the previous turn's text starts the new one, its ids are taken whole up to one of its added
 tokens, so the long shared part is not even split and looked up again.
 Where ``fasttok`` proves tiktoken's encoder equivalent for a byte-level BPE, that text is encoded by
-it (several times faster than the Rust tokenizer).
+it (several times faster than the Rust tokenizer); for Meta's Llama 3, whose tokenizer.json that
+proof refuses, tiktoken runs on the model's own ranks file, checked at load and sampled at run time,
+and the exact tokenizer decides near the context limit.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import asyncio
 import copy
 import json
 import logging
+import os
 import queue
 import re
 import threading
@@ -60,6 +63,10 @@ _PLAIN_TOKENIZER_MODES = frozenset({"auto", "hf"})
 # Renderers that still tokenize with the model's Hugging Face tokenizer: only chat counts differ.
 _HF_TOKENIZER_RENDERERS = frozenset({"harmony", "kimi_k3", "cohere", "inkling"})
 EMPTY_PROMPT = "The decoder prompt cannot be empty"
+# A prompt counted by a checked (not proven) fast encoder this close to the context limit is
+# re-encoded exactly before the length check: 1% of max_model_len, at least 64 tokens.
+NEAR_LIMIT_SHARE = 0.01
+NEAR_LIMIT_MIN = 64
 
 
 # -- reusing the ids of segments between added tokens ---------------------------------------------
@@ -230,14 +237,26 @@ class SegmentEncoder:
     starts afresh at ``b``.
 
     With ``fast``, the text between added tokens is encoded by ``fasttok`` (tiktoken) where that is
-    proven to give the same ids (``fast_reason`` says why not otherwise), else by ``backend``.
+    proven to give the same ids (``fast_reason`` says why not otherwise), else by ``backend``. For a
+    tokenizer.json that proof refuses (Meta's Llama 3), the model's own tiktoken ``ranks_file`` is
+    tried (``fasttok.load_ranks``): checked at load, not proven, so 1 in ``sample_every`` texts it
+    encodes is encoded again by ``backend`` off the hot path (``fasttok.RunTimeCheck``), and a
+    mismatch turns it off for this encoder's life (WARNING once,
+    ``pdgate_tokenizer_fastpath_mismatches_total``; the caches, which may hold its ids, emptied).
     """
 
-    def __init__(self, backend: Any, max_tokens: int = 1 << 20, *, fast: bool = False) -> None:
+    def __init__(self, backend: Any, max_tokens: int = 1 << 20, *, fast: bool = False,
+                 ranks_file: str | os.PathLike[str] | None = None, model: str = "",
+                 sample_every: int | None = None) -> None:
         self._backend = backend
         self.max_tokens = max_tokens
         self._fast: fasttok.FastEncoder | None = None
         self._want_fast = fast
+        self._ranks_file = ranks_file
+        self._model = model
+        self._sample_every = fasttok.SAMPLE_EVERY if sample_every is None else sample_every
+        self._check: fasttok.RunTimeCheck | None = None
+        self._generation = 0  # bumped when the fast path is turned off: older ids are not cached
         self.fast_reason = "disabled" if not fast else "segmenting is off"
         self._max_entry = max(max_tokens // 8, 1)  # one huge message must not flush the rest
         self._lock = threading.Lock()
@@ -261,6 +280,18 @@ class SegmentEncoder:
     def fast(self) -> bool:
         """Whether segments are encoded by the fast encoder."""
         return self._fast is not None
+
+    @property
+    def fast_checked(self) -> bool:
+        """Whether that fast encoder's ids are checked (sampled) rather than proven: then the exact
+        tokenizer decides near the context limit (``ModelTokenizer``)."""
+        fast = self._fast
+        return fast is not None and fast.sampled
+
+    @property
+    def run_time_check(self) -> fasttok.RunTimeCheck | None:
+        """The sampling of a checked fast encoder's ids (None: none running)."""
+        return self._check
 
     def _setup(self) -> str | None:
         """Check the tokenizer's settings; return why segmenting is not exact, or None."""
@@ -303,12 +334,43 @@ class SegmentEncoder:
             self.fast_reason = "backend is not a tokenizers.Tokenizer"
         elif self._want_fast:
             self._fast, self.fast_reason = fasttok.load(spec, serialized)
+            if self._fast is None and self._ranks_file is not None:
+                refused = self.fast_reason
+                self._fast, self.fast_reason = fasttok.load_ranks(spec, serialized, self._ranks_file)
+                if self._fast is None:
+                    self.fast_reason = f"{refused}; {self._ranks_file}: {self.fast_reason}"
+                    if fasttok.SELF_CHECK_FAILED in self.fast_reason:  # the ranks encode differently
+                        fasttok.count_mismatch(self._model)
+                        log.warning("model %s: no fast tokenizer: %s", self._model, self.fast_reason)
             if self._fast is None:
                 log.debug("tokenizer: no fast encoder (%s)", self.fast_reason)
         why = self._self_check(serialized, alternatives)
         if why is not None:
             self._fast, self.fast_reason = None, "segmenting is off"
+        elif self._fast is not None and self._fast.sampled:
+            self._check = fasttok.RunTimeCheck(
+                self._model, lambda text: self._backend.encode(text, add_special_tokens=False).ids,
+                self._fast_mismatch, self._sample_every)
+            log.info("model %s: fast tokenizer %s", self._model, self.fast_reason)
         return why
+
+    def _fast_mismatch(self, text: str) -> None:
+        """A sampled text's fast ids were not the exact ones: off for this encoder's life, and the
+        caches (which may hold such ids) emptied. Runs on the check's thread."""
+        with self._lock:
+            check, self._check = self._check, None
+            if check is None:
+                return  # already off
+            check.active = False
+            self._fast = None
+            self.fast_reason = f"off: its ids differed from the Rust tokenizer's on {text[:40]!r}"
+            self._generation += 1
+            self._lru.clear()
+            self._tokens = 0
+            self._recent.clear()
+        log.warning("model %s: fast tokenizer turned off: its ids differed from the Rust tokenizer's on a "
+                    "sampled text (%d chars, starting %r); the routing decisions of requests "
+                    "tokenized before may have used wrong counts", self._model, len(text), text[:40])
 
     def _self_check(self, serialized: str, tokens: list[str]) -> str | None:
         """Segmented and whole encodings of probe texts must agree, on a private copy of the
@@ -340,6 +402,7 @@ class SegmentEncoder:
 
     def _encode(self, text: str, add_special_tokens: bool, *, cache: bool) -> list[int]:
         assert self._split is not None
+        generation = self._generation
         last, start, ids = self._reusable(text) if cache else (None, -1, [])
         base = last.ends[start] if last is not None else 0
         parts = self._split.split(text[base:] if base else text)  # text, token, text, ..., text
@@ -362,10 +425,10 @@ class SegmentEncoder:
                 if got is None:
                     got = self._segment(part)
                     if cache:
-                        self._put(part, got)
+                        self._put(part, got, generation)
                 ids.extend(got)
         if cache:
-            self._remember(_Encoded(text, tuple(ends), tuple(counts), ids[:]), last)
+            self._remember(_Encoded(text, tuple(ends), tuple(counts), ids[:]), last, generation)
         if add_special_tokens and self._affixes:
             return [*self._affixes[0], *ids, *self._affixes[1]]
         return ids
@@ -389,17 +452,23 @@ class SegmentEncoder:
             return None, -1, []
         return best, best_at, best.ids[: best.counts[best_at]]
 
-    def _remember(self, rec: _Encoded, last: _Encoded | None) -> None:
+    def _remember(self, rec: _Encoded, last: _Encoded | None, generation: int) -> None:
         if len(rec.ids) > self._max_entry or not rec.ends:
             return
         with self._lock:
-            self._recent.put(rec, last if last is not None and rec.text.startswith(last.text) else None)
+            if generation == self._generation:
+                self._recent.put(rec, last if last is not None and rec.text.startswith(last.text) else None)
 
     def _segment(self, text: str) -> tuple[int, ...]:
         """Ids of text without added tokens."""
-        ids = self._fast.encode(text) if self._fast is not None else None
+        fast = self._fast
+        ids = fast.encode(text) if fast is not None else None
         if ids is None:
             ids = self._backend.encode(text, add_special_tokens=False).ids
+        else:
+            check = self._check
+            if check is not None:
+                check.offer(text, ids)
         return tuple(ids)
 
     def _get(self, key: str) -> tuple[int, ...] | None:
@@ -409,10 +478,12 @@ class SegmentEncoder:
                 self._lru.move_to_end(key)
             return ids
 
-    def _put(self, key: str, ids: tuple[int, ...]) -> None:
+    def _put(self, key: str, ids: tuple[int, ...], generation: int) -> None:
         if len(ids) > self._max_entry:
             return
         with self._lock:
+            if generation != self._generation:
+                return  # encoded before the fast path was turned off
             old = self._lru.pop(key, None)
             if old is not None:
                 self._tokens -= len(old)
@@ -483,6 +554,22 @@ def _model_config(cfg: ModelConfig) -> dict[str, Any]:
         return {}
 
 
+def find_ranks_file(cfg: ModelConfig) -> str | None:
+    """The model's own tiktoken ranks next to its tokenizer (``fasttok.RANKS_FILES``: Meta's
+    ``original/tokenizer.model``), when the folder or the local hub cache has one (no download)."""
+    from transformers.utils import cached_file
+
+    for name in fasttok.RANKS_FILES:
+        try:
+            path = cached_file(cfg.tokenizer, name, revision=cfg.tokenizer_revision,
+                               _raise_exceptions_for_missing_entries=False, local_files_only=True)
+        except Exception:  # not there, or no cache to look in
+            continue
+        if path:
+            return str(path)
+    return None
+
+
 def detect_renderer(cfg: ModelConfig) -> str | None:
     """Which of vLLM's own chat renderers this model gets (None: the Jinja template)."""
     if cfg.tokenizer_mode not in _PLAIN_TOKENIZER_MODES:
@@ -508,14 +595,17 @@ class ModelTokenizer:
     """One model's tokenizer and chat template, with vLLM's prompt rules."""
 
     def __init__(self, hf_tokenizer: Any, cfg: ModelConfig, renderer: str | None = None, *,
-                 reuse_tokens: int = 1 << 20, fast: bool = True) -> None:
+                 reuse_tokens: int = 1 << 20, fast: bool = True,
+                 ranks_file: str | os.PathLike[str] | None = None) -> None:
         """``reuse_tokens``: token ids of recent text segments kept for reuse, and as many again of
         recent whole texts (0: none; about 40 bytes each, plus the texts); ``fast``: encode with
-        ``fasttok`` where proven exact. See ``SegmentEncoder``."""
+        ``fasttok`` where proven exact, or checked from ``ranks_file`` (the model's tiktoken
+        ranks, see ``find_ranks_file``). See ``SegmentEncoder``."""
         self.hf = hf_tokenizer
         self.cfg = cfg
         self._reuse_tokens = reuse_tokens
         self._fast = fast
+        self._ranks_file = ranks_file
         # The Rust tokenizer underneath. A tokenizer.json may carry truncation or padding settings
         # that the transformers wrapper switches off on every call; encoding directly, do the same.
         backend = hf_tokenizer.backend_tokenizer
@@ -546,7 +636,8 @@ class ModelTokenizer:
     def backend(self, value: Any) -> None:
         # Every encode goes through the segment encoder: it must wrap whatever backend is set.
         self._backend = value
-        self.segments = SegmentEncoder(value, self._reuse_tokens, fast=self._fast)
+        self.segments = SegmentEncoder(value, self._reuse_tokens, fast=self._fast, ranks_file=self._ranks_file,
+                                       model=self.cfg.name)
 
     @classmethod
     def load(cls, cfg: ModelConfig) -> ModelTokenizer:
@@ -557,26 +648,27 @@ class ModelTokenizer:
             cfg.tokenizer, revision=cfg.tokenizer_revision, trust_remote_code=cfg.trust_remote_code,
             truncation_side="left",
         )
-        return cls(hf, cfg, detect_renderer(cfg))
+        return cls(hf, cfg, detect_renderer(cfg), ranks_file=find_ranks_file(cfg))
 
     # -- both ---------------------------------------------------------------------------------
     def prompt_ids(self, req: ParsedRequest) -> PromptIds:
         """One token list per prompt, truncated and length-checked as vLLM does (see PromptIds)."""
         body = req.body
         trunc = self._truncation(req)
+        near = self._near_limit(body)
         reason = None
         if req.kind == "chat":
-            rendered, media = self._render_chat(body)
+            rendered, media = self._render_chat(body, near)
             if isinstance(rendered, str):
                 add_special = bool(body.get("add_special_tokens") or False)
-                prompts = [self._text_ids(rendered, add_special, trunc)]
+                prompts = [self._text_ids(rendered, add_special, trunc, near)]
             else:
                 prompts = [self._truncate(rendered, trunc)]
             reason = "multimodal" if media else self.renderer
         else:
             add_special = body.get("add_special_tokens") is not False
             prompts = [
-                self._text_ids(p, add_special, trunc) if isinstance(p, str) else self._truncate(list(p), trunc)
+                self._text_ids(p, add_special, trunc, near) if isinstance(p, str) else self._truncate(list(p), trunc)
                 for p in req.prompts
             ]
             if self.renderer not in _HF_TOKENIZER_RENDERERS:
@@ -589,7 +681,7 @@ class ModelTokenizer:
         return PromptIds(prompts, reason)
 
     # -- chat ---------------------------------------------------------------------------------
-    def _render_chat(self, body: dict[str, Any]) -> tuple[str | list[int], bool]:
+    def _render_chat(self, body: dict[str, Any], near: int) -> tuple[str | list[int], bool]:
         """The rendered prompt (text to encode, or ids when the template call tokenized), and
         whether the messages have media parts."""
         cfg = self.cfg
@@ -617,7 +709,7 @@ class ModelTokenizer:
         except Exception as err:  # templates raise to reject input (e.g. bad role order); vLLM answers 400
             raise bad_request(chat.template_error_reason(err)) from None
         if args.tokenize:  # the template call would have encoded without special tokens
-            return self.segments.encode(text), media
+            return self._encode(text, False, near), media
         return text, media
 
     def _refuse_untrusted_template(self, body: dict[str, Any]) -> None:
@@ -663,7 +755,24 @@ class ModelTokenizer:
             keep = max_len - 1 if _max_output(req) else max_len
         return _Truncation(keep, body.get("truncation_side"))
 
-    def _text_ids(self, text: str, add_special: bool, trunc: _Truncation) -> list[int]:
+    def _near_limit(self, body: dict[str, Any]) -> int:
+        """Token count from which a checked (not proven) fast count is redone exactly: within
+        ``NEAR_LIMIT_SHARE`` of max_model_len (at least ``NEAR_LIMIT_MIN`` tokens) of where
+        ``check_lengths`` refuses, counting the room min_tokens needs."""
+        limit = self.cfg.max_model_len
+        margin = max(NEAR_LIMIT_MIN, int(limit * NEAR_LIMIT_SHARE))
+        return limit - margin - max(body.get("min_tokens") or 0, 1)
+
+    def _encode(self, text: str, add_special: bool, near: int) -> list[int]:
+        """The segment encoder's ids; the exact tokenizer's when they came from a checked fast
+        encoder and reach ``near``: whether vLLM refuses the prompt is decided by exact counts."""
+        checked = self.segments.fast_checked  # before: a run-time mismatch may turn it off meanwhile
+        ids = self.segments.encode(text, add_special)
+        if checked and len(ids) >= near:
+            return self.backend.encode(text, add_special_tokens=add_special).ids
+        return ids
+
+    def _text_ids(self, text: str, add_special: bool, trunc: _Truncation, near: int) -> list[int]:
         if trunc.keep == 0:
             return []  # vLLM cuts whatever the tokenizer returned down to nothing
         limit = self.cfg.max_model_len * self.max_chars_per_token
@@ -683,7 +792,7 @@ class ModelTokenizer:
             elif trunc.side == "right":
                 text = text[:limit]
         if trunc.keep is None or trunc.side is not None:
-            return self._truncate(self.segments.encode(text, add_special), trunc)
+            return self._truncate(self._encode(text, add_special, near), trunc)
         # vLLM has the tokenizer truncate: the special tokens stay, the text is cut on its side.
         enc = self.backend.encode(text, add_special_tokens=False)
         specials = self.backend.num_special_tokens_to_add(False) if add_special else 0

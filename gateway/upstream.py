@@ -1,22 +1,27 @@
 """HTTP to the engines: pooled keep-alive connections, per-leg timeouts, errors in client terms.
 
-The engine legs use the gateway's own HTTP/1.1 client (``h1client``): against an instant local
-server it costs a fraction of aiohttp's CPU per request (docs/benchmarks.md, "Upstream HTTP client"), and that
-cost is most of what the gateway adds to a request. The health checker keeps using aiohttp.
+The engine legs go through an ``EngineTransport`` (gateway/transport.py), by default the gateway's
+own HTTP/1.1 client (``h1client``): against an instant local server it costs a fraction of
+aiohttp's CPU per request (docs/benchmarks.md, "Upstream HTTP client"), and that cost is most of
+what the gateway adds to a request. ``engines.transport: aiohttp`` selects the reference
+implementation instead. The health checker keeps using an aiohttp session.
 """
 
 from __future__ import annotations
 
 import logging
+import ssl
 from typing import Any, Literal
 
 import aiohttp
 import orjson
 
-from .config import TimeoutsConfig
+from .config import EnginesConfig, TimeoutsConfig
 from .errors import APIError, bad_request, clip
-from .h1client import ClientError, ConnectError, FirstTimeout, H1Client, Response, Timeouts
+from .h1client import H1Client
 from .pools import Endpoint
+from .transport import ClientError, ConnectError, EngineResponse, EngineTransport, FirstTimeout, Timeouts, tls_context
+from .transport_aiohttp import AiohttpTransport
 
 log = logging.getLogger(__name__)
 
@@ -29,19 +34,30 @@ MAX_JSON_BYTES = 1 << 20
 KEEPALIVE_S = 4.0
 
 
-def make_session() -> aiohttp.ClientSession:
-    """The aiohttp session for the control plane (health checks and the like), not the engine legs."""
+def make_session(engines: EnginesConfig | None = None) -> aiohttp.ClientSession:
+    """The aiohttp session for the control plane (health checks and the like), not the engine legs;
+    with ``engines``, it talks TLS to https engines as the legs do (its CA and client certificate)."""
+    tls = _engines_tls(engines or EnginesConfig())
     connector = aiohttp.TCPConnector(
-        limit=0, ttl_dns_cache=300, keepalive_timeout=KEEPALIVE_S, enable_cleanup_closed=True
+        limit=0, ttl_dns_cache=300, keepalive_timeout=KEEPALIVE_S, enable_cleanup_closed=True,
+        ssl=tls if tls is not None else True,
     )
     return aiohttp.ClientSession(
         connector=connector, auto_decompress=False, raise_for_status=False, skip_auto_headers=("Accept-Encoding",)
     )
 
 
-def make_client() -> H1Client:
-    """The engine legs' HTTP client; ``close`` it at shutdown."""
-    return H1Client(keepalive_s=KEEPALIVE_S)
+def make_client(cfg: EnginesConfig | None = None) -> EngineTransport:
+    """The engine legs' HTTP client as ``cfg`` (default: ``h1``, system CAs) says; ``close`` it at
+    shutdown. Raises OSError/ssl.SSLError if a configured CA or certificate file cannot be used."""
+    cfg = cfg or EnginesConfig()
+    kind = AiohttpTransport if cfg.transport == "aiohttp" else H1Client
+    return kind(keepalive_s=KEEPALIVE_S, tls=_engines_tls(cfg))
+
+
+def _engines_tls(cfg: EnginesConfig) -> ssl.SSLContext | None:
+    """The configured TLS context for https engines; None: the system's CAs, no client certificate."""
+    return tls_context(cfg.ca_file, cfg.cert_file, cfg.key_file) if cfg.ca_file or cfg.cert_file else None
 
 
 class EngineError(APIError):
@@ -49,13 +65,13 @@ class EngineError(APIError):
 
 
 class Upstream:
-    """The engine legs, over ``client``: an H1Client that outlives config versions, so reloads
-    keep the warm connections. Given anything else (an aiohttp session, from wiring that predates
-    the H1Client), it opens a client of its own, which ``close`` closes."""
+    """The engine legs, over ``client``: a transport that outlives config versions, so reloads
+    keep the warm connections. Given none, it opens a default one of its own, which ``close``
+    closes."""
 
-    def __init__(self, client: H1Client | aiohttp.ClientSession | None, timeouts: TimeoutsConfig) -> None:
-        self._own_client = not isinstance(client, H1Client)
-        self._client = client if isinstance(client, H1Client) else make_client()
+    def __init__(self, client: EngineTransport | None, timeouts: TimeoutsConfig) -> None:
+        self._own_client = client is None
+        self._client = make_client() if client is None else client
         self._timeouts: dict[Leg, Timeouts] = {
             "prefill": Timeouts(connect=timeouts.connect_s, total=timeouts.prefill_s),
             # No total: a decode stream lasts as long as it generates; only silence is an error.
@@ -65,7 +81,7 @@ class Upstream:
         }
 
     async def post(self, ep: Endpoint, path: str, body: dict[str, Any], request_id: str, *, leg: Leg,
-                   headers: dict[str, str] | None = None) -> Response:
+                   headers: dict[str, str] | None = None) -> EngineResponse:
         """Send ``body`` and return the open response (status checked); the caller ends it with
         ``release`` or ``close``. ``headers``: the leg's trace context (traceparent), if any."""
         try:
@@ -94,7 +110,7 @@ class Upstream:
             raise _engine_error(resp.status, raw, leg, ep)
         return resp
 
-    async def read_json(self, resp: Response, leg: Leg) -> dict[str, Any]:
+    async def read_json(self, resp: EngineResponse, leg: Leg) -> dict[str, Any]:
         try:
             raw = await read_capped(resp)
         except (TimeoutError, ClientError) as err:
@@ -115,7 +131,7 @@ class Upstream:
             self._client.close()
 
 
-async def read_capped(resp: Response, limit: int = MAX_JSON_BYTES) -> bytes:
+async def read_capped(resp: EngineResponse, limit: int = MAX_JSON_BYTES) -> bytes:
     """The whole body, or an EngineError once it passes ``limit`` bytes."""
     declared = resp.content_length
     if declared is not None and declared > limit:

@@ -22,15 +22,17 @@ Engine settings the ``HashSpec`` must mirror for the hashes to be equal:
 
 Serialization facts (vLLM ``vllm/utils/hashing.py``, ``vllm/v1/core/kv_cache_utils.py``):
 ``sha256``/``xxhash`` hash ``pickle.dumps(obj, protocol=5)``; the ``*_cbor`` variants hash
-canonical CBOR of the same object; xxhash means the 128-bit ``xxh3_128`` digest. The object is
-``(parent_digest: bytes, tokens: tuple[int, ...], extra_keys: tuple | None)`` per block, and the
-seed string itself for ``NONE_HASH``. Extra keys, in order: ``("lora", name, path)`` on every block
-of a LoRA request, multimodal keys, ``("cache_salt", salt)`` on the first block only, prompt
-embedding digests. The gateway supports LoRA and cache_salt; prompts with media or embeddings
-are out of scope (their hashes depend on processed media the gateway never sees).
+``cbor2.dumps(obj, canonical=True)`` of the same object (the very call vLLM makes); xxhash means
+the 128-bit ``xxh3_128`` digest. The object is ``(parent_digest: bytes, tokens: tuple[int, ...],
+extra_keys: tuple | None)`` per block, and the seed string itself for ``NONE_HASH``. Extra keys,
+in order: ``("lora", name, path)`` on every block of a LoRA request, multimodal keys,
+``("cache_salt", salt)`` on the first block only, prompt embedding digests. The gateway supports
+LoRA and cache_salt; prompts with media or embeddings are out of scope (their hashes depend on
+processed media the gateway never sees).
 
-Hashing is memoized per ``HashSpec`` in a bounded LRU keyed by ``(parent digest, block tokens,
-extra keys)``: when a conversation comes back with one more turn, only its new blocks are hashed.
+``block_digests`` memoizes per ``HashSpec`` in a bounded LRU (``cachetools``) keyed by ``(parent
+digest, block tokens, extra keys)``; ``block_hashes`` (the request path) reuses the last prompt of
+a conversation instead: when it comes back with one more turn, only its new blocks are hashed.
 Token ids must be Python ints (what the tokenizers library returns): numpy integers pickle
 differently.
 """
@@ -39,12 +41,14 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-import struct
 from array import array
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
+
+import cbor2
+from cachetools import LRUCache
 
 BlockHash = int | bytes
 """A block hash as vLLM publishes it in KV events: a 64-bit int (default) or the digest bytes."""
@@ -56,81 +60,11 @@ HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 HASH_ALGOS: tuple[str, ...] = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # vLLM's seed for cryptographic algos without PYTHONHASHSEED
 _PICKLE_PROTOCOL = 5  # pickle.HIGHEST_PROTOCOL on the Pythons vLLM 0.32 supports
-_MASK64 = (1 << 64) - 1
-
-
-# -- canonical CBOR for the few shapes a block key holds -------------------------------------------
-
-def _cbor_head(major: int, n: int) -> bytes:
-    if n < 24:
-        return bytes((major << 5 | n,))
-    if n < 0x100:
-        return bytes((major << 5 | 24, n))
-    if n < 0x10000:
-        return bytes((major << 5 | 25,)) + struct.pack(">H", n)
-    if n < 0x100000000:
-        return bytes((major << 5 | 26,)) + struct.pack(">I", n)
-    if n <= _MASK64:
-        return bytes((major << 5 | 27,)) + struct.pack(">Q", n)
-    raise ValueError(f"integer {n} does not fit CBOR's 64-bit head")
-
-
-class _Cbor:
-    """Canonical CBOR (what ``cbor2.dumps(obj, canonical=True)`` writes) for the shapes a block
-    key holds: None, bool, int, str, bytes, tuples and lists. Token ids' encodings are cached,
-    which makes the common case (a tuple of token ids) a run of dict lookups."""
-
-    __slots__ = ("_ints",)
-    _MAX_CACHED = 1 << 20
-
-    def __init__(self) -> None:
-        self._ints: dict[int, bytes] = {}
-
-    def dumps(self, obj: Any) -> bytes:
-        out: list[bytes] = []
-        self._encode(obj, out)
-        return b"".join(out)
-
-    def _int(self, n: int) -> bytes:
-        enc = self._ints.get(n)
-        if enc is None:
-            enc = _cbor_head(0, n) if n >= 0 else _cbor_head(1, -1 - n)
-            if len(self._ints) < self._MAX_CACHED:
-                self._ints[n] = enc
-        return enc
-
-    def _encode(self, obj: Any, out: list[bytes]) -> None:
-        if obj is None:
-            out.append(b"\xf6")
-        elif obj is True:
-            out.append(b"\xf5")
-        elif obj is False:
-            out.append(b"\xf4")
-        elif isinstance(obj, int):
-            out.append(self._int(obj))
-        elif isinstance(obj, bytes):
-            out.append(_cbor_head(2, len(obj)))
-            out.append(obj)
-        elif isinstance(obj, str):
-            raw = obj.encode("utf-8")
-            out.append(_cbor_head(3, len(raw)))
-            out.append(raw)
-        elif isinstance(obj, tuple | list):
-            out.append(_cbor_head(4, len(obj)))
-            ints = self._ints
-            for item in obj:
-                enc = ints.get(item) if type(item) is int else None
-                if enc is not None:
-                    out.append(enc)
-                else:
-                    self._encode(item, out)
-        else:
-            raise TypeError(f"cannot CBOR-encode a {type(obj).__name__} in a block key")
 
 
 def cbor_dumps(obj: Any) -> bytes:
-    """Canonical CBOR of ``obj`` (no cache; for tests and one-off use)."""
-    return _Cbor().dumps(obj)
+    """Canonical CBOR of ``obj``, exactly as vLLM's ``sha256_cbor``/``xxhash_cbor`` serialize it."""
+    return cbor2.dumps(obj, canonical=True)
 
 
 def _pickle_dumps(obj: Any) -> bytes:
@@ -148,38 +82,12 @@ def _xxh3_128() -> Callable[[bytes], bytes]:
 
 
 def _digest_fn(algo: str) -> Callable[[Any], bytes]:
-    serialize = _Cbor().dumps if algo.endswith("_cbor") else _pickle_dumps
+    # vLLM's own call (vllm/utils/hashing.py); cbor2's C encoder, faster than a Python one.
+    serialize = partial(cbor2.dumps, canonical=True) if algo.endswith("_cbor") else _pickle_dumps
     if algo.startswith("sha256"):
         return lambda obj: hashlib.sha256(serialize(obj)).digest()
     xxh = _xxh3_128()
     return lambda obj: xxh(serialize(obj))
-
-
-class _LRU:
-    """A small bounded LRU map (dict order is recency order)."""
-
-    __slots__ = ("_data", "maxsize")
-
-    def __init__(self, maxsize: int) -> None:
-        self.maxsize = maxsize
-        self._data: OrderedDict[Any, Digest] = OrderedDict()
-
-    def get(self, key: Any) -> Digest | None:
-        value = self._data.get(key)
-        if value is not None:
-            self._data.move_to_end(key)
-        return value
-
-    def put(self, key: Any, value: Digest) -> None:
-        self._data[key] = value
-        if len(self._data) > self.maxsize:
-            self._data.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def clear(self) -> None:
-        self._data.clear()
 
 
 @dataclass(slots=True)
@@ -193,21 +101,20 @@ class _Recent:
     """Recent prompts by their first unit (and extra keys): a conversation that comes back with
     one more turn shares a long prefix with its last prompt, whose hashes are reused wholesale
     after a comparison of packed token ids, instead of a memo lookup per block. Several
-    conversations may start alike (one system prompt), so each first unit keeps a few."""
+    conversations may start alike (one system prompt), so each first unit keeps a few; the keys
+    are an LRU (one lookup and one insert per request: cachetools' cost is noise there)."""
 
-    __slots__ = ("_data", "maxsize")
+    __slots__ = ("_data",)
     PER_KEY = 8
 
     def __init__(self, maxsize: int) -> None:
-        self.maxsize = maxsize
-        self._data: OrderedDict[tuple, list[_Prompt]] = OrderedDict()
+        self._data: LRUCache[tuple, list[_Prompt]] = LRUCache(maxsize)
 
     def best(self, key: tuple, packed: bytes, unit_bytes: int) -> tuple[_Prompt | None, int]:
         """The remembered prompt sharing the most leading units with ``packed``, and how many."""
-        prompts = self._data.get(key)
+        prompts = self._data.get(key)  # a hit counts as a use
         if not prompts:
             return None, 0
-        self._data.move_to_end(key)
         best, shared = None, 0
         for p in prompts:
             n = _common_units(p.packed, packed, unit_bytes)
@@ -216,17 +123,16 @@ class _Recent:
         return best, shared
 
     def put(self, key: tuple, prompt: _Prompt, replaces: _Prompt | None) -> None:
-        prompts = self._data.setdefault(key, [])
+        prompts = self._data.get(key)
+        if prompts is None:
+            self._data[key] = prompts = []  # may evict the least recently used key
         if replaces is not None and replaces in prompts:
             prompts.remove(replaces)  # the conversation's previous turn: superseded
         prompts.insert(0, prompt)
         del prompts[self.PER_KEY :]
-        self._data.move_to_end(key)
-        if len(self._data) > self.maxsize:
-            self._data.popitem(last=False)
 
     def clear(self) -> None:
-        self._data.clear()
+        self._data = LRUCache(self._data.maxsize)  # O(1): LRUCache.clear pops one entry at a time
 
 
 def _common_units(a: bytes, b: bytes, unit_bytes: int) -> int:
@@ -263,7 +169,7 @@ class HashSpec:
     recent_size: int = 256
     _digest: Callable[[Any], bytes] = field(init=False, repr=False)
     _none_hash: Digest = field(init=False, repr=False)
-    _memo: _LRU = field(init=False, repr=False)
+    _memo: LRUCache[tuple, Digest] = field(init=False, repr=False)
     _recent: _Recent = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -274,6 +180,8 @@ class HashSpec:
         unit = self.hash_block_size or self.block_size
         if unit <= 0 or self.block_size % unit:
             raise ValueError(f"block_size {self.block_size} must be a multiple of hash_block_size {unit}")
+        if self.memo_size < 1 or self.recent_size < 1:
+            raise ValueError("memo_size and recent_size must be positive")
         # An engine whose NONE_HASH is random cannot be reproduced: the gateway keeps its own
         # (sha256, default seed) chain and relies on event translation.
         algo = self.algo if self.reproducible else "sha256"
@@ -281,7 +189,7 @@ class HashSpec:
         seed = self.seed if self.seed is not None else DEFAULT_NONE_HASH_SEED
         object.__setattr__(self, "_digest", digest)
         object.__setattr__(self, "_none_hash", digest(seed))
-        object.__setattr__(self, "_memo", _LRU(self.memo_size))
+        object.__setattr__(self, "_memo", LRUCache(self.memo_size))
         object.__setattr__(self, "_recent", _Recent(self.recent_size))
 
     def __eq__(self, other: object) -> bool:
@@ -317,7 +225,7 @@ class HashSpec:
         return len(self._memo)
 
     def clear_memo(self) -> None:
-        self._memo.clear()
+        object.__setattr__(self, "_memo", LRUCache(self.memo_size))  # O(1), unlike LRUCache.clear
         self._recent.clear()
 
 
@@ -348,7 +256,7 @@ def block_digests(
         h = memo.get(key)
         if h is None:
             h = digest(key)
-            memo.put(key, h)
+            memo[key] = h
         out.append(h)
         prev = h
     return out

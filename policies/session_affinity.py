@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from cachetools import LRUCache
 from pydantic import Field, StrictInt, StrictStr
 
 from .base import EndpointView, RequestContext
@@ -33,6 +34,7 @@ class SessionAffinityParams(PolicyParams):
 
 
 _DEFAULTS = SessionAffinityParams()
+RING_CACHE_SIZE = 64
 
 
 @dataclass
@@ -43,7 +45,10 @@ class SessionAffinity:
     load_factor: float = _DEFAULTS.load_factor
     vnodes: int = _DEFAULTS.vnodes
 
-    _rings: dict[tuple[str, ...], tuple[list[int], list[str]]] = field(default_factory=dict, init=False, repr=False)
+    # Rings by candidate set: sets change with health and load filters, and a few recur; building
+    # one costs len(urls) x vnodes hashes, a lookup is per request.
+    _rings: LRUCache[tuple[str, ...], tuple[list[int], list[str]]] = field(
+        default_factory=lambda: LRUCache(RING_CACHE_SIZE), init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -54,9 +59,7 @@ class SessionAffinity:
         if ring is None:
             points = sorted((_point(f"{u}#{i}"), u) for u in urls for i in range(self.vnodes))
             ring = ([p for p, _ in points], [u for _, u in points])
-            if len(self._rings) > 64:  # candidate sets change with health; keep only recent ones
-                self._rings.clear()
-            self._rings[urls] = ring
+            self._rings[urls] = ring  # evicts the least recently used set past RING_CACHE_SIZE
         return ring
 
     def owner(self, key: str, candidates: Sequence[EndpointView]) -> EndpointView:

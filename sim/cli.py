@@ -31,7 +31,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         default=None,
         help="Hugging Face tokenizer folder; without it a token is 4 bytes of UTF-8 (ceil(len/4))",
     )
-    p.add_argument("--max-model-len", type=int, default=d["max_model_len"].default)
+    p.add_argument("--max-model-len", type=int, default=d["max_model_len"].default,
+                   help="context length the engine serves (vLLM's flag; prompt + output tokens)")
     p.add_argument("--block-size", type=int, default=d["block_size"].default, help="tokens per KV block")
     p.add_argument(
         "--num-gpu-blocks", type=int, default=d["num_gpu_blocks"].default, help="KV blocks (incl. null block)"
@@ -98,7 +99,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         default=d["kv_bytes_per_token"].default,
         help="KV size per token for vllm:nixl_bytes_transferred",
     )
-    p.add_argument("--default-max-tokens", type=int, default=d["default_max_tokens"].default)
+    p.add_argument("--default-max-tokens", type=int, default=d["default_max_tokens"].default,
+                   help="output tokens of a request that gives no max_tokens (vLLM: 16 for completions)")
     p.add_argument("--engine-id", default=None, help="NIXL engine id (default: random uuid4)")
     p.add_argument(
         "--enable-request-id-headers",

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from gateway import ports
+from tests.waiting import wait_for  # noqa: F401 - the suite's one polling helper, re-exported
 
 free_port = ports.free_port  # below the ephemeral range (gateway/ports.py)
 
@@ -104,14 +105,3 @@ class ProcGroup:
 
 
 PYTHON = sys.executable
-
-
-def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
-    """Poll ``predicate`` until it is true (True) or ``timeout`` seconds pass (False)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval)

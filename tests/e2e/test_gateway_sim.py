@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import socket
-import time
+from collections.abc import Callable
 
 import httpx
 import openai
@@ -167,13 +167,13 @@ def slow(tokenizer_dir, tmp_path_factory):
         group.stop_all()
 
 
-def _send_and_hang_up(port: int, path: str, body: dict, after: float) -> None:
-    """Send a request on a raw socket and close it before any response byte has arrived."""
+def _send_and_hang_up(port: int, path: str, body: dict, once: Callable[[], bool]) -> None:
+    """Send a request on a raw socket and close it, before any response byte, once ``once()``."""
     payload = orjson.dumps(body)
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(payload), payload))
-        time.sleep(after)
+        assert wait_for(once, timeout=10)
 
 
 def _read_first_chunk_and_leave(url: str, body: dict) -> None:
@@ -184,10 +184,14 @@ def _read_first_chunk_and_leave(url: str, body: dict) -> None:
 def test_disconnect_during_prefill_aborts_the_prefill_leg(slow):
     for s in slow.prefill + slow.decode:
         s.clear()
+    hung_up = sample(httpx.get(slow.url + "/metrics").text, "pdgate_requests_total", status="499")
     _send_and_hang_up(slow.gateway_port, "/v1/chat/completions",
-                      {"model": "tiny", "messages": [{"role": "user", "content": LONG}], "stream": True}, 0.5)
+                      {"model": "tiny", "messages": [{"role": "user", "content": LONG}], "stream": True},
+                      once=lambda: bool(slow.prefill[0].requests()))  # the prefill leg is running
     assert wait_for(lambda: [r["status"] for r in slow.prefill[0].requests()] == ["aborted"])
-    time.sleep(0.5)
+    # The gateway has finished with the request (counted as a client hang-up): no leg can start now.
+    assert wait_for(lambda: sample(httpx.get(slow.url + "/metrics").text, "pdgate_requests_total",
+                                   status="499") == hung_up + 1)
     assert slow.decode[0].requests() == []  # the decode leg never started
     assert wait_for(lambda: sample(slow.prefill[0].metrics(), "vllm:kv_cache_usage_perc") == 0)
 
@@ -239,7 +243,8 @@ def test_disconnect_during_a_non_streaming_request_aborts_it(slow):
     for s in slow.prefill + slow.decode:
         s.clear()
     _send_and_hang_up(slow.gateway_port, "/v1/completions",
-                      {"model": "tiny", "prompt": SHORT, "max_tokens": 200}, 0.6)
+                      {"model": "tiny", "prompt": SHORT, "max_tokens": 200},
+                      once=lambda: bool(slow.decode[0].requests()))  # the engine is generating
     assert wait_for(lambda: [r["status"] for r in slow.decode[0].requests()] == ["aborted"], timeout=5)
     assert wait_for(lambda: _in_flight(slow) == 0)
     assert sample(httpx.get(slow.url + "/metrics").text, "pdgate_requests_total", status="499") >= 1

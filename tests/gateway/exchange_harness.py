@@ -14,7 +14,6 @@ import orjson
 
 from gateway.admission import Gate
 from gateway.config import GatewayConfig, ModelConfig, TokenizerConfig, TracingConfig, parse_config
-from gateway.h1client import ServerDisconnected
 from gateway.legs import KVReleaser
 from gateway.metrics import GatewayMetrics
 from gateway.pools import Pools
@@ -25,6 +24,7 @@ from gateway.runtime import Runtime, Services
 from gateway.service import Gateway
 from gateway.tokenizer import ModelTokenizer, Tokenizers
 from gateway.tracing import Tracing
+from gateway.transport import ServerDisconnected
 from gateway.upstream import EngineError
 from policies.base import Decision, Finished, LegReport, RequestContext
 from policies.estimates import EngineEstimates

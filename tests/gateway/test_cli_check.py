@@ -12,10 +12,11 @@ BASE = {
 }
 
 
-def run(tmp_path, data, capsys) -> tuple[int, str]:
+def run(tmp_path, data, capsys, tokenizers: bool = False) -> tuple[int, str]:
+    """check-config, by default without loading tokenizers ("t" is no tokenizer)."""
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(data) if isinstance(data, dict) else data)
-    code = main(["check-config", str(path)])
+    code = main(["check-config", str(path), *(() if tokenizers else ("--no-tokenizers",))])
     out = capsys.readouterr()
     return code, out.out + out.err
 
@@ -23,6 +24,18 @@ def run(tmp_path, data, capsys) -> tuple[int, str]:
 def test_valid(tmp_path, capsys):
     code, out = run(tmp_path, BASE, capsys)
     assert code == 0 and "OK" in out and "1 decode endpoint" in out
+
+
+def test_tokenizers_are_loaded_as_serve_would(tmp_path, capsys, tokenizer_dir):
+    """A config check-config passes does not crash serve: each model's tokenizer loads."""
+    good = {**BASE, "models": [{"name": "m", "tokenizer": str(tokenizer_dir), "max_model_len": 100}]}
+    code, out = run(tmp_path, good, capsys, tokenizers=True)
+    assert code == 0 and "OK" in out
+    bad = {**BASE, "models": [*good["models"], {"name": "n", "tokenizer": str(tmp_path / "nowhere"),
+                                                 "max_model_len": 100}]}
+    code, out = run(tmp_path, bad, capsys, tokenizers=True)
+    assert code == 1 and "models[1].tokenizer: cannot load" in out and "nowhere" in out
+    assert "Traceback" not in out and len(out.strip().splitlines()) == 1
 
 
 def test_unknown_policy_is_caught_offline(tmp_path, capsys):
@@ -74,3 +87,28 @@ def test_a_policy_twice_or_in_the_wrong_place(tmp_path, capsys):
     assert code == 1
     assert "  routing.decode.scorers[1].name: policy 'load' is already in this list" in out
     assert "  routing.decode.picker.name: policy 'bounded_load' is a filter, not a picker" in out
+
+
+def test_the_shipped_examples_pass(tmp_path, capsys, monkeypatch):
+    """examples/ are what users copy: they must stay valid configs."""
+    from pathlib import Path
+
+    monkeypatch.setenv("PDGATE_API_KEYS", "sk-example")
+    monkeypatch.setenv("PDGATE_ADMIN_TOKEN", "example-admin")
+    monkeypatch.setenv("PDGATE_REDIS_URL", "redis://127.0.0.1:6379/0")
+    examples = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+    assert {e.name for e in examples} >= {"minimal.yaml", "every-policy.yaml", "kubernetes.yaml"}
+    for example in examples:
+        code = main(["check-config", str(example), "--no-tokenizers"])  # hub names: no hub here
+        out = capsys.readouterr()
+        assert code == 0, f"{example.name}: {out.out}{out.err}"
+
+
+def test_serve_with_a_tokenizer_it_cannot_load_says_so_in_one_line(tmp_path, capsys):
+    bad = {**BASE, "models": [{"name": "m", "tokenizer": str(tmp_path / "nowhere"), "max_model_len": 100}]}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    code = main(["serve", "--config", str(path)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith(f"{path}: models[0].tokenizer: cannot load")
+    assert len(err.splitlines()) == 1

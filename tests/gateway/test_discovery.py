@@ -1,15 +1,22 @@
 """Engine discovery (gateway/discovery.py) against a fake Kubernetes API server on loopback.
 
-The fake serves real EndpointSlice JSON (discovery.k8s.io/v1) on the API's own paths, filters by
-label selector, and streams watch events (ADDED, MODIFIED, DELETED, BOOKMARK, ERROR 410) from the
-resourceVersion a client asks for; an expired resourceVersion gets HTTP 410 Gone, as from a real
-API server after compaction. Lists are paginated (``limit`` and ``continue``, one consistent
-snapshot across the pages) when ``page_size`` is set."""
+The fake serves real EndpointSlice JSON (discovery.k8s.io/v1) on the API's own paths and streams
+watch events (ADDED, MODIFIED, DELETED, BOOKMARK, ERROR 410) from the resourceVersion a client asks
+for; an expired resourceVersion gets HTTP 410 Gone, as from a real API server after compaction.
+Lists are paginated (``limit`` and ``continue``, one consistent snapshot across the pages) when
+``page_size`` is set. With ``filter_selector`` (the default) it applies the label selector as the
+API server's watch cache does: a slice whose labels stop matching is sent as DELETED (its previous
+state), one that starts matching as ADDED. Without it, it sends every slice it has, as a server or
+proxy that ignores ``labelSelector`` would: then only the client's own check keeps other slices out.
+It serves https (``ssl=``) and can require a client certificate, for kubeconfig access."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import ssl as ssl_
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -17,6 +24,7 @@ from typing import Any
 
 import orjson
 import pytest
+import yaml
 from aiohttp import web
 from starlette.testclient import TestClient
 
@@ -72,9 +80,11 @@ def _matches(selector: str, labels: dict[str, str]) -> bool:
 class FakeKubeAPI:
     """A Kubernetes API server's EndpointSlice list and watch, on its own thread and loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, ssl: ssl_.SSLContext | None = None) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self._ssl = ssl
+        self.url = f"{'https' if ssl else 'http'}://127.0.0.1:{self.port}"
+        self.filter_selector = True  # False: every slice is listed and watched, whatever the selector
         self.requests: list[dict[str, Any]] = []  # {"watch", "params", "headers"}
         self.fail_lists = 0  # answer the next lists with 500
         self.fail_watches = 0  # answer the next watches with 500
@@ -84,7 +94,7 @@ class FakeKubeAPI:
         self._slices: dict[str, dict] = {}
         self._rv = 100
         self._oldest = 0  # resourceVersions below this are compacted: 410
-        self._history: list[tuple[int, dict]] = []
+        self._history: list[tuple[int, dict, dict | None]] = []  # (rv, event, the object before it)
         self._cond: asyncio.Condition | None = None
         self._cut = 0  # bumping it ends every open watch stream
         self._cut_events: dict[int, dict] = {}  # cut value -> the event its streams end with
@@ -139,16 +149,16 @@ class FakeKubeAPI:
     def _put(self, slice_: dict, silent: bool) -> None:
         obj = orjson.loads(orjson.dumps(slice_))
         name = obj["metadata"]["name"]
-        kind = "MODIFIED" if name in self._slices else "ADDED"
+        prev = self._slices.get(name)
         obj["metadata"]["resourceVersion"] = self._next_rv()
         self._slices[name] = obj
         if not silent:
-            self._history.append((self._rv, {"type": kind, "object": obj}))
+            self._history.append((self._rv, {"type": "MODIFIED" if prev else "ADDED", "object": obj}, prev))
 
     def _delete(self, name: str) -> None:
         obj = self._slices.pop(name)
         obj["metadata"]["resourceVersion"] = self._next_rv()
-        self._history.append((self._rv, {"type": "DELETED", "object": obj}))
+        self._history.append((self._rv, {"type": "DELETED", "object": obj}, obj))
 
     def _expire(self, event: bool) -> None:
         self._oldest = self._rv + 1
@@ -157,14 +167,14 @@ class FakeKubeAPI:
             status = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
                       "message": "too old resource version: 101 (250)", "reason": "Expired", "code": 410}
             # reaches the watches open now, not one started from a list made after this
-            self._history.append((self._rv, {"type": "ERROR", "object": status}))
+            self._history.append((self._rv, {"type": "ERROR", "object": status}, None))
         else:
             self._cut += 1
 
     def _bookmark(self) -> str:
         rv = self._next_rv()
         obj = {"kind": "EndpointSlice", "apiVersion": "discovery.k8s.io/v1", "metadata": {"resourceVersion": rv}}
-        self._history.append((self._rv, {"type": "BOOKMARK", "object": obj}))
+        self._history.append((self._rv, {"type": "BOOKMARK", "object": obj}, None))
         return rv
 
     def _bump_cut(self) -> None:
@@ -173,6 +183,21 @@ class FakeKubeAPI:
     def _fail_open(self, status: dict) -> None:
         self._cut_events[self._cut] = {"type": "ERROR", "object": status}
         self._cut += 1
+
+    def _visible(self, ev: dict, prev: dict | None, selector: str) -> dict | None:
+        """The event as a watch with ``selector`` gets it (None: not at all), as the API server's
+        watch cache converts it: by whether the object matched before and matches after."""
+        if not self.filter_selector or ev["type"] in ("ERROR", "BOOKMARK"):
+            return ev
+        before = prev is not None and _matches(selector, prev["metadata"]["labels"])
+        after = ev["type"] != "DELETED" and _matches(selector, ev["object"]["metadata"]["labels"])
+        if after:
+            return {"type": "MODIFIED" if before else "ADDED", "object": ev["object"]}
+        if before:  # left the selection: its previous state, at the event's resourceVersion
+            old = orjson.loads(orjson.dumps(prev))
+            old["metadata"]["resourceVersion"] = ev["object"]["metadata"]["resourceVersion"]
+            return {"type": "DELETED", "object": old}
+        return None
 
     # -- HTTP ---------------------------------------------------------------------------------------
 
@@ -190,7 +215,8 @@ class FakeKubeAPI:
                 rv, items = self._pages.pop(q["continue"])
             else:
                 rv = str(self._rv)
-                items = [s for s in self._slices.values() if _matches(selector, s["metadata"]["labels"])]
+                items = [s for s in self._slices.values()
+                         if not self.filter_selector or _matches(selector, s["metadata"]["labels"])]
             size = min(int(q.get("limit") or len(items) or 1), self.page_size or len(items) or 1)
             page, rest = items[:size], items[size:]
             meta: dict[str, Any] = {"resourceVersion": rv}
@@ -218,11 +244,10 @@ class FakeKubeAPI:
             sent = since
             async with self._cond:
                 while self._cut == cut and time.monotonic() < deadline:
-                    for rv, ev in self._history:
+                    for rv, ev, prev in self._history:
                         if rv > sent:
-                            obj = ev["object"]
-                            if ev["type"] in ("ERROR", "BOOKMARK") or _matches(selector, obj["metadata"]["labels"]):
-                                await resp.write(orjson.dumps(ev) + b"\n")
+                            if (seen := self._visible(ev, prev, selector)) is not None:
+                                await resp.write(orjson.dumps(seen) + b"\n")
                             sent = rv
                     try:
                         await asyncio.wait_for(self._cond.wait(), max(0.0, deadline - time.monotonic()))
@@ -246,7 +271,7 @@ class FakeKubeAPI:
             app.router.add_get("/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices", self._handle)
             self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
             await self._runner.setup()
-            await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+            await web.TCPSite(self._runner, "127.0.0.1", self.port, ssl_context=self._ssl).start()
             ready.set()
 
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -287,7 +312,11 @@ def urls(watcher: SliceWatcher) -> list[str]:
     return [e.url for e in watcher.endpoints]
 
 
-async def test_list_then_watch_follows_added_modified_deleted(api, tmp_path):
+@pytest.mark.parametrize("filter_selector", [True, False], ids=["server-filters", "server-sends-all"])
+async def test_list_then_watch_follows_added_modified_deleted(api, tmp_path, filter_selector):
+    """Other slices (another selector) never count: a real API server leaves them out, and the
+    watcher checks the selector itself, so a server that sends everything changes nothing."""
+    api.filter_selector = filter_selector
     token = tmp_path / "token"
     token.write_text("tok-1\n")
     api.put(endpoint_slice("pdgate-decode-a", [
@@ -601,19 +630,310 @@ def test_gateway_routing_set_follows_endpointslices(api, tokenizer_dir, tmp_path
             e.stop()
 
 
-def test_in_cluster_access_from_the_service_account(tmp_path, monkeypatch):
-    from gateway.discovery import _access
+def test_in_cluster_access_from_the_service_account(tmp_path, monkeypatch, certs):
+    from gateway.discovery import AccessError, _access
 
     (tmp_path / "namespace").write_text("llm\n")
-    cfg = DiscoveryConfig(label_selector="a=b", namespace_file=str(tmp_path / "namespace"),
-                          ca_file=str(tmp_path / "missing-ca.crt"))
+    cfg = DiscoveryConfig(label_selector="a=b", namespace_file=str(tmp_path / "namespace"), ca_file=certs["ca"])
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    with pytest.raises(ValueError, match="KUBERNETES_SERVICE_HOST is not set"):
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    with pytest.raises(AccessError, match="KUBERNETES_SERVICE_HOST is not set"):
         _access(cfg)
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "fd00::1")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
     access = _access(cfg)
     assert (access.url, access.namespace) == ("https://[fd00::1]:443", "llm")
-    assert access.ssl is not None and access.token_file.endswith("/serviceaccount/token")
+    assert access.ssl is not None and access.ssl.cert_store_stats()["x509_ca"] == 1  # the named CA, only
+    assert access.token_file.endswith("/serviceaccount/token")
     explicit = _access(cfg.model_copy(update={"namespace": "other", "api_url": "http://127.0.0.1:1"}))
     assert (explicit.url, explicit.namespace, explicit.ssl) == ("http://127.0.0.1:1", "other", None)
+
+
+SA_CA = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+
+
+@pytest.mark.skipif(Path(SA_CA).exists(), reason="this machine has a service account mounted")
+async def test_in_cluster_without_the_service_accounts_ca_is_an_error(tmp_path, monkeypatch):
+    """The default ca_file is the service account's: away from a cluster it need not exist (the
+    config validates, an api_url uses the system CAs), but in-cluster it must: no silent fallback."""
+    from gateway.discovery import AccessError, _access
+
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    cfg = DiscoveryConfig(label_selector="a=b", namespace="llm", retry_s=0.05, max_retry_s=0.1)
+    assert cfg.ca_file == SA_CA  # validated here, away from a cluster
+    public = _access(cfg.model_copy(update={"api_url": "https://kube.example.com"}))
+    assert public.ssl is not None and public.ssl.cert_store_stats()["x509_ca"] > 0  # the system's CAs
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    with pytest.raises(AccessError, match=f"{SA_CA} does not exist .*service account") as err:
+        _access(cfg)
+    assert err.value.field == "ca_file"
+    watcher = SliceWatcher("decode", cfg, lambda: None)
+    await watcher.start()
+    try:
+        await until(lambda: watcher.errors >= 2)  # retried, never connected with other CAs
+        assert f"pools.decode.discovery.ca_file: {SA_CA} does not exist" in watcher.last_error
+        assert not watcher.synced.is_set()
+    finally:
+        await watcher.stop()
+
+
+def test_a_ca_file_named_in_the_config_must_exist(tmp_path, certs):
+    base = {"models": [{"name": "tiny", "tokenizer": "unused", "max_model_len": 64}]}
+
+    def config(**discovery) -> GatewayConfig:
+        return parse_config({**base, "pools": {"decode": {"discovery": {"label_selector": "a=b", **discovery}}}})
+
+    missing = str(tmp_path / "ca.crt")
+    with pytest.raises(ConfigError, match=rf"pools\.decode\.discovery\.ca_file: {missing} does not exist"):
+        config(ca_file=missing, api_url="https://kube.example.com")
+    with pytest.raises(ConfigError, match=r"pools\.decode\.discovery\.ca_file: .* does not exist"):
+        config(ca_file=missing)  # whatever the mode
+    assert config(ca_file=certs["ca"]).pools.decode.discovery.ca_file == certs["ca"]
+    assert config(ca_file=None).pools.decode.discovery.ca_file is None  # no CA file: the system's
+
+
+# -- label selectors ---------------------------------------------------------------------------------
+
+def test_label_selector_matches_as_the_api_server_does():
+    from gateway.discovery import LabelSelector
+
+    labels = {"app": "vllm", "tier": "decode", "example.com/zone": "a"}
+    cases = {
+        "app=vllm": True, "app==vllm": True, "app=other": False, "app!=other": True, "app!=vllm": False,
+        "missing!=x": True, "tier in (prefill, decode)": True, "tier in (prefill)": False,
+        "tier notin (prefill,x)": True, "missing notin (x)": True, "tier notin (decode)": False,
+        "app": True, "missing": False, "!missing": True, "! app": False, "example.com/zone=a": True,
+        "app=vllm,tier in (decode),!gpu": True, "app=vllm, tier=prefill": False, "app=": False,
+    }
+    for text, expected in cases.items():
+        assert LabelSelector.parse(text).matches(labels) is expected, text
+    assert LabelSelector.parse("app=").matches({"app": ""})
+    for bad in ("app in (a", "app in ()", "a=b,,c=d", "app=vl vm", "app in (a,)", "=x", "a=b)"):
+        with pytest.raises(ValueError, match="label selector"):
+            LabelSelector.parse(bad)
+    base = {"models": [{"name": "tiny", "tokenizer": "unused", "max_model_len": 64}]}
+    with pytest.raises(ConfigError, match=r"pools\.decode\.discovery\.label_selector: label selector"):
+        parse_config({**base, "pools": {"decode": {"discovery": {"label_selector": "app in (a"}}}})
+
+
+@pytest.mark.parametrize("filter_selector", [True, False], ids=["server-filters", "server-sends-all"])
+async def test_a_slice_relabelled_out_of_the_selector_leaves_the_pool(api, filter_selector):
+    """A real API server reports it as DELETED (its previous state); a server that sends every
+    slice reports a MODIFIED with labels that no longer match: either way it leaves the pool."""
+    api.filter_selector = filter_selector
+    api.put(endpoint_slice("pdgate-decode-a", [endpoint("10.0.0.1")]))
+    api.put(endpoint_slice("pdgate-decode-b", [endpoint("10.0.0.2")]))
+    watcher = SliceWatcher("decode", discovery_cfg(api), lambda: None)
+    await watcher.start()
+    try:
+        await asyncio.wait_for(watcher.synced.wait(), 10)
+        await until(lambda: api.streaming == 1)
+        api.put(endpoint_slice("pdgate-decode-b", [endpoint("10.0.0.2")], labels={"app.kubernetes.io/name": "x"}))
+        await until(lambda: urls(watcher) == ["http://10.0.0.1:8000"])
+        api.put(endpoint_slice("pdgate-decode-b", [endpoint("10.0.0.3")]))  # and back in
+        await until(lambda: urls(watcher) == ["http://10.0.0.1:8000", "http://10.0.0.3:8000"])
+        assert watcher.errors == 0 and len(api.lists()) == 1
+    finally:
+        await watcher.stop()
+
+
+# -- the watch stream --------------------------------------------------------------------------------
+
+class _Scanned(bytes):
+    """A chunk that counts the bytes ``find`` scans (all chunks share one counter)."""
+
+    scanned = 0
+
+    def find(self, sub, start=0, *args):  # type: ignore[override]
+        at = super().find(sub, start, *args)
+        type(self).scanned += (at + len(sub) if at >= 0 else len(self)) - start
+        return at
+
+
+def test_watch_lines_split_in_linear_time_and_bounded():
+    from gateway.discovery import EventTooLarge, _Lines
+
+    events = [orjson.dumps({"type": "ADDED", "n": i, "pad": "x" * (i * 37 % 300)}) for i in range(200)]
+    stream = b"\n".join(events) + b"\n" + b'{"type":"BOOKMARK"}'  # the last one without its newline
+    for size in (1, 2, 7, 64, 1000, len(stream)):
+        lines = _Lines(limit=1024)
+        _Scanned.scanned = 0
+        got = [line for i in range(0, len(stream), size) for line in lines.feed(_Scanned(stream[i : i + size]))]
+        assert got == events and lines.rest() == b'{"type":"BOOKMARK"}'
+        assert _Scanned.scanned == len(stream)  # every byte looked at once, whatever the chunking
+    big = b"x" * 1025
+    for size in (1, 100, 2000):
+        lines = _Lines(limit=1024)
+        with pytest.raises(EventTooLarge, match="max_event_bytes"):
+            for i in range(0, len(big) + 1, size):
+                lines.feed((big + b"\n")[i : i + size])
+        assert len(lines._part) <= 1024  # never held more than the bound
+    lines = _Lines(limit=1024)
+    assert lines.feed(b"x" * 1024 + b"\n") == [b"x" * 1024]  # the bound itself is fine
+
+
+async def test_an_oversized_watch_event_ends_the_watch_and_lists_again(api, caplog):
+    api.put(endpoint_slice("pdgate-decode-a", [endpoint("10.0.0.1")]))
+    watcher = SliceWatcher("decode", discovery_cfg(api, max_event_bytes=4096), lambda: None)
+    await watcher.start()
+    try:
+        await asyncio.wait_for(watcher.synced.wait(), 10)
+        await until(lambda: api.streaming == 1)
+        many = [endpoint(f"10.0.2.{i}") for i in range(40)]  # ~15 KB of JSON in one event
+        api.put(endpoint_slice("pdgate-decode-b", many))
+        await until(lambda: watcher.lists == 2)  # the watch ended with an error; a list read the slice
+        assert watcher.errors == 1 and "max_event_bytes" in watcher.last_error
+        assert any(r.levelname == "ERROR" and "max_event_bytes" in r.getMessage() for r in caplog.records)
+        assert len(urls(watcher)) == 41
+        # and it watches on, from after that event (the list's resourceVersion)
+        await until(lambda: len(api.watches()) == 2)
+        assert api.watches()[-1]["params"]["resourceVersion"] == watcher.resource_version == "102"
+        api.delete("pdgate-decode-a")
+        await until(lambda: len(urls(watcher)) == 40)
+        assert watcher.errors == 1
+    finally:
+        await watcher.stop()
+
+
+# -- kubeconfig ----------------------------------------------------------------------------------------
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> dict[str, str]:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate it signed (openssl CLI)."""
+    d = tmp_path_factory.mktemp("certs")
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "3650", "-subj", "/CN=test-ca",
+             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=d)
+    for name, ext in (("server", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth"),
+                      ("client", "extendedKeyUsage=clientAuth")):
+        (d / f"{name}.ext").write_text(f"{ext}\nauthorityKeyIdentifier=keyid\nsubjectKeyIdentifier=hash\n")
+        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{name}.crt", "-days", "3650", "-extfile", f"{name}.ext", cwd=d)
+    return {"ca": str(d / "ca.crt")} | {
+        f"{n}_{kind}": str(d / f"{n}.{kind}") for n in ("server", "client") for kind in ("crt", "key")}
+
+
+def write_kubeconfig(path: Path, server: str, user: dict, *, cluster: dict | None = None, namespace: str = NS,
+                     context: str = "dev") -> Path:
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": context,
+        "clusters": [{"name": "c1", "cluster": {"server": server, **(cluster or {})}}],
+        "users": [{"name": "u1", "user": user}],
+        "contexts": [{"name": "dev", "context": {"cluster": "c1", "user": "u1", "namespace": namespace}}],
+    }))
+    return path
+
+
+def _b64(path: str) -> str:
+    return base64.b64encode(Path(path).read_bytes()).decode()
+
+
+def test_kubeconfig_access(tmp_path, certs, monkeypatch):
+    from gateway.discovery import AccessError, _access
+
+    (tmp_path / "token").write_text("from-file\n")
+    (tmp_path / "ca.crt").write_bytes(Path(certs["ca"]).read_bytes())
+    kc = write_kubeconfig(tmp_path / "config", "https://kube.example.com:6443/",
+                          {"token": "static-token", "tokenFile": "token"},
+                          cluster={"certificate-authority": "ca.crt"})  # relative: next to the kubeconfig
+    cfg = DiscoveryConfig(label_selector="a=b", kubeconfig=str(kc))
+    access = _access(cfg)
+    assert (access.url, access.namespace) == ("https://kube.example.com:6443", NS)
+    assert access.token_file == str(tmp_path / "token")  # tokenFile wins over token, as in client-go
+    assert access.ssl.cert_store_stats()["x509_ca"] == 1
+    # the config's namespace wins; an explicitly named token file too
+    (tmp_path / "other-token").write_text("mine")
+    mine = _access(cfg.model_copy(update={"namespace": "n2", "token_file": str(tmp_path / "other-token")}))
+    assert (mine.namespace, mine.token_file) == ("n2", str(tmp_path / "other-token"))
+    inline = write_kubeconfig(tmp_path / "inline", "https://kube.example.com", {"token": "t"},
+                              cluster={"certificate-authority-data": _b64(certs["ca"])}, namespace="")
+    access = _access(cfg.model_copy(update={"kubeconfig": str(inline)}))
+    assert (access.token, access.token_file, access.namespace) == ("t", None, "default")
+    assert access.ssl.cert_store_stats()["x509_ca"] == 1
+    insecure = write_kubeconfig(tmp_path / "insecure", "https://kind.local:6443", {"token": "t"},
+                                cluster={"insecure-skip-tls-verify": True})
+    unverified = _access(cfg.model_copy(update={"kubeconfig": str(insecure)})).ssl
+    assert unverified.verify_mode == ssl_.CERT_NONE and not unverified.check_hostname
+
+    base = {"models": [{"name": "tiny", "tokenizer": "unused", "max_model_len": 64}]}
+
+    def config(**discovery) -> GatewayConfig:
+        return parse_config({**base, "pools": {"decode": {"discovery": {"label_selector": "a=b", **discovery}}}})
+
+    missing = str(tmp_path / "nope")
+    with pytest.raises(ConfigError, match=rf"pools\.decode\.discovery\.kubeconfig: {missing} does not exist"):
+        config(kubeconfig=missing)
+    with pytest.raises(ConfigError, match=r"pools\.decode\.discovery\.kubeconfig: set api_url or kubeconfig"):
+        config(kubeconfig=str(kc), api_url="https://x.example.com")
+    plugin = write_kubeconfig(tmp_path / "eks", "https://x.example.com", {"exec": {"command": "aws"}})
+    with pytest.raises(ConfigError, match=r"kubeconfig: .*authenticates with exec, which pdgate does not support"):
+        config(kubeconfig=str(plugin))
+    other = write_kubeconfig(tmp_path / "ctx", "https://x.example.com", {"token": "t"}, context="prod")
+    with pytest.raises(ConfigError, match=r"kubeconfig: .*context 'prod' not found"):
+        config(kubeconfig=str(other))
+    gone = write_kubeconfig(tmp_path / "gone", "https://x.example.com", {"token": "t"},
+                            cluster={"certificate-authority": "missing-ca.crt"})
+    with pytest.raises(ConfigError, match=r"kubeconfig: .*certificate-authority .*missing-ca.crt does not exist"):
+        config(kubeconfig=str(gone))
+    assert config(kubeconfig=str(kc)).pools.decode.discovery.kubeconfig == str(kc)
+    # $KUBECONFIG is the environment's: checked when the watcher starts, not by the config
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", f"{missing}:{plugin}")
+    config()
+    with pytest.raises(AccessError, match=r"\$KUBECONFIG: .*exec") as err:
+        _access(DiscoveryConfig(label_selector="a=b"))
+    assert err.value.field == "kubeconfig"
+
+
+async def test_watcher_with_a_kubeconfig_client_certificate_over_https(certs):
+    """Outside the cluster: server, CA and client certificate (inline data) from a kubeconfig,
+    against an API that requires the certificate."""
+    tls = ssl_.create_default_context(ssl_.Purpose.CLIENT_AUTH, cafile=certs["ca"])
+    tls.load_cert_chain(certs["server_crt"], certs["server_key"])
+    tls.verify_mode = ssl_.CERT_REQUIRED
+    server = FakeKubeAPI(ssl=tls).start()
+    try:
+        server.put(endpoint_slice("pdgate-decode-a", [endpoint("10.0.0.1")]))
+        kc = write_kubeconfig(Path(certs["ca"]).parent / "kubeconfig", server.url, {
+            "client-certificate-data": _b64(certs["client_crt"]), "client-key-data": _b64(certs["client_key"])},
+            cluster={"certificate-authority-data": _b64(certs["ca"])})
+        cfg = DiscoveryConfig(label_selector=SELECTOR, kubeconfig=str(kc), retry_s=0.05, max_retry_s=0.2)
+        watcher = SliceWatcher("decode", cfg, lambda: None)
+        await watcher.start()
+        try:
+            await asyncio.wait_for(watcher.synced.wait(), 10)
+            assert urls(watcher) == ["http://10.0.0.1:8000"] and watcher.errors == 0
+            assert "Authorization" not in server.lists()[0]["headers"]
+            server.put(endpoint_slice("pdgate-decode-b", [endpoint("10.0.0.2")]))
+            await until(lambda: urls(watcher) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"])
+        finally:
+            await watcher.stop()
+    finally:
+        server.stop()
+
+
+async def test_watcher_from_the_kubeconfig_environment_variable(api, tmp_path, monkeypatch):
+    """Not in a cluster, no api_url: $KUBECONFIG's files, merged as kubectl merges them."""
+    first = tmp_path / "a.yaml"
+    first.write_text(yaml.safe_dump({"current-context": "dev", "contexts": [
+        {"name": "dev", "context": {"cluster": "c1", "user": "u1", "namespace": NS}}]}))
+    second = write_kubeconfig(tmp_path / "b.yaml", api.url, {"token": "kube-token"}, namespace="ignored",
+                              context="other")
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", f"{first}:{tmp_path / 'missing.yaml'}:{second}")
+    api.put(endpoint_slice("pdgate-decode-a", [endpoint("10.0.0.1")]))
+    cfg = DiscoveryConfig(label_selector=SELECTOR, retry_s=0.05, max_retry_s=0.2)
+    watcher = SliceWatcher("decode", cfg, lambda: None)
+    await watcher.start()
+    try:
+        await asyncio.wait_for(watcher.synced.wait(), 10)
+        assert urls(watcher) == ["http://10.0.0.1:8000"]
+        assert api.lists()[0]["headers"]["Authorization"] == "Bearer kube-token"
+    finally:
+        await watcher.stop()

@@ -12,6 +12,7 @@ import pytest
 from gateway.upstream import EngineError
 from policies.base import LegOutcome, Path
 from tests.promtext import sample
+from tests.waiting import until
 
 from .exchange_harness import D2, KV, D, P, answer, completion, make, stream, unreachable
 
@@ -23,13 +24,6 @@ def h(tokenizer_dir):
     harness = make(tokenizer_dir)
     yield harness
     harness.close()
-
-
-async def until(condition, timeout: float = 5.0) -> None:
-    """Wait for ``condition()`` on the loop's own turns (no wall-clock sleeps)."""
-    async with asyncio.timeout(timeout):
-        while not condition():  # noqa: ASYNC110 - yielding to the loop is the point
-            await asyncio.sleep(0)
 
 
 def kinds(h) -> list[str]:

@@ -115,3 +115,18 @@ async def test_debug_route_quietly_drops_a_client_gone_while_its_body_is_read(to
             await app(scope, gone, send)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert sent[0]["status"] == 499
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_max_tokens_below_one_gets_one_message(client, value):
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": value})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == f"max_tokens must be at least 1, got {value}."
+
+
+def test_a_body_that_is_not_utf8_says_so(client):
+    raw = b'{"model":"tiny","prompt":"\xff\xfe"}'
+    r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    bad_byte = raw.index(b"\xff")
+    want = f"The request body is not valid UTF-8 (byte {bad_byte})."
+    assert r.status_code == 400 and r.json()["error"]["message"] == want

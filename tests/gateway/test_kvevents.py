@@ -419,3 +419,30 @@ async def test_other_tiers_events_leave_the_gpu_view_alone(ctx: zmq.asyncio.Cont
     finally:
         await sub.stop()
         await engine.close()
+
+
+def test_translations_are_a_bounded_lru() -> None:
+    """The engine-hash map is LRU-bounded by ``max_translations``: a parent looked up counts as a
+    use, the least recently used translation goes first, and a clear starts a fresh map."""
+    spec = HashSpec(block_size=4, algo="xxhash", seed=None)
+    index = PrefixIndex()
+    index.set_precise(URL, True)
+    sub = KVEventSubscriber(URL, "tcp://127.0.0.1:1", index=index, spec=spec, max_translations=3)
+    a, b, c, d, e = ([i] * 4 for i in range(1, 6))
+
+    def store(engine_hash: int, tokens: list[int], parent: int | None = None) -> None:
+        sub._stored(BlockStored([engine_hash], parent, tokens, 4))
+
+    store(901, a)
+    store(902, b)
+    store(903, c, parent=901)  # 901 used as a parent: now more recent than 902
+    store(904, d)  # past the bound: 902, the least recently used, is dropped
+    assert set(sub._xlate) == {901, 903, 904}
+    store(905, e, parent=901)  # still translatable
+    assert sub.counters.untranslatable == 0
+    store(906, a, parent=902)  # its parent's translation is gone
+    assert sub.counters.untranslatable == 1
+    sub._removed(BlockRemoved([905]))
+    assert index.match(block_hashes(a + e, spec)) == {URL: 1}  # a stays; a+e was removed
+    sub._clear()
+    assert len(sub._xlate) == 0 and sub._xlate.maxsize == 3

@@ -66,5 +66,7 @@ def test_transfer_params_cannot_be_smuggled():
 @pytest.mark.parametrize("field", [{"best_of": "3"}, {"use_beam_search": 1}, {"prompt_logprobs": "2"},
                                    {"vllm_xargs": "kv"}])
 def test_fields_that_steer_routing_are_type_checked(field):
-    with pytest.raises(APIError):
+    with pytest.raises(APIError) as info:
         parse(prompt="x", **field)
+    [name] = field
+    assert (info.value.status, info.value.param) == (400, name)

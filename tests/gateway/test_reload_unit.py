@@ -10,6 +10,7 @@ import yaml
 
 from gateway.config import GatewayConfig
 from gateway.reload import ConfigWatcher, version_of
+from tests.waiting import until
 
 
 def config(threshold: int) -> dict:
@@ -35,14 +36,6 @@ class Recorder:
         self.results.append((result, message))
 
 
-async def wait_for(cond, timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        assert loop.time() < end, "timed out"
-        await asyncio.sleep(0.05)
-
-
 def write(path: Path, data: dict) -> bytes:
     raw = yaml.safe_dump(data).encode()
     tmp = path.with_suffix(".tmp")
@@ -59,22 +52,22 @@ async def test_in_place_edit_invalid_edit_and_same_content(tmp_path):
     w.start()
     try:
         raw = write(path, config(200))
-        await wait_for(lambda: rec.applied)
+        await until(lambda: rec.applied)
         assert rec.applied == [(200, version_of(raw))] and w.version == version_of(raw)
 
         path.write_text("models: [oops")  # YAML syntax error
-        await wait_for(lambda: any(r == "rejected" for r, _ in rec.results))
+        await until(lambda: any(r == "rejected" for r, _ in rec.results))
         assert "YAML syntax error" in rec.results[-1][1] and "line" in rec.results[-1][1]
         assert w.version == version_of(raw) and w.last_error
 
         write(path, config(13))  # valid YAML, refused by apply
-        await wait_for(lambda: "unlucky" in rec.results[-1][1])
+        await until(lambda: "unlucky" in rec.results[-1][1])
 
-        n = len(rec.results)
-        await asyncio.sleep(0.6)  # polls again: a rejected version is not re-reported
+        n, rounds = len(rec.results), w.rounds
+        await until(lambda: w.rounds >= rounds + 2)  # it polls again: a rejected version is not re-reported
         assert len(rec.results) == n
         write(path, config(300))
-        await wait_for(lambda: rec.applied[-1][0] == 300)
+        await until(lambda: rec.applied[-1][0] == 300)
         assert w.last_error is None
     finally:
         await w.stop()
@@ -99,9 +92,9 @@ async def test_configmap_symlink_swap(tmp_path):
     w = ConfigWatcher(tmp_path / "pdgate.yaml", version_of(first), rec.apply, rec.result, poll_s=5.0)
     w.start()
     try:
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # the file watcher registers asynchronously and says nothing when it has
         raw = publish("..2026_11_29_2", config(777))
-        await wait_for(lambda: rec.applied, timeout=4.0)  # before the 5 s poll: the swap's event did it
+        await until(lambda: rec.applied, timeout=4.0)  # before the 5 s poll: the swap's event did it
         assert rec.applied == [(777, version_of(raw))]
     finally:
         await w.stop()
@@ -124,8 +117,9 @@ async def test_a_file_caught_half_written_is_never_applied(tmp_path):
             f.flush()
             await asyncio.sleep(0.3)
             f.write(whole[len(half):])
-        await wait_for(lambda: rec.applied)
-        await asyncio.sleep(0.6)  # what a late check could still apply
+        await until(lambda: rec.applied)
+        rounds = w.rounds
+        await until(lambda: w.rounds >= rounds + 2)  # what a later check could still apply
         assert rec.applied == [(300, version_of(whole))]
     finally:
         await w.stop()

@@ -8,8 +8,10 @@ events.
 
 from __future__ import annotations
 
+import hashlib
 import random
 
+import cbor2
 import pytest
 
 from policies.blockhash import HashSpec, block_digests, block_hashes, cbor_dumps
@@ -122,13 +124,27 @@ def test_xxhash_with_seed_needs_the_package() -> None:
 
 
 def test_cbor_encoding() -> None:
+    """cbor2 in canonical mode, as vLLM calls it: shortest heads, sorted map keys, shortest floats."""
     assert cbor_dumps(None) == b"\xf6"
     assert cbor_dumps((1, 23, 24, 255, 256, 65535, 65536)) == bytes.fromhex("870117181818ff19010019ffff1a00010000")
     assert cbor_dumps(-1) == b"\x20"
     assert cbor_dumps(b"ab") == b"\x42ab"
     assert cbor_dumps(("s",)) == b"\x81\x61s"
-    with pytest.raises(TypeError):
-        cbor_dumps(1.5)
+    assert cbor_dumps(2**64) == bytes.fromhex("c249010000000000000000")  # a bignum, as vLLM would hash it
+    assert cbor_dumps(1.5) == bytes.fromhex("f93e00")  # canonical: the shortest exact float
+    assert cbor_dumps({"b": 1, "a": 2}) == cbor_dumps({"a": 2, "b": 1})
+
+
+def test_cbor_digest_is_vllms_call() -> None:
+    """The *_cbor digest is sha256 of ``cbor2.dumps(key, canonical=True)``, vLLM's own call, for a
+    block key with extra keys (LoRA, cache_salt)."""
+    spec = HashSpec(16, "sha256_cbor", "7")
+    key = (spec.none_hash, tuple(TOKENS[:16]), (("lora", "adp", "/models/adp"), ("cache_salt", "s1")))
+    assert spec._digest(key) == hashlib.sha256(cbor2.dumps(key, canonical=True)).digest()
+    digest = block_digests(TOKENS[:16], spec, first_extra=(("cache_salt", "s1"),),
+                           every_extra=(("lora", "adp", "/models/adp"),))
+    assert digest == [spec._digest(key)]
+    assert int.from_bytes(digest[0][-8:], "big") == LORA_SALTED["sha256_cbor"][0]
 
 
 def test_memo_continues_a_conversation() -> None:
@@ -176,3 +192,51 @@ def test_next_turn_hashes_only_its_new_blocks() -> None:
     other = [*prompt[:1000], *range(7000)]
     assert block_hashes(other, spec) == block_hashes(other, HashSpec(block_size=16))
     assert len(calls) == 8000 // 16 - 1000 // 16
+
+
+def _counting(spec: HashSpec) -> list[int]:
+    """Count the blocks ``spec`` hashes from now on."""
+    calls: list[int] = []
+    digest = spec._digest
+    object.__setattr__(spec, "_digest", lambda obj: calls.append(1) or digest(obj))
+    return calls
+
+
+def test_memo_is_an_lru() -> None:
+    """A block looked up again becomes the most recent: the least recently used one goes first."""
+    spec = HashSpec(block_size=4, memo_size=2)
+    calls = _counting(spec)
+    x, y, z = [1] * 4, [2] * 4, [3] * 4
+    for block in (x, y, x, z):  # x is hit on its second use; z then evicts y, not x
+        block_digests(block, spec)
+    assert len(calls) == 3 and spec.memo_len() == 2
+    block_digests(x, spec)
+    assert len(calls) == 3  # still memoized
+    block_digests(y, spec)
+    assert len(calls) == 4  # hashed again
+
+
+def test_recent_prompts_are_an_lru() -> None:
+    """Conversations are remembered by their first block, least recently used dropped first."""
+    spec = HashSpec(block_size=4, recent_size=2)
+    calls = _counting(spec)
+    a, b, c = ([k] * 40 for k in (1, 2, 3))  # 10 blocks each, different first blocks
+    for prompt in (a, b, a, c):  # a's second turn is a hit; c then evicts b
+        block_hashes(prompt, spec)
+    assert len(calls) == 30
+    calls.clear()
+    block_hashes([*a, 9, 9, 9, 9], spec)
+    assert len(calls) == 1  # a's next turn: only its new block
+    block_hashes([*b, 9, 9, 9, 9], spec)
+    assert len(calls) == 1 + 11  # b was forgotten: every block hashed again
+    spec.clear_memo()
+    calls.clear()
+    block_hashes(a, spec)
+    assert len(calls) == 10
+
+
+def test_cache_sizes_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="memo_size"):
+        HashSpec(block_size=16, memo_size=0)
+    with pytest.raises(ValueError, match="recent_size"):
+        HashSpec(block_size=16, recent_size=0)

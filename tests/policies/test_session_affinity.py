@@ -58,3 +58,17 @@ def test_header_name_is_configurable():
 def test_rejects_bad_params(bad, message):
     with pytest.raises(ValueError, match=message):
         SessionAffinity(**bad)
+
+
+def test_ring_cache_is_a_bounded_lru(monkeypatch):
+    """Rings are kept per candidate set, least recently used dropped first (not all at once)."""
+    monkeypatch.setattr("policies.session_affinity.RING_CACHE_SIZE", 3)
+    policy = SessionAffinity()
+    sets = [EPS[:2], EPS[:3], EPS[1:]]
+    for eps in sets:
+        chosen(policy, "alice", eps)
+    chosen(policy, "alice", sets[0])  # used again: now the most recent
+    chosen(policy, "alice", EPS)  # a fourth set evicts the least recently used one, sets[1]
+    keys = {tuple(sorted(e.url for e in eps)) for eps in (sets[0], sets[2], EPS)}
+    assert set(policy._rings) == keys
+    assert len(policy._rings) == 3

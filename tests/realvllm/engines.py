@@ -151,8 +151,9 @@ class Engine:
 
 
 def venv_and_model() -> tuple[Path, Path]:
-    """The cached vLLM venv and the tiny model, built when missing; skips with
-    PDGATE_SKIP_REALVLLM=1, fails the test with the reason when they cannot be built."""
+    """The cached vLLM venv and the tiny model, built when missing. When they cannot be built (no
+    network, say), a user's run skips the suite with the reason in pytest's summary; CI (``CI``
+    set) fails with it. ``PDGATE_SKIP_REALVLLM=1`` skips on purpose."""
     if os.environ.get("PDGATE_SKIP_REALVLLM") == "1":
         pytest.skip("PDGATE_SKIP_REALVLLM=1")
     failure = None
@@ -161,6 +162,9 @@ def venv_and_model() -> tuple[Path, Path]:
         return venv, ensure_model(venv)
     except SetupError as err:
         failure = str(err)
+    if os.environ.get("CI", "").lower() in ("", "0", "false"):
+        first = failure.strip().splitlines()[0] if failure.strip() else "unknown reason"
+        pytest.skip(f"real vLLM suite: could not build its CPU venv ({first}; see scripts/vllm-cpu-venv.sh's log)")
     pytest.fail(f"real vLLM setup failed: {failure}", pytrace=False)  # outside except: just the reason
 
 def engine_argv(
@@ -305,4 +309,5 @@ def engine_cores() -> tuple[int, int]:
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 20.0, interval: float = 0.2) -> bool:
+    """The suite's polling helper with this suite's slower pace (engines publish stats per step)."""
     return wait_for(predicate, timeout, interval)

@@ -13,6 +13,7 @@ from sim.app import SimState
 from sim.config import SimConfig
 from sim.engine import DECODE, PREFILL, Collector, Seq
 from sim.tokens import block_chain
+from tests.waiting import until
 
 
 @contextlib.asynccontextmanager
@@ -41,14 +42,6 @@ def hist_count(lazy_hist) -> float:
 
 def text_of(seq: Seq) -> str:
     return "".join(seq.pieces)
-
-
-async def wait_until(pred, timeout: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 async def test_plain_request_generates_and_frees_its_blocks():
@@ -116,7 +109,7 @@ async def test_decode_leg_pulls_over_the_side_channel_and_releases_the_remote_bl
         assert time.monotonic() - t0 >= 0.04  # 40 tokens * 1 ms of transfer
         assert dec.finish_reason == "length" and text_of(dec) == text_of(plain)  # the right KV arrived
         assert dec.external_tokens == 40 and dec.kv_out is None
-        await wait_until(lambda: p.engine.kv_usage() == 0)
+        await until(lambda: p.engine.kv_usage() == 0)
         d.metrics.flush()
         assert d.metrics.prompt_by_source["external_kv_transfer"].child._value.get() == 40
         assert hist_count(d.metrics.nixl_xfer_time) == 1
@@ -124,7 +117,7 @@ async def test_decode_leg_pulls_over_the_side_channel_and_releases_the_remote_bl
         # like NIXL, a second pull reads them and gets the right answer; P counts a late notif.
         again = await run(d, make_seq("dec2", prompt, 6, kind=DECODE, kv_in=pre.kv_out))
         assert again.finish_reason == "length" and text_of(again) == text_of(plain)
-        await wait_until(lambda: p.metrics.nixl_notifs_after_expiry.pending == 1)
+        await until(lambda: p.metrics.nixl_notifs_after_expiry.pending == 1)
         # Blocks that hold another prompt's KV give another text (and no error).
         other = await run(p, make_seq("other", list(range(100, 140)), 1, kind=PREFILL))
         wrong = {**other.kv_out, "remote_request_id": "pre"}
@@ -155,7 +148,7 @@ async def test_decode_leg_fails_on_a_bad_peer(what):
         assert d.metrics.nixl_failed_transfers.child._value.get() == 1
         assert d.metrics.success["error"].child._value.get() == 1
         if what == "blocks":  # the handle is released (as observed with vLLM 0.32)
-            await wait_until(lambda: p.engine.kv_usage() == 0)
+            await until(lambda: p.engine.kv_usage() == 0)
         else:  # like vLLM: no handshake, no notification: the blocks wait for their expiry
             assert p.engine.kv_usage() > 0
 
@@ -168,9 +161,9 @@ async def test_blocks_expire_and_heartbeats_extend_the_lease():
         assert p.engine.kv_heartbeat({"engine_id": "P", "request_ids": ["b"]})["status"] == "ok"
         held = p.engine.held
         assert held["b"].timer.when() > held["a"].timer.when() + 0.2  # renewed for 2/3 of the expiry
-        await wait_until(lambda: "a" not in held)
+        await until(lambda: "a" not in held)
         assert set(held) == {"b"}
-        await wait_until(lambda: not p.engine.held, timeout=2)
+        await until(lambda: not p.engine.held, timeout=2)
         assert p.engine.kv_usage() == 0
         p.metrics.flush()
         assert p.metrics.nixl_kv_expired.child._value.get() == 2
@@ -228,7 +221,7 @@ async def test_aborting_a_queued_decode_leg_releases_the_prefill_blocks():
         await asyncio.sleep(0.05)
         assert dec.state == "waiting" and p.engine.kv_usage() > 0
         d.engine.abort(dec)
-        await wait_until(lambda: p.engine.kv_usage() == 0)
+        await until(lambda: p.engine.kv_usage() == 0)
         d.engine.abort(busy)
 
 

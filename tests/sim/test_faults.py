@@ -23,6 +23,7 @@ from sim.config import SimConfig
 from sim.faults import ConnectionDropped, Faults, FaultSpecError, FaultySend, Plan
 from tests.procs import ProcGroup, free_port, wait_for
 from tests.sim.conftest import metric, start_sims
+from tests.waiting import until
 
 PROMPT = "Fault injection makes the simulator fail on purpose, exactly when a test wants it to. " * 3
 PREFILL_KV = PREFILL_KV_PARAMS  # what the gateway's prefill leg sends
@@ -175,15 +176,6 @@ async def client(**kw):
             yield c
 
 
-async def wait_until(predicate, timeout: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.02)
-    return True
-
-
 async def prefill(p: httpx.AsyncClient, body: dict) -> dict:
     r = await p.post("/v1/completions", json={**body, "max_tokens": 1, "kv_transfer_params": PREFILL_KV})
     assert r.status_code == 200, r.text
@@ -244,7 +236,7 @@ async def test_error_fault_on_a_decode_leg_releases_the_prefill_blocks():
         async def released() -> bool:
             return (await p.get("/sim/state")).json()["held"] == {}
 
-        assert await wait_until(released)
+        await until(released, timeout=3)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -270,7 +262,7 @@ async def test_kv_refuse_fails_the_decode_leg_like_a_failed_nixl_read(stream):
         async def expired() -> bool:
             return await sim_metric(p, "vllm:nixl_num_kv_expired_reqs_total") == 1
 
-        assert await wait_until(expired)
+        await until(expired, timeout=3)
         assert (await p.get("/sim/state")).json()["held"] == {}
         kv = await prefill(p, body)  # the fault is spent: the next pull works
         assert (await d.post("/v1/completions", json={**body, "kv_transfer_params": kv})).status_code == 200

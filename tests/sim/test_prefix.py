@@ -13,7 +13,8 @@ from sim.config import SimConfig
 from sim.engine import DECODE, PREFILL, Collector, Seq
 from sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventsConfig
 from sim.metrics import cache_config_labels
-from tests.sim.test_engine import hist_count, make_seq, run, text_of, wait_until
+from tests.sim.test_engine import hist_count, make_seq, run, text_of
+from tests.waiting import until
 
 
 class Recorder:
@@ -186,7 +187,7 @@ async def test_pd_with_caching_pulls_only_missing_blocks_and_caches_them():
         ev = stored(d.recorder.events())[0]
         full = block_hashes(prompt, HashSpec(block_size=4))
         assert ev.block_hashes == full[4:10] and ev.parent_block_hash == full[3]
-        await wait_until(lambda: pre2.req_id not in p.engine.held)
+        await until(lambda: pre2.req_id not in p.engine.held, timeout=3)
         # The same text as a local run of the whole prompt: the right KV arrived.
         local = await run(d, make_seq("local", prompt, 3))
         assert text_of(local) == text_of(dec) and local.local_hit == 36
