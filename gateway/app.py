@@ -35,12 +35,14 @@ from .config import AdminConfig, GatewayConfig
 from .discovery import Discovery
 from .enginestats import StatsScraper
 from .errors import APIError, error_response
+from .gcpolicy import Collector
 from .httpserver import Connections
 from .kvevents import KVEventSubscriber
 from .legs import KVReleaser
 from .metrics import BeliefAudit, GatewayMetrics
 from .modelcheck import ServedModels
 from .pools import Endpoint, HealthChecker, Pools
+from .protocol import Kind
 from .relay import InferenceEndpoint
 from .reload import ConfigWatcher, version_of
 from .requestlog import AccessLog
@@ -86,7 +88,8 @@ class Subscriptions:
 
     def __init__(self, index: PrefixIndex) -> None:
         self._index = index
-        self._subs: dict[tuple, KVEventSubscriber] = {}
+        # (url, kv_events, kv_events_replay, kv_events_topic, hash spec): a change to any starts a new one
+        self._subs: dict[tuple[str, str | None, str | None, str, HashSpec], KVEventSubscriber] = {}
         self._lock = asyncio.Lock()  # a reload and a discovery change may update at once
 
     async def update(self, cfg: GatewayConfig) -> None:
@@ -120,11 +123,12 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
                config_path: str | Path | None = None, config_version: str | None = None,
                span_exporter: SpanExporter | None = None,
                access_sink: Callable[[bytes], None] | None = None,
-               connections: Connections | None = None) -> Starlette:
+               connections: Connections | None = None, collector: Collector | None = None) -> Starlette:
     """The gateway app; ``tokenizers`` may be injected (tests), else loaded at startup. With
     ``config_path``, edits of that file are validated and applied while serving. ``span_exporter``
     (tests) receives every span, whatever the config's exporter; ``access_sink`` every access line
-    (default: stdout); ``connections`` the HTTP server's open-connection count (for /metrics)."""
+    (default: stdout); ``connections`` the HTTP server's open-connection count (for /metrics);
+    ``collector`` (the process owner's) freezes what startup and each reload leave alive."""
     created = int(time.time())
     validate(cfg)  # a bad policy name fails before the server binds its port
     version = config_version or version_of(orjson.dumps(cfg.model_dump(mode="json")))
@@ -189,6 +193,8 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
             await _apply(gw, new, new_version, res)
             health.configure(new.health)
             scraper.configure(new.signals)
+            if collector:
+                collector.settle_later()
 
         def reload_result(result: str, message: str) -> None:
             metrics.reloads.labels(result).inc()
@@ -206,9 +212,14 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         scraper.start()
         if watcher:
             watcher.start()
+        if collector:
+            collector.tune()
+            collector.settle()
         try:
             yield {"gw": gw}
         finally:
+            if collector:
+                collector.close()
             # Every background part stops at once, each within gateway/tasks.py's bound: shutdown
             # takes at most one bound, never the sum, and never hangs.
             await asyncio.gather(*(stop() for stop in (
@@ -280,8 +291,8 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
     async def debug_route(gw: Gateway, request: Request) -> Response:
         return Response(orjson.dumps(await gw.explain(request)), media_type="application/json")
 
-    inference = {path: InferenceEndpoint(kind, path)  # type: ignore[arg-type]
-                 for kind, path in (("chat", "/v1/chat/completions"), ("completion", "/v1/completions"))}
+    kinds: tuple[tuple[Kind, str], ...] = (("chat", "/v1/chat/completions"), ("completion", "/v1/completions"))
+    inference = {path: InferenceEndpoint(kind, path) for kind, path in kinds}
     routes = [
         *(Route(path, endpoint, methods=["POST"]) for path, endpoint in inference.items()),
         Route("/v1/models", models_route, methods=["GET"]),

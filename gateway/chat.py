@@ -42,9 +42,11 @@ def _parse(template: str) -> nodes.Template | None:
     from transformers.utils.chat_template_utils import _compile_jinja_template  # what vLLM uses too
 
     try:
-        return _compile_jinja_template(template).environment.parse(template)
+        # (transformers leaves _compile_jinja_template unannotated: the AST's type is said here)
+        ast: nodes.Template = _compile_jinja_template(template).environment.parse(template)
     except Exception:  # a broken template: vLLM falls back to defaults, rendering then reports it
         return None
+    return ast
 
 
 @lru_cache(maxsize=32)
@@ -414,7 +416,7 @@ def for_template(conversation: list[dict[str, Any]], template: str) -> list[dict
     return [{"role": "system", "content": "\n\n".join(texts)}] + [m for m in converted if m["role"] != "system"]
 
 
-def normalize_tools(tools: list[dict] | None) -> list[dict] | None:
+def normalize_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     """Tools as vLLM's pydantic models dump them (absent optional fields become None)."""
     if tools is None:
         return None
@@ -452,7 +454,7 @@ def _merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def merged_kwargs(
-    body: Mapping[str, Any], tools: list[dict] | None, server_defaults: Mapping[str, Any] | None = None
+    body: Mapping[str, Any], tools: list[dict[str, Any]] | None, server_defaults: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """Every kwarg vLLM puts together for apply_chat_template, before filtering.
 

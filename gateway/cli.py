@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,7 @@ def load_tokenizers(cfg: GatewayConfig) -> Tokenizers:
 
 def _serve(args: argparse.Namespace) -> int:
     from .app import create_app
+    from .gcpolicy import Collector
     from .httpserver import make_server
     from .reload import version_of
 
@@ -54,7 +56,8 @@ def _serve(args: argparse.Namespace) -> int:
         tokenizers = load_tokenizers(cfg)  # here, not at startup: a missing tokenizer is one line, not a traceback
         server = make_server(
             cfg, lambda connections: create_app(cfg, tokenizers, config_path=args.config,
-                                                config_version=version_of(raw), connections=connections),
+                                                config_version=version_of(raw), connections=connections,
+                                                collector=Collector(cfg.server.gc_young_threshold)),
             host=host, port=port, log_level=cfg.server.log_level.lower())
     except ValueError as err:  # e.g. an unknown policy name, a tokenizer that cannot load
         print(f"{args.config}: {err}", file=sys.stderr)
@@ -134,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     check.set_defaults(func=_check)
 
     args = parser.parse_args(argv)
-    return args.func(args)
+    func: Callable[[argparse.Namespace], int] = args.func  # set_defaults(func=...) above
+    return func(args)
 
 
 if __name__ == "__main__":

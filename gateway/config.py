@@ -42,6 +42,9 @@ class ServerConfig(_Strict):
                                     "before they are ended (streams with an error event); then background parts "
                                     "stop within 5 s")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    gc_young_threshold: int = Field(700, ge=100, description="allocations between young garbage collections "
+                                    "(Python's default 700); what is alive after startup and each reload is "
+                                    "frozen out of full collections either way (gateway/gcpolicy.py)")
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -70,7 +70,7 @@ def _port_problem(host: str, port: int, err: OSError) -> str:
     return f"pdgate demo: port {port} is already in use on {host}; choose another with --port{suggestion}"
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -82,7 +82,7 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None
     raise TimeoutError(f"{url} did not become ready")
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
     for p in procs:
         if p.poll() is None:
             p.terminate()
@@ -134,7 +134,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     # uvicorn hands a captured SIGTERM back to this handler after its graceful shutdown.
     signal.signal(signal.SIGTERM, _exit)
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen[bytes]] = []
     logs = ""
     access_file = None
     access_sink: LineWriter | None = None

@@ -474,7 +474,7 @@ class SliceWatcher:
         self.resource_version: str | None = None
         self._slices: dict[str, dict[str, Any]] = {}
         self._selector = LabelSelector.parse(cfg.label_selector)  # valid: the config checked it
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -622,7 +622,7 @@ class SliceWatcher:
         if kind in ("ADDED", "MODIFIED") and self._selector.matches(_labels(obj)):
             self._slices[meta["name"]] = obj
         elif kind in ("ADDED", "MODIFIED", "DELETED"):  # gone, or its labels no longer match
-            self._slices.pop(meta.get("name"), None)
+            self._slices.pop(meta.get("name", ""), None)  # (no Kubernetes object is named "")
         else:  # BOOKMARK: only the resourceVersion moves
             return
         self._recompute()
@@ -650,7 +650,7 @@ class Discovery:
         self._dirty = asyncio.Event()  # a change waits to be applied
         self._idle = asyncio.Event()  # every change seen so far is applied
         self._idle.set()
-        self._worker: asyncio.Task | None = None
+        self._worker: asyncio.Task[None] | None = None
 
     def effective(self, cfg: GatewayConfig) -> GatewayConfig:
         """``cfg`` with each pool's endpoints = its static list + what discovery found (a URL

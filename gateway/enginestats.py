@@ -104,7 +104,7 @@ class StatsScraper:
         self._pools = pools
         self._session = session
         self.configure(cfg)
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self.failures = 0
 
     def configure(self, cfg: SignalsConfig) -> None:

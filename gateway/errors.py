@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TypedDict
 
 import orjson
 from starlette.responses import Response
@@ -25,6 +26,19 @@ def clip(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
     """``text`` cut to ``limit`` characters, saying how much was left out: what a client sent is
     never echoed back (or logged) at whatever size it chose."""
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+class ErrorDetail(TypedDict):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(TypedDict):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorDetail
 
 
 class APIError(Exception):
@@ -50,7 +64,7 @@ class APIError(Exception):
         self.code = code
         self.type = type_ or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
-    def body(self) -> dict:
+    def body(self) -> ErrorBody:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def sse_event(self) -> bytes:

@@ -134,9 +134,9 @@ class Exchange:
             raise
         except Exception:  # a bug: still an OpenAI-shaped answer, never a hang
             log.exception("request %s failed", self.rec.request_id)
-            err = APIError(500, "The gateway failed to handle this request.", code="internal_error")
-            self._outcome(500, err.message)
-            await client.error(err, self._headers(failed=True))
+            internal = APIError(500, "The gateway failed to handle this request.", code="internal_error")
+            self._outcome(500, internal.message)
+            await client.error(internal, self._headers(failed=True))
         finally:
             self._finish()
 
@@ -167,11 +167,6 @@ class Exchange:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise too_large(limit)
-        cached = getattr(request, "_body", None)  # already read (POST /debug/route peeks at it)
-        if cached is not None:
-            if len(cached) > limit:
-                raise too_large(limit)
-            return cached
         # Straight from ASGI ``receive``: Starlette's request.stream() costs ~20 us more per request.
         # A client that stalls its body is cut off (408): no read waits longer than the idle
         # timeout, nor past the whole body's deadline.

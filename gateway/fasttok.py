@@ -105,7 +105,7 @@ class FastEncoder:
     encoder is immutable and releases the GIL)."""
 
     def __init__(self, encoding: Any, *, sampled: bool = False) -> None:
-        self._encode = encoding.encode_ordinary
+        self._encode: Callable[[str], list[int]] = encoding.encode_ordinary
         # True when the ids are checked (load_ranks) rather than proven (load): callers sample them
         # at run time and let the exact tokenizer decide near the context limit.
         self.sampled = sampled

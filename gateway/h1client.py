@@ -24,6 +24,7 @@ import socket
 import ssl
 from collections import deque
 from collections.abc import Mapping
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -153,7 +154,9 @@ class _Connection(asyncio.Protocol):
 
     # ---- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is no asyncio.Transport subclass
+        # asyncio's signature names the base class; a stream connection's transport is a Transport
+        # (uvloop's implements its methods without subclassing it: no isinstance check)
+        self.transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -32,7 +32,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import httptools
 import orjson
@@ -92,7 +92,8 @@ def make_server(cfg: GatewayConfig, build_app: Callable[[Connections], Any], *, 
     return uvicorn.Server(uvicorn.Config(
         build_app(connections), host=host, port=port, loop="uvloop", http=guarded_protocol(limits, connections),
         access_log=False, proxy_headers=False, log_level=log_level, server_header=False,
-        timeout_graceful_shutdown=cfg.server.shutdown_grace_s,
+        # uvicorn annotates it int, but only hands it to asyncio.wait_for: seconds, fractions work
+        timeout_graceful_shutdown=cast(int, cfg.server.shutdown_grace_s),
     ))
 
 
@@ -138,12 +139,14 @@ class GuardedProtocol(asyncio.Protocol):
     # -- asyncio.Protocol ------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
+        # asyncio's signature names the base class; a stream connection's transport is a Transport
+        # (uvloop's implements its methods without subclassing it: no isinstance check)
+        self._transport = cast(asyncio.Transport, transport)
         if not self.CONNECTIONS.enter():
             self._cut(503, "The gateway has too many open connections; retry later.", "too_many_connections")
             return
         self._entered = True
-        self._inner.connection_made(transport)  # type: ignore[arg-type]
+        self._inner.connection_made(self._transport)
         self._timer = self._loop.call_later(self.LIMITS.head_timeout_s, self._head_timed_out)
 
     def data_received(self, data: bytes) -> None:
@@ -169,7 +172,9 @@ class GuardedProtocol(asyncio.Protocol):
         self._inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        return self._inner.eof_received() if self._entered else None
+        if self._entered:
+            self._inner.eof_received()  # uvicorn's returns None: the transport closes itself
+        return None
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._timer is not None:

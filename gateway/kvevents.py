@@ -133,7 +133,7 @@ def _event(raw: Any) -> Event | None:
     raise DecodeError(f"an event is a {type(raw).__name__}")
 
 
-def decode_batch(payload: bytes, decoder: msgspec.msgpack.Decoder | None = None) -> tuple[float, list[Event]]:
+def decode_batch(payload: bytes, decoder: msgspec.msgpack.Decoder[Any] | None = None) -> tuple[float, list[Event]]:
     """``(ts, events)`` of one ``KVEventBatch`` payload."""
     try:
         raw = (decoder or msgspec.msgpack.Decoder()).decode(payload)

@@ -168,7 +168,7 @@ class KVReleaser:
 
     def __init__(self, upstream: Upstream) -> None:
         self._upstream = upstream
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def release(self, ep: Endpoint, model: str, kv_params: dict[str, Any], request_id: str) -> None:
         async def release() -> None:

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
@@ -50,9 +50,11 @@ class GatewayMetrics:
         self.registry.register(_DiscoveryCollector(watchers))
         self.registry.register(_PoolCollector(pools))
         self.registry.register(_FastTokenizerCollector())
+        GCCollector(registry=self.registry)  # python_gc_*: collections by generation (gateway/gcpolicy.py)
+        ProcessCollector(registry=self.registry)  # process_*: CPU seconds, resident memory, open fds
         if models is not None:
             self.registry.register(_ModelsCollector(models, pools))
-        self._children: dict[tuple, Any] = {}
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         r = self.registry
         # What clients see, per model and path taken (pd, direct; none: answered by the gateway).
         self.requests = Counter("pdgate_requests", "Client requests by model, path taken and HTTP status",
@@ -194,7 +196,7 @@ class _PoolCollector:
     def __init__(self, pools: Pools) -> None:
         self._pools = pools
 
-    def describe(self) -> list:
+    def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterator[Metric]:
@@ -243,7 +245,7 @@ class _DiscoveryCollector:
     def __init__(self, watchers: Callable[[], Iterable[SliceWatcher]]) -> None:
         self._watchers = watchers
 
-    def describe(self) -> list:
+    def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterator[Metric]:
@@ -272,7 +274,7 @@ class _RoutingStateCollector:
         self._pools, self._index, self._feeds, self._shared = pools, index, feeds, shared
         self._speed = prefill_speed
 
-    def describe(self) -> list:
+    def describe(self) -> list[Metric]:
         return []  # collected at scrape time only; nothing to pre-register
 
     def collect(self) -> Iterator[Metric]:
@@ -331,7 +333,7 @@ class _ModelsCollector:
     def __init__(self, models: ServedModels, pools: Pools) -> None:
         self._models, self._pools = models, pools
 
-    def describe(self) -> list:
+    def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterator[Metric]:
@@ -370,7 +372,7 @@ class _AdmissionCollector:
     def __init__(self, gate: Gate, connections: Connections | None) -> None:
         self._gate, self._connections = gate, connections
 
-    def describe(self) -> list:
+    def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterator[Metric]:
@@ -393,7 +395,7 @@ class _FastTokenizerCollector:
     """Texts whose fast (tiktoken) ids differed from the Rust tokenizer's, per model: any turns that
     model's checked fast path off (``gateway.fasttok``). Process-wide counts, read at scrape time."""
 
-    def describe(self) -> list:
+    def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterator[Metric]:

@@ -167,6 +167,7 @@ class Pools:
         self.others: Mapping[str, int] = {}
         self._release_waiters: list[asyncio.Future[None]] = []
         self.outlier = outlier or OutlierConfig()
+        self._not_serving: dict[str, frozenset[tuple[str, str]]] = {}  # not_serving's answers, per model
         self.update(prefill, decode)
 
     def update(self, prefill: Iterable[str], decode: Iterable[str]) -> list[Endpoint]:
@@ -209,7 +210,7 @@ class Pools:
     def _refresh_beliefs(self) -> None:
         """Derived per-request lookups: keep them in step with endpoint changes."""
         self.caching_off_urls = frozenset(e.url for e in self.all() if e.prefix_caching_off)
-        self._not_serving: dict[str, frozenset[tuple[str, str]]] = {}
+        self._not_serving = {}
 
     def snapshot(self) -> PoolSnapshot:
         now, age, others, speed = self._clock(), self.stats_max_age_s, self.others, self._speed
@@ -281,7 +282,7 @@ class HealthChecker:
         self._on_up = on_up
         self._wake = asyncio.Event()
         self.configure(cfg)
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     def configure(self, cfg: HealthConfig) -> None:
         """Takes effect at once: a new interval ends the current wait."""

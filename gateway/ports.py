@@ -39,4 +39,5 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
     with socket.socket() as s:  # a crowded range: let the kernel choose
         s.bind((host, 0))
-        return s.getsockname()[1]
+        chosen: int = s.getsockname()[1]  # (host, port, ...): typeshed says Any
+        return chosen

@@ -62,9 +62,9 @@ class ClientWire:
     def __init__(self, send: Send, receive: Receive) -> None:
         self._send = send
         self._receive = receive
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[object] | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._watcher: asyncio.Task | None = None
+        self._watcher: asyncio.Task[None] | None = None
         self.gone = False  # the client disconnected
         self.started = False  # response headers have gone out
 

@@ -56,7 +56,7 @@ class ConfigWatcher:
         self._poll_s = poll_s
         self._settle_s = settle_s
         self._stop = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._rejected: str | None = None  # version last rejected: not re-logged on every poll
         self.last_error: str | None = None
         self.rounds = 0  # checks done by the watch loop

@@ -117,7 +117,7 @@ class Router:
             return None
         size = p.block_size or self._pools.block_size() or DEFAULT_BLOCK_SIZE
         if self._spec is None or self._spec.block_size != size:
-            self._spec = HashSpec(block_size=size, algo=p.hash_algo, seed=p.hash_seed)  # type: ignore[arg-type]
+            self._spec = HashSpec(block_size=size, algo=p.hash_algo, seed=p.hash_seed)
         return self._spec
 
     async def prepare(self, model: str, request_id: str, token_ids: Sequence[int], local_only: str | None,

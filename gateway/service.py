@@ -43,10 +43,12 @@ class Gateway:
     async def explain(self, request: Request) -> dict[str, Any]:
         """``POST /debug/route``: what the gateway would do with this body, without sending it."""
         kind = request.query_params.get("kind", "chat")  # without it, the body tells
-        if kind not in ("chat", "completion"):
-            raise APIError(400, "kind must be 'chat' or 'completion'.", param="kind")
-        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-        return await self.exchange(request, kind, path).plan()
+        match kind:  # (a match narrows the str to a Kind)
+            case "chat" | "completion":
+                path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+                return await self.exchange(request, kind, path).plan()
+            case _:
+                raise APIError(400, "kind must be 'chat' or 'completion'.", param="kind")
 
     def ready(self) -> dict[str, Any]:
         """The body of ``GET /ready``."""

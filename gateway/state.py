@@ -92,7 +92,8 @@ class RedisState:
         self.learned_ttl_s = learned_ttl_s
         self.replica = uuid.uuid4().hex[:12]
         self._pools = pools  # its ``others`` get the other replicas' in-flight counts
-        self._redis = client or aioredis.from_url(
+        # Redis.from_url: what redis.asyncio.from_url calls, and annotated (that wrapper is not)
+        self._redis: aioredis.Redis = client or aioredis.Redis.from_url(
             cfg.redis_url(), socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s,
             health_check_interval=0, decode_responses=True,
         )
@@ -101,7 +102,7 @@ class RedisState:
         self._down_until = 0.0
         self._writes: asyncio.Queue[tuple[str, Sequence[BlockHash]]] = asyncio.Queue(_WRITE_QUEUE)
         self._resets: dict[str, float] = {}  # url -> entries learned up to then are void (every replica's)
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self.dropped_writes = 0
         self.errors = 0
 

@@ -28,7 +28,7 @@ RECANCEL_AFTER_S = 0.1  # first wait before cancelling again; doubles up to _REC
 _RECANCEL_MAX_S = 1.0
 
 
-_stopping: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()  # tasks a stop has asked to end
+_stopping: weakref.WeakSet[asyncio.Task[object]] = weakref.WeakSet()  # tasks a stop has asked to end
 
 
 def cancel_checkpoint() -> None:
@@ -43,12 +43,12 @@ def cancel_checkpoint() -> None:
         raise asyncio.CancelledError
 
 
-async def stop_task(task: asyncio.Task | None, *, bound_s: float = STOP_BOUND_S, grace_s: float = 0.0) -> bool:
+async def stop_task(task: asyncio.Task[object] | None, *, bound_s: float = STOP_BOUND_S, grace_s: float = 0.0) -> bool:
     """Cancel ``task`` and wait at most ``bound_s`` for it to end; True when it did (or was done)."""
     return await stop_tasks([task], bound_s=bound_s, grace_s=grace_s)
 
 
-async def stop_tasks(tasks: Iterable[asyncio.Task | None], *, bound_s: float = STOP_BOUND_S,
+async def stop_tasks(tasks: Iterable[asyncio.Task[object] | None], *, bound_s: float = STOP_BOUND_S,
                      grace_s: float = 0.0) -> bool:
     """Cancel ``tasks`` and wait, all together, at most ``bound_s`` for them to end, cancelling
     again those still running after a short wait (their first cancel may have been swallowed).
@@ -84,7 +84,7 @@ async def stop_tasks(tasks: Iterable[asyncio.Task | None], *, bound_s: float = S
     return not pending
 
 
-def _collect(task: asyncio.Task) -> None:
+def _collect(task: asyncio.Task[object]) -> None:
     """Retrieve a finished task's outcome (else asyncio logs "exception never retrieved" later)."""
     if task.cancelled():
         return

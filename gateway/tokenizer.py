@@ -32,12 +32,13 @@ import queue
 import re
 import threading
 from bisect import bisect_right
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from cachetools import LRUCache
 
 from . import chat, fasttok
 from .config import ModelConfig, TokenizerConfig
@@ -149,40 +150,32 @@ class _RecentTexts:
     PER_KEY = 16
 
     def __init__(self, max_tokens: int) -> None:
-        self.max_tokens = max_tokens
-        self.tokens = 0
-        self._data: OrderedDict[str, list[_Encoded]] = OrderedDict()
+        self.max_tokens = max(max_tokens, 0)
+        # A key's records are replaced, never mutated in place: the cache sizes a value when stored.
+        self._data: LRUCache[str, tuple[_Encoded, ...]] = LRUCache(
+            maxsize=self.max_tokens, getsizeof=lambda recs: sum(len(r.ids) for r in recs))
+
+    @property
+    def tokens(self) -> int:
+        return int(self._data.currsize)
 
     def get(self, text: str) -> list[_Encoded]:
         if len(text) < self.KEY_CHARS:
             return []
-        found = self._data.get(text[: self.KEY_CHARS])
-        if not found:
-            return []
-        self._data.move_to_end(text[: self.KEY_CHARS])
-        return list(found)
+        return list(self._data.get(text[: self.KEY_CHARS], ()))
 
     def put(self, rec: _Encoded, replaces: _Encoded | None) -> None:
         if len(rec.text) < self.KEY_CHARS:
             return
         key = rec.text[: self.KEY_CHARS]
-        recs = self._data.setdefault(key, [])
-        if replaces is not None and replaces in recs:
-            recs.remove(replaces)  # the conversation's previous turn: superseded
-            self.tokens -= len(replaces.ids)
-        recs.insert(0, rec)
-        self.tokens += len(rec.ids)
-        for old in recs[self.PER_KEY :]:
-            self.tokens -= len(old.ids)
-        del recs[self.PER_KEY :]
-        self._data.move_to_end(key)
-        while self.tokens > self.max_tokens and self._data:
-            _, dropped = self._data.popitem(last=False)
-            self.tokens -= sum(len(r.ids) for r in dropped)
+        recs = [rec, *(r for r in self._data.pop(key, ()) if r is not replaces)][: self.PER_KEY]
+        while recs and sum(len(r.ids) for r in recs) > self.max_tokens:
+            recs.pop()  # more than the whole bound under one key: the oldest go
+        if recs:
+            self._data[key] = tuple(recs)
 
     def clear(self) -> None:
         self._data.clear()
-        self.tokens = 0
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -258,10 +251,9 @@ class SegmentEncoder:
         self._check: fasttok.RunTimeCheck | None = None
         self._generation = 0  # bumped when the fast path is turned off: older ids are not cached
         self.fast_reason = "disabled" if not fast else "segmenting is off"
-        self._max_entry = max(max_tokens // 8, 1)  # one huge message must not flush the rest
+        self._max_entry = max(max_tokens, 0) // 8  # one huge message must not flush the rest
         self._lock = threading.Lock()
-        self._lru: OrderedDict[str, tuple[int, ...]] = OrderedDict()
-        self._tokens = 0
+        self._lru: LRUCache[str, tuple[int, ...]] = LRUCache(maxsize=max(max_tokens, 0), getsizeof=len)
         self._split: re.Pattern[str] | None = None
         self._added: dict[str, int] = {}
         self._affixes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
@@ -366,7 +358,6 @@ class SegmentEncoder:
             self.fast_reason = f"off: its ids differed from the Rust tokenizer's on {text[:40]!r}"
             self._generation += 1
             self._lru.clear()
-            self._tokens = 0
             self._recent.clear()
         log.warning("model %s: fast tokenizer turned off: its ids differed from the Rust tokenizer's on a "
                     "sampled text (%d chars, starting %r); the routing decisions of requests "
@@ -397,7 +388,8 @@ class SegmentEncoder:
         is encoded whole and not cached (a plain completion prompt has no turns to reuse)."""
         if (self._split is None or (add_special_tokens and self._affixes is None)
                 or (self._fast is None and self.max_tokens <= 0)):  # nothing to gain from splitting
-            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+            ids: list[int] = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+            return ids
         return self._encode(text, add_special_tokens, cache=self.max_tokens > 0)
 
     def _encode(self, text: str, add_special_tokens: bool, *, cache: bool) -> list[int]:
@@ -408,7 +400,8 @@ class SegmentEncoder:
         parts = self._split.split(text[base:] if base else text)  # text, token, text, ..., text
         if len(parts) == 1 and last is None:
             if self._fast is None:  # no added token: no turns to reuse either
-                return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+                whole: list[int] = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+                return whole
             cache = False  # keep the cache for turns
         ends = list(last.ends[: start + 1]) if last is not None else []
         counts = list(last.counts[: start + 1]) if last is not None else []
@@ -473,10 +466,7 @@ class SegmentEncoder:
 
     def _get(self, key: str) -> tuple[int, ...] | None:
         with self._lock:
-            ids = self._lru.get(key)
-            if ids is not None:
-                self._lru.move_to_end(key)
-            return ids
+            return self._lru.get(key)
 
     def _put(self, key: str, ids: tuple[int, ...], generation: int) -> None:
         if len(ids) > self._max_entry:
@@ -484,23 +474,15 @@ class SegmentEncoder:
         with self._lock:
             if generation != self._generation:
                 return  # encoded before the fast path was turned off
-            old = self._lru.pop(key, None)
-            if old is not None:
-                self._tokens -= len(old)
-            self._lru[key] = ids
-            self._tokens += len(ids)
-            while self._tokens > self.max_tokens:
-                _, dropped = self._lru.popitem(last=False)
-                self._tokens -= len(dropped)
+            self._lru[key] = ids  # the least recently used go until the ids fit
 
     def cached_tokens(self) -> int:
         """Token ids held by the cache (its memory bound)."""
-        return self._tokens
+        return int(self._lru.currsize)
 
     def clear(self) -> None:
         with self._lock:
             self._lru.clear()
-            self._tokens = 0
             self._recent.clear()
 
 
@@ -544,7 +526,7 @@ def load_template(value: str | None) -> str | None:
 
 def _model_config(cfg: ModelConfig) -> dict[str, Any]:
     """The model's config.json next to its tokenizer, if there is one (no download)."""
-    from transformers.utils import cached_file
+    from transformers.utils.hub import cached_file  # where it is defined (transformers.utils re-exports it)
 
     try:
         path = cached_file(cfg.tokenizer, "config.json", revision=cfg.tokenizer_revision,
@@ -557,7 +539,7 @@ def _model_config(cfg: ModelConfig) -> dict[str, Any]:
 def find_ranks_file(cfg: ModelConfig) -> str | None:
     """The model's own tiktoken ranks next to its tokenizer (``fasttok.RANKS_FILES``: Meta's
     ``original/tokenizer.model``), when the folder or the local hub cache has one (no download)."""
-    from transformers.utils import cached_file
+    from transformers.utils.hub import cached_file  # where it is defined (transformers.utils re-exports it)
 
     for name in fasttok.RANKS_FILES:
         try:
@@ -723,7 +705,7 @@ class ModelTokenizer:
                 param="chat_template",
             )
 
-    def _tokenize_chat(self, conversation: list[dict], template: str, args: chat.RenderArgs) -> list[int]:
+    def _tokenize_chat(self, conversation: list[dict[str, Any]], template: str, args: chat.RenderArgs) -> list[int]:
         """apply_chat_template(tokenize=True) for kwargs only it honours (truncation, max_length,
         padding, tokenizer_kwargs). The transformers wrapper stores those settings in its Rust
         tokenizer, so each call borrows a private copy (as vLLM does): the hot path's tokenizer never
@@ -769,7 +751,8 @@ class ModelTokenizer:
         checked = self.segments.fast_checked  # before: a run-time mismatch may turn it off meanwhile
         ids = self.segments.encode(text, add_special)
         if checked and len(ids) >= near:
-            return self.backend.encode(text, add_special_tokens=add_special).ids
+            exact: list[int] = self.backend.encode(text, add_special_tokens=add_special).ids
+            return exact
         return ids
 
     def _text_ids(self, text: str, add_special: bool, trunc: _Truncation, near: int) -> list[int]:

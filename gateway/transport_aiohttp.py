@@ -20,7 +20,7 @@ import inspect
 import ssl
 from collections.abc import Mapping
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, TypedDict
 
 import aiohttp
 from aiohttp.http_exceptions import LineTooLong
@@ -40,6 +40,14 @@ from .transport import (
 # Headers aiohttp would add on its own: the engines get what H1Client sends (Host, the caller's
 # headers, Content-Length), and nothing asks for compressed bodies the relay could not pass on.
 _SKIP_AUTO = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
+
+
+class _HeadLimits(TypedDict, total=False):
+    """aiohttp.ClientSession's bounds on a response head."""
+
+    max_line_size: int
+    max_field_size: int
+    max_headers: int
 
 
 class _Deadlines:
@@ -161,14 +169,14 @@ class AiohttpTransport:
         self._max_head_bytes = max_head_bytes
         self._max_headers = max_headers
         self._session: aiohttp.ClientSession | None = None
-        self._closing: set[asyncio.Task] = set()
+        self._closing: set[asyncio.Task[None]] = set()
 
     def _open(self) -> aiohttp.ClientSession:
         connector = _Connector(limit=0, keepalive_timeout=self._keepalive_s,
                                ssl=self._tls if self._tls is not None else True)
         # aiohttp bounds each line (and, from 3.13.4, the count) while it parses; the total and
         # the count are checked again once the head is in.
-        limits: dict[str, int] = {"max_line_size": self._max_head_bytes, "max_field_size": self._max_head_bytes}
+        limits: _HeadLimits = {"max_line_size": self._max_head_bytes, "max_field_size": self._max_head_bytes}
         if "max_headers" in inspect.signature(aiohttp.ClientSession).parameters:
             limits["max_headers"] = self._max_headers
         self._session = aiohttp.ClientSession(

@@ -56,6 +56,10 @@ BlockHash = int | bytes
 Digest = bytes
 """The full digest of one block, the value chained into the next block's hash."""
 
+_Extra = tuple[Any, ...] | None  # a block's tagged extra keys
+_MemoKey = tuple[Digest, tuple[int, ...], _Extra]  # (parent digest, block tokens, extra keys)
+_RecentKey = tuple[bytes, _Extra, _Extra]  # (the first unit's packed token ids, first_extra, every_extra)
+
 HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 HASH_ALGOS: tuple[str, ...] = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # vLLM's seed for cryptographic algos without PYTHONHASHSEED
@@ -78,7 +82,8 @@ def _xxh3_128() -> Callable[[bytes], bytes]:
         raise ImportError(
             "hash algo xxhash/xxhash_cbor needs the 'xxhash' package (pip install xxhash)"
         ) from None
-    return xxhash.xxh3_128_digest
+    digest: Callable[[bytes], bytes] = xxhash.xxh3_128_digest
+    return digest
 
 
 def _digest_fn(algo: str) -> Callable[[Any], bytes]:
@@ -108,9 +113,9 @@ class _Recent:
     PER_KEY = 8
 
     def __init__(self, maxsize: int) -> None:
-        self._data: LRUCache[tuple, list[_Prompt]] = LRUCache(maxsize)
+        self._data: LRUCache[_RecentKey, list[_Prompt]] = LRUCache(maxsize)
 
-    def best(self, key: tuple, packed: bytes, unit_bytes: int) -> tuple[_Prompt | None, int]:
+    def best(self, key: _RecentKey, packed: bytes, unit_bytes: int) -> tuple[_Prompt | None, int]:
         """The remembered prompt sharing the most leading units with ``packed``, and how many."""
         prompts = self._data.get(key)  # a hit counts as a use
         if not prompts:
@@ -122,7 +127,7 @@ class _Recent:
                 best, shared = p, n
         return best, shared
 
-    def put(self, key: tuple, prompt: _Prompt, replaces: _Prompt | None) -> None:
+    def put(self, key: _RecentKey, prompt: _Prompt, replaces: _Prompt | None) -> None:
         prompts = self._data.get(key)
         if prompts is None:
             self._data[key] = prompts = []  # may evict the least recently used key
@@ -169,7 +174,7 @@ class HashSpec:
     recent_size: int = 256
     _digest: Callable[[Any], bytes] = field(init=False, repr=False)
     _none_hash: Digest = field(init=False, repr=False)
-    _memo: LRUCache[tuple, Digest] = field(init=False, repr=False)
+    _memo: LRUCache[_MemoKey, Digest] = field(init=False, repr=False)
     _recent: _Recent = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -198,7 +203,7 @@ class HashSpec:
     def __hash__(self) -> int:
         return hash(self._key())
 
-    def _key(self) -> tuple:
+    def _key(self) -> tuple[int, str, str | None, bool, int]:
         return (self.block_size, self.algo, self.seed, self.int_hashes, self.hash_block_size or self.block_size)
 
     @property

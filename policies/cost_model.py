@@ -66,14 +66,14 @@ class CostModel:
 
     Params: ClassVar[type[CostModelParams]] = CostModelParams
 
-    kv_bytes_per_token: int = _DEFAULTS.kv_bytes_per_token
+    kv_bytes_per_token: float = _DEFAULTS.kv_bytes_per_token
     kv_bandwidth_gbps: float = _DEFAULTS.kv_bandwidth_gbps
     prefill_tokens_per_s: float = _DEFAULTS.prefill_tokens_per_s
     decode_prefill_factor: float = _DEFAULTS.decode_prefill_factor
     pd_overhead_s: float = _DEFAULTS.pd_overhead_s
     min_gain_s: float = _DEFAULTS.min_gain_s
     itl_budget_s: float = _DEFAULTS.itl_budget_s
-    prefill_chunk_tokens: int = _DEFAULTS.prefill_chunk_tokens
+    prefill_chunk_tokens: float = _DEFAULTS.prefill_chunk_tokens
 
     def __post_init__(self) -> None:
         check_fields(self)

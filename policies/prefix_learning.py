@@ -62,14 +62,14 @@ class InFlightPrefixes:
     def remove(self, url: str, hashes: Sequence[BlockHash]) -> None:
         holders = self._by_first.get(hashes[0]) if hashes else None
         runs = holders.get(url) if holders else None
-        if not runs:
+        if not holders or not runs:
             return
         for i, run in enumerate(runs):
             if run is hashes:  # this request's own list, not an equal one of another request
                 del runs[i]
                 break
         if not runs:
-            del holders[url]  # type: ignore[union-attr]
+            del holders[url]
             if not holders:
                 del self._by_first[hashes[0]]
 

@@ -52,9 +52,10 @@ def lookup(name: str) -> Callable[..., Any]:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
             try:
-                return ep.load()
+                factory: Callable[..., Any] = ep.load()  # what the entry point names is called as the factory
             except Exception as err:  # a broken plugin is a config error, not a crash of check-config
                 raise PolicyError(f"policy {name!r} cannot be loaded: {err}") from None
+            return factory
     known = sorted(set(BUILTIN) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
     raise PolicyError(f"unknown policy {name!r} (known: {', '.join(known)})")
 

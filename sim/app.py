@@ -43,7 +43,7 @@ import os
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import orjson
@@ -175,7 +175,8 @@ class SimState:
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
-    for k, v in scope["headers"]:
+    headers: Iterable[tuple[bytes, bytes]] = scope["headers"]  # ASGI: (name, value) byte pairs
+    for k, v in headers:
         if k == name:
             return v.decode("latin-1")
     return None
@@ -453,8 +454,10 @@ class GenerateEndpoint:
                 self._finish_record(job, rec, "failed", 200)
                 rec["error"] = "; ".join(s.error or "" for s in job.seqs if s.error)
                 await send({"type": "http.response.body", "body": b"".join(out), "more_body": False})
+                engine = self.state.engine
+                assert engine is not None  # _run() checked it, and it is never unset once started
                 for s in job.seqs:
-                    self.state.engine.abort(s)
+                    engine.abort(s)
                 return
             for idx, seq in enumerate(job.seqs):
                 if seq.final_sent:
@@ -709,7 +712,7 @@ def create_app(cfg: SimConfig) -> Starlette:
         return _json({"detail": detail}, status)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette):
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await state.start()
         try:
             yield

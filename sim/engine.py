@@ -64,7 +64,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,7 +202,7 @@ class Seq:
         self.kv_out: dict[str, Any] | None = None
         self.kv_pulled = False
         self.remote_released = False
-        self.pull_task: asyncio.Task | None = None
+        self.pull_task: asyncio.Task[None] | None = None
         self.error: str | None = None
         self.tokens_sent = 0  # streaming bookkeeping (sim.app)
         self.text_len_sent = 0
@@ -265,8 +265,8 @@ class Engine:
         self.running: list[Seq] = []
         self.held: dict[str, Held] = {}
         self._wake = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
-        self._bg: set[asyncio.Task] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._bg: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -286,7 +286,7 @@ class Engine:
                 h.timer.cancel()
         await self.kv.close()
 
-    def _spawn(self, coro) -> asyncio.Task:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.create_task(coro)
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
@@ -585,6 +585,8 @@ class Engine:
             seq.first_token_t = now
             m.ttft.observe(now - seq.arrival)
         else:
+            # The call that set first_token_t also set last_token_t (end of this method).
+            assert seq.last_token_t is not None
             m.itl.observe(now - seq.last_token_t)
         if not seq.counted_prompt:
             seq.counted_prompt = True
@@ -709,6 +711,8 @@ class Engine:
             return {"status": "engine_mismatch", "engine_id": own}
         groups = msg.get("block_ids")
         limit = self.cfg.num_gpu_blocks
+        if groups is None:  # not iterable: the TypeError below would say the same
+            return {"status": "bad_blocks", "engine_id": own}
         try:
             flat = [b for g in groups for b in g]
             if not all(type(b) is int and 0 <= b < limit for b in flat):
@@ -721,7 +725,8 @@ class Engine:
         if self.faults is not None and self.faults.refuse_kv_read():
             log.warning("fault: refusing the KV read of request %s", msg.get("request_id"))
             return {"status": "refused", "engine_id": own}
-        held = self.held.get(msg.get("request_id"))
+        rid = msg.get("request_id")
+        held = self.held.get(rid) if rid is not None else None
         known = held is not None and held.block_ids[first : first + len(flat)] == flat
         n_req = msg.get("num_tokens")
         bs = self.cfg.block_size
@@ -744,7 +749,8 @@ class Engine:
         own = self.cfg.engine_id
         if msg.get("engine_id") != own:
             return {"status": "engine_mismatch", "engine_id": own}
-        if self._release_held(msg.get("request_id")):
+        rid = msg.get("request_id")
+        if rid is not None and self._release_held(rid):
             return {"status": "ok", "engine_id": own}
         self.m.nixl_notifs_after_expiry.inc()
         log.error(

@@ -95,7 +95,7 @@ class KVServer:
                     msg = await read_frame(reader)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
-                handler = self.handlers.get(msg.get("op"))
+                handler = self.handlers.get(msg.get("op", ""))  # no handler for "" (nor for no op)
                 if handler is None:
                     reply = {"status": "bad_request", "error": f"unknown op {msg.get('op')!r}"}
                 else:

@@ -205,7 +205,8 @@ class ZmqEventPublisher:
             host = endpoint[len("tcp://") : -2]
             host = self.bind_host if host in ("*", "") else host
             sock.bind(f"tcp://{host}:0")
-            return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            bound: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            return bound
         sock.bind(endpoint)
         return endpoint
 

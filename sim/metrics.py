@@ -9,7 +9,8 @@ convention, which vLLM shares).
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -115,7 +116,7 @@ class _LazyCounter:
 
     def __init__(self, child: Any) -> None:
         self.child = child
-        self.pending = 0
+        self.pending: float = 0
 
     def inc(self, amount: float = 1) -> None:
         self.pending += amount
@@ -154,6 +155,9 @@ class _LazyHistogram:
         self.total = 0.0
 
 
+_Lazy = TypeVar("_Lazy", _LazyCounter, _LazyHistogram)
+
+
 class SimMetrics:
     """All of one engine's metrics, pre-bound to its label values.
 
@@ -174,7 +178,7 @@ class SimMetrics:
 
         self._lazy: list[_LazyCounter | _LazyHistogram] = []
 
-        def lazy(child: Any, kind: type) -> Any:
+        def lazy(child: Any, kind: type[_Lazy]) -> _Lazy:
             obj = kind(child)
             self._lazy.append(obj)
             return obj
@@ -182,7 +186,7 @@ class SimMetrics:
         def counter(name: str, doc: str) -> _LazyCounter:
             return lazy(Counter(name, doc, names, registry=reg).labels(*lv), _LazyCounter)
 
-        def hist(name: str, doc: str, buckets: list[float]) -> _LazyHistogram:
+        def hist(name: str, doc: str, buckets: Sequence[float]) -> _LazyHistogram:
             return lazy(Histogram(name, doc, names, registry=reg, buckets=buckets).labels(*lv), _LazyHistogram)
 
         # Scheduler state

@@ -178,7 +178,7 @@ class BlockPool:
         d = self.digest[b]
         self.digest[b] = None
         holders = self.cached.get(d) if d is not None else None
-        if holders is None or b not in holders:
+        if d is None or holders is None or b not in holders:
             return
         del holders[b]
         if not holders:

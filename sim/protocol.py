@@ -136,7 +136,7 @@ def classify_kv(kv: Any) -> str:
 
 
 # ---------------------------------------------------------------------------- parsing
-def _int_field(body: dict, name: str, default: int | None, *, minimum: int | None = None) -> int | None:
+def _int_field(body: dict[str, Any], name: str, default: int | None, *, minimum: int | None = None) -> int | None:
     v = body.get(name, default)
     if v is None:
         return default
@@ -155,7 +155,7 @@ def _int_field(body: dict, name: str, default: int | None, *, minimum: int | Non
     return v
 
 
-def _str_list(body: dict, name: str) -> list[str]:
+def _str_list(body: dict[str, Any], name: str) -> list[str]:
     v = body.get(name)
     if v is None:
         return []
@@ -166,7 +166,7 @@ def _str_list(body: dict, name: str) -> list[str]:
     raise schema_error("Input should be a valid string or list of strings", f"body.{name}")
 
 
-def _int_list(body: dict, name: str) -> list[int]:
+def _int_list(body: dict[str, Any], name: str) -> list[int]:
     v = body.get(name)
     if v is None:
         return []
@@ -175,7 +175,7 @@ def _int_list(body: dict, name: str) -> list[int]:
     raise schema_error("Input should be a valid list of integers", f"body.{name}")
 
 
-def _check_common(body: dict, cfg: SimConfig) -> None:
+def _check_common(body: dict[str, Any], cfg: SimConfig) -> None:
     if body.get("stream_options") and not body.get("stream"):
         raise validation_error("Stream options can only be defined when `stream=True`.", "stream_options")
     model = body.get("model")
@@ -183,7 +183,7 @@ def _check_common(body: dict, cfg: SimConfig) -> None:
         raise schema_error("Input should be a valid string", "body.model")
 
 
-def check_model(body: dict, cfg: SimConfig) -> None:
+def check_model(body: dict[str, Any], cfg: SimConfig) -> None:
     model = body.get("model")
     if model and model != cfg.model:
         raise ApiError(
@@ -191,13 +191,13 @@ def check_model(body: dict, cfg: SimConfig) -> None:
         )
 
 
-def _stream_flags(body: dict) -> tuple[bool, bool, bool]:
+def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool, bool]:
     stream = bool(body.get("stream"))
     opts = body.get("stream_options") if stream else None
     if opts is not None and not isinstance(opts, dict):
         raise schema_error("Input should be a valid dictionary", "body.stream_options")
     include = bool(opts and opts.get("include_usage"))
-    continuous = include and bool(opts.get("continuous_usage_stats"))
+    continuous = include and opts is not None and bool(opts.get("continuous_usage_stats"))
     return stream, include, continuous
 
 
@@ -278,7 +278,7 @@ def sampling_max_tokens(requested: int | None, prompt_len: int, cfg: SimConfig, 
     return value
 
 
-def _kv_params(body: dict, cfg: SimConfig) -> tuple[str, dict[str, Any] | None]:
+def _kv_params(body: dict[str, Any], cfg: SimConfig) -> tuple[str, dict[str, Any] | None]:
     kv = body.get("kv_transfer_params")
     if kv is not None and not isinstance(kv, dict):
         raise schema_error("Input should be a valid dictionary", "body.kv_transfer_params")
@@ -292,6 +292,7 @@ def _kv_params(body: dict, cfg: SimConfig) -> tuple[str, dict[str, Any] | None]:
             "kv_transfer_params",
         )
     if kind == DECODE:
+        assert kv is not None  # classify_kv() says DECODE only for a non-empty dict
         if not cfg.accepts_decode_legs():
             raise ApiError(
                 f"sim: this engine has role '{cfg.role}' and refuses decode legs "
@@ -320,7 +321,7 @@ def _kv_params(body: dict, cfg: SimConfig) -> tuple[str, dict[str, Any] | None]:
     return kind, (dict(kv) if kv else None)
 
 
-def _request_id_base(body: dict, header_id: str | None) -> str:
+def _request_id_base(body: dict[str, Any], header_id: str | None) -> str:
     if header_id is not None:
         return header_id
     rid = body.get("request_id")
@@ -329,7 +330,7 @@ def _request_id_base(body: dict, header_id: str | None) -> str:
     return random_id()
 
 
-def _reject_unsupported(body: dict, names: tuple[str, ...]) -> None:
+def _reject_unsupported(body: dict[str, Any], names: tuple[str, ...]) -> None:
     for name in names:
         v = body.get(name)
         if v is not None and v is not False:
@@ -479,7 +480,8 @@ def parse_chat(body: Any, cfg: SimConfig, tok: ByteTokenizer | HFTokenizer, head
         check_vocab(reuse, tok, "kv_transfer_params.prompt_token_ids")
         ids = list(reuse)
     else:
-        kwargs = body.get("chat_template_kwargs") if isinstance(body.get("chat_template_kwargs"), dict) else {}
+        template_kwargs = body.get("chat_template_kwargs")
+        kwargs: dict[str, Any] = template_kwargs if isinstance(template_kwargs, dict) else {}
         try:
             ids = tok.apply_chat(conversation, add_generation_prompt=add_gen, continue_final_message=cont, **kwargs)
         except ApiError:
@@ -561,7 +563,7 @@ def usage_short(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
 
 
 def completion_response(job: Job, model: str, fingerprint: str | None, prompt_details: bool = False) -> dict[str, Any]:
-    choices = []
+    choices: list[dict[str, Any]] = []
     n_prompt = 0
     n_gen = 0
     for p_idx, ids in enumerate(job.prompts):
@@ -647,7 +649,7 @@ def sse(obj: dict[str, Any]) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def _sampling_params(body: dict, job: Job, max_tokens: int) -> dict[str, Any]:
+def _sampling_params(body: dict[str, Any], job: Job, max_tokens: int) -> dict[str, Any]:
     """The ``sampling_params`` of a render answer: vLLM's SamplingParams fields the simulator
     knows, with the request's values or vLLM's defaults (sampling itself is not modelled)."""
 
@@ -678,7 +680,7 @@ def _sampling_params(body: dict, job: Job, max_tokens: int) -> dict[str, Any]:
     }
 
 
-def render_requests(body: dict, job: Job) -> list[dict[str, Any]]:
+def render_requests(body: dict[str, Any], job: Job) -> list[dict[str, Any]]:
     """vLLM's render answer (``/v1/*/render``): one ``GenerateRequest`` per prompt, as
     ``ServingRender`` builds them: a fresh ``cmpl-``/``chatcmpl-`` request id, the prompt's token
     ids, the sampling params, and the stream flags; no kv_transfer_params (render never sees any)."""

@@ -67,7 +67,7 @@ def build_tokenizer(out_dir: str | os.PathLike[str]) -> Path:
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers leaves its __init__ unannotated
         tokenizer_object=tok,
         bos_token="<s>",
         eos_token="</s>",
@@ -100,9 +100,9 @@ def build_model(out_dir: str | os.PathLike[str], seed: int = 0) -> Path:
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=3,
-        torch_dtype="bfloat16",
+        dtype="bfloat16",  # torch_dtype before transformers 5 (which still maps that old name to this one)
     )
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)  # type: ignore[no-untyped-call]  # unannotated __init__
     model.save_pretrained(str(out))
     return out
 

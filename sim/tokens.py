@@ -23,7 +23,7 @@ import re
 from array import array
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 _WORDS_TEXT = (
     "the of and to in is was for on are with as his they be at one have this from "
@@ -152,7 +152,7 @@ class HFTokenizer:
         for tid in range(min(self.max_token_id + 1, 50_000)):
             if tid in special:
                 continue
-            piece = self.tok.decode([tid])
+            piece = self.decode([tid])
             if _PIECE_RE.fullmatch(piece):
                 ids.append(tid)
                 pieces.append(piece)
@@ -172,7 +172,9 @@ class HFTokenizer:
         continue_final_message: bool = False,
         **kwargs: Any,
     ) -> list[int]:
-        out = self.tok.apply_chat_template(
+        # transformers annotates the union of every mode's result; this mode's is the ids (or, in
+        # some versions, a BatchEncoding holding them), told apart at run time below
+        out: Any = self.tok.apply_chat_template(
             messages,
             tokenize=True,
             return_dict=False,
@@ -185,7 +187,8 @@ class HFTokenizer:
         return [int(t) for t in out]
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(list(ids))
+        # transformers annotates str | list[str] (a batch decodes to a list); one sequence is a str
+        return cast(str, self.tok.decode(list(ids)))
 
 
 def load_tokenizer(path: str | None) -> ByteTokenizer | HFTokenizer:

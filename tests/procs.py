@@ -81,7 +81,8 @@ class Proc:
         with contextlib.suppress(ProcessLookupError, PermissionError):  # children may outlive the leader
             os.killpg(self.popen.pid, signal.SIGKILL)
         if self.popen.poll() is None:
-            self.popen.wait(5)
+            with contextlib.suppress(subprocess.TimeoutExpired):  # unkillable (D state): nothing more to do
+                self.popen.wait(5)
         self._log.close()
         return self.popen.returncode
 
@@ -99,9 +100,16 @@ class ProcGroup:
         return proc
 
     def stop_all(self) -> None:
+        """Every process is stopped even when stopping one fails; the first failure is raised after."""
+        errors: list[BaseException] = []
         for proc in reversed(self.procs):
-            proc.stop()
+            try:
+                proc.stop()
+            except BaseException as err:  # also KeyboardInterrupt: the rest still stop
+                errors.append(err)
         self.procs.clear()
+        if errors:
+            raise errors[0]
 
 
 PYTHON = sys.executable

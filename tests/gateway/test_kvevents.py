@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -27,6 +27,7 @@ from gateway.kvevents import (
 from policies.blockhash import HashSpec, block_hashes
 from policies.prefix_index import PrefixIndex
 from tests.procs import free_port
+from tests.waiting import until
 
 URL = "http://engine-1:8000"
 TOPIC = "kv@engine-1"
@@ -87,9 +88,13 @@ class FakeEngine:
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer)
         self.seq = 0
         self.enc = msgspec.msgpack.Encoder()
-        self.pub = ctx.socket(zmq.PUB)
+        # XPUB: a PUB socket that also tells when a subscriber's subscription has arrived, so tests
+        # wait for that instead of sleeping through ZMQ's "slow joiner" window.
+        self.pub = ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.bind(f"tcp://127.0.0.1:{pub_port}")
+        self.subscriptions = 0
         self.router: zmq.asyncio.Socket | None = None
         self.task: asyncio.Task[None] | None = None
         self.replay_requests: list[int] = []
@@ -110,6 +115,16 @@ class FakeEngine:
                     await self.router.send_multipart([ident, b"", TOPIC.encode(), seq.to_bytes(8, "big"), payload])
             await self.router.send_multipart([ident, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
 
+    async def subscribed(self, timeout: float = 5.0) -> None:
+        """Return once a subscriber's subscription has reached this socket (its next
+        ``publish`` is delivered)."""
+        async with asyncio.timeout(timeout):
+            while True:
+                frame = await self.pub.recv()
+                if frame[:1] == b"\x01":  # subscribe (\x00 would be unsubscribe)
+                    self.subscriptions += 1
+                    return
+
     async def publish(self, *events: Any, send: bool = True) -> int:
         """One batch; ``send=False`` keeps it out of the live feed (a lost message) but buffered."""
         seq = self.seq
@@ -128,14 +143,6 @@ class FakeEngine:
         self.pub.close(linger=0)
         if self.router is not None:
             self.router.close(linger=0)
-
-
-async def until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -162,7 +169,7 @@ async def connected_pair(
     )
     await sub.start()
     await until(lambda: sub.counters.connected)
-    await asyncio.sleep(0.2)  # let the subscription reach the PUB socket (ZMQ's slow joiner)
+    await engine.subscribed()
     return engine, sub, index
 
 
@@ -292,7 +299,7 @@ async def test_history_is_replayed_on_connect(ctx: zmq.asyncio.Context, ports: t
     try:
         await until(lambda: sub.counters.last_seq == 3)
         assert index.stats().precise_by_url == {URL: 2}
-        await asyncio.sleep(0.2)
+        await engine.subscribed()
         await engine.publish(stored([5]))
         await until(lambda: sub.counters.last_seq == 4)
         assert sub.counters.gaps == 0 and engine.replay_requests == [0]
@@ -327,7 +334,6 @@ async def test_reconnect_after_engine_restart(ctx: zmq.asyncio.Context, ports: t
         await engine.close()  # the engine goes away
         await until(lambda: not sub.counters.connected)
         assert not index.is_precise(URL)
-        await asyncio.sleep(0.3)
         engine = FakeEngine(ctx, *ports)  # back, a new process with an empty cache
         await engine.publish(stored([20]), send=False)  # published before we reconnected
         await until(lambda: sub.counters.connected, timeout=10)
@@ -335,7 +341,7 @@ async def test_reconnect_after_engine_restart(ctx: zmq.asyncio.Context, ports: t
         assert index.match([1]) == {}  # the old process's blocks are gone
         assert index.is_precise(URL)
         assert sub.counters.reconnects == 1 and sub.counters.disconnects == 1
-        await asyncio.sleep(0.2)
+        await engine.subscribed()
         await engine.publish(stored([21]))
         await until(lambda: index.match([21]) == {URL: 1})
         assert sub.counters.gaps == 0

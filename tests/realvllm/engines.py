@@ -216,7 +216,16 @@ def start_engine(
     env = {**engine_env(cache_root, side, core), **(extra_env or {})}
     argv = engine_argv(venv, model_dir, port, nixl=nixl, extra_args=extra_args)
     proc = group.start(f"vllm-{role}", argv, env=env, cwd=str(work))
+    unpin(proc)
     return Engine(role, proc, port, side, core, httpx.Client(timeout=REQUEST_TIMEOUT_S), group, argv, env, str(work))
+
+
+def unpin(proc: Proc) -> None:
+    """A starting engine may use every core this process may: once (seen here) a restarted engine
+    began with only the other engine's core, where that engine's NIXL progress thread spins, and
+    did not finish starting in 5 minutes. ``pin_engine`` pins its model worker once it is up."""
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(proc.popen.pid, os.sched_getaffinity(0))
 
 
 def kill(eng: Engine) -> None:
@@ -233,6 +242,7 @@ def restart(eng: Engine, *, without: Sequence[str] = (), adding: Sequence[str] =
     eng.proc.stop()
     eng.argv = [a for a in eng.argv if a not in without] + list(adding)
     eng.proc = eng.group.start(f"vllm-{eng.role}-{len(eng.group.procs)}", eng.argv, env=eng.env, cwd=eng.cwd)
+    unpin(eng.proc)
     wait_ready([eng])
     pin_engine(eng)
 
