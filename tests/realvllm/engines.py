@@ -221,11 +221,22 @@ def start_engine(
 
 
 def unpin(proc: Proc) -> None:
-    """A starting engine may use every core this process may: once (seen here) a restarted engine
-    began with only the other engine's core, where that engine's NIXL progress thread spins, and
-    did not finish starting in 5 minutes. ``pin_engine`` pins its model worker once it is up."""
-    with contextlib.suppress(OSError):
-        os.sched_setaffinity(proc.popen.pid, os.sched_getaffinity(0))
+    """While an engine starts, its processes may use every core this process may; ``pin_engine``
+    pins its model worker once it is up. Seen here: a restarted engine's EngineCore process began
+    pinned to the other engine's core, where that engine's NIXL progress thread spins, got almost
+    no CPU there and did not finish starting in 5 minutes. ``wait_ready`` calls this as it polls,
+    so processes an engine spawns while starting are covered too (not its model workers: vLLM pins
+    their NIXL thread on purpose)."""
+    allowed = os.sched_getaffinity(0)
+    for pid in _session_pids(proc.popen.pid):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::Worker"):
+                continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                if os.sched_getaffinity(int(tid)) != allowed:
+                    os.sched_setaffinity(int(tid), allowed)
+        except OSError:  # a process or thread that just ended
+            continue
 
 
 def kill(eng: Engine) -> None:
@@ -253,6 +264,7 @@ def wait_ready(engines: list[Engine], timeout: float = READY_TIMEOUT_S) -> None:
     pending = list(engines)
     while pending:
         for eng in list(pending):
+            unpin(eng.proc)
             if eng.proc.popen.poll() is not None:
                 raise SetupError(
                     f"vLLM {eng.role} engine exited with {eng.proc.popen.returncode} while starting "
