@@ -47,6 +47,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import tiktoken
+
 log = logging.getLogger(__name__)
 
 # Pre-tokenizer regexes tiktoken's engine runs with the same meaning: Llama 3's (a Split before a
@@ -127,15 +129,8 @@ class FastEncoder:
 
 def load(spec: dict[str, Any], serialized: str) -> tuple[FastEncoder | None, str]:
     """A fast encoder for this tokenizer (its JSON, parsed and as text), or None and why not."""
-    try:
-        import tiktoken
-    except ImportError:
-        return None, "tiktoken is not installed"
-    pattern, why = _pattern(spec)
+    pattern, why = _byte_level_bpe(spec)
     if pattern is None:
-        return None, why
-    why = _model_refusal(spec)
-    if why:
         return None, why
     model = spec["model"]
     added = spec.get("added_tokens") or []
@@ -153,6 +148,16 @@ def load(spec: dict[str, Any], serialized: str) -> tuple[FastEncoder | None, str
     if why:
         return None, why
     return encoder, "enabled"
+
+
+def _byte_level_bpe(spec: dict[str, Any]) -> tuple[str | None, str]:
+    """The tokenizer's split regex when it is plain byte-level BPE with a regex tiktoken
+    reproduces; else None and why not."""
+    pattern, why = _pattern(spec)
+    if pattern is None:
+        return None, why
+    why = _model_refusal(spec)
+    return (None, why) if why else (pattern, "")
 
 
 def _model_refusal(spec: dict[str, Any]) -> str:
@@ -320,15 +325,8 @@ def load_ranks(spec: dict[str, Any], serialized: str, path: str | os.PathLike[st
     runs of many characters up to 1000 (whitespace and rules have the most merges per token) and
     ``_CORPUS``. That is evidence, not a proof: ``RunTimeCheck`` keeps looking on live text.
     """
-    try:
-        import tiktoken
-    except ImportError:
-        return None, "tiktoken is not installed"
-    pattern, why = _pattern(spec)
+    pattern, why = _byte_level_bpe(spec)
     if pattern is None:
-        return None, why
-    why = _model_refusal(spec)
-    if why:
         return None, why
     model = spec["model"]
     if not model.get("ignore_merges"):

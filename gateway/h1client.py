@@ -40,6 +40,7 @@ from .transport import (
     ProtocolError,
     ServerDisconnected,
     Timeouts,
+    read_whole,
     tls_context,
 )
 
@@ -291,10 +292,7 @@ class Response:
 
     async def read(self) -> bytes:
         """The whole (remaining) body."""
-        parts = []
-        while chunk := await self.read_some():
-            parts.append(chunk)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        return await read_whole(self.read_some)
 
     def release(self) -> None:
         conn, self._conn = self._conn, None

@@ -18,7 +18,7 @@ them. Failures below HTTP raise ``ClientError`` subclasses, timeouts ``TimeoutEr
 from __future__ import annotations
 
 import ssl
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -118,6 +118,14 @@ class EngineTransport(Protocol):
     def close(self) -> None:
         """Close every connection, idle or in use (on the event loop, at shutdown)."""
         ...
+
+
+async def read_whole(read_some: Callable[[], Awaitable[bytes]]) -> bytes:
+    """Every ``read_some`` until b"": ``EngineResponse.read`` for both implementations."""
+    parts = []
+    while chunk := await read_some():
+        parts.append(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def tls_context(ca_file: str | None = None, cert_file: str | None = None,

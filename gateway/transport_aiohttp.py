@@ -35,6 +35,7 @@ from .transport import (
     ProtocolError,
     ServerDisconnected,
     Timeouts,
+    read_whole,
 )
 
 # Headers aiohttp would add on its own: the engines get what H1Client sends (Host, the caller's
@@ -137,10 +138,7 @@ class AiohttpResponse:
             raise deadlines.expired(when) from None
 
     async def read(self) -> bytes:
-        parts = []
-        while chunk := await self.read_some():
-            parts.append(chunk)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        return await read_whole(self.read_some)
 
     def end_first(self) -> None:
         self._deadlines.first = None
