@@ -47,6 +47,10 @@ MODEL_NAME = "tiny"
 MAX_MODEL_LEN = 2048
 READY_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 120.0
+# vLLM's server closes an idle connection after 5 s, httpx's default keep-alive is also 5 s: a request
+# sent on a connection as the engine closes it fails ("Server disconnected without sending a response").
+# The suite's own clients drop idle connections well before the engine does.
+CLIENT_LIMITS = httpx.Limits(keepalive_expiry=1.0)
 VENV_TIMEOUT_S = 1800.0
 
 # Decode engine metrics the suite reads (vLLM 0.32 names).
@@ -217,7 +221,7 @@ def start_engine(
     argv = engine_argv(venv, model_dir, port, nixl=nixl, extra_args=extra_args)
     proc = group.start(f"vllm-{role}", argv, env=env, cwd=str(work))
     unpin(proc)
-    return Engine(role, proc, port, side, core, httpx.Client(timeout=REQUEST_TIMEOUT_S), group, argv, env, str(work))
+    return Engine(role, proc, port, side, core, httpx.Client(timeout=REQUEST_TIMEOUT_S, limits=CLIENT_LIMITS), group, argv, env, str(work))
 
 
 def unpin(proc: Proc) -> None:

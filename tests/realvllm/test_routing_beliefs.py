@@ -175,7 +175,7 @@ def test_a_reloaded_threshold_applies_while_serving(vllm_pair: Pair, gw: Gateway
     short = chat_messages(vllm_pair, 300)
 
     def keep_sending() -> None:
-        with httpx.Client(timeout=E.REQUEST_TIMEOUT_S) as client:
+        with httpx.Client(timeout=E.REQUEST_TIMEOUT_S, limits=E.CLIENT_LIMITS) as client:
             while not stop.is_set():
                 messages = [{"role": "user", "content": f"{uuid.uuid4().hex} a short question"}]
                 r = client.post(gw.url + "/v1/chat/completions",
