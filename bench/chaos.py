@@ -231,7 +231,7 @@ def run(n: int, concurrency: int, timeout: float, logs: Path, attackers: dict[st
             "routing": {"decider": {"name": "token_threshold", "threshold": 200}},
             "health": {"interval_s": 0.5, "timeout_s": 0.5},
             "timeouts": {"connect_s": 1, "prefill_s": 10, "decode_first_byte_s": 10, "decode_idle_s": 5},
-            "server": {"host": "127.0.0.1", "port": port, "head_timeout_s": 2, "body_idle_timeout_s": 2},
+            "server": {"host": "127.0.0.1", "port": port, "head_timeout_s": 2, "body_idle_timeout_s": 2, "workers": 1},
             **state,
         }
         (logs / "gateway.yaml").write_text(yaml.safe_dump(cfg))

@@ -171,7 +171,7 @@ def pdgate_config(name: str, cluster: Cluster, tokenizer: Path, profile: str, po
             "prefill_chunk_tokens": int(eng.get("max_num_batched_tokens", 8192)),
         }
     return {
-        "server": {"host": "127.0.0.1", "port": port, "log_level": "warning"},
+        "server": {"host": "127.0.0.1", "port": port, "log_level": "warning", "workers": 1},
         "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": 32768}],
         "pools": {
             "prefill": {"endpoints": cluster.prefill if pd else []},

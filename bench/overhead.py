@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -48,11 +49,22 @@ class Row:
     p99_ms: float
     ttfb_p50_ms: float
     cpu_us_per_req: float | None
+    req_per_s: float  # requests / wall time of the cell's runs (the load generator shares the machine)
 
 
 def _cpu_seconds(pid: int) -> float:
+    """CPU time of ``pid`` and its live descendants (a gateway's worker processes)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            children = Path(f"/proc/{pid}/task/{tid}/children").read_text().split()
+        except OSError:
+            continue
+        for child in children:
+            with contextlib.suppress(OSError):  # it just exited
+                total += _cpu_seconds(int(child))
+    return total
 
 
 async def _one(session: aiohttp.ClientSession, url: str, body: bytes) -> tuple[float, float]:
@@ -67,7 +79,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: bytes) -> tuple[f
     return time.perf_counter() - t0, ttfb
 
 
-async def _run(url: str, body: bytes, n: int, concurrency: int) -> tuple[list[float], list[float]]:
+async def _run(url: str, body: bytes, n: int, concurrency: int) -> tuple[list[float], list[float], float]:
     lat: list[float] = []
     ttfb: list[float] = []
     conn = aiohttp.TCPConnector(limit=concurrency)
@@ -82,8 +94,10 @@ async def _run(url: str, body: bytes, n: int, concurrency: int) -> tuple[list[fl
                 lat.append(total)
                 ttfb.append(first)
 
+        t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return lat, ttfb
+        wall = time.perf_counter() - t0
+    return lat, ttfb, wall
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -109,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="docs/benchmarks/overhead.json")
     parser.add_argument("--no-peer", action="store_true", help="skip vllm-router")
     parser.add_argument("--vllm-router", default=None, help="an existing vllm-router binary")
+    parser.add_argument("--workers", default="1", help="pdgate worker counts to run (comma-separated, e.g. 1,2): "
+                        "targets gateway (the first) and gateway-wN (the others)")
     parser.add_argument("--baseline", default=None, help="a checkout of another pdgate version to compare with")
     parser.add_argument("--servers", default="", help="also run the gateway app on these ASGI servers "
                         "(comma-separated, from bench/servers.py: uvicorn-httptools, uvicorn-h11, hypercorn, granian)")
@@ -152,7 +168,11 @@ def main(argv: list[str] | None = None) -> int:
             )
             p.wait_http(f"http://127.0.0.1:{port}/health")
         gws = {}
-        gateways = [("gateway", 1_000_000, None), ("gateway-pd", 1, None)]
+        counts = [int(w) for w in args.workers.split(",")]
+        workers_of = {"gateway": counts[0], "gateway-pd": counts[0],
+                      **{f"gateway-w{w}": w for w in counts[1:]}}
+        gateways = [("gateway", 1_000_000, None), ("gateway-pd", 1, None),
+                    *((f"gateway-w{w}", 1_000_000, None) for w in counts[1:])]
         if args.baseline:
             gateways += [("baseline", 1_000_000, args.baseline), ("baseline-pd", 1, args.baseline)]
         servers = [s for s in args.servers.split(",") if s]
@@ -160,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, threshold, checkout in gateways:
             gw_port = free_port()
             cfg = {
-                "server": {"host": "127.0.0.1", "port": gw_port, "log_level": "warning"},
+                "server": {"host": "127.0.0.1", "port": gw_port, "log_level": "warning",
+                           "workers": workers_of.get(name, 1)},
                 "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": 8192}],
                 "pools": {
                     "prefill": {"endpoints": [f"http://127.0.0.1:{ports['prefill'][0]}"]},
@@ -179,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                 for tid in os.listdir(f"/proc/{proc.pid}/task"):
                     os.sched_setaffinity(int(tid), {cores[-1]})
             gws[name] = (proc, f"http://127.0.0.1:{gw_port}/v1/chat/completions")
+            if name.startswith("gateway-w"):
+                time.sleep(2.0)  # every worker up (/ready answers as soon as one is)
         if not args.no_peer:
             from bench.goodput import vllm_router_binary
 
@@ -201,24 +224,25 @@ def main(argv: list[str] | None = None) -> int:
         engine_url = f"http://127.0.0.1:{ports['decode'][0]}/v1/chat/completions"
 
         plan = [(stream, conc) for stream in (False, True) for conc in (1, 32)]
-        samples: dict[tuple, tuple[list[float], list[float], float, int]] = {}
+        samples: dict[tuple, tuple[list[float], list[float], float, int, float]] = {}
 
-        def add(key, lat, ttfb, cpu):
-            old = samples.get(key, ([], [], 0.0, 0))
-            samples[key] = (old[0] + lat, old[1] + ttfb, old[2] + cpu, old[3] + len(lat))
+        def add(key, lat, ttfb, cpu, wall):
+            old = samples.get(key, ([], [], 0.0, 0, 0.0))
+            samples[key] = (old[0] + lat, old[1] + ttfb, old[2] + cpu, old[3] + len(lat), old[4] + wall)
 
         for rnd in range(args.rounds):
             for stream, conc in plan:
                 body = _body(stream)
                 targets = [("engine", engine_url, None)]
-                names = ["gateway", "baseline", "vllm-router", *(f"server-{s}" for s in servers)]
+                names = ["gateway", *(f"gateway-w{w}" for w in counts[1:]), "baseline", "vllm-router",
+                         *(f"server-{s}" for s in servers)]
                 names += ["gateway-pd", "baseline-pd", "vllm-router-pd"] if conc == 1 else []
                 targets += [(n, gws[n][1], gws[n][0].pid) for n in names if n in gws]
                 for name, url, pid in targets if rnd % 2 == 0 else reversed(targets):
                     cpu0 = _cpu_seconds(pid) if pid else 0.0
-                    lat, ttfb = asyncio.run(_run(url, body, args.requests, conc))
+                    lat, ttfb, wall = asyncio.run(_run(url, body, args.requests, conc))
                     cpu = (_cpu_seconds(pid) - cpu0) if pid else 0.0
-                    add((name, stream, conc), lat, ttfb, cpu)
+                    add((name, stream, conc), lat, ttfb, cpu, wall)
                     print(
                         f"round {rnd + 1}/{args.rounds} {name:10s} stream={stream!s:5s} c={conc:<3d} "
                         f"p50={_pct(lat, 0.5):.3f} ms",
@@ -237,8 +261,9 @@ def main(argv: list[str] | None = None) -> int:
                 _pct(lat, 0.99),
                 _pct(ttfb, 0.5),
                 (cpu / n * 1e6) if name != "engine" else None,
+                round(n / wall, 1),
             )
-            for (name, stream, conc), (lat, ttfb, cpu, n) in order
+            for (name, stream, conc), (lat, ttfb, cpu, n, wall) in order
         ]
     finally:
         group.stop_all()
@@ -251,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                 added.append(
                     {
                         "router": "vllm-router" if r.target.startswith("vllm-router") else
+                        f"pdgate, {r.target.removeprefix('gateway-w')} workers" if r.target.startswith("gateway-w") else
                         "pdgate (baseline)" if r.target.startswith("baseline") else
                         f"pdgate on {r.target.removeprefix('server-')}" if r.target.startswith("server-") else "pdgate",
                         "path": "pd" if r.target.endswith("-pd") else "direct",
@@ -260,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                         "added_p99_ms": round(r.p99_ms - base.p99_ms, 3),
                         "added_ttfb_p50_ms": round(r.ttfb_p50_ms - base.ttfb_p50_ms, 3),
                         "gateway_cpu_us_per_req": round(r.cpu_us_per_req or 0, 1),
+                        "req_per_s": r.req_per_s,
+                        "engine_req_per_s": base.req_per_s,
                         "engine_p50_ms": round(base.p50_ms, 3),
                     }
                 )
@@ -298,14 +326,14 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(
         "| router | path | stream | concurrency | engine p50 ms | added p50 ms | added p99 ms | added TTFB p50 ms "
-        "| router CPU us/req |"
+        "| router CPU us/req | req/s (engine direct) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for a in added:
         print(
             f"| {a['router']} | {a['path']} | {'16 chunks' if a['stream'] else 'no'} | {a['concurrency']} | "
             f"{a['engine_p50_ms']} | {a['added_p50_ms']} | {a['added_p99_ms']} | {a['added_ttfb_p50_ms']} | "
-            f"{a['gateway_cpu_us_per_req']} |"
+            f"{a['gateway_cpu_us_per_req']} | {a['req_per_s']:.0f} ({a['engine_req_per_s']:.0f}) |"
         )
     if ratios:
         print("\n| path | stream | concurrency | added p50: pdgate / vllm-router | CPU: pdgate / vllm-router |")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import math
+from typing import Protocol
 
 from .config import AdmissionConfig
 from .errors import APIError
@@ -72,3 +73,112 @@ class Gate:
                 fut.set_result(None)  # the slot passes on; in_flight stays
                 return
         self.in_flight -= 1
+
+    def close(self) -> None:
+        """Nothing runs in the background (``SharedGate``'s poller does)."""
+
+
+class Slots(Protocol):
+    """Admission slots held per worker process, in memory every worker of one gateway shares
+    (``multiprocessing`` RawArray) behind one lock."""
+
+    def __getitem__(self, i: int) -> int: ...
+
+    def __setitem__(self, i: int, v: int) -> None: ...
+
+    def __len__(self) -> int: ...
+
+
+class Lock(Protocol):
+    def acquire(self, block: bool = True, timeout: float | None = None) -> bool: ...
+
+    def release(self) -> None: ...
+
+
+class SharedGate:
+    """``Gate`` for a gateway of several worker processes: ``limit`` bounds the sum of every
+    worker's slots. A worker takes a slot under the shared lock (a few microseconds, never
+    contended for long); its own queue stays FIFO, and while requests wait it looks for a slot
+    another worker freed every ``poll_s`` (workers do not wake each other)."""
+
+    def __init__(self, limit: int, slots: Slots, lock: Lock, worker: int, poll_s: float = 0.002) -> None:
+        self.limit = limit
+        self._slots, self._lock, self._me = slots, lock, worker
+        self._poll_s = poll_s
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._poller: asyncio.Task[None] | None = None
+
+    @property
+    def in_flight(self) -> int:
+        """This worker's slots (``/metrics`` sums the workers')."""
+        return self._slots[self._me]
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiters)
+
+    def _take(self) -> bool:
+        if not self._lock.acquire(True, 1.0):  # held by a worker that died mid-update: the supervisor frees it
+            return False
+        try:
+            if self.limit and sum(self._slots[i] for i in range(len(self._slots))) >= self.limit:
+                return False
+            self._slots[self._me] += 1
+            return True
+        finally:
+            self._lock.release()
+
+    def _give_back(self) -> None:
+        if self._lock.acquire(True, 1.0):
+            try:
+                self._slots[self._me] -= 1
+            finally:
+                self._lock.release()
+        else:
+            self._slots[self._me] -= 1  # this worker's own cell: only it writes there
+
+    async def enter(self, timeout: float) -> bool:
+        if not self._waiters and self._take():
+            return True
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.create_task(self._poll(), name="admission-poll")
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(fut)
+            return True
+        except TimeoutError:
+            return fut.done()
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.leave()
+            raise
+        finally:
+            if not fut.done():
+                fut.cancel()
+            if fut in self._waiters:
+                self._waiters.remove(fut)
+
+    def leave(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)  # the slot passes on within this worker
+                return
+        self._give_back()
+
+    async def _poll(self) -> None:
+        """Slots other workers freed, for this worker's waiters; ends when nobody waits."""
+        while self._waiters:
+            await asyncio.sleep(self._poll_s)
+            while self._waiters and self._take():
+                fut = self._waiters.popleft()
+                if fut.done():
+                    self._give_back()
+                else:
+                    fut.set_result(None)
+
+    def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()

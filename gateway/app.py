@@ -29,7 +29,7 @@ from policies.hooks import Hooks, policy_hooks
 from policies.prefix_index import PrefixIndex
 from policies.prefix_learning import InFlightPrefixes, PrefixBeliefs
 
-from .admission import Gate
+from .admission import Gate, SharedGate
 from .auth import authorize, authorize_admin
 from .config import AdminConfig, GatewayConfig
 from .discovery import Discovery
@@ -55,6 +55,8 @@ from .tokenizer import ModelTokenizer, Tokenizers
 from .tracing import Tracing
 from .transport import EngineTransport
 from .upstream import Upstream, make_client, make_session
+from .workerbus import WorkerBus
+from .workers import WorkerContext
 
 log = logging.getLogger(__name__)
 
@@ -123,12 +125,14 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
                config_path: str | Path | None = None, config_version: str | None = None,
                span_exporter: SpanExporter | None = None,
                access_sink: Callable[[bytes], None] | None = None,
-               connections: Connections | None = None, collector: Collector | None = None) -> Starlette:
+               connections: Connections | None = None, collector: Collector | None = None,
+               worker: WorkerContext | None = None) -> Starlette:
     """The gateway app; ``tokenizers`` may be injected (tests), else loaded at startup. With
     ``config_path``, edits of that file are validated and applied while serving. ``span_exporter``
     (tests) receives every span, whatever the config's exporter; ``access_sink`` every access line
     (default: stdout); ``connections`` the HTTP server's open-connection count (for /metrics);
-    ``collector`` (the process owner's) freezes what startup and each reload leave alive."""
+    ``collector`` (the process owner's) freezes what startup and each reload leave alive;
+    ``worker``: this app is one of several worker processes of one gateway (gateway/workers.py)."""
     created = int(time.time())
     validate(cfg)  # a bad policy name fails before the server binds its port
     version = config_version or version_of(orjson.dumps(cfg.model_dump(mode="json")))
@@ -153,7 +157,10 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
                             approx_ttl_s=cfg.routing.prefix.learned_ttl_s)
         shared = (RedisState(cfg.state, cfg.routing.prefix.learned_ttl_s, pools)
                   if cfg.state.backend == "redis" else None)
-        beliefs = PrefixBeliefs(index, InFlightPrefixes(), shared, caching_off=pools.caching_off)
+        bus = (WorkerBus(worker.bus, worker.index, worker.count, pools, index, share_routing=shared is None)
+               if worker and worker.count > 1 else None)
+        beliefs = PrefixBeliefs(index, InFlightPrefixes(), shared or (bus if bus and bus.share_routing else None),
+                                caching_off=pools.caching_off)
         subs = Subscriptions(index)
 
         async def discovered() -> None:
@@ -175,7 +182,9 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         res = Resources(session, engines, pools, index, shared, subs, discovery, models,
                         Learners(beliefs, estimates, BeliefAudit(metrics)), metrics)
         services = Services(pools, metrics, Tracing(cfg.telemetry.tracing, span_exporter),
-                            AccessLog(cfg.telemetry.access_log, access_sink), Gate(cfg.admission.max_in_flight),
+                            AccessLog(cfg.telemetry.access_log, access_sink),
+                            SharedGate(cfg.admission.max_in_flight, worker.slots, worker.lock, worker.index)
+                            if worker and bus else Gate(cfg.admission.max_in_flight),
                             KVReleaser(Upstream(engines, cfg.timeouts)))
         scraper = StatsScraper(pools, session, cfg.signals)
         metrics.watch_admission(services.gate, connections)
@@ -203,7 +212,9 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
 
         watcher = ConfigWatcher(config_path, version, apply, reload_result) if config_path else None
         gw = Gateway(_runtime(cfg, version, res, toks, admin_token(cfg.admin)), services, watcher=watcher,
-                     feeds=res.subs.all, shared=shared, discovery=discovery, models=models)
+                     feeds=res.subs.all, shared=shared, discovery=discovery, models=models, bus=bus)
+        if bus:
+            await bus.start(metrics.render)
         await res.subs.update(cfg)
         if shared:
             await shared.start()
@@ -224,7 +235,9 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
             # takes at most one bound, never the sum, and never hangs.
             await asyncio.gather(*(stop() for stop in (
                 *((watcher.stop,) if watcher else ()), scraper.stop, discovery.close, health.stop, res.subs.close,
-                *((shared.stop,) if shared else ()), services.releaser.close)), return_exceptions=True)
+                *((shared.stop,) if shared else ()), *((bus.stop,) if bus else ()), services.releaser.close)),
+                return_exceptions=True)
+            services.gate.close()
             await session.close()
             engines.close()
             gw.runtime.tokenizers.close()
@@ -257,8 +270,8 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
     async def metrics_route(request: Request) -> Response:
-        m = request.state.gw.services.metrics
-        return Response(m.render(), media_type=m.content_type)
+        gw: Gateway = request.state.gw
+        return Response(await gw.metrics(), media_type=gw.services.metrics.content_type)
 
     def admin(handler: Callable[[Gateway, Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         """Off (404) unless an admin token is configured; then the bearer token must match."""

@@ -37,6 +37,8 @@ def _serve(args: argparse.Namespace) -> int:
     from .gcpolicy import Collector
     from .httpserver import make_server
     from .reload import version_of
+    from .workers import serve as serve_workers
+    from .workers import worker_count
 
     try:
         raw = Path(args.config).read_bytes()
@@ -52,6 +54,14 @@ def _serve(args: argparse.Namespace) -> int:
     level = cfg.server.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("watchfiles").setLevel(logging.WARNING)  # it logs every file event at INFO
+    workers = worker_count(cfg)
+    if workers > 1:
+        try:
+            load_tokenizers(cfg).close()  # one clear line here rather than one per worker
+        except ValueError as err:
+            print(f"{args.config}: {err}", file=sys.stderr)
+            return 2
+        return serve_workers(cfg, args.config, raw.decode("utf-8", "replace"), host, port, workers)
     try:
         tokenizers = load_tokenizers(cfg)  # here, not at startup: a missing tokenizer is one line, not a traceback
         server = make_server(
@@ -122,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--prefill", type=int, default=2, help="simulated prefill engines")
     demo.add_argument("--decode", type=int, default=2, help="simulated decode engines")
     demo.add_argument("--threshold", type=int, default=4096, help="P/D from this many prompt tokens")
+    demo.add_argument("--workers", type=int, default=0,
+                      help="gateway worker processes (default: one per core this process may use)")
     demo.add_argument("--keep-logs", action="store_true",
                       help="keep the demo's temporary folder (engine logs, config, access log) after exit")
     demo.add_argument("--access-log", action="store_true",

@@ -41,6 +41,9 @@ class ServerConfig(_Strict):
     shutdown_grace_s: float = Field(25.0, ge=0, description="on SIGTERM, how long requests in flight may finish "
                                     "before they are ended (streams with an error event); then background parts "
                                     "stop within 5 s")
+    workers: int = Field(0, ge=0, le=256, description="worker processes serving the port, each a whole gateway "
+                         "sharing routing state, admission and /metrics (gateway/workers.py); 0: one per core "
+                         "this process may use")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     gc_young_threshold: int = Field(700, ge=100, description="allocations between young garbage collections "
                                     "(Python's default 700); what is alive after startup and each reload is "

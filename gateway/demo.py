@@ -128,6 +128,8 @@ def run_demo(args: argparse.Namespace) -> int:
     from .httpserver import make_server
     from .reload import version_of
     from .requestlog import LineWriter
+    from .workers import serve as serve_workers
+    from .workers import worker_count
 
     def _exit(signum: int, frame: object) -> None:
         raise SystemExit(0)
@@ -181,6 +183,11 @@ def run_demo(args: argparse.Namespace) -> int:
               + ("this terminal" if access_to_terminal else f"{access_path} (--access-log prints it here instead)"))
         print(f"tokenizer: {tokenizer} (model {MODEL!r}; give this folder to load tools as their tokenizer)\n")
         print(_curls(args.port), "\n\nCtrl-C stops everything.\n", flush=True)
+        workers = args.workers or worker_count(cfg)
+        if workers > 1:  # the gateway as it is deployed: one process per core on one socket
+            print(f"gateway: {workers} worker processes\n", flush=True)
+            return serve_workers(cfg, config_path, raw.decode(), args.host, args.port, workers, sock=listener,
+                                 access_log_path=None if access_to_terminal else access_path)
         server = make_server(
             cfg, lambda connections: create_app(cfg, config_path=config_path, config_version=version_of(raw),
                                                 access_sink=access_sink, connections=connections),

@@ -82,11 +82,12 @@ class Connections:
 
 
 def make_server(cfg: GatewayConfig, build_app: Callable[[Connections], Any], *, host: str, port: int,
-                log_level: str) -> uvicorn.Server:
+                log_level: str, max_connections: int | None = None) -> uvicorn.Server:
     """The uvicorn server for ``cfg``, behind the guard; ``build_app`` gets the connection count
-    (for /metrics)."""
+    (for /metrics). ``max_connections``: this process's share of ``server.max_connections``."""
+    cap = cfg.server.max_connections if max_connections is None else max_connections
     limits = Limits(max_head_bytes=cfg.limits.max_header_bytes, max_headers=cfg.limits.max_headers,
-                    head_timeout_s=cfg.server.head_timeout_s, max_connections=cfg.server.max_connections)
+                    head_timeout_s=cfg.server.head_timeout_s, max_connections=cap)
     connections = Connections(limits.max_connections)
     # No proxy-headers middleware: nothing reads the client address, and it wraps every request.
     return uvicorn.Server(uvicorn.Config(

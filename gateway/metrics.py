@@ -20,7 +20,7 @@ from .requestlog import RequestRecord
 from .state import RedisState
 
 if TYPE_CHECKING:
-    from .admission import Gate
+    from .admission import Gate, SharedGate
     from .discovery import SliceWatcher
     from .httpserver import Connections
     from .modelcheck import ServedModels
@@ -169,7 +169,7 @@ class GatewayMetrics:
     def decided(self, path: str, reason: str) -> None:
         self._child(self.decisions, path, reason).inc()
 
-    def watch_admission(self, gate: Gate, connections: Connections | None) -> None:
+    def watch_admission(self, gate: Gate | SharedGate, connections: Connections | None) -> None:
         """Export the admission slots and the HTTP server's connections (read at scrape time)."""
         self.registry.register(_AdmissionCollector(gate, connections))
 
@@ -369,7 +369,7 @@ class BeliefAudit:
 class _AdmissionCollector:
     """Slots held and waited for (admission.max_in_flight), and the server's connections."""
 
-    def __init__(self, gate: Gate, connections: Connections | None) -> None:
+    def __init__(self, gate: Gate | SharedGate, connections: Connections | None) -> None:
         self._gate, self._connections = gate, connections
 
     def describe(self) -> list[Metric]:

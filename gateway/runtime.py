@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from policies.hooks import Hooks
 
-from .admission import Gate
+from .admission import Gate, SharedGate
 from .config import GatewayConfig
 from .legs import KVReleaser
 from .metrics import GatewayMetrics
@@ -41,5 +41,5 @@ class Services:
     metrics: GatewayMetrics
     tracing: Tracing
     access_log: AccessLog
-    gate: Gate  # admission: requests in flight through this gateway
+    gate: Gate | SharedGate  # admission: requests in flight through this gateway
     releaser: KVReleaser  # frees KV a departed client's prefill left behind

@@ -15,11 +15,13 @@ from .discovery import Discovery
 from .errors import APIError
 from .exchange import Exchange
 from .kvevents import KVEventSubscriber
+from .metricsmerge import merge
 from .modelcheck import ServedModels
 from .protocol import Kind
 from .reload import ConfigWatcher
 from .runtime import Runtime, Services
 from .state import RedisState
+from .workerbus import WorkerBus
 
 
 class Gateway:
@@ -28,7 +30,8 @@ class Gateway:
 
     def __init__(self, runtime: Runtime, services: Services, *, watcher: ConfigWatcher | None = None,
                  feeds: Callable[[], Sequence[KVEventSubscriber]] = list, shared: RedisState | None = None,
-                 discovery: Discovery | None = None, models: ServedModels | None = None) -> None:
+                 discovery: Discovery | None = None, models: ServedModels | None = None,
+                 bus: WorkerBus | None = None) -> None:
         self.runtime = runtime
         self.services = services
         self.watcher = watcher  # the config file's watcher, when the config comes from a file
@@ -36,9 +39,18 @@ class Gateway:
         self.shared = shared  # the Redis shared state, when configured
         self.discovery = discovery  # the Kubernetes EndpointSlice watchers
         self.models = models  # what each engine serves, against the configured model names
+        self.bus = bus  # the other worker processes of this gateway (server.workers > 1)
 
     def exchange(self, request: Request, kind: Kind, path: str) -> Exchange:
         return Exchange(self.runtime, self.services, request, kind, path)
+
+    async def metrics(self) -> bytes:
+        """``GET /metrics``: this worker's metrics, merged with the other workers' when there are any."""
+        own = self.services.metrics.render()
+        if self.bus is None:
+            return own
+        others = await self.bus.others_metrics()
+        return merge([own, *others.values()])
 
     async def explain(self, request: Request) -> dict[str, Any]:
         """``POST /debug/route``: what the gateway would do with this body, without sending it."""
@@ -66,8 +78,10 @@ class Gateway:
             # (the whole text is in the log).
             "shared_state": ({"backend": "redis", "healthy": self.shared.status.healthy,
                               "error": self.shared.status.last_error.split(":", 1)[0] or None}
-                             if self.shared else {"backend": "memory", "healthy": True}),
+                             if self.shared else {"backend": "workers" if self.bus else "memory", "healthy": True}),
         }
+        if self.bus is not None:
+            body["workers"] = {"count": self.bus.workers, "this": self.bus.worker}
         if self.models is not None:
             body["models"] = self.models.status()
         if self.discovery is not None and self.discovery.watchers:  # pools that follow EndpointSlices

@@ -63,7 +63,9 @@ class Cluster:
 
     def start_gateway(self, threshold: int, env: dict[str, str] | None = None, **overrides) -> None:
         self.gateway_port = free_port()
-        server = {"host": "127.0.0.1", "port": self.gateway_port, "max_body_bytes": 1_000_000,
+        # one worker unless a test asks for more (tests/e2e/test_workers.py): most tests read state
+        # that a second worker would hold apart, and this machine has few cores
+        server = {"host": "127.0.0.1", "port": self.gateway_port, "max_body_bytes": 1_000_000, "workers": 1,
                   **overrides.pop("server", {})}  # the listening address stays the one chosen here
         server["port"] = self.gateway_port
         cfg = {

@@ -33,6 +33,13 @@ def children(pid: int) -> set[int]:
     return out
 
 
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -65,8 +72,14 @@ def test_demo_routes_both_paths_and_stops_cleanly(tmp_path):
         assert (tmp_path / "cache" / "demo-tokenizer" / "tokenizer.json").exists()
         [folder] = demo_folders(tmp_path)
         assert str(folder) in banner
-        engines = children(demo.pid)
+        processes = children(demo.pid)
+        engines = {p for p in processes if b"sim" in cmdline(p)}
         assert len(engines) == 4
+        workers = {p for p in processes if b"multiprocessing.spawn" in cmdline(p)}
+        cores = len(os.sched_getaffinity(0))
+        assert len(workers) == (cores if cores > 1 else 0)  # the gateway: one worker process per core
+        if cores > 1:
+            assert f"gateway: {cores} worker processes" in banner
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         short = client.chat.completions.with_raw_response.create(
@@ -96,7 +109,7 @@ def test_demo_routes_both_paths_and_stops_cleanly(tmp_path):
         demo.popen.send_signal(signal.SIGTERM)
         assert demo.popen.wait(30) == 0
         assert "stopped all engines" in demo.log_path.read_text()
-        assert not [pid for pid in engines if alive(pid)]
+        assert not [pid for pid in processes if alive(pid)]
         assert not folder.exists()  # engine logs, config and access log removed
     finally:
         group.stop_all()

@@ -534,3 +534,16 @@ def test_hyperpod_example_turns_dpd_on_with_pdspec():
     for field in ("pdSpec.prefillSpec.replicas", "pdSpec.routingThreshold", "pdSpec.autoScalingSpec",
                   "kvCacheSpec.enableL1Cache", "pdSpec.topologySpec.sameAZ"):
         assert field in readme
+
+
+@pytest.mark.parametrize(("values", "workers"), [
+    ((), 2),  # the default CPU request, "2"
+    (("--set-string", "gateway.resources.requests.cpu=1500m"), 2),
+    (("--set-string", "gateway.resources.requests.cpu=500m"), 1),
+    (("--set", "gateway.workers=3"), 3),
+])
+def test_gateway_workers_follow_the_cpu_request(tools: Tools, values, workers):
+    """Inside a container the gateway may see every core of the node: the chart sets the count."""
+    docs = render(tools, *values)
+    config = yaml.safe_load(find(docs, "ConfigMap", "pdgate-gateway")["data"]["config.yaml"])
+    assert config["server"]["workers"] == workers

@@ -103,8 +103,9 @@ def start_gateway(pair: Pair, name: str, **overrides: object) -> Gateway:
     """The real gateway in front of the pair (``overrides`` replace top-level config sections);
     returns once it sees both engines healthy. Stop it with ``gw.proc.stop()``."""
     port = free_port()
+    server = {"host": "127.0.0.1", "workers": 1, **overrides.pop("server", {}), "port": port}
     cfg = {
-        "server": {"host": "127.0.0.1", "port": port},
+        "server": server,
         "models": [{"name": E.MODEL_NAME, "tokenizer": str(pair.model_dir), "max_model_len": E.MAX_MODEL_LEN}],
         "pools": {
             "prefill": {"endpoints": [pair.prefill.url]},

@@ -221,7 +221,8 @@ def start_engine(
     argv = engine_argv(venv, model_dir, port, nixl=nixl, extra_args=extra_args)
     proc = group.start(f"vllm-{role}", argv, env=env, cwd=str(work))
     unpin(proc)
-    return Engine(role, proc, port, side, core, httpx.Client(timeout=REQUEST_TIMEOUT_S, limits=CLIENT_LIMITS), group, argv, env, str(work))
+    http = httpx.Client(timeout=REQUEST_TIMEOUT_S, limits=CLIENT_LIMITS)
+    return Engine(role, proc, port, side, core, http, group, argv, env, str(work))
 
 
 def unpin(proc: Proc) -> None:

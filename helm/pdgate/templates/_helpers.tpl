@@ -111,7 +111,7 @@ every GPU worker (one per tensor parallel rank): the pod's L1 is split over them
 {{/* The gateway's config file (validated by the gateway itself: see tests/helm) */}}
 {{- define "pdgate.gatewayConfig" -}}
 {{- $v := .Values }}
-{{- $cfg := dict "server" (dict "host" "0.0.0.0" "port" (int $v.gateway.port) "log_level" $v.gateway.logLevel) }}
+{{- $cfg := dict "server" (dict "host" "0.0.0.0" "port" (int $v.gateway.port) "log_level" $v.gateway.logLevel "workers" (include "pdgate.gatewayWorkers" . | int)) }}
 {{- $model := dict "name" $v.model.name "tokenizer" (default $v.model.id $v.model.tokenizer) "max_model_len" (int $v.model.maxModelLen) }}
 {{- $_ := set $cfg "models" (list $model) }}
 {{- $pools := dict }}
@@ -229,6 +229,25 @@ rollingUpdate: {maxSurge: 1, maxUnavailable: 0}  # one replica: start the new en
 {{- else }}
 type: RollingUpdate
 rollingUpdate: {maxSurge: 0, maxUnavailable: 1}  # GPUs are scarce: replace one engine at a time
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Gateway worker processes: gateway.workers, or the pod's CPU request rounded up ("2" -> 2,
+"1500m" -> 2, none -> 1). Inside a container the process may see every core of the node, so the
+chart never leaves the count to the gateway.
+*/}}
+{{- define "pdgate.gatewayWorkers" -}}
+{{- $w := int .Values.gateway.workers }}
+{{- if gt $w 0 }}{{ $w }}
+{{- else }}
+{{- $cpu := toString (dig "requests" "cpu" "1" (.Values.gateway.resources | default dict)) }}
+{{- if hasSuffix "m" $cpu }}
+{{- $milli := trimSuffix "m" $cpu | int }}
+{{- max 1 (div (add $milli 999) 1000) }}
+{{- else }}
+{{- max 1 (ceil (float64 $cpu)) | int }}
 {{- end }}
 {{- end }}
 {{- end }}

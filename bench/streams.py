@@ -1,0 +1,356 @@
+"""Thousands of concurrent streams through one gateway: first-chunk latency and inter-chunk gaps.
+
+A lean streaming backend (``backend`` below: one uvloop process, httptools parsing, every stream
+on one timer heap; it holds thousands of streams where the simulator's per-request tasks cannot)
+answers every chat request with ``--tokens`` SSE chunks at ``--rate`` tokens/s, each stream on its
+own phase. Lean clients (``--clients`` processes of raw asyncio connections, counting ``data:``
+events per read) open ``N`` streams over ``--ramp-s`` seconds against each target in turn: the
+backend directly, pdgate with 1 and 2 workers, and vllm-router (PyPI, Rust), all on this machine.
+
+Reported per target and stream count: errors, first-chunk p50/p99 (request sent to first event),
+inter-chunk gap p50/p99 (events in one read count from that read), and stream duration p50 against
+the ideal ``tokens / rate``.
+
+    python -m bench.streams [--streams 500,1000,2000,4000] [--rate 50] [--tokens 100]
+        [--out docs/benchmarks/streams.json] [--plot docs/benchmarks/streams.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import heapq
+import json
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httptools
+import orjson
+import uvloop
+import yaml
+
+MODEL = "bench"
+
+# ---------------------------------------------------------------------------------------- backend
+
+_CHUNK = (b'data: {"id":"chatcmpl-b","object":"chat.completion.chunk","created":0,"model":"bench",'
+          b'"choices":[{"index":0,"delta":{"content":" tok"},"finish_reason":null}]}\n\n')
+_LAST = (b'data: {"id":"chatcmpl-b","object":"chat.completion.chunk","created":0,"model":"bench",'
+         b'"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\ndata: [DONE]\n\n')
+
+
+def _chunked(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+class _Backend(asyncio.Protocol):
+    """One connection of the lean backend: /health, /v1/models, and chat streams on the heap."""
+
+    def __init__(self, streams: list[Any], interval: float, tokens: int) -> None:
+        self._streams, self._interval, self._tokens = streams, interval, tokens
+        self._parser = httptools.HttpRequestParser(self)
+        self._url = b""
+        self._body = bytearray()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError:
+            assert self.transport is not None
+            self.transport.close()
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_body(self, body: bytes) -> None:
+        self._body += body
+
+    def _reply(self, status: bytes, body: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\ncontent-length: "
+                             + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+    def on_message_complete(self) -> None:
+        url, body = self._url, bytes(self._body)
+        self._url, self._body = b"", bytearray()
+        if url == b"/health":
+            self._reply(b"200 OK", b"{}")
+        elif url == b"/v1/models":
+            self._reply(b"200 OK", orjson.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}))
+        elif url.startswith(b"/v1/chat/completions"):
+            req = orjson.loads(body)
+            tokens = int(req.get("max_tokens") or self._tokens)
+            assert self.transport is not None
+            self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                                 b"transfer-encoding: chunked\r\n\r\n")
+            heapq.heappush(self._streams, (time.monotonic() + self._interval, id(self), self, tokens))
+        else:
+            self._reply(b"404 Not Found", b'{"error":{"message":"not found"}}')
+
+
+async def _tick(streams: list[Any], interval: float) -> None:
+    """Every due stream gets its next chunk; each keeps its own phase."""
+    while True:
+        now = time.monotonic()
+        while streams and streams[0][0] <= now:
+            due, key, conn, left = heapq.heappop(streams)
+            t = conn.transport
+            if t is None or t.is_closing():
+                continue
+            if left <= 1:
+                t.write(_chunked(_LAST) + b"0\r\n\r\n")
+            else:
+                t.write(_chunked(_CHUNK))
+                heapq.heappush(streams, (due + interval, key, conn, left - 1))
+        await asyncio.sleep(min(0.001, max(0.0, streams[0][0] - time.monotonic())) if streams else 0.001)
+
+
+def backend(port: int, rate: float, tokens: int) -> None:
+    async def main() -> None:
+        streams: list[Any] = []
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: _Backend(streams, 1.0 / rate, tokens), "127.0.0.1", port,
+                                          backlog=8192)
+        async with server:
+            await _tick(streams, 1.0 / rate)
+
+    uvloop.run(main())
+
+
+# ----------------------------------------------------------------------------------------- client
+
+
+class _Stream(asyncio.Protocol):
+    def __init__(self, request: bytes, done: asyncio.Future[None]) -> None:
+        self._request, self._done = request, done
+        self.sent = 0.0
+        self.first = 0.0
+        self.last = 0.0
+        self.events = 0
+        self.gaps: list[float] = []
+        self.status = 0
+        self._head = b""
+        self.ended = 0.0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.sent = time.monotonic()
+        transport.write(self._request)  # type: ignore[attr-defined]
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        now = time.monotonic()
+        if not self.status:
+            self._head += data
+            if b"\r\n\r\n" not in self._head:
+                return
+            head, _, data = self._head.partition(b"\r\n\r\n")
+            self.status = int(head.split(b" ", 2)[1])
+            if self.status != 200:
+                self.transport.close()  # type: ignore[attr-defined]
+                return
+        n = data.count(b"data: ")
+        if n:
+            if self.events == 0:
+                self.first = now - self.sent
+            else:
+                self.gaps.append(now - self.last)
+                self.gaps.extend([0.0] * (n - 1))
+            self.events += n
+            self.last = now
+        if b"data: [DONE]" in data:
+            self.ended = now
+            self.transport.close()  # type: ignore[attr-defined]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self._done.done():
+            self._done.set_result(None)
+
+
+def _client(host_port: tuple[str, int], path: str, n: int, ramp_s: float, tokens: int, timeout_s: float,
+            out: Any) -> None:
+    body = orjson.dumps({"model": MODEL, "stream": True, "max_tokens": tokens,
+                         "messages": [{"role": "user", "content": "stream please"}]})
+    request = (f"POST {path} HTTP/1.1\r\nhost: {host_port[0]}\r\ncontent-type: application/json\r\n"
+               f"content-length: {len(body)}\r\n\r\n").encode() + body
+
+    async def main() -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        streams: list[_Stream] = []
+        errors = 0
+
+        async def one(delay: float) -> None:
+            nonlocal errors
+            await asyncio.sleep(delay)
+            done: asyncio.Future[None] = loop.create_future()
+            s = _Stream(request, done)
+            try:
+                await loop.create_connection(lambda: s, *host_port)
+                await asyncio.wait_for(done, timeout_s)
+            except (OSError, TimeoutError):
+                errors += 1
+                return
+            if s.status != 200 or not s.ended:
+                errors += 1
+            streams.append(s)
+
+        await asyncio.gather(*(one(ramp_s * i / max(1, n)) for i in range(n)))
+        ok = [s for s in streams if s.ended and s.status == 200]
+        return {"errors": errors + len(streams) - len(ok), "first": [s.first for s in ok],
+                "gaps": [g for s in ok for g in s.gaps], "durations": [s.ended - s.sent for s in ok]}
+
+    out.put(uvloop.run(main()))
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1000, 1)
+
+
+def run_load(url: str, n: int, clients: int, ramp_s: float, tokens: int, rate: float) -> dict[str, Any]:
+    host, port = url.split("//", 1)[1].split("/", 1)[0].split(":")
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    timeout_s = ramp_s + tokens / rate * 4 + 30
+    procs = [ctx.Process(target=_client, args=((host, int(port)), "/v1/chat/completions", n // clients +
+                                                (1 if i < n % clients else 0), ramp_s, tokens, timeout_s, out))
+             for i in range(clients)]
+    for p in procs:
+        p.start()
+    parts = [out.get(timeout=timeout_s + 30) for _ in procs]
+    for p in procs:
+        p.join(10)
+    first = [x for r in parts for x in r["first"]]
+    gaps = [x for r in parts for x in r["gaps"]]
+    durations = [x for r in parts for x in r["durations"]]
+    return {"streams": n, "errors": sum(r["errors"] for r in parts),
+            "first_chunk_p50_ms": _pct(first, 0.5), "first_chunk_p99_ms": _pct(first, 0.99),
+            "gap_p50_ms": _pct(gaps, 0.5), "gap_p99_ms": _pct(gaps, 0.99),
+            "duration_p50_s": round(sorted(durations)[len(durations) // 2], 2) if durations else None,
+            "ideal_duration_s": round(tokens / rate, 2)}
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="mode")
+    be = sub.add_parser("backend", help="run the lean streaming backend only")
+    be.add_argument("--port", type=int, required=True)
+    be.add_argument("--rate", type=float, default=50.0)
+    be.add_argument("--tokens", type=int, default=100)
+    parser.add_argument("--streams", default="500,1000,2000,4000")
+    parser.add_argument("--rate", type=float, default=50.0, help="tokens/s per stream")
+    parser.add_argument("--tokens", type=int, default=100, help="chunks per stream")
+    parser.add_argument("--ramp-s", type=float, default=2.0, help="streams open over this long")
+    parser.add_argument("--clients", type=int, default=2, help="load generator processes")
+    parser.add_argument("--targets", default="backend,pdgate,pdgate-w2,vllm-router")
+    parser.add_argument("--vllm-router", default=None, help="an existing vllm-router binary")
+    parser.add_argument("--out", default="docs/benchmarks/streams.json")
+    parser.add_argument("--plot", default="docs/benchmarks/streams.png")
+    args = parser.parse_args(argv)
+    if args.mode == "backend":
+        backend(args.port, args.rate, args.tokens)
+        return 0
+
+    from gateway.demo import cache_dir
+    from sim.tinymodel import build_tokenizer
+    from tests.procs import ProcGroup, free_port
+
+    tokenizer = build_tokenizer(cache_dir() / "demo-tokenizer")
+    logs = Path(tempfile.mkdtemp(prefix="pdgate-streams-"))
+    group = ProcGroup(logs)
+    targets = [t for t in args.targets.split(",") if t]
+    results: list[dict[str, Any]] = []
+    try:
+        be_port = free_port()
+        group.start("backend", [sys.executable, "-m", "bench.streams", "backend", "--port", str(be_port),
+                                "--rate", str(args.rate), "--tokens", str(args.tokens)])
+        backend_url = f"http://127.0.0.1:{be_port}"
+        group.procs[-1].wait_http(backend_url + "/health")
+        urls: dict[str, str] = {"backend": backend_url}
+        for name in targets:
+            if name.startswith("pdgate"):
+                workers = int(name.removeprefix("pdgate-w")) if name.startswith("pdgate-w") else 1
+                port = free_port()
+                cfg = {"server": {"host": "127.0.0.1", "port": port, "log_level": "warning", "workers": workers,
+                                  "max_connections": 20000},
+                       "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": 8192}],
+                       "pools": {"prefill": {"endpoints": []}, "decode": {"endpoints": [backend_url]}},
+                       "telemetry": {"access_log": False},
+                       "admission": {"max_in_flight": 0}}
+                (logs / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+                proc = group.start(name, [sys.executable, "-m", "gateway", "serve", "--config",
+                                          str(logs / f"{name}.yaml")])
+                proc.wait_http(f"http://127.0.0.1:{port}/ready", timeout=60)
+                time.sleep(2.0)  # every worker up
+                urls[name] = f"http://127.0.0.1:{port}"
+            elif name == "vllm-router":
+                from bench.goodput import vllm_router_binary
+
+                port = free_port()
+                proc = group.start(name, [str(vllm_router_binary(args.vllm_router)), "--host", "127.0.0.1", "--port",
+                                          str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port",
+                                          str(free_port()), "--log-level", "warning", "--policy", "round_robin",
+                                          "--worker-urls", backend_url, "--max-concurrent-requests", "20000",
+                                          "--queue-size", "20000"])
+                proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=60)
+                urls[name] = f"http://127.0.0.1:{port}"
+        for n in (int(x) for x in args.streams.split(",")):
+            for name in targets:  # one stream count at a time, targets in turn: the same machine state
+                r = {"target": name, **run_load(urls[name], n, args.clients, args.ramp_s, args.tokens, args.rate)}
+                print(json.dumps(r), file=sys.stderr, flush=True)
+                results.append(r)
+                time.sleep(1.0)
+    finally:
+        group.stop_all()
+    report = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}, "rate_tokens_per_s": args.rate,
+              "tokens": args.tokens, "ramp_s": args.ramp_s, "clients": args.clients, "results": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print("| target | streams | errors | first chunk p50 / p99 ms | gap p50 / p99 ms | duration p50 s (ideal) |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['target']} | {r['streams']} | {r['errors']} | {r['first_chunk_p50_ms']} / "
+              f"{r['first_chunk_p99_ms']} | {r['gap_p50_ms']} / {r['gap_p99_ms']} | {r['duration_p50_s']} "
+              f"({r['ideal_duration_s']}) |")
+    if args.plot:
+        _plot(results, Path(args.plot))
+    return 0
+
+
+def _plot(results: list[dict[str, Any]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for target in dict.fromkeys(r["target"] for r in results):
+        rows = [r for r in results if r["target"] == target]
+        xs = [r["streams"] for r in rows]
+        a.plot(xs, [r["first_chunk_p99_ms"] or float("nan") for r in rows], marker="o", label=target)
+        b.plot(xs, [r["gap_p99_ms"] or float("nan") for r in rows], marker="o", label=target)
+    a.set(xlabel="concurrent streams", ylabel="first chunk p99 (ms)", yscale="log")
+    b.set(xlabel="concurrent streams", ylabel="inter-chunk gap p99 (ms)", yscale="log")
+    a.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

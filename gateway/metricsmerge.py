@@ -1,0 +1,84 @@
+"""One ``/metrics`` for a gateway of several worker processes: the workers' expositions merged.
+
+Each worker keeps its metrics in its own registry (no cost on the request path: prometheus-client's
+multiprocess mode writes every observation to a memory-mapped file and cannot merge collectors
+computed at scrape time). At scrape time the serving worker gathers the others' text
+(gateway/workerbus.py) and merges it here, parsed with prometheus-client's own parser. How a
+family merges follows what it counts:
+
+- counts of this worker's own work (requests, latencies, in-flight, connections, memory): **sum**;
+- what every worker observes alike (engine health and signals, discovery, KV event feeds, config
+  reloads, restarts seen, the prefix index every worker keeps whole): **max**, so an event seen by
+  every worker counts once;
+- "all is well" flags and start times (``pdgate_kv_events_connected``, ``pdgate_shared_state_up``,
+  ``process_start_time_seconds``, ``*_created``): **min**, so one worker's broken feed shows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Literal
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+Rule = Literal["sum", "max", "min"]
+
+_SAME_IN_EVERY_WORKER = frozenset({
+    "pdgate_pool_healthy_endpoints", "pdgate_pool_engine_waiting_requests", "pdgate_pool_engine_running_requests",
+    "pdgate_pool_kv_usage_ratio", "pdgate_pool_reporting_endpoints", "pdgate_endpoint_healthy",
+    "pdgate_endpoint_prefill_seconds_per_token", "pdgate_endpoint_model_missing", "pdgate_prefix_index_blocks",
+    "pdgate_discovery_synced", "pdgate_discovery_endpoints", "pdgate_discovery_lists", "pdgate_discovery_errors",
+    "pdgate_kv_events", "pdgate_kv_events_gaps", "pdgate_config_reloads", "pdgate_config_info",
+    "pdgate_endpoint_restarts", "pdgate_admission_limit", "pdgate_workers", "python_info", "process_max_fds",
+})
+_ALL_MUST_HOLD = frozenset({"pdgate_kv_events_connected", "pdgate_shared_state_up", "process_start_time_seconds"})
+
+
+def rule_for(family: str) -> Rule:
+    if family in _SAME_IN_EVERY_WORKER:
+        return "max"
+    if family in _ALL_MUST_HOLD:
+        return "min"
+    return "sum"
+
+
+def merge(texts: Iterable[bytes]) -> bytes:
+    """The expositions in ``texts`` (Prometheus text format) as one."""
+    families: dict[str, Metric] = {}
+    merged: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+    for text in texts:
+        for fam in text_string_to_metric_families(text.decode("utf-8", "replace")):
+            if fam.name not in families:
+                families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                merged[fam.name] = {}
+            values = merged[fam.name]
+            rule = rule_for(fam.name)
+            for s in fam.samples:
+                key = (s.name, tuple(sorted(s.labels.items())))
+                how = "min" if s.name.endswith("_created") else rule
+                old = values.get(key)
+                if old is None:
+                    values[key] = s.value
+                elif how == "sum":
+                    values[key] = old + s.value
+                elif how == "max":
+                    values[key] = max(old, s.value)
+                else:
+                    values[key] = min(old, s.value)
+    for name, fam in families.items():
+        for (sample, labels), value in merged[name].items():
+            fam.add_sample(sample, dict(labels), value)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Fixed(list(families.values())))
+    return generate_latest(registry)
+
+
+class _Fixed:
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families

@@ -1,0 +1,289 @@
+"""``server.workers``: one gateway as several processes on one listening socket.
+
+One Python event loop saturates one core (tokenizing, routing, relaying chunks). The supervisor
+binds the socket once and starts ``workers`` processes (``spawn``: nothing of the supervisor's
+state is forked), each a whole gateway serving the same socket; the kernel hands each new
+connection to one of them. What keeps them one gateway:
+
+- routing state over the workers' hub (gateway/workerbus.py), or Redis when configured;
+- one admission limit: slots held per worker in shared memory (gateway/admission.py SharedGate);
+- one ``/metrics``: the serving worker merges the others' (gateway/metricsmerge.py).
+
+Each worker watches the config file, the engines and the KV event feeds itself (a few more
+health probes and event decodes, and no single point whose death stops routing for all).
+
+The supervisor restarts a worker that dies (after a short backoff) and frees what it held. On
+SIGTERM or SIGINT it passes SIGTERM on, waits for the workers' graceful shutdown
+(``server.shutdown_grace_s`` plus the bound on background parts) and kills what is left. A worker
+whose supervisor disappears shuts itself down. A worker that cannot start (exit 3: a tokenizer,
+a port) stops the gateway: the cause is the same in every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import math
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+from .config import GatewayConfig
+from .tasks import STOP_BOUND_S
+from .workerbus import BusAddress, Hub
+
+log = logging.getLogger(__name__)
+
+STARTUP_FAILED = 3  # a worker's exit code when its server did not start
+_RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
+_ORPHAN_CHECK_S = 1.0
+
+
+def usable_cores(cgroup: str = "/sys/fs/cgroup") -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup CPU quota (a container's
+    CPU limit; without one a container sees every core of its node), rounded up."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    quota = _cgroup_quota(cgroup)
+    if quota is not None:
+        cores = min(cores, math.ceil(quota))
+    return max(1, cores)
+
+
+def _cgroup_quota(root: str) -> float | None:
+    """CPUs' worth of quota (cgroup v2 cpu.max, or v1 cfs quota/period); None without a quota."""
+    try:
+        quota, period = Path(root, "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota_us = int(Path(root, "cpu", "cpu.cfs_quota_us").read_text())
+        period_us = int(Path(root, "cpu", "cpu.cfs_period_us").read_text())
+        return quota_us / period_us if quota_us > 0 and period_us > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def worker_count(cfg: GatewayConfig) -> int:
+    return cfg.server.workers or usable_cores()
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker process needs to become one worker of this gateway (pickled at spawn)."""
+
+    config_path: str
+    config_text: str  # the bytes the supervisor validated; later edits arrive as hot reloads
+    host: str
+    port: int
+    index: int
+    count: int
+    bus: BusAddress
+    supervisor_pid: int
+    access_log_path: str | None = None  # append access lines here instead of stdout (the demo)
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """A worker's view of its siblings, passed to ``create_app``."""
+
+    index: int
+    count: int
+    bus: BusAddress
+    slots: Any  # multiprocessing RawArray of admission slots, one cell per worker
+    lock: Any  # multiprocessing Lock guarding ``slots``
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket every worker serves (IPv6 when ``host`` is an IPv6 address)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class Supervisor:
+    def __init__(self, spec: WorkerSpec, cfg: GatewayConfig) -> None:
+        self._spec, self._cfg = spec, cfg
+        self._mp = multiprocessing.get_context("spawn")
+        self._slots = self._mp.RawArray(ctypes.c_int64, spec.count)
+        self._lock = self._mp.Lock()
+        self._procs: list[BaseProcess | None] = [None] * spec.count
+        self._restarts = [0] * spec.count
+        self._stopping = False
+        self.exit_code = 0
+
+    def run(self, sock: socket.socket, hub: Hub) -> int:
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            for i in range(self._spec.count):
+                self._start(i, sock)
+            log.info("pdgate: %d workers serving http://%s:%d", self._spec.count, self._spec.host,
+                     self._spec.port)
+            self._watch(sock)
+        finally:
+            self._stop_all()
+            hub.stop()
+            for s, h in previous.items():
+                signal.signal(s, h)
+        return self.exit_code
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._stopping = True
+
+    def _start(self, i: int, sock: socket.socket) -> None:
+        spec = WorkerSpec(**{**self._spec.__dict__, "index": i})
+        proc = self._mp.Process(target=run_worker, args=(spec, sock, self._slots, self._lock),
+                                name=f"pdgate-worker-{i}", daemon=False)
+        proc.start()
+        self._procs[i] = proc
+
+    def _watch(self, sock: socket.socket) -> None:
+        due: dict[int, float] = {}  # worker -> when to start it again
+        while not self._stopping:
+            live = [p.sentinel for p in self._procs if p is not None]
+            multiprocessing.connection.wait(live, timeout=0.2)
+            for i, proc in enumerate(self._procs):
+                if proc is None or proc.is_alive():
+                    continue
+                proc.join()
+                self._procs[i] = None
+                if proc.exitcode == STARTUP_FAILED:
+                    log.error("worker %d could not start: stopping the gateway", i)
+                    self.exit_code = STARTUP_FAILED
+                    return
+                if self._stopping:
+                    break
+                self._free(i)
+                wait = _RESTART_BACKOFF_S[min(self._restarts[i], len(_RESTART_BACKOFF_S) - 1)]
+                self._restarts[i] += 1
+                log.error("worker %d (pid %s) exited with %s: starting it again in %.1f s", i, proc.pid,
+                          proc.exitcode, wait)
+                due[i] = time.monotonic() + wait
+            now = time.monotonic()
+            for i, when in list(due.items()):
+                if now >= when and not self._stopping:
+                    del due[i]
+                    self._start(i, sock)
+
+    def _free(self, i: int) -> None:
+        """What a dead worker held: its admission slots, and the lock if it died holding it."""
+        if self._lock.acquire(True, 0.5):
+            self._slots[i] = 0
+            self._lock.release()
+        else:
+            log.warning("worker %d died holding the admission lock: releasing it", i)
+            self._slots[i] = 0
+            with contextlib.suppress(ValueError):
+                self._lock.release()
+
+    def _stop_all(self) -> None:
+        procs = [p for p in self._procs if p is not None and p.is_alive()]
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid or 0, signal.SIGTERM)
+        deadline = time.monotonic() + self._cfg.server.shutdown_grace_s + STOP_BOUND_S + 2.0
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                log.warning("worker %s did not stop in time: killing it", p.name)
+                p.kill()
+                p.join(2.0)
+
+
+def serve(cfg: GatewayConfig, config_path: str, config_text: str, host: str, port: int, workers: int, *,
+          sock: socket.socket | None = None, access_log_path: str | None = None) -> int:
+    """Bind (unless given ``sock``), start ``workers`` workers, supervise them until SIGTERM or
+    SIGINT; the exit code."""
+    if sock is None:
+        try:
+            sock = bind(host, port)
+        except OSError as err:
+            log.error("cannot listen on %s:%d (%s)", host, port, err.strerror)
+            return STARTUP_FAILED
+    sock.set_inheritable(True)
+    hub = Hub()
+    hub.start()
+    spec = WorkerSpec(config_path, config_text, host, port, 0, workers, hub.address, os.getpid(), access_log_path)
+    try:
+        return Supervisor(spec, cfg).run(sock, hub)
+    finally:
+        sock.close()
+
+
+def run_worker(spec: WorkerSpec, sock: socket.socket, slots: Any, lock: Any) -> None:
+    """A worker process: the whole gateway on the shared socket (exits 3 when it cannot start)."""
+    from .app import create_app
+    from .cli import load_tokenizers
+    from .config import load_config
+    from .gcpolicy import Collector
+    from .httpserver import make_server
+    from .reload import version_of
+    from .requestlog import LineWriter
+
+    cfg = load_config(spec.config_path, text=spec.config_text)
+    logging.basicConfig(level=cfg.server.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s [worker {spec.index}] %(name)s: %(message)s")
+    logging.getLogger("watchfiles").setLevel(logging.WARNING)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; it sends SIGTERM
+    try:
+        tokenizers = load_tokenizers(cfg)
+    except ValueError as err:
+        log.error("%s: %s", spec.config_path, err)
+        raise SystemExit(STARTUP_FAILED) from None
+    ctx = WorkerContext(spec.index, spec.count, spec.bus, slots, lock)
+    access = open(spec.access_log_path, "ab") if spec.access_log_path else None  # noqa: SIM115 - closed below
+    sink = LineWriter(access) if access else None
+    server = make_server(
+        cfg, lambda connections: create_app(cfg, tokenizers, config_path=spec.config_path,
+                                            config_version=version_of(spec.config_text.encode()),
+                                            connections=connections, access_sink=sink,
+                                            collector=Collector(cfg.server.gc_young_threshold), worker=ctx),
+        host=spec.host, port=spec.port, log_level=cfg.server.log_level.lower(),
+        max_connections=math.ceil(cfg.server.max_connections / spec.count) if cfg.server.max_connections else 0)
+
+    async def orphan_watch() -> None:
+        """The supervisor is gone (killed): nobody would stop this worker, so it stops itself."""
+        while True:
+            await asyncio.sleep(_ORPHAN_CHECK_S)
+            if os.getppid() != spec.supervisor_pid:
+                break
+        log.warning("the supervisor (pid %d) is gone: shutting down", spec.supervisor_pid)
+        server.should_exit = True
+
+    try:
+        with asyncio.Runner(loop_factory=server.config.get_loop_factory()) as runner:  # uvloop, as uvicorn runs it
+            runner.run(_serve_worker(server, sock, orphan_watch))
+    finally:
+        if sink is not None:
+            sink.close()
+        if access is not None:
+            access.close()
+    if not server.started:
+        raise SystemExit(STARTUP_FAILED)
+
+
+async def _serve_worker(server: Any, sock: socket.socket, orphan_watch: Any) -> None:
+    watch = asyncio.create_task(orphan_watch(), name="orphan-watch")
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch

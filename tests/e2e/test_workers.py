@@ -1,0 +1,175 @@
+"""One gateway, two worker processes (``server.workers: 2``) on one port, in front of simulated
+engines: the workers act as one gateway (issue 15). A client connection stays with the worker that
+accepted it, so each test holds one connection per worker and says which worker serves what."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.procs import ProcGroup, wait_for
+from tests.promtext import sample
+
+from .cluster import Cluster
+
+pytestmark = pytest.mark.e2e
+THRESHOLD = 200
+TOKEN = "workers-admin-token"
+LIMIT = 2
+REPORT = "the prefill pool computes the prompt and the decode pool streams the answer back. " * 40
+
+
+@pytest.fixture(scope="module")
+def cluster(tokenizer_dir, tmp_path_factory):
+    group = ProcGroup(tmp_path_factory.mktemp("logs"))
+    c = Cluster(group, tokenizer_dir)
+    token_file = group.log_dir / "admin-token"
+    token_file.write_text(TOKEN)
+    try:
+        c.prefill.append(c.start_sim("prefill"))
+        c.decode.append(c.start_sim("decode", "--enable-prompt-tokens-details", "--decode-time-per-token", "0.002"))
+        c.start_gateway(THRESHOLD, server={"workers": 2}, admin={"token_file": str(token_file)},
+                        admission={"max_in_flight": LIMIT, "queue_timeout_s": 0.2})
+        yield c
+    finally:
+        group.stop_all()
+
+
+def worker_of(client: httpx.Client, cluster: Cluster) -> int:
+    return client.get(cluster.url + "/ready").json()["workers"]["this"]
+
+
+def one_client_per_worker(cluster: Cluster, workers: int = 2) -> dict[int, httpx.Client]:
+    """A keep-alive connection to each worker (new connections until each worker has taken one)."""
+    found: dict[int, httpx.Client] = {}
+    for _ in range(200):
+        client = httpx.Client(timeout=30, limits=httpx.Limits(max_connections=1))
+        w = worker_of(client, cluster)
+        if w in found:
+            client.close()
+        else:
+            found[w] = client
+        if len(found) == workers:
+            return found
+    for client in found.values():
+        client.close()
+    pytest.fail(f"200 new connections reached only workers {sorted(found)}")
+
+
+def chat(client: httpx.Client, cluster: Cluster, messages: list[dict], **kw) -> httpx.Response:
+    return client.post(cluster.url + "/v1/chat/completions",
+                       json={"model": "tiny", "messages": messages, "max_tokens": 4, **kw})
+
+
+def test_the_second_turn_on_the_other_worker_finds_the_first_turns_prefix(cluster):
+    clients = one_client_per_worker(cluster)
+    try:
+        messages = [{"role": "user", "content": f"workers: {REPORT}"}]
+        r1 = chat(clients[0], cluster, messages)
+        assert r1.status_code == 200 and r1.headers["x-pdgate-path"] == "pd"
+        said = r1.json()["choices"][0]["message"]["content"]
+        turn2 = [*messages, {"role": "assistant", "content": said}, {"role": "user", "content": "And then?"}]
+        # worker 1 routed nothing of this conversation: it knows the prefix from worker 0 only
+        def planned_path() -> str:
+            return clients[1].post(cluster.url + "/debug/route", headers={"authorization": f"Bearer {TOKEN}"},
+                                   json={"model": "tiny", "messages": turn2}).json()["path"]
+
+        ok = wait_for(lambda: planned_path() == "direct", timeout=5)
+        assert ok, "worker 1 never learned what worker 0 routed"
+        r2 = chat(clients[1], cluster, turn2)
+        assert worker_of(clients[1], cluster) == 1  # the same connection, still worker 1
+        assert r2.status_code == 200 and r2.headers["x-pdgate-path"] == "direct"
+        assert r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > THRESHOLD  # the engine agrees
+    finally:
+        for c in clients.values():
+            c.close()
+
+
+def test_the_admission_limit_holds_across_workers(cluster):
+    """Three streams on each worker's connections, LIMIT slots for the whole gateway: LIMIT are
+    served, the rest get 429 with Retry-After, whichever worker they reached."""
+    clients = [one_client_per_worker(cluster) for _ in range(3)]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hold a slot"}], "max_tokens": 400,
+            "stream": True}
+
+    def stream(client: httpx.Client) -> tuple[int, str | None]:
+        with client.stream("POST", cluster.url + "/v1/chat/completions", json=body) as r:
+            r.read()
+            return r.status_code, r.headers.get("retry-after")
+
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(stream, [c for pair in clients for c in pair.values()]))
+        served = [s for s, _ in results if s == 200]
+        refused = [(s, ra) for s, ra in results if s == 429]
+        assert len(served) == LIMIT and len(refused) == 6 - LIMIT, results
+        assert all(ra for _, ra in refused)
+        text = httpx.get(cluster.url + "/metrics", timeout=10).text
+        assert sample(text, "pdgate_admission_in_flight") == 0  # every slot came back, in both workers
+    finally:
+        for pair in clients:
+            for c in pair.values():
+                c.close()
+
+
+def test_one_metrics_endpoint_counts_the_whole_gateway(cluster):
+    clients = one_client_per_worker(cluster)
+    try:
+        def served() -> float:
+            text = clients[0].get(cluster.url + "/metrics").text
+            return sample(text, "pdgate_requests_total", model="tiny", path="direct", status="200")
+
+        before = served()
+        for w in (0, 1, 1, 1):
+            assert chat(clients[w], cluster, [{"role": "user", "content": f"count me {w}"}]).status_code == 200
+        assert served() == before + 4  # three of them served by the other worker
+        text = clients[1].get(cluster.url + "/metrics").text
+        # what every worker sees alike is not counted twice
+        assert sample(text, "pdgate_pool_healthy_endpoints", pool="decode") == 1
+        assert sample(text, "pdgate_endpoint_healthy", pool="decode", engine=cluster.decode[0].url) == 1
+    finally:
+        for c in clients.values():
+            c.close()
+
+
+def worker_pids(cluster: Cluster) -> list[int]:
+    assert cluster.gateway is not None
+    out = subprocess.run(["pgrep", "-P", str(cluster.gateway.popen.pid), "-f", "multiprocessing.spawn"],
+                         capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_a_worker_that_dies_is_started_again(cluster):
+    pids = worker_pids(cluster)
+    assert len(pids) == 2
+    os.kill(pids[0], signal.SIGKILL)
+    assert wait_for(lambda: len(set(worker_pids(cluster)) - {pids[0]}) == 2, timeout=30), \
+        f"no new worker:\n{cluster.gateway.log_tail()}"
+    clients = one_client_per_worker(cluster)  # both serve again
+    for c in clients.values():
+        c.close()
+
+
+def test_sigterm_stops_the_supervisor_and_every_worker(tokenizer_dir, tmp_path):
+    group = ProcGroup(tmp_path)
+    c = Cluster(group, tokenizer_dir)
+    try:
+        c.decode.append(c.start_sim("decode"))
+        c.start_gateway(THRESHOLD, server={"workers": 2})
+        pids = worker_pids(c)
+        assert len(pids) == 2
+        assert c.gateway is not None
+        c.gateway.popen.send_signal(signal.SIGTERM)  # the supervisor only, as Kubernetes does
+        assert c.gateway.popen.wait(timeout=40) == 0
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+            time.sleep(0.1)
+        assert not any(os.path.exists(f"/proc/{p}") for p in pids)
+    finally:
+        group.stop_all()

@@ -1,0 +1,192 @@
+"""The parts that make several worker processes one gateway, each on its own: the shared admission
+gate (two gates on one shared array, as two workers hold them), the metrics merge, and the hub with
+two workers' buses (learned blocks, forgotten engines, in-flight counts, metrics on request)."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import multiprocessing
+import os
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from gateway.admission import SharedGate
+from gateway.metricsmerge import merge
+from gateway.pools import Pools
+from gateway.workerbus import Hub, WorkerBus
+from policies.prefix_index import PrefixIndex
+from tests.promtext import sample
+
+
+def shared_gates(limit: int, workers: int = 2) -> list[SharedGate]:
+    ctx = multiprocessing.get_context("spawn")
+    slots, lock = ctx.RawArray(ctypes.c_int64, workers), ctx.Lock()
+    return [SharedGate(limit, slots, lock, w, poll_s=0.001) for w in range(workers)]
+
+
+async def test_the_limit_counts_every_workers_slots() -> None:
+    a, b = shared_gates(3)
+    assert await a.enter(0) and await a.enter(0) and await b.enter(0)
+    assert not await b.enter(0.02)  # three held in all: the fourth waits, then is refused
+    assert (a.in_flight, b.in_flight, b.queued) == (2, 1, 0)
+
+
+async def test_a_slot_freed_by_one_worker_goes_to_the_other_workers_waiter() -> None:
+    a, b = shared_gates(1)
+    assert await a.enter(0)
+    waiting = asyncio.create_task(b.enter(5.0))
+    await asyncio.sleep(0.01)
+    assert not waiting.done() and b.queued == 1
+    a.leave()
+    assert await asyncio.wait_for(waiting, 1.0)
+    assert (a.in_flight, b.in_flight) == (0, 1)
+    b.leave()
+    assert b.in_flight == 0
+    for g in (a, b):
+        g.close()
+
+
+async def test_within_a_worker_a_freed_slot_passes_to_its_own_waiter_first() -> None:
+    a, b = shared_gates(1)
+    assert await a.enter(0)
+    mine = asyncio.create_task(a.enter(5.0))
+    await asyncio.sleep(0.005)
+    a.leave()
+    assert await asyncio.wait_for(mine, 1.0)
+    assert a.in_flight == 1 and not await b.enter(0.01)
+    for g in (a, b):
+        g.close()
+
+
+async def test_a_client_that_leaves_while_queued_takes_no_slot() -> None:
+    a, b = shared_gates(1)
+    assert await a.enter(0)
+    waiting = asyncio.create_task(b.enter(5.0))
+    await asyncio.sleep(0.005)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    a.leave()
+    await asyncio.sleep(0.01)
+    assert (a.in_flight, b.in_flight, b.queued) == (0, 0, 0)
+    for g in (a, b):
+        g.close()
+
+
+def exposition(requests: float, healthy: int, kv_events: float, connected: int, in_flight: int) -> bytes:
+    r = CollectorRegistry()
+    Counter("pdgate_requests", "", ["status"], registry=r).labels("200").inc(requests)
+    Histogram("pdgate_request_duration_seconds", "", buckets=(0.1, 1.0), registry=r).observe(0.05 * requests)
+    Gauge("pdgate_pool_healthy_endpoints", "", ["pool"], registry=r).labels("decode").set(healthy)
+    Counter("pdgate_kv_events", "", ["engine"], registry=r).labels("e1").inc(kv_events)
+    Gauge("pdgate_kv_events_connected", "", ["engine"], registry=r).labels("e1").set(connected)
+    Gauge("pdgate_pool_in_flight_requests", "", ["pool"], registry=r).labels("decode").set(in_flight)
+    return generate_latest(r)
+
+
+def test_merged_metrics_sum_each_workers_work_and_count_shared_observations_once() -> None:
+    text = merge([exposition(3, 2, 10, 1, 4), exposition(5, 2, 10, 0, 1)]).decode()
+    assert sample(text, "pdgate_requests_total", status="200") == 8
+    assert sample(text, "pdgate_request_duration_seconds_count") == 2  # one observation each
+    assert sample(text, "pdgate_request_duration_seconds_bucket", le="0.1") == 0  # 0.15 s and 0.25 s
+    assert sample(text, "pdgate_request_duration_seconds_bucket", le="1.0") == 2
+    assert sample(text, "pdgate_request_duration_seconds_sum") == pytest.approx(0.4)
+    assert sample(text, "pdgate_pool_in_flight_requests", pool="decode") == 5
+    assert sample(text, "pdgate_pool_healthy_endpoints", pool="decode") == 2  # not 4
+    assert sample(text, "pdgate_kv_events_total", engine="e1") == 10  # each worker applied the same events
+    assert sample(text, "pdgate_kv_events_connected", engine="e1") == 0  # one worker's feed is down
+
+
+def test_merging_one_exposition_changes_no_value() -> None:
+    one = exposition(3, 2, 10, 1, 4)
+    for name, labels in (("pdgate_requests_total", {"status": "200"}), ("pdgate_kv_events_total", {"engine": "e1"}),
+                         ("pdgate_request_duration_seconds_sum", {})):
+        assert sample(merge([one]).decode(), name, **labels) == sample(one.decode(), name, **labels)
+
+
+@pytest.fixture
+def hub():
+    h = Hub()
+    h.start()
+    yield h
+    h.stop()
+
+
+async def buses(hub: Hub, share_routing: bool = True) -> list[tuple[WorkerBus, Pools, PrefixIndex]]:
+    made = []
+    for w in range(2):
+        pools = Pools([], ["http://d1", "http://d2"])
+        index = PrefixIndex()
+        bus = WorkerBus(hub.address, w, 2, pools, index, share_routing=share_routing)
+        await bus.start(lambda w=w: exposition(w + 1, 1, 0, 1, 0))
+        made.append((bus, pools, index))
+    await asyncio.sleep(0.3)  # subscriptions reach the hub (ZMQ's slow joiner)
+    return made
+
+
+async def until(check, timeout: float = 3.0) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        if check():
+            return True
+        await asyncio.sleep(0.01)
+    return check()
+
+
+async def test_blocks_one_worker_learns_reach_the_others_index_and_forgetting_too(hub) -> None:
+    (a, _, ia), (b, _, ib) = await buses(hub)
+    try:
+        a.learn("http://d1", [11, 12, 13])
+        assert await until(lambda: ib.match([11, 12, 13, 14]).get("http://d1") == 3)
+        assert ia.match([11, 12, 13]) == {}  # the bus never echoes to the sender
+        a.learn("http://d2", [11])
+        assert await until(lambda: ib.match([11]).get("http://d2") == 1)
+        a.forget("http://d2", until=time.time())  # d2 restarted: what was learned about it is void
+        assert await until(lambda: "http://d2" not in ib.match([11]))
+        assert ib.match([11, 12, 13]).get("http://d1") == 3
+    finally:
+        await asyncio.gather(a.stop(), b.stop())
+
+
+async def test_each_worker_counts_the_others_in_flight_requests(hub) -> None:
+    (a, pa, _), (b, pb, _) = await buses(hub)
+    try:
+        pa.decode[0].in_flight = 3
+        assert await until(lambda: pb.others.get("http://d1") == 3)
+        pa.decode[0].in_flight = 0
+        assert await until(lambda: pb.others.get("http://d1", 0) == 0)
+        assert pa.others.get("http://d1", 0) == 0  # not its own
+    finally:
+        await asyncio.gather(a.stop(), b.stop())
+
+
+async def test_a_worker_gathers_the_others_metrics(hub) -> None:
+    (a, _, _), (b, _, _) = await buses(hub, share_routing=False)
+    try:
+        got = await a.others_metrics(timeout_s=2.0)
+        assert list(got) == [1]
+        assert sample(got[1].decode(), "pdgate_requests_total", status="200") == 2
+        await b.stop()
+        started = asyncio.get_running_loop().time()
+        assert await a.others_metrics(timeout_s=0.2) == {}  # a worker that does not answer is left out, in time
+        assert asyncio.get_running_loop().time() - started < 1.0
+    finally:
+        await a.stop()
+
+
+def test_a_containers_cpu_quota_caps_the_default_worker_count(tmp_path) -> None:
+    from gateway.workers import usable_cores
+
+    cores = len(os.sched_getaffinity(0))
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert usable_cores(str(tmp_path)) == cores  # no limit: every core this process may use
+    (tmp_path / "cpu.max").write_text("50000 100000\n")
+    assert usable_cores(str(tmp_path)) == 1  # half a core: one worker
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("100000\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert usable_cores(str(v1)) == 1
