@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             gw_port = free_port()
             cfg = {
                 "server": {"host": "127.0.0.1", "port": gw_port, "log_level": "warning",
-                           "workers": workers_of.get(name, 1)},
+                           # this checkout's gateways only: a baseline may predate the key
+                           **({"workers": workers_of.get(name, 1)} if checkout is None else {})},
                 "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": 8192}],
                 "pools": {
                     "prefill": {"endpoints": [f"http://127.0.0.1:{ports['prefill'][0]}"]},

@@ -43,6 +43,11 @@ _CHUNK = (b'data: {"id":"chatcmpl-b","object":"chat.completion.chunk","created":
 _LAST = (b'data: {"id":"chatcmpl-b","object":"chat.completion.chunk","created":0,"model":"bench",'
          b'"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\ndata: [DONE]\n\n')
 
+_WHOLE = orjson.dumps({
+    "id": "chatcmpl-b", "object": "chat.completion", "created": 0, "model": MODEL,
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9}})
+
 
 def _chunked(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
@@ -89,6 +94,9 @@ class _Backend(asyncio.Protocol):
         elif url.startswith(b"/v1/chat/completions"):
             req = orjson.loads(body)
             tokens = int(req.get("max_tokens") or self._tokens)
+            if not req.get("stream"):  # an instant whole answer
+                self._reply(b"200 OK", _WHOLE)
+                return
             assert self.transport is not None
             self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                                  b"transfer-encoding: chunked\r\n\r\n")
@@ -185,10 +193,10 @@ def _client(host_port: tuple[str, int], path: str, n: int, ramp_s: float, tokens
     async def main() -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         streams: list[_Stream] = []
-        errors = 0
+        errors = refused = 0
 
         async def one(delay: float) -> None:
-            nonlocal errors
+            nonlocal errors, refused
             await asyncio.sleep(delay)
             done: asyncio.Future[None] = loop.create_future()
             s = _Stream(request, done)
@@ -198,13 +206,16 @@ def _client(host_port: tuple[str, int], path: str, n: int, ramp_s: float, tokens
             except (OSError, TimeoutError):
                 errors += 1
                 return
+            if s.status == 429:  # admission said no, at once: a clear answer, not an error
+                refused += 1
+                return
             if s.status != 200 or not s.ended:
                 errors += 1
             streams.append(s)
 
         await asyncio.gather(*(one(ramp_s * i / max(1, n)) for i in range(n)))
         ok = [s for s in streams if s.ended and s.status == 200]
-        return {"errors": errors + len(streams) - len(ok), "first": [s.first for s in ok],
+        return {"errors": errors + len(streams) - len(ok), "refused": refused, "first": [s.first for s in ok],
                 "gaps": [g for s in ok for g in s.gaps], "durations": [s.ended - s.sent for s in ok]}
 
     out.put(uvloop.run(main()))
@@ -233,7 +244,7 @@ def run_load(url: str, n: int, clients: int, ramp_s: float, tokens: int, rate: f
     first = [x for r in parts for x in r["first"]]
     gaps = [x for r in parts for x in r["gaps"]]
     durations = [x for r in parts for x in r["durations"]]
-    return {"streams": n, "errors": sum(r["errors"] for r in parts),
+    return {"streams": n, "errors": sum(r["errors"] for r in parts), "refused_429": sum(r["refused"] for r in parts),
             "first_chunk_p50_ms": _pct(first, 0.5), "first_chunk_p99_ms": _pct(first, 0.99),
             "gap_p50_ms": _pct(gaps, 0.5), "gap_p99_ms": _pct(gaps, 0.99),
             "duration_p50_s": round(sorted(durations)[len(durations) // 2], 2) if durations else None,
@@ -252,10 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     be.add_argument("--tokens", type=int, default=100)
     parser.add_argument("--streams", default="500,1000,2000,4000")
     parser.add_argument("--rate", type=float, default=50.0, help="tokens/s per stream")
-    parser.add_argument("--tokens", type=int, default=100, help="chunks per stream")
-    parser.add_argument("--ramp-s", type=float, default=2.0, help="streams open over this long")
+    parser.add_argument("--tokens", type=int, default=250, help="chunks per stream")
+    parser.add_argument("--ramp-s", type=float, default=5.0, help="streams open over this long")
     parser.add_argument("--clients", type=int, default=2, help="load generator processes")
     parser.add_argument("--targets", default="backend,pdgate,pdgate-w2,vllm-router")
+    parser.add_argument("--max-loop-lag-ms", type=float, default=50.0,
+                        help="pdgate's admission.max_loop_lag_ms (0: never shed; 429s count as errors)")
     parser.add_argument("--vllm-router", default=None, help="an existing vllm-router binary")
     parser.add_argument("--out", default="docs/benchmarks/streams.json")
     parser.add_argument("--plot", default="docs/benchmarks/streams.png")
@@ -264,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         backend(args.port, args.rate, args.tokens)
         return 0
 
+    from bench.overhead import _cpu_seconds as cpu_seconds
     from gateway.demo import cache_dir
     from sim.tinymodel import build_tokenizer
     from tests.procs import ProcGroup, free_port
@@ -280,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         backend_url = f"http://127.0.0.1:{be_port}"
         group.procs[-1].wait_http(backend_url + "/health")
         urls: dict[str, str] = {"backend": backend_url}
+        pids: dict[str, int] = {}
         for name in targets:
             if name.startswith("pdgate"):
                 workers = int(name.removeprefix("pdgate-w")) if name.startswith("pdgate-w") else 1
@@ -289,13 +304,14 @@ def main(argv: list[str] | None = None) -> int:
                        "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": 8192}],
                        "pools": {"prefill": {"endpoints": []}, "decode": {"endpoints": [backend_url]}},
                        "telemetry": {"access_log": False},
-                       "admission": {"max_in_flight": 0}}
+                       "admission": {"max_loop_lag_ms": args.max_loop_lag_ms}}
                 (logs / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
                 proc = group.start(name, [sys.executable, "-m", "gateway", "serve", "--config",
                                           str(logs / f"{name}.yaml")])
                 proc.wait_http(f"http://127.0.0.1:{port}/ready", timeout=60)
                 time.sleep(2.0)  # every worker up
                 urls[name] = f"http://127.0.0.1:{port}"
+                pids[name] = proc.pid
             elif name == "vllm-router":
                 from bench.goodput import vllm_router_binary
 
@@ -307,24 +323,32 @@ def main(argv: list[str] | None = None) -> int:
                                           "--queue-size", "20000"])
                 proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=60)
                 urls[name] = f"http://127.0.0.1:{port}"
+                pids[name] = proc.pid
         for n in (int(x) for x in args.streams.split(",")):
             for name in targets:  # one stream count at a time, targets in turn: the same machine state
+                pid = pids.get(name)
+                cpu0 = cpu_seconds(pid) if pid else 0.0
                 r = {"target": name, **run_load(urls[name], n, args.clients, args.ramp_s, args.tokens, args.rate)}
+                if pid:  # the router's own CPU (all its processes) per relayed event
+                    events = (n - r["errors"] - r["refused_429"]) * (args.tokens + 1)
+                    r["router_cpu_us_per_chunk"] = round((cpu_seconds(pid) - cpu0) / max(1, events) * 1e6, 2)
                 print(json.dumps(r), file=sys.stderr, flush=True)
                 results.append(r)
                 time.sleep(1.0)
     finally:
         group.stop_all()
     report = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}, "rate_tokens_per_s": args.rate,
+              "pdgate_max_loop_lag_ms": args.max_loop_lag_ms,
               "tokens": args.tokens, "ramp_s": args.ramp_s, "clients": args.clients, "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print("| target | streams | errors | first chunk p50 / p99 ms | gap p50 / p99 ms | duration p50 s (ideal) |")
-    print("|---|---|---|---|---|---|")
+    print("| target | streams | errors | refused (429) | first chunk p50 / p99 ms | gap p50 / p99 ms "
+          "| duration p50 s (ideal) | router CPU us/chunk |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['target']} | {r['streams']} | {r['errors']} | {r['first_chunk_p50_ms']} / "
+        print(f"| {r['target']} | {r['streams']} | {r['errors']} | {r['refused_429']} | {r['first_chunk_p50_ms']} / "
               f"{r['first_chunk_p99_ms']} | {r['gap_p50_ms']} / {r['gap_p99_ms']} | {r['duration_p50_s']} "
-              f"({r['ideal_duration_s']}) |")
+              f"({r['ideal_duration_s']}) | {r.get('router_cpu_us_per_chunk', '')} |")
     if args.plot:
         _plot(results, Path(args.plot))
     return 0

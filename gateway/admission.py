@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import math
 from typing import Protocol
 
@@ -182,3 +183,54 @@ class SharedGate:
     def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
+
+
+class Waits(Protocol):
+    wait_s: float
+
+
+class LoopLag:
+    """How late this process serves: a timer every ``interval_s`` notes how much later than asked
+    it fired, and the HTTP server notes how long new connections' requests waited in the kernel
+    before they were read (``connections``: httpserver.Connections). Past a bound, a new request
+    would only add to the delay every stream already sees, so admission answers 429 instead: the
+    capacity it protects is measured live, on whatever machine the gateway runs."""
+
+    def __init__(self, interval_s: float = 0.01, connections: Waits | None = None) -> None:
+        self.interval_s = interval_s
+        self._connections = connections
+        self.lag_s = 0.0  # smoothed: halves every tick once the loop keeps up again
+        self.peak_s = 0.0  # the largest single delay seen (for /metrics)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="loop-lag")
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            asked = loop.time()
+            await asyncio.sleep(self.interval_s)
+            self.note(loop.time() - asked - self.interval_s)
+
+    def note(self, late_s: float) -> None:
+        late_s = max(0.0, late_s)
+        self.peak_s = max(self.peak_s, late_s)
+        self.lag_s = late_s if late_s > self.lag_s else (self.lag_s + late_s) / 2
+        if self._connections is not None:  # no new connection for a tick: their wait fades too
+            self._connections.wait_s /= 2
+
+    @property
+    def behind_s(self) -> float:
+        """The worse of the two delays."""
+        return max(self.lag_s, self._connections.wait_s if self._connections is not None else 0.0)
+
+    def over(self, bound_ms: float) -> bool:
+        return bound_ms > 0 and self.behind_s * 1000 > bound_ms
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None

@@ -29,7 +29,7 @@ from policies.hooks import Hooks, policy_hooks
 from policies.prefix_index import PrefixIndex
 from policies.prefix_learning import InFlightPrefixes, PrefixBeliefs
 
-from .admission import Gate, SharedGate
+from .admission import Gate, LoopLag, SharedGate
 from .auth import authorize, authorize_admin
 from .config import AdminConfig, GatewayConfig
 from .discovery import Discovery
@@ -185,9 +185,9 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
                             AccessLog(cfg.telemetry.access_log, access_sink),
                             SharedGate(cfg.admission.max_in_flight, worker.slots, worker.lock, worker.index)
                             if worker and bus else Gate(cfg.admission.max_in_flight),
-                            KVReleaser(Upstream(engines, cfg.timeouts)))
+                            KVReleaser(Upstream(engines, cfg.timeouts)), LoopLag(connections=connections))
         scraper = StatsScraper(pools, session, cfg.signals)
-        metrics.watch_admission(services.gate, connections)
+        metrics.watch_admission(services.gate, connections, services.lag)
 
         async def engine_up(ep: Endpoint, recovering: bool) -> None:
             """Before routing sees an engine (again): the same run? what does it serve?"""
@@ -221,6 +221,7 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         await discovery.start(cfg)
         await health.start()
         scraper.start()
+        services.lag.start()
         if watcher:
             watcher.start()
         if collector:
@@ -238,6 +239,7 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
                 *((shared.stop,) if shared else ()), *((bus.stop,) if bus else ()), services.releaser.close)),
                 return_exceptions=True)
             services.gate.close()
+            await services.lag.stop()
             await session.close()
             engines.close()
             gw.runtime.tokenizers.close()

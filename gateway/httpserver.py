@@ -28,7 +28,10 @@ tests/gateway/test_httpserver.py fails if uvicorn changes that construction.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +47,9 @@ from .config import GatewayConfig
 log = logging.getLogger(__name__)
 
 LINGER_S = 1.0  # how long a cut connection stays open for the client to read the answer
+_TCP_INFO: int | None = getattr(socket, "TCP_INFO", None)  # Linux
+_TCP_INFO_LEN = 104
+_LAST_DATA_RECV = 52  # struct tcp_info's tcpi_last_data_recv (u32, ms), linux/tcp.h
 _REASONS = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large",
             503: "Service Unavailable"}
 
@@ -57,13 +63,22 @@ class Limits:
 
 
 class Connections:
-    """Open connections of one server, and the rate-limited log line when the cap is reached."""
+    """Open connections of one server, and the rate-limited log line when the cap is reached.
+
+    ``wait_s``: how long new connections' first requests waited in the kernel before this process
+    read them (smoothed; gateway/admission.py LoopLag decays it). A saturated uvloop accepts new
+    connections late while its timers still fire on time, so this, not the timers' lateness, is
+    what shows the gateway is past its capacity for new streams."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.open = 0
         self.refused = 0
+        self.wait_s = 0.0
         self._logged = 0.0
+
+    def waited(self, seconds: float) -> None:
+        self.wait_s = seconds if seconds > self.wait_s else (self.wait_s + seconds) / 2
 
     def enter(self) -> bool:
         if self.limit and self.open >= self.limit:
@@ -136,6 +151,7 @@ class GuardedProtocol(asyncio.Protocol):
         self._requests = 0  # heads completed on this connection
         self._rejection: tuple[int, str, str] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._socket: Any = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------------------
 
@@ -147,6 +163,7 @@ class GuardedProtocol(asyncio.Protocol):
             self._cut(503, "The gateway has too many open connections; retry later.", "too_many_connections")
             return
         self._entered = True
+        self._socket = self._transport.get_extra_info("socket")
         self._inner.connection_made(self._transport)
         self._timer = self._loop.call_later(self.LIMITS.head_timeout_s, self._head_timed_out)
 
@@ -215,6 +232,10 @@ class GuardedProtocol(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._requests += 1
+        if self._requests == 1 and _TCP_INFO is not None and self._socket is not None:
+            with contextlib.suppress(OSError):  # the kernel's ms since the request's last bytes arrived
+                info = self._socket.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _TCP_INFO_LEN)
+                self.CONNECTIONS.waited(struct.unpack_from("I", info, _LAST_DATA_RECV)[0] / 1000)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

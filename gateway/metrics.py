@@ -20,7 +20,7 @@ from .requestlog import RequestRecord
 from .state import RedisState
 
 if TYPE_CHECKING:
-    from .admission import Gate, SharedGate
+    from .admission import Gate, LoopLag, SharedGate
     from .discovery import SliceWatcher
     from .httpserver import Connections
     from .modelcheck import ServedModels
@@ -95,6 +95,9 @@ class GatewayMetrics:
         self.queue_wait = Histogram("pdgate_admission_wait_seconds",
                                     "Time requests waited for admission and engine capacity",
                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.rejections = Counter("pdgate_admission_rejected", "Requests answered 429 by admission, by reason "
+                                  "(queue_timeout: no slot in time; overloaded: the event loop ran late)",
+                                  ["reason"], registry=r)
         self.reloads = Counter("pdgate_config_reloads", "Config file reloads by result (ok, rejected)",
                                ["result"], registry=r)
         self.config_info = Gauge("pdgate_config_info", "1 for the version of the config in use", ["version"],
@@ -117,6 +120,8 @@ class GatewayMetrics:
         # Known label values start at 0, so rate() and alerts see the series before the first event.
         for result in ("ok", "rejected"):
             self.reloads.labels(result)
+        for reason in ("queue_timeout", "overloaded"):
+            self.rejections.labels(reason)
         for event in FAILOVER_EVENTS:
             for cause in FAILOVER_CAUSES:
                 self.failover_child(event, cause)
@@ -169,9 +174,14 @@ class GatewayMetrics:
     def decided(self, path: str, reason: str) -> None:
         self._child(self.decisions, path, reason).inc()
 
-    def watch_admission(self, gate: Gate | SharedGate, connections: Connections | None) -> None:
-        """Export the admission slots and the HTTP server's connections (read at scrape time)."""
-        self.registry.register(_AdmissionCollector(gate, connections))
+    def watch_admission(self, gate: Gate | SharedGate, connections: Connections | None,
+                        lag: LoopLag | None = None) -> None:
+        """Export the admission slots, the event loop's lag and the HTTP server's connections (read
+        at scrape time)."""
+        self.registry.register(_AdmissionCollector(gate, connections, lag))
+
+    def rejected(self, reason: str) -> None:
+        self._child(self.rejections, reason).inc()
 
     def hook_failed(self, subscriber: str, hook: str) -> None:
         self.hook_errors.labels(subscriber, hook).inc()
@@ -369,8 +379,8 @@ class BeliefAudit:
 class _AdmissionCollector:
     """Slots held and waited for (admission.max_in_flight), and the server's connections."""
 
-    def __init__(self, gate: Gate | SharedGate, connections: Connections | None) -> None:
-        self._gate, self._connections = gate, connections
+    def __init__(self, gate: Gate | SharedGate, connections: Connections | None, lag: LoopLag | None) -> None:
+        self._gate, self._connections, self._lag = gate, connections, lag
 
     def describe(self) -> list[Metric]:
         return []
@@ -382,6 +392,14 @@ class _AdmissionCollector:
         queued = GaugeMetricFamily("pdgate_admission_queued", "Requests waiting for an admission slot")
         queued.add_metric([], self._gate.queued)
         yield from (held, queued)
+        if self._lag is not None:
+            lag = GaugeMetricFamily("pdgate_event_loop_lag_seconds", "How late the gateway serves: its event "
+                                    "loop's lateness or new requests' wait before they are read, the worse (smoothed; "
+                                    "admission answers 429 above admission.max_loop_lag_ms)")
+            lag.add_metric([], self._lag.behind_s)
+            peak = GaugeMetricFamily("pdgate_event_loop_lag_max_seconds", "The largest event loop delay seen")
+            peak.add_metric([], self._lag.peak_s)
+            yield from (lag, peak)
         if self._connections is not None:
             open_ = GaugeMetricFamily("pdgate_http_connections", "Open client connections")
             open_.add_metric([], self._connections.open)

@@ -9,7 +9,7 @@ family merges follows what it counts:
 - counts of this worker's own work (requests, latencies, in-flight, connections, memory): **sum**;
 - what every worker observes alike (engine health and signals, discovery, KV event feeds, config
   reloads, restarts seen, the prefix index every worker keeps whole): **max**, so an event seen by
-  every worker counts once;
+  every worker counts once; and the event loop's lag: the worst worker's;
 - "all is well" flags and start times (``pdgate_kv_events_connected``, ``pdgate_shared_state_up``,
   ``process_start_time_seconds``, ``*_created``): **min**, so one worker's broken feed shows.
 """
@@ -32,7 +32,8 @@ _SAME_IN_EVERY_WORKER = frozenset({
     "pdgate_endpoint_prefill_seconds_per_token", "pdgate_endpoint_model_missing", "pdgate_prefix_index_blocks",
     "pdgate_discovery_synced", "pdgate_discovery_endpoints", "pdgate_discovery_lists", "pdgate_discovery_errors",
     "pdgate_kv_events", "pdgate_kv_events_gaps", "pdgate_config_reloads", "pdgate_config_info",
-    "pdgate_endpoint_restarts", "pdgate_admission_limit", "pdgate_workers", "python_info", "process_max_fds",
+    "pdgate_endpoint_restarts", "pdgate_event_loop_lag_seconds", "pdgate_event_loop_lag_max_seconds",
+    "python_info", "process_max_fds",
 })
 _ALL_MUST_HOLD = frozenset({"pdgate_kv_events_connected", "pdgate_shared_state_up", "process_start_time_seconds"})
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from policies.hooks import Hooks
 
-from .admission import Gate, SharedGate
+from .admission import Gate, LoopLag, SharedGate
 from .config import GatewayConfig
 from .legs import KVReleaser
 from .metrics import GatewayMetrics
@@ -43,3 +43,4 @@ class Services:
     access_log: AccessLog
     gate: Gate | SharedGate  # admission: requests in flight through this gateway
     releaser: KVReleaser  # frees KV a departed client's prefill left behind
+    lag: LoopLag = field(default_factory=LoopLag)  # how late the event loop runs (admission sheds past a bound)

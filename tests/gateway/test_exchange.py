@@ -5,10 +5,12 @@ slot and engine counts given back on every path, and the hooks told what happene
 from __future__ import annotations
 
 import asyncio
+import time
 
 import orjson
 import pytest
 
+from gateway.admission import LoopLag
 from gateway.upstream import EngineError
 from policies.base import LegOutcome, Path
 from tests.promtext import sample
@@ -260,3 +262,45 @@ async def test_an_engine_serving_other_models_is_left_out(h):
     r = await h.send({"model": "tiny", "prompt": "hello"})
     assert r.status == 503 and r.json()["error"]["code"] == "model_not_served"
 
+
+
+async def test_an_overloaded_loop_answers_429_and_sends_nothing(h):
+    """admission.max_loop_lag_ms (50 by default): while the loop runs later than that, a new
+    request would only slow every stream further; it gets 429 at once."""
+    lag = h.gateway.services.lag
+    lag.note(0.2)  # the loop ran 200 ms late
+    r = await h.send({"model": "tiny", "prompt": "hello", "max_tokens": 2})
+    assert r.status == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "rate_limit_exceeded" and "overloaded" in r.json()["error"]["message"]
+    assert h.upstream.calls == []
+    text = h.metrics.render().decode()
+    assert sample(text, "pdgate_admission_rejected_total", reason="overloaded") == 1
+    for _ in range(10):
+        lag.note(0.0)  # the loop keeps up again: the smoothed lag halves each tick
+    h.upstream.on("decode", answer(completion("hi")))
+    r = await h.send({"model": "tiny", "prompt": "hello", "max_tokens": 2})
+    assert r.status == 200
+    settled(h)
+
+
+async def test_the_lag_bound_can_be_switched_off(tokenizer_dir):
+    h = make(tokenizer_dir, admission={"max_loop_lag_ms": 0})
+    try:
+        h.gateway.services.lag.note(5.0)
+        h.upstream.on("decode", answer(completion("hi")))
+        assert (await h.send({"model": "tiny", "prompt": "hello", "max_tokens": 2})).status == 200
+    finally:
+        h.close()
+
+
+async def test_loop_lag_is_measured_on_the_running_loop():
+    lag = LoopLag(interval_s=0.005)
+    lag.start()
+    try:
+        await asyncio.sleep(0.05)
+        assert lag.lag_s < 0.05
+        time.sleep(0.2)  # noqa: ASYNC251 - a blocked loop, as a saturated one is
+        await asyncio.sleep(0.001)  # the lag timer, due first, fires now
+        assert lag.over(100) and lag.peak_s >= 0.15
+    finally:
+        await lag.stop()

@@ -7,12 +7,16 @@ import asyncio
 import contextlib
 import logging
 import socket
+import threading
+import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import orjson
 import pytest
 import uvicorn
 
+from gateway.admission import LoopLag
 from gateway.httpserver import Connections, Limits, guarded_protocol
 
 LIMITS = Limits(max_head_bytes=4096, max_headers=20, head_timeout_s=0.5, max_connections=8)
@@ -161,3 +165,29 @@ async def test_a_slow_but_steady_head_still_counts_from_its_first_byte():
         assert not sender.done()  # cut off while still trickling
         sender.cancel()
         assert status_and_error(raw)[0] == 408
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_INFO"), reason="TCP_INFO is Linux's")
+async def test_a_new_connections_wait_before_it_is_read_is_measured():
+    """A busy server reads a new connection's request late; the guard notes how late (the
+    kernel's time since the bytes arrived), which admission sheds on (gateway/admission.py)."""
+    async with server() as (port, connections):
+        sent = threading.Event()
+
+        def client() -> bytes:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                s.sendall(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
+                sent.set()
+                return s.recv(1024)
+
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(client)
+            assert sent.wait(5)
+            time.sleep(0.3)  # noqa: ASYNC251 - the server's loop is busy: the request waits in the kernel
+            assert (await asyncio.wrap_future(answer)).startswith(b"HTTP/1.1 200")
+        assert connections.wait_s >= 0.25
+        lag = LoopLag(connections=connections)
+        assert lag.over(100) and not lag.over(1000)
+        for _ in range(10):
+            lag.note(0.0)  # ticks with no new connection: the wait fades
+        assert not lag.over(100)
