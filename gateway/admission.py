@@ -185,6 +185,9 @@ class SharedGate:
             self._poller.cancel()
 
 
+SMOOTHING = 0.3  # a new sample's weight in the smoothed lateness
+
+
 class Waits(Protocol):
     wait_s: float
 
@@ -199,7 +202,7 @@ class LoopLag:
     def __init__(self, interval_s: float = 0.01, connections: Waits | None = None) -> None:
         self.interval_s = interval_s
         self._connections = connections
-        self.lag_s = 0.0  # smoothed: halves every tick once the loop keeps up again
+        self.lag_s = 0.0  # smoothed (one late tick is a hiccup, many are an overload)
         self.peak_s = 0.0  # the largest single delay seen (for /metrics)
         self._task: asyncio.Task[None] | None = None
 
@@ -216,7 +219,7 @@ class LoopLag:
     def note(self, late_s: float) -> None:
         late_s = max(0.0, late_s)
         self.peak_s = max(self.peak_s, late_s)
-        self.lag_s = late_s if late_s > self.lag_s else (self.lag_s + late_s) / 2
+        self.lag_s += (late_s - self.lag_s) * SMOOTHING
         if self._connections is not None:  # no new connection for a tick: their wait fades too
             self._connections.wait_s /= 2
 

@@ -55,12 +55,7 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("watchfiles").setLevel(logging.WARNING)  # it logs every file event at INFO
     workers = worker_count(cfg)
-    if workers > 1:
-        try:
-            load_tokenizers(cfg).close()  # one clear line here rather than one per worker
-        except ValueError as err:
-            print(f"{args.config}: {err}", file=sys.stderr)
-            return 2
+    if workers > 1:  # each loads the tokenizers; a failure comes back as one line
         return serve_workers(cfg, args.config, raw.decode("utf-8", "replace"), host, port, workers)
     try:
         tokenizers = load_tokenizers(cfg)  # here, not at startup: a missing tokenizer is one line, not a traceback

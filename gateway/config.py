@@ -429,7 +429,7 @@ class AdmissionConfig(_Strict):
     max_in_flight: int = Field(0, ge=0, description="requests in flight through this gateway")
     max_per_decode_endpoint: int = Field(0, ge=0, description="requests in flight on one decode engine")
     max_per_prefill_endpoint: int = Field(0, ge=0, description="prefill legs in flight on one prefill engine")
-    max_loop_lag_ms: float = Field(50.0, ge=0, description="new requests get 429 while the worker's event loop "
+    max_loop_lag_ms: float = Field(100.0, ge=0, description="new requests get 429 while the worker's event loop "
                                    "runs this late (its measured capacity is used up); 0: never")
     queue_timeout_s: float = Field(5.0, ge=0, description="longest a request waits for capacity before 429")
     retry_after_s: float = Field(1.0, gt=0, description="the Retry-After a 429 carries")

@@ -47,6 +47,7 @@ from .config import GatewayConfig
 log = logging.getLogger(__name__)
 
 LINGER_S = 1.0  # how long a cut connection stays open for the client to read the answer
+SMOOTHING = 0.3  # a new sample's weight: one scheduling hiccup is not an overload, a sustained wait is
 _TCP_INFO: int | None = getattr(socket, "TCP_INFO", None)  # Linux
 _TCP_INFO_LEN = 104
 _LAST_DATA_RECV = 52  # struct tcp_info's tcpi_last_data_recv (u32, ms), linux/tcp.h
@@ -78,7 +79,7 @@ class Connections:
         self._logged = 0.0
 
     def waited(self, seconds: float) -> None:
-        self.wait_s = seconds if seconds > self.wait_s else (self.wait_s + seconds) / 2
+        self.wait_s += (seconds - self.wait_s) * SMOOTHING
 
     def enter(self) -> bool:
         if self.limit and self.open >= self.limit:

@@ -31,6 +31,7 @@ import multiprocessing.connection
 import os
 import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
@@ -125,8 +126,10 @@ class Supervisor:
         self._lock = self._mp.Lock()
         self._procs: list[BaseProcess | None] = [None] * spec.count
         self._restarts = [0] * spec.count
+        self._failures = self._mp.SimpleQueue()  # why a worker could not start (one line)
         self._stopping = False
         self.exit_code = 0
+        self.failure: str | None = None
 
     def run(self, sock: socket.socket, hub: Hub) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -148,7 +151,7 @@ class Supervisor:
 
     def _start(self, i: int, sock: socket.socket) -> None:
         spec = WorkerSpec(**{**self._spec.__dict__, "index": i})
-        proc = self._mp.Process(target=run_worker, args=(spec, sock, self._slots, self._lock),
+        proc = self._mp.Process(target=run_worker, args=(spec, sock, self._slots, self._lock, self._failures),
                                 name=f"pdgate-worker-{i}", daemon=False)
         proc.start()
         self._procs[i] = proc
@@ -164,7 +167,9 @@ class Supervisor:
                 proc.join()
                 self._procs[i] = None
                 if proc.exitcode == STARTUP_FAILED:
-                    log.error("worker %d could not start: stopping the gateway", i)
+                    self.failure = None if self._failures.empty() else self._failures.get()
+                    if self.failure is None:
+                        log.error("worker %d could not start: stopping the gateway", i)
                     self.exit_code = STARTUP_FAILED
                     return
                 if self._stopping:
@@ -221,13 +226,18 @@ def serve(cfg: GatewayConfig, config_path: str, config_text: str, host: str, por
     hub = Hub()
     hub.start()
     spec = WorkerSpec(config_path, config_text, host, port, 0, workers, hub.address, os.getpid(), access_log_path)
+    supervisor = Supervisor(spec, cfg)
     try:
-        return Supervisor(spec, cfg).run(sock, hub)
+        code = supervisor.run(sock, hub)
     finally:
         sock.close()
+    if supervisor.failure is not None:  # e.g. a tokenizer that cannot load: one line, as without workers
+        print(f"{config_path}: {supervisor.failure}", file=sys.stderr)
+        return 2
+    return code
 
 
-def run_worker(spec: WorkerSpec, sock: socket.socket, slots: Any, lock: Any) -> None:
+def run_worker(spec: WorkerSpec, sock: socket.socket, slots: Any, lock: Any, failures: Any) -> None:
     """A worker process: the whole gateway on the shared socket (exits 3 when it cannot start)."""
     from .app import create_app
     from .cli import load_tokenizers
@@ -244,8 +254,8 @@ def run_worker(spec: WorkerSpec, sock: socket.socket, slots: Any, lock: Any) -> 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; it sends SIGTERM
     try:
         tokenizers = load_tokenizers(cfg)
-    except ValueError as err:
-        log.error("%s: %s", spec.config_path, err)
+    except ValueError as err:  # the supervisor says it, once
+        failures.put(str(err))
         raise SystemExit(STARTUP_FAILED) from None
     ctx = WorkerContext(spec.index, spec.count, spec.bus, slots, lock)
     access = open(spec.access_log_path, "ab") if spec.access_log_path else None  # noqa: SIM115 - closed below

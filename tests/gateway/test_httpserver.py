@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 
 from gateway.admission import LoopLag
-from gateway.httpserver import Connections, Limits, guarded_protocol
+from gateway.httpserver import SMOOTHING, Connections, Limits, guarded_protocol
 
 LIMITS = Limits(max_head_bytes=4096, max_headers=20, head_timeout_s=0.5, max_connections=8)
 
@@ -185,9 +185,10 @@ async def test_a_new_connections_wait_before_it_is_read_is_measured():
             assert sent.wait(5)
             time.sleep(0.3)  # noqa: ASYNC251 - the server's loop is busy: the request waits in the kernel
             assert (await asyncio.wrap_future(answer)).startswith(b"HTTP/1.1 200")
-        assert connections.wait_s >= 0.25
+        # one sample, weighted as one among several (a single hiccup does not shed requests)
+        assert 0.25 * SMOOTHING <= connections.wait_s <= 0.6 * SMOOTHING
         lag = LoopLag(connections=connections)
-        assert lag.over(100) and not lag.over(1000)
+        assert lag.over(50) and not lag.over(500)
         for _ in range(10):
             lag.note(0.0)  # ticks with no new connection: the wait fades
-        assert not lag.over(100)
+        assert not lag.over(50)
