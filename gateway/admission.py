@@ -119,7 +119,10 @@ class SharedGate:
         return len(self._waiters)
 
     def _take(self) -> bool:
-        if not self._lock.acquire(True, 1.0):  # held by a worker that died mid-update: the supervisor frees it
+        if not self.limit:  # nothing to bound: only this worker writes its own cell, no lock needed
+            self._slots[self._me] += 1
+            return True
+        if not self._lock.acquire(True, 0.1):  # held by a worker that died mid-update: the supervisor frees it
             return False
         try:
             if self.limit and sum(self._slots[i] for i in range(len(self._slots))) >= self.limit:
@@ -130,7 +133,10 @@ class SharedGate:
             self._lock.release()
 
     def _give_back(self) -> None:
-        if self._lock.acquire(True, 1.0):
+        if not self.limit:
+            self._slots[self._me] -= 1
+            return
+        if self._lock.acquire(True, 0.1):
             try:
                 self._slots[self._me] -= 1
             finally:

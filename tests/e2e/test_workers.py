@@ -4,6 +4,7 @@ accepted it, so each test holds one connection per worker and says which worker 
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import yaml
 
 from tests.procs import ProcGroup, wait_for
 from tests.promtext import sample
@@ -134,6 +136,39 @@ def test_one_metrics_endpoint_counts_the_whole_gateway(cluster):
         assert sample(text, "pdgate_pool_healthy_endpoints", pool="decode") == 1
         assert sample(text, "pdgate_endpoint_healthy", pool="decode", engine=cluster.decode[0].url) == 1
     finally:
+        for c in clients.values():
+            c.close()
+
+
+def test_an_edited_config_reaches_every_worker(cluster):
+    """Each worker watches the file: a new threshold applies in both, and /metrics counts the
+    reload once (every worker saw the same edit)."""
+    clients = one_client_per_worker(cluster)
+    messages = [{"role": "user", "content": "a short question, well under any threshold"}]
+
+    def path_in(w: int) -> str:
+        return clients[w].post(cluster.url + "/debug/route", headers={"authorization": f"Bearer {TOKEN}"},
+                               json={"model": "tiny", "messages": messages}).json()["path"]
+
+    def reloads() -> float:
+        return sample(httpx.get(cluster.url + "/metrics", timeout=10).text, "pdgate_config_reloads_total",
+                      result="ok")
+
+    try:
+        assert path_in(0) == path_in(1) == "direct"
+        before = reloads()
+        cfg = copy.deepcopy(cluster.config)
+        cfg["routing"] = {"decider": {"name": "token_threshold", "threshold": 1}}
+        tmp = cluster.config_path.with_suffix(".tmp")
+        tmp.write_text(yaml.safe_dump(cfg))
+        tmp.replace(cluster.config_path)
+        assert wait_for(lambda: path_in(0) == "pd" and path_in(1) == "pd", timeout=15)
+        assert wait_for(lambda: reloads() == before + 1, timeout=5)
+    finally:
+        tmp = cluster.config_path.with_suffix(".tmp")
+        tmp.write_text(yaml.safe_dump(cluster.config))
+        tmp.replace(cluster.config_path)
+        assert wait_for(lambda: path_in(0) == "direct" and path_in(1) == "direct", timeout=15)
         for c in clients.values():
             c.close()
 

@@ -190,3 +190,14 @@ def test_a_containers_cpu_quota_caps_the_default_worker_count(tmp_path) -> None:
     (v1 / "cpu" / "cpu.cfs_quota_us").write_text("100000\n")
     (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
     assert usable_cores(str(v1)) == 1
+
+
+async def test_without_a_limit_slots_are_still_counted_and_a_limit_set_later_counts_them() -> None:
+    a, b = shared_gates(0)
+    assert await a.enter(0) and await a.enter(0) and await b.enter(0)
+    assert (a.in_flight, b.in_flight) == (2, 1)
+    for g in (a, b):
+        g.limit = 3  # a reload sets a bound: the slots already held count
+    assert not await b.enter(0.01)
+    a.leave()
+    assert await b.enter(0.5)
