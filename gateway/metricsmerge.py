@@ -36,6 +36,13 @@ _SAME_IN_EVERY_WORKER = frozenset({
     "python_info", "process_max_fds",
 })
 _ALL_MUST_HOLD = frozenset({"pdgate_kv_events_connected", "pdgate_shared_state_up", "process_start_time_seconds"})
+# Gauges of each worker's own share (counters and histograms are always summed).
+SUMMED_GAUGES = frozenset({
+    "pdgate_pool_in_flight_requests", "pdgate_pool_uncached_prompt_tokens", "pdgate_endpoint_in_flight_requests",
+    "pdgate_endpoint_backlog_tokens", "pdgate_admission_in_flight", "pdgate_admission_queued",
+    "pdgate_http_connections", "process_resident_memory_bytes", "process_virtual_memory_bytes", "process_open_fds",
+})
+DECLARED = _SAME_IN_EVERY_WORKER | _ALL_MUST_HOLD | SUMMED_GAUGES  # a new gauge must be placed in one (tested)
 
 
 def rule_for(family: str) -> Rule:

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 STARTUP_FAILED = 3  # a worker's exit code when its server did not start
 _RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
+_STABLE_S = 60.0  # a worker that lived this long starts its backoff over
 _ORPHAN_CHECK_S = 1.0
 
 
@@ -126,6 +127,7 @@ class Supervisor:
         self._lock = self._mp.Lock()
         self._procs: list[BaseProcess | None] = [None] * spec.count
         self._restarts = [0] * spec.count
+        self._started = [0.0] * spec.count
         self._failures = self._mp.SimpleQueue()  # why a worker could not start (one line)
         self._stopping = False
         self.exit_code = 0
@@ -155,6 +157,7 @@ class Supervisor:
                                 name=f"pdgate-worker-{i}", daemon=False)
         proc.start()
         self._procs[i] = proc
+        self._started[i] = time.monotonic()
 
     def _watch(self, sock: socket.socket) -> None:
         due: dict[int, float] = {}  # worker -> when to start it again
@@ -175,6 +178,8 @@ class Supervisor:
                 if self._stopping:
                     break
                 self._free(i)
+                if time.monotonic() - self._started[i] > _STABLE_S:  # it had been serving: a fresh failure
+                    self._restarts[i] = 0
                 wait = _RESTART_BACKOFF_S[min(self._restarts[i], len(_RESTART_BACKOFF_S) - 1)]
                 self._restarts[i] += 1
                 log.error("worker %d (pid %s) exited with %s: starting it again in %.1f s", i, proc.pid,

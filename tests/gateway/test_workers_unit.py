@@ -201,3 +201,22 @@ async def test_without_a_limit_slots_are_still_counted_and_a_limit_set_later_cou
     assert not await b.enter(0.01)
     a.leave()
     assert await b.enter(0.5)
+
+
+def test_every_gauge_the_gateway_exports_has_a_declared_merge_rule() -> None:
+    """A gauge summed across workers when every worker reports the same value would be counted N
+    times: each new gauge must be placed in one of the merge's sets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gateway.admission import Gate, LoopLag
+    from gateway.httpserver import Connections
+    from gateway.metrics import GatewayMetrics
+    from gateway.metricsmerge import DECLARED
+
+    pools = Pools(["http://p1"], ["http://d1"])
+    metrics = GatewayMetrics(pools, PrefixIndex())
+    metrics.watch_admission(Gate(0), Connections(0), LoopLag())
+    gauges = {f.name for f in text_string_to_metric_families(metrics.render().decode())
+              if f.type == "gauge" and not f.name.endswith("_created")}
+    assert "pdgate_pool_healthy_endpoints" in gauges and "pdgate_admission_in_flight" in gauges
+    assert gauges - DECLARED == set()
