@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--decode", type=int, default=2, help="simulated decode engines")
     demo.add_argument("--threshold", type=int, default=4096, help="P/D from this many prompt tokens")
     demo.add_argument("--workers", type=int, default=0,
-                      help="gateway worker processes (default: one per core this process may use)")
+                      help="gateway worker processes (default: 2, or 1 on a single core)")
     demo.add_argument("--keep-logs", action="store_true",
                       help="keep the demo's temporary folder (engine logs, config, access log) after exit")
     demo.add_argument("--access-log", action="store_true",

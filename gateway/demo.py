@@ -70,6 +70,9 @@ def _port_problem(host: str, port: int, err: OSError) -> str:
     return f"pdgate demo: port {port} is already in use on {host}; choose another with --port{suggestion}"
 
 
+DEMO_WORKERS = 2  # by default: enough to show the gateway as deployed, without a worker per core of a laptop
+
+
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -183,7 +186,7 @@ def run_demo(args: argparse.Namespace) -> int:
               + ("this terminal" if access_to_terminal else f"{access_path} (--access-log prints it here instead)"))
         print(f"tokenizer: {tokenizer} (model {MODEL!r}; give this folder to load tools as their tokenizer)\n")
         print(_curls(args.port), "\n\nCtrl-C stops everything.\n", flush=True)
-        workers = args.workers or worker_count(cfg)
+        workers = args.workers or min(DEMO_WORKERS, worker_count(cfg))
         if workers > 1:  # the gateway as it is deployed: one process per core on one socket
             print(f"gateway: {workers} worker processes\n", flush=True)
             return serve_workers(cfg, config_path, raw.decode(), args.host, args.port, workers, sock=listener,

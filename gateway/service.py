@@ -50,7 +50,12 @@ class Gateway:
         if self.bus is None:
             return own
         others = await self.bus.others_metrics()
-        return merge([own, *others.values()])
+        # Fewer reporting than configured: a worker is restarting or stuck, and sums are partial.
+        workers = (b"# HELP pdgate_workers Worker processes of this gateway: configured, and reporting in this scrape\n"
+                   b"# TYPE pdgate_workers gauge\n"
+                   b'pdgate_workers{state="configured"} %d\npdgate_workers{state="reporting"} %d\n'
+                   % (self.bus.workers, 1 + len(others)))
+        return merge([own, *others.values()]) + workers
 
     async def explain(self, request: Request) -> dict[str, Any]:
         """``POST /debug/route``: what the gateway would do with this body, without sending it."""

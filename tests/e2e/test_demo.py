@@ -76,10 +76,10 @@ def test_demo_routes_both_paths_and_stops_cleanly(tmp_path):
         engines = {p for p in processes if b"sim" in cmdline(p)}
         assert len(engines) == 4
         workers = {p for p in processes if b"multiprocessing.spawn" in cmdline(p)}
-        cores = len(os.sched_getaffinity(0))
-        assert len(workers) == (cores if cores > 1 else 0)  # the gateway: one worker process per core
-        if cores > 1:
-            assert f"gateway: {cores} worker processes" in banner
+        expected = min(2, len(os.sched_getaffinity(0)))  # the gateway as deployed: worker processes
+        assert len(workers) == (expected if expected > 1 else 0)
+        if expected > 1:
+            assert f"gateway: {expected} worker processes" in banner
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         short = client.chat.completions.with_raw_response.create(

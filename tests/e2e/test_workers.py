@@ -132,6 +132,7 @@ def test_one_metrics_endpoint_counts_the_whole_gateway(cluster):
             assert chat(clients[w], cluster, [{"role": "user", "content": f"count me {w}"}]).status_code == 200
         assert served() == before + 4  # three of them served by the other worker
         text = clients[1].get(cluster.url + "/metrics").text
+        assert [sample(text, "pdgate_workers", state=s) for s in ("configured", "reporting")] == [2, 2]
         # what every worker sees alike is not counted twice
         assert sample(text, "pdgate_pool_healthy_endpoints", pool="decode") == 1
         assert sample(text, "pdgate_endpoint_healthy", pool="decode", engine=cluster.decode[0].url) == 1
