@@ -33,7 +33,7 @@ def load_tokenizers(cfg: GatewayConfig) -> Tokenizers:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .app import create_app
+    from .app import create_app, validate
     from .gcpolicy import Collector
     from .httpserver import make_server
     from .reload import version_of
@@ -56,6 +56,11 @@ def _serve(args: argparse.Namespace) -> int:
     logging.getLogger("watchfiles").setLevel(logging.WARNING)  # it logs every file event at INFO
     workers = worker_count(cfg)
     if workers > 1:  # each loads the tokenizers; a failure comes back as one line
+        try:
+            validate(cfg)  # what would fail in every worker fails here, once
+        except ValueError as err:
+            print(f"{args.config}: {err}", file=sys.stderr)
+            return 2
         return serve_workers(cfg, args.config, raw.decode("utf-8", "replace"), host, port, workers)
     try:
         tokenizers = load_tokenizers(cfg)  # here, not at startup: a missing tokenizer is one line, not a traceback

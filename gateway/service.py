@@ -40,6 +40,7 @@ class Gateway:
         self.discovery = discovery  # the Kubernetes EndpointSlice watchers
         self.models = models  # what each engine serves, against the configured model names
         self.bus = bus  # the other worker processes of this gateway (server.workers > 1)
+        self._last_metrics: dict[int, bytes] = {}  # each other worker's last exposition
 
     def exchange(self, request: Request, kind: Kind, path: str) -> Exchange:
         return Exchange(self.runtime, self.services, request, kind, path)
@@ -50,12 +51,16 @@ class Gateway:
         if self.bus is None:
             return own
         others = await self.bus.others_metrics()
-        # Fewer reporting than configured: a worker is restarting or stuck, and sums are partial.
+        self._last_metrics.update(others)
+        # A worker too busy to answer in time counts with its last answer: leaving it out would
+        # make summed counters go down, which Prometheus reads as a reset. (A restarted worker's
+        # counters do start over.) Fewer reporting than configured: a worker is stuck or restarting.
+        texts = [own, *(self._last_metrics[w] for w in sorted(self._last_metrics) if w != self.bus.worker)]
         workers = (b"# HELP pdgate_workers Worker processes of this gateway: configured, and reporting in this scrape\n"
                    b"# TYPE pdgate_workers gauge\n"
                    b'pdgate_workers{state="configured"} %d\npdgate_workers{state="reporting"} %d\n'
                    % (self.bus.workers, 1 + len(others)))
-        return merge([own, *others.values()]) + workers
+        return merge(texts) + workers
 
     async def explain(self, request: Request) -> dict[str, Any]:
         """``POST /debug/route``: what the gateway would do with this body, without sending it."""

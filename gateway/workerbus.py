@@ -120,6 +120,10 @@ def _topic(worker: int) -> bytes:
     return b"w%03d" % worker
 
 
+def _reply_topic(worker: int) -> bytes:
+    return b"r%03d" % worker
+
+
 class WorkerBus:
     """One worker's end of the hub. ``share_routing``: carry learned blocks and in-flight counts
     (off when Redis shares them). Implements policies/prefix_learning.py's ``SharedPrefixes``."""
@@ -161,6 +165,7 @@ class WorkerBus:
         for other in range(self.workers):
             if other != self.worker:
                 self._sub.setsockopt(zmq.SUBSCRIBE, _topic(other))
+        self._sub.setsockopt(zmq.SUBSCRIBE, _reply_topic(self.worker))  # metrics answers for this worker only
         self._tasks = [asyncio.create_task(self._receive(), name="bus-receive")]
         if self.share_routing:
             self._tasks.append(asyncio.create_task(self._sync(), name="bus-sync"))
@@ -189,6 +194,7 @@ class WorkerBus:
 
     def forget(self, url: str, until: float) -> None:
         if self.share_routing:
+            self._publish_learned()  # blocks learned before the forget must not arrive after it
             self._send(["forget", url, until])
 
     def _publish_learned(self) -> None:
@@ -230,11 +236,12 @@ class WorkerBus:
 
     # -- the wire ----------------------------------------------------------------------------------
 
-    def _send(self, message: list[Any]) -> None:
+    def _send(self, message: list[Any], to: int | None = None) -> None:
         if self._pub is None:
             return
+        topic = _topic(self.worker) if to is None else _reply_topic(to) + b"<" + _topic(self.worker)
         with contextlib.suppress(zmq.Again):  # a full queue drops: these are hints
-            self._pub.send_multipart([_topic(self.worker), cbor2.dumps(message)], flags=zmq.NOBLOCK)
+            self._pub.send_multipart([topic, cbor2.dumps(message)], flags=zmq.NOBLOCK)
 
     async def _sync(self) -> None:
         while True:
@@ -261,7 +268,7 @@ class WorkerBus:
         while True:
             topic, payload = await self._sub.recv_multipart()
             try:
-                sender = int(topic[1:])
+                sender = int(topic.rpartition(b"<")[2][1:])
                 self._apply(sender, cbor2.loads(payload))
             except Exception:  # a malformed message must not end the loop
                 log.exception("worker bus: bad message from %r", topic)
@@ -279,7 +286,7 @@ class WorkerBus:
         elif kind == "inflight":
             self._counts[sender] = (self._clock(), {str(u): int(n) for u, n in msg[1].items()})
         elif kind == "metrics?":
-            self._send(["metrics!", sender, msg[1], self._metrics_text()])
+            self._send(["metrics!", sender, msg[1], self._metrics_text()], to=sender)
         elif kind == "metrics!":
             asker, ask, text = msg[1], msg[2], msg[3]
             if asker == self.worker and ask in self._metric_asks:

@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 STARTUP_FAILED = 3  # a worker's exit code when its server did not start
 _RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
 _STABLE_S = 60.0  # a worker that lived this long starts its backoff over
+WORKER_BYTES = 512 << 20  # a worker's resident memory to plan for (Llama 3's tokenizer: ~500 MB measured)
+_SUPERVISOR_BYTES = 128 << 20
 _ORPHAN_CHECK_S = 1.0
 
 
@@ -78,8 +80,30 @@ def _cgroup_quota(root: str) -> float | None:
         return None
 
 
-def worker_count(cfg: GatewayConfig) -> int:
-    return cfg.server.workers or usable_cores()
+def worker_count(cfg: GatewayConfig, cgroup: str = "/sys/fs/cgroup") -> int:
+    """``server.workers``, or one per usable core, as many as a cgroup memory limit holds."""
+    if cfg.server.workers:
+        return cfg.server.workers
+    limit = _cgroup_memory(cgroup)
+    fits = max(1, (limit - _SUPERVISOR_BYTES) // WORKER_BYTES) if limit is not None else None
+    return min(usable_cores(cgroup), fits) if fits is not None else usable_cores(cgroup)
+
+
+def _cgroup_memory(root: str) -> int | None:
+    """A cgroup's memory limit in bytes (v2 memory.max, or v1), None without one."""
+    for path in (Path(root, "memory.max"), Path(root, "memory", "memory.limit_in_bytes")):
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text == "max":
+            return None
+        try:
+            value = int(text)
+        except ValueError:
+            return None
+        return value if value < 1 << 60 else None  # v1 says "no limit" with a huge number
+    return None
 
 
 @dataclass(frozen=True)
@@ -142,7 +166,7 @@ class Supervisor:
                      self._spec.port)
             self._watch(sock)
         finally:
-            self._stop_all()
+            self._stop_all(sock)
             hub.stop()
             for s, h in previous.items():
                 signal.signal(s, h)
@@ -169,8 +193,11 @@ class Supervisor:
                     continue
                 proc.join()
                 self._procs[i] = None
-                if proc.exitcode == STARTUP_FAILED:
-                    self.failure = None if self._failures.empty() else self._failures.get()
+                why = None if proc.exitcode != STARTUP_FAILED or self._failures.empty() else self._failures.get()
+                # At first launch every worker would fail alike: stop. A restarted worker that
+                # cannot start (a file gone since) is backed off and tried again.
+                if proc.exitcode == STARTUP_FAILED and not self._restarts[i]:
+                    self.failure = why
                     if self.failure is None:
                         log.error("worker %d could not start: stopping the gateway", i)
                     self.exit_code = STARTUP_FAILED
@@ -182,8 +209,8 @@ class Supervisor:
                     self._restarts[i] = 0
                 wait = _RESTART_BACKOFF_S[min(self._restarts[i], len(_RESTART_BACKOFF_S) - 1)]
                 self._restarts[i] += 1
-                log.error("worker %d (pid %s) exited with %s: starting it again in %.1f s", i, proc.pid,
-                          proc.exitcode, wait)
+                log.error("worker %d (pid %s) exited with %s%s: starting it again in %.1f s", i, proc.pid,
+                          proc.exitcode, f" ({why})" if why else "", wait)
                 due[i] = time.monotonic() + wait
             now = time.monotonic()
             for i, when in list(due.items()):
@@ -202,11 +229,14 @@ class Supervisor:
             with contextlib.suppress(ValueError):
                 self._lock.release()
 
-    def _stop_all(self) -> None:
+    def _stop_all(self, sock: socket.socket) -> None:
         procs = [p for p in self._procs if p is not None and p.is_alive()]
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p.pid or 0, signal.SIGTERM)
+        # The workers close their copies as they start draining; with this one open the kernel
+        # would still queue new connections nobody accepts. Closed, new clients are refused at once.
+        sock.close()
         deadline = time.monotonic() + self._cfg.server.shutdown_grace_s + STOP_BOUND_S + 2.0
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -243,7 +273,8 @@ def serve(cfg: GatewayConfig, config_path: str, config_text: str, host: str, por
 
 
 def run_worker(spec: WorkerSpec, sock: socket.socket, slots: Any, lock: Any, failures: Any) -> None:
-    """A worker process: the whole gateway on the shared socket (exits 3 when it cannot start)."""
+    """A worker process: the whole gateway on the shared socket (exits 3 when it cannot start,
+    having put the cause, one line, in ``failures`` for the supervisor to say)."""
     from .app import create_app
     from .cli import load_tokenizers
     from .config import load_config
@@ -257,32 +288,36 @@ def run_worker(spec: WorkerSpec, sock: socket.socket, slots: Any, lock: Any, fai
                         format=f"%(asctime)s %(levelname)s [worker {spec.index}] %(name)s: %(message)s")
     logging.getLogger("watchfiles").setLevel(logging.WARNING)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; it sends SIGTERM
-    try:
-        tokenizers = load_tokenizers(cfg)
-    except ValueError as err:  # the supervisor says it, once
-        failures.put(str(err))
-        raise SystemExit(STARTUP_FAILED) from None
     ctx = WorkerContext(spec.index, spec.count, spec.bus, slots, lock)
     access = open(spec.access_log_path, "ab") if spec.access_log_path else None  # noqa: SIM115 - closed below
     sink = LineWriter(access) if access else None
-    server = make_server(
-        cfg, lambda connections: create_app(cfg, tokenizers, config_path=spec.config_path,
-                                            config_version=version_of(spec.config_text.encode()),
-                                            connections=connections, access_sink=sink,
-                                            collector=Collector(cfg.server.gc_young_threshold), worker=ctx),
-        host=spec.host, port=spec.port, log_level=cfg.server.log_level.lower(),
-        max_connections=math.ceil(cfg.server.max_connections / spec.count) if cfg.server.max_connections else 0)
-
-    async def orphan_watch() -> None:
-        """The supervisor is gone (killed): nobody would stop this worker, so it stops itself."""
-        while True:
-            await asyncio.sleep(_ORPHAN_CHECK_S)
-            if os.getppid() != spec.supervisor_pid:
-                break
-        log.warning("the supervisor (pid %d) is gone: shutting down", spec.supervisor_pid)
-        server.should_exit = True
-
     try:
+        try:
+            tokenizers = load_tokenizers(cfg)
+            server = make_server(
+                cfg, lambda connections: create_app(cfg, tokenizers, config_path=spec.config_path,
+                                                    config_version=version_of(spec.config_text.encode()),
+                                                    connections=connections, access_sink=sink,
+                                                    collector=Collector(cfg.server.gc_young_threshold), worker=ctx),
+                host=spec.host, port=spec.port, log_level=cfg.server.log_level.lower(),
+                max_connections=math.ceil(cfg.server.max_connections / spec.count) if cfg.server.max_connections
+                else 0)
+        except ValueError as err:  # a tokenizer, a secret file not mounted: the supervisor says it, once
+            failures.put(str(err))
+            raise SystemExit(STARTUP_FAILED) from None
+        # uvicorn re-raises the SIGTERM it handled once it has drained: a no-op here lets the
+        # cleanup below run (the access log's last lines) and the process exit 0.
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
+
+        async def orphan_watch() -> None:
+            """The supervisor is gone (killed): nobody would stop this worker, so it stops itself."""
+            while True:
+                await asyncio.sleep(_ORPHAN_CHECK_S)
+                if os.getppid() != spec.supervisor_pid:
+                    break
+            log.warning("the supervisor (pid %d) is gone: shutting down", spec.supervisor_pid)
+            server.should_exit = True
+
         with asyncio.Runner(loop_factory=server.config.get_loop_factory()) as runner:  # uvloop, as uvicorn runs it
             runner.run(_serve_worker(server, sock, orphan_watch))
     finally:

@@ -112,3 +112,15 @@ def test_serve_with_a_tokenizer_it_cannot_load_says_so_in_one_line(tmp_path, cap
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith(f"{path}: models[0].tokenizer: cannot load")
     assert len(err.splitlines()) == 1
+
+
+def test_serve_with_workers_and_a_secret_not_mounted_says_so_in_one_line(tmp_path, capsys, monkeypatch):
+    """What would fail in every worker (here a missing API key variable) fails once, before any starts."""
+    monkeypatch.delenv("PDGATE_TEST_KEYS_UNSET", raising=False)
+    cfg = {**BASE, "server": {"workers": 2}, "auth": {"api_keys_env": "PDGATE_TEST_KEYS_UNSET"}}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    code = main(["serve", "--config", str(path)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith(f"{path}: ") and "PDGATE_TEST_KEYS_UNSET" in err
+    assert len(err.splitlines()) == 1

@@ -220,3 +220,19 @@ def test_every_gauge_the_gateway_exports_has_a_declared_merge_rule() -> None:
               if f.type == "gauge" and not f.name.endswith("_created")}
     assert "pdgate_pool_healthy_endpoints" in gauges and "pdgate_admission_in_flight" in gauges
     assert gauges - DECLARED == set()
+
+
+def test_the_default_worker_count_fits_a_containers_memory_limit(tmp_path) -> None:
+    from gateway.config import parse_config
+    from gateway.workers import WORKER_BYTES, worker_count
+
+    cfg = parse_config({"models": [{"name": "m", "tokenizer": "t", "max_model_len": 10}],
+                        "pools": {"decode": {"endpoints": ["http://d:8000"]}}})
+    cores = len(os.sched_getaffinity(0))
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    (tmp_path / "memory.max").write_text("max\n")
+    assert worker_count(cfg, str(tmp_path)) == cores
+    (tmp_path / "memory.max").write_text(f"{WORKER_BYTES + (200 << 20)}\n")  # room for one worker
+    assert worker_count(cfg, str(tmp_path)) == 1
+    explicit = parse_config({**cfg.model_dump(mode="json", exclude_none=True), "server": {"workers": 3}})
+    assert worker_count(explicit, str(tmp_path)) == 3  # an explicit count is the operator's
