@@ -32,24 +32,41 @@ def too_busy(cfg: AdmissionConfig, what: str) -> APIError:
 
 
 class Gate:
-    """A FIFO semaphore with a bounded wait; ``limit`` 0 admits everyone."""
+    """A FIFO semaphore with a bounded wait; ``limit`` 0 admits everyone. Slots are counted here
+    (``_take``/``_give_back``); ``SharedGate`` counts them for several worker processes."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.in_flight = 0
+        self._held = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    @property
+    def in_flight(self) -> int:
+        return self._held
 
     @property
     def queued(self) -> int:
         return len(self._waiters)
 
+    def _take(self) -> bool:
+        if self.limit and self._held >= self.limit:
+            return False
+        self._held += 1
+        return True
+
+    def _give_back(self) -> None:
+        self._held -= 1
+
+    def _queued(self) -> None:
+        """A request joined the queue (``SharedGate`` starts looking for other workers' slots)."""
+
     async def enter(self, timeout: float) -> bool:
         """True once admitted; False if no slot came within ``timeout`` seconds."""
-        if not self.limit or (self.in_flight < self.limit and not self._waiters):
-            self.in_flight += 1
+        if (not self.limit or not self._waiters) and self._take():
             return True
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
+        self._queued()
         try:
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow the client's cancel
             async with asyncio.timeout(timeout):
@@ -73,7 +90,7 @@ class Gate:
             if not fut.done():
                 fut.set_result(None)  # the slot passes on; in_flight stays
                 return
-        self.in_flight -= 1
+        self._give_back()
 
     def close(self) -> None:
         """Nothing runs in the background (``SharedGate``'s poller does)."""
@@ -96,27 +113,22 @@ class Lock(Protocol):
     def release(self) -> None: ...
 
 
-class SharedGate:
+class SharedGate(Gate):
     """``Gate`` for a gateway of several worker processes: ``limit`` bounds the sum of every
     worker's slots. A worker takes a slot under the shared lock (a few microseconds, never
     contended for long); its own queue stays FIFO, and while requests wait it looks for a slot
     another worker freed every ``poll_s`` (workers do not wake each other)."""
 
     def __init__(self, limit: int, slots: Slots, lock: Lock, worker: int, poll_s: float = 0.002) -> None:
-        self.limit = limit
+        super().__init__(limit)
         self._slots, self._lock, self._me = slots, lock, worker
         self._poll_s = poll_s
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._poller: asyncio.Task[None] | None = None
 
     @property
     def in_flight(self) -> int:
         """This worker's slots (``/metrics`` sums the workers')."""
         return self._slots[self._me]
-
-    @property
-    def queued(self) -> int:
-        return len(self._waiters)
 
     def _take(self) -> bool:
         if not self.limit:  # nothing to bound: only this worker writes its own cell, no lock needed
@@ -125,7 +137,7 @@ class SharedGate:
         if not self._lock.acquire(True, 0.1):  # held by a worker that died mid-update: the supervisor frees it
             return False
         try:
-            if self.limit and sum(self._slots[i] for i in range(len(self._slots))) >= self.limit:
+            if sum(self._slots[i] for i in range(len(self._slots))) >= self.limit:
                 return False
             self._slots[self._me] += 1
             return True
@@ -133,10 +145,7 @@ class SharedGate:
             self._lock.release()
 
     def _give_back(self) -> None:
-        if not self.limit:
-            self._slots[self._me] -= 1
-            return
-        if self._lock.acquire(True, 0.1):
+        if self.limit and self._lock.acquire(True, 0.1):
             try:
                 self._slots[self._me] -= 1
             finally:
@@ -144,36 +153,9 @@ class SharedGate:
         else:
             self._slots[self._me] -= 1  # this worker's own cell: only it writes there
 
-    async def enter(self, timeout: float) -> bool:
-        if not self._waiters and self._take():
-            return True
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+    def _queued(self) -> None:
         if self._poller is None or self._poller.done():
             self._poller = asyncio.create_task(self._poll(), name="admission-poll")
-        try:
-            async with asyncio.timeout(timeout):
-                await asyncio.shield(fut)
-            return True
-        except TimeoutError:
-            return fut.done()
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                self.leave()
-            raise
-        finally:
-            if not fut.done():
-                fut.cancel()
-            if fut in self._waiters:
-                self._waiters.remove(fut)
-
-    def leave(self) -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)  # the slot passes on within this worker
-                return
-        self._give_back()
 
     async def _poll(self) -> None:
         """Slots other workers freed, for this worker's waiters; ends when nobody waits."""

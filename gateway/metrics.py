@@ -20,7 +20,7 @@ from .requestlog import RequestRecord
 from .state import RedisState
 
 if TYPE_CHECKING:
-    from .admission import Gate, LoopLag, SharedGate
+    from .admission import Gate, LoopLag
     from .discovery import SliceWatcher
     from .httpserver import Connections
     from .modelcheck import ServedModels
@@ -174,7 +174,7 @@ class GatewayMetrics:
     def decided(self, path: str, reason: str) -> None:
         self._child(self.decisions, path, reason).inc()
 
-    def watch_admission(self, gate: Gate | SharedGate, connections: Connections | None,
+    def watch_admission(self, gate: Gate, connections: Connections | None,
                         lag: LoopLag | None = None) -> None:
         """Export the admission slots, the event loop's lag and the HTTP server's connections (read
         at scrape time)."""
@@ -379,7 +379,7 @@ class BeliefAudit:
 class _AdmissionCollector:
     """Slots held and waited for (admission.max_in_flight), and the server's connections."""
 
-    def __init__(self, gate: Gate | SharedGate, connections: Connections | None, lag: LoopLag | None) -> None:
+    def __init__(self, gate: Gate, connections: Connections | None, lag: LoopLag | None) -> None:
         self._gate, self._connections, self._lag = gate, connections, lag
 
     def describe(self) -> list[Metric]:

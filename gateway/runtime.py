@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from policies.hooks import Hooks
 
-from .admission import Gate, LoopLag, SharedGate
+from .admission import Gate, LoopLag
 from .config import GatewayConfig
 from .legs import KVReleaser
 from .metrics import GatewayMetrics
@@ -41,6 +41,6 @@ class Services:
     metrics: GatewayMetrics
     tracing: Tracing
     access_log: AccessLog
-    gate: Gate | SharedGate  # admission: requests in flight through this gateway
+    gate: Gate  # admission: requests in flight through this gateway (a SharedGate with workers)
     releaser: KVReleaser  # frees KV a departed client's prefill left behind
     lag: LoopLag = field(default_factory=LoopLag)  # how late the event loop runs (admission sheds past a bound)

@@ -146,8 +146,6 @@ class WorkerBus:
         self._asks = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._metrics_text: Callable[[], bytes] = lambda: b""
-        self.received = 0
-        self.applied_blocks = 0
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -206,13 +204,6 @@ class WorkerBus:
             self._send(["learn", batch])
 
     # -- metrics -----------------------------------------------------------------------------------
-
-    def live_workers(self) -> list[int]:
-        """Other workers heard from lately (every worker when routing is not shared: all are asked)."""
-        if not self.share_routing:
-            return [w for w in range(self.workers) if w != self.worker]
-        oldest = self._clock() - SYNC_S * _STALE_SYNCS
-        return [w for w, (at, _) in self._counts.items() if at >= oldest]
 
     async def others_metrics(self, timeout_s: float = 1.0) -> dict[int, bytes]:
         """The other workers' expositions; those that do not answer within ``timeout_s`` are left out."""
@@ -274,12 +265,10 @@ class WorkerBus:
                 log.exception("worker bus: bad message from %r", topic)
 
     def _apply(self, sender: int, msg: list[Any]) -> None:
-        self.received += 1
         kind = msg[0]
         if kind == "learn":
             for url, hashes in msg[1]:
                 self._index.learn(url, hashes)
-                self.applied_blocks += len(hashes)
         elif kind == "forget":
             url, until = msg[1], float(msg[2])
             self._index.forget_learned_until(url, self._clock() - (self._wall() - until))
