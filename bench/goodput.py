@@ -8,6 +8,7 @@ in front of them, and replays the same requests (:mod:`bench.workloads`) through
 | --- | --- | --- |
 | ``colocated-rr`` | vllm-router ``--policy round_robin`` | all serve whole requests |
 | ``colocated-prefix-load`` | pdgate, no prefill pool, bounded_load, prefix_affinity (2) + load (1) | all engines |
+| ``colocated-2k`` | the same router | as many engines of their own, ``--max-num-batched-tokens 2048`` |
 | ``pd-always`` | pdgate, ``token_threshold`` 1 | prefill and decode pools (half each, or ``--prefill-engines``) |
 | ``pd-threshold`` | pdgate, ``token_threshold`` 4096 | the same pools |
 | ``pd-cost-model`` | pdgate, ``cost_model`` (the profile's prefill speed and KV link) | the same pools |
@@ -26,6 +27,7 @@ docs/benchmarks/goodput-bursty.json``. Output: JSON, a Markdown table and PNG pl
     python -m bench.goodput --quick                      # < 2 min: a smoke run, outputs x0.25
     python -m bench.goodput                              # the full sweep (25 min here; docs/benchmarks/goodput.*)
     python -m bench.goodput --workloads long chat --rates 0.5 1 2 --configs pd-threshold colocated-rr
+    python -m bench.goodput --profile-end high           # the profile's uncertain terms at their costly end
 
 vllm-router is installed on first use into its own venv in the cache folder
 (``$PDGATE_CACHE_DIR``, else ``~/.cache/pdgate``), never into this project's environment;
@@ -64,6 +66,7 @@ VLLM_ROUTER_VERSION = "0.1.17"
 CONFIGS = (
     "colocated-rr",
     "colocated-prefix-load",
+    "colocated-2k",
     "pd-always",
     "pd-threshold",
     "pd-cost-model",
@@ -71,6 +74,7 @@ CONFIGS = (
 )
 PD_CONFIGS = {"pd-always", "pd-threshold", "pd-cost-model", "vllm-router-pd"}
 PEER_CONFIGS = {"colocated-rr", "vllm-router-pd"}
+SMALL_CHUNK = 2048  # colocated-2k's engines: smaller prefill chunks, less stall for running streams
 DEFAULT_RATES = {  # simulated requests per second for 2 engines (scaled with --engines)
     "long": [0.5, 1.0, 1.5, 2.0],
     "chat": [2.0, 4.0, 8.0],
@@ -104,6 +108,7 @@ class Cluster:
     engines: list[str]
     time_scale: float
     n_prefill: int  # how many of the engines the P/D configurations use as the prefill pool
+    small_chunk: list[str] = field(default_factory=list)  # colocated-2k's own engines
     routers: dict[str, tuple[Proc, str]] = field(default_factory=dict)
 
     @property
@@ -119,7 +124,7 @@ class Cluster:
         their prefix caches, so each run starts from the same state."""
         deadline = time.monotonic() + timeout
         with httpx.Client(timeout=10) as c:
-            for url in self.engines:
+            for url in self.engines + self.small_chunk:
                 while True:
                     st = c.get(url + "/sim/state").json()
                     if not (st["running"] or st["waiting"] or st["kv_loading"] or st["held"]):
@@ -132,7 +137,15 @@ class Cluster:
                     raise RuntimeError(f"{url}: prefix cache reset refused")
 
 
-def start_engines(group: ProcGroup, n: int, profile: str, time_scale: float, tokenizer: Path) -> list[str]:
+def start_engines(
+    group: ProcGroup,
+    n: int,
+    profile: str,
+    time_scale: float,
+    tokenizer: Path,
+    extra: tuple[str, ...] = (),
+    tag: str = "",
+) -> list[str]:
     urls = []
     procs = []
     for i in range(n):
@@ -140,20 +153,22 @@ def start_engines(group: ProcGroup, n: int, profile: str, time_scale: float, tok
         argv = [
             sys.executable, "-m", "sim", "--role", "both", "--host", "127.0.0.1", "--port", str(port),
             "--kv-port", str(kv_port), "--model", MODEL, "--tokenizer", str(tokenizer),
-            "--max-model-len", "32768", "--profile", profile, "--time-scale", str(time_scale),
+            "--max-model-len", "32768", "--profile", profile, "--time-scale", str(time_scale), *extra,
         ]  # fmt: skip
-        procs.append((group.start(f"engine-{i}", argv, env={"VLLM_SERVER_DEV_MODE": "1"}), port))
+        procs.append((group.start(f"engine{tag}-{i}", argv, env={"VLLM_SERVER_DEV_MODE": "1"}), port))
         urls.append(f"http://127.0.0.1:{port}")
     for proc, port in procs:
         proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=60)
     return urls
 
 
-def pdgate_config(name: str, cluster: Cluster, tokenizer: Path, profile: str, port: int) -> dict[str, Any]:
+def pdgate_config(
+    name: str, cluster: Cluster, tokenizer: Path, profile: str, port: int, end: str | None = None
+) -> dict[str, Any]:
     """The gateway's YAML for one configuration. Times the gateway learns or is told are wall
     times: the cost model's prefill speed and KV link are divided by the time scale."""
     pd = name in PD_CONFIGS
-    eng = engine_settings(profile)
+    eng = engine_settings(profile, end=end)
     scale = cluster.time_scale
     decider: dict[str, Any] = {"name": "token_threshold", "threshold": 1_000_000_000}
     if name == "pd-always":
@@ -164,7 +179,7 @@ def pdgate_config(name: str, cluster: Cluster, tokenizer: Path, profile: str, po
         decider = {
             "name": "cost_model",
             "kv_bytes_per_token": int(eng.get("kv_bytes_per_token", 327680)),
-            "kv_bandwidth_gbps": float(eng.get("kv_bandwidth_gbps") or 400) / scale,
+            "kv_bandwidth_gbps": effective_link_gbps(eng) / scale,
             "prefill_tokens_per_s": 1 / (float(eng.get("prefill_time_per_token") or 1e-4) * scale),
             "pd_overhead_s": (float(eng.get("kv_transfer_latency", 0.0)) + 0.005) * scale,
             "itl_budget_s": 0.05 * scale,  # the SLO's 50 ms, in wall time
@@ -175,15 +190,36 @@ def pdgate_config(name: str, cluster: Cluster, tokenizer: Path, profile: str, po
         "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": 32768}],
         "pools": {
             "prefill": {"endpoints": cluster.prefill if pd else []},
-            "decode": {"endpoints": cluster.decode if pd else cluster.engines},
+            "decode": {
+                "endpoints": cluster.decode
+                if pd
+                else cluster.small_chunk
+                if name == "colocated-2k"
+                else cluster.engines
+            },
         },
         "routing": {"decider": decider},
         "timeouts": {"prefill_s": 900, "decode_first_byte_s": 900, "decode_idle_s": 900},
     }
 
 
+def effective_link_gbps(eng: dict[str, Any]) -> float:
+    """The KV link the cost model is told: the profile's bandwidth with its per-block cost
+    (NIXL descriptors) folded in, as Gbit/s of KV bytes."""
+    bits = float(eng.get("kv_bytes_per_token", 327680)) * 8
+    per_token = bits / (float(eng.get("kv_bandwidth_gbps") or 400) * 1e9)
+    per_token += float(eng.get("kv_transfer_time_per_block", 0.0)) / int(eng.get("block_size", 16))
+    return bits / per_token / 1e9
+
+
 def start_routers(
-    cluster: Cluster, configs: list[str], tokenizer: Path, profile: str, logs: Path, vllm_router: Path | None
+    cluster: Cluster,
+    configs: list[str],
+    tokenizer: Path,
+    profile: str,
+    logs: Path,
+    vllm_router: Path | None,
+    end: str | None = None,
 ) -> None:
     waits = []
     for name in configs:
@@ -206,7 +242,7 @@ def start_routers(
             waits.append((proc, f"http://127.0.0.1:{port}/health"))
         else:
             path = logs / f"{name}.yaml"
-            path.write_text(yaml.safe_dump(pdgate_config(name, cluster, tokenizer, profile, port)))
+            path.write_text(yaml.safe_dump(pdgate_config(name, cluster, tokenizer, profile, port, end)))
             proc = cluster.group.start(name, [sys.executable, "-m", "gateway", "serve", "--config", str(path)])
             waits.append((proc, f"http://127.0.0.1:{port}/ready"))
         cluster.routers[name] = (proc, f"http://127.0.0.1:{port}/v1/completions")
@@ -379,11 +415,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke run under 2 minutes: mix only, one rate, outputs x0.25")
     p.add_argument("--profile", default="llama-3.3-70b-tp8-h100", help="engine profile (sim/profiles)")
     p.add_argument(
+        "--profile-end",
+        choices=("low", "high"),
+        default=None,
+        help="the profile's uncertain settings (its ranges) at their low- or high-cost end",
+    )
+    p.add_argument(
         "--time-scale", type=float, default=None, help="engine time scale (default 0.5: twice the modelled speed)"
     )
     p.add_argument("--engines", type=int, default=2, help="engines per configuration (P/D splits them)")
-    p.add_argument("--prefill-engines", type=int, default=None,
-                   help="of --engines, how many the P/D configurations use for prefill (default: half)")
+    p.add_argument(
+        "--prefill-engines",
+        type=int,
+        default=None,
+        help="of --engines, how many the P/D configurations use for prefill (default: half)",
+    )
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=None)
     p.add_argument("--arrivals", nargs="+", choices=ARRIVALS, default=None)
@@ -445,9 +491,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.time()
     points: list[dict[str, Any]] = []
     try:
-        engines = start_engines(group, args.engines, args.profile, args.time_scale, tokenizer)
+        end_args = ("--profile-end", args.profile_end) if args.profile_end else ()
+        engines = start_engines(group, args.engines, args.profile, args.time_scale, tokenizer, end_args)
         cluster = Cluster(group, engines, args.time_scale, args.prefill_engines)
-        start_routers(cluster, args.configs, tokenizer, args.profile, logs, vr)
+        if "colocated-2k" in args.configs:
+            small = (*end_args, "--max-num-batched-tokens", str(SMALL_CHUNK))
+            cluster.small_chunk = start_engines(
+                group, args.engines, args.profile, args.time_scale, tokenizer, small, "-2k"
+            )
+        start_routers(cluster, args.configs, tokenizer, args.profile, logs, vr, args.profile_end)
         plan = []
         for workload in args.workloads:
             rates = args.rate_for.get(workload) or args.rates or [r * args.engines / 2 for r in DEFAULT_RATES[workload]]
@@ -483,7 +535,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _result(args: argparse.Namespace, vr: Path | None, started: float, points: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "profile": args.profile,
-        "profile_settings": engine_settings(args.profile),
+        "profile_end": args.profile_end,
+        "profile_settings": engine_settings(args.profile, end=args.profile_end),
         "time_scale": args.time_scale,
         "engines": args.engines,
         "prefill_engines": args.prefill_engines,

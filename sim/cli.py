@@ -31,8 +31,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         default=None,
         help="Hugging Face tokenizer folder; without it a token is 4 bytes of UTF-8 (ceil(len/4))",
     )
-    p.add_argument("--max-model-len", type=int, default=d["max_model_len"].default,
-                   help="context length the engine serves (vLLM's flag; prompt + output tokens)")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=d["max_model_len"].default,
+        help="context length the engine serves (vLLM's flag; prompt + output tokens)",
+    )
     p.add_argument("--block-size", type=int, default=d["block_size"].default, help="tokens per KV block")
     p.add_argument(
         "--num-gpu-blocks", type=int, default=d["num_gpu_blocks"].default, help="KV blocks (incl. null block)"
@@ -69,12 +73,27 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         default=0.0,
         help="KV pull link in Gbit/s (with --kv-bytes-per-token; 0: no bandwidth term)",
     )
-    p.add_argument("--kv-transfer-latency", type=float, default=0.0, help="fixed seconds per KV pull")
+    p.add_argument(
+        "--prefill-attention-time",
+        type=float,
+        default=0.0,
+        help="seconds of step time per (prefill chunk token x token it attends to): later chunks cost more",
+    )
+    p.add_argument("--kv-transfer-latency", type=float, default=0.0, help="fixed seconds per KV hand-over")
+    p.add_argument(
+        "--kv-transfer-time-per-block", type=float, default=0.0, help="seconds per pulled KV block (descriptors)"
+    )
     p.add_argument(
         "--profile",
         default=None,
         help="engine profile: a bundled name (" + ", ".join(available()) + ") or a YAML file; "
         "flags given explicitly override it (see sim/profiles/)",
+    )
+    p.add_argument(
+        "--profile-end",
+        choices=("low", "high"),
+        default=None,
+        help="put every uncertain setting of the profile (its ranges) at this end",
     )
     p.add_argument(
         "--time-scale",
@@ -99,8 +118,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         default=d["kv_bytes_per_token"].default,
         help="KV size per token for vllm:nixl_bytes_transferred",
     )
-    p.add_argument("--default-max-tokens", type=int, default=d["default_max_tokens"].default,
-                   help="output tokens of a request that gives no max_tokens (vLLM: 16 for completions)")
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=d["default_max_tokens"].default,
+        help="output tokens of a request that gives no max_tokens (vLLM: 16 for completions)",
+    )
     p.add_argument("--engine-id", default=None, help="NIXL engine id (default: random uuid4)")
     p.add_argument(
         "--enable-request-id-headers",
@@ -159,15 +182,20 @@ def _explicit(argv: list[str] | None) -> set[str]:
 
 def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) -> SimConfig:
     kw = {k: v for k, v in vars(args).items() if v is not None}
+    end = kw.pop("profile_end", None)
+    if end and not kw.get("profile"):
+        raise ValueError("--profile-end needs --profile")
     if kw.get("profile"):
         if argv is not None:
             explicit = _explicit(argv)
         else:  # parsed elsewhere: a value other than the flag's default counts as given
             defaults = vars(build_parser().parse_args([]))
             explicit = {k for k, v in vars(args).items() if v != defaults.get(k)}
-        for k, v in engine_settings(kw["profile"]).items():
+        settings = engine_settings(kw["profile"], end=end)
+        for k, v in settings.items():
             if k not in explicit:
                 kw[k] = v
+        kw["profile"] = settings["profile"]  # NAME@low / NAME@high: what /sim/state reports
     if "kv_events_config" in kw:
         kw["kv_events_config"] = KVEventsConfig.from_json(kw["kv_events_config"])
     if "faults" in kw:

@@ -40,8 +40,13 @@ class SimConfig:
     step_base_time: float = 0.0  # fixed cost of any step (weights read once per step)
     decode_time_per_seq: float = 0.0  # each decoding seq in the step
     context_time_per_token: float = 0.0  # each KV token the step's decoding seqs attend to
+    # A prefill chunk's attention: per (chunk token x token it attends to); a chunk of c tokens
+    # after p computed ones attends to ~c * (p + c / 2) pairs, so later chunks of a long prompt
+    # cost more than the first.
+    prefill_attention_time: float = 0.0
     kv_bandwidth_gbps: float = 0.0  # KV pull link (0: no bandwidth term); with kv_bytes_per_token
-    kv_transfer_latency: float = 0.0  # fixed cost of one KV pull (handshake, descriptors, notify)
+    kv_transfer_latency: float = 0.0  # fixed cost of one hand-over (handshake, notify, scheduling)
+    kv_transfer_time_per_block: float = 0.0  # each pulled KV block (descriptors per block: block size matters)
     time_scale: float = 1.0  # every simulated duration is multiplied by this (0.1: 10x faster than real)
     profile: str | None = None  # the profile the timings came from (sim/profiles), for /sim/state
     kv_host: str | None = None
@@ -83,8 +88,10 @@ class SimConfig:
             "step_base_time",
             "decode_time_per_seq",
             "context_time_per_token",
+            "prefill_attention_time",
             "kv_bandwidth_gbps",
             "kv_transfer_latency",
+            "kv_transfer_time_per_block",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
@@ -128,16 +135,21 @@ class SimConfig:
                 self.step_base_time,
                 self.decode_time_per_seq,
                 self.context_time_per_token,
+                self.prefill_attention_time,
                 self.kv_bandwidth_gbps,
                 self.kv_transfer_latency,
+                self.kv_transfer_time_per_block,
             )
         )
 
-    def step_time(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
+    def step_time(
+        self, prefill_tokens: int, decode_seqs: int, context_tokens: int, prefill_pairs: float = 0.0
+    ) -> float:
         """Wall seconds of one engine step (already time-scaled). A step carries the running
         decodes and the prefill chunks together, so a long chunk lengthens every stream's
-        next token: the interference disaggregation removes."""
-        t = prefill_tokens * self.prefill_time_per_token
+        next token: the interference disaggregation removes. ``prefill_pairs``: the chunks'
+        attention work, ``sum(chunk * (prefix + chunk / 2))`` (:func:`attention_pairs`)."""
+        t = prefill_tokens * self.prefill_time_per_token + prefill_pairs * self.prefill_attention_time
         if decode_seqs:
             t += (
                 self.decode_time_per_token
@@ -153,12 +165,29 @@ class SimConfig:
         if tokens <= 0:
             return 0.0
         t = tokens * self.kv_transfer_time_per_token + self.kv_transfer_latency
+        t += -(-tokens // self.block_size) * self.kv_transfer_time_per_block
         if self.kv_bandwidth_gbps:
             t += tokens * self.kv_bytes_per_token * 8 / (self.kv_bandwidth_gbps * 1e9)
         return t * self.time_scale
+
+    def prefill_time(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
+        """Wall seconds to prefill one prompt alone (no decodes in its steps), chunked by
+        ``max_num_batched_tokens`` as the engine does it: what the calibration checks."""
+        t, done = 0.0, cached_tokens
+        while done < prompt_tokens:
+            chunk = min(self.max_num_batched_tokens, prompt_tokens - done)
+            t += self.step_time(chunk, 0, 0, attention_pairs(chunk, done))
+            done += chunk
+        return t
 
     def accepts_prefill_legs(self) -> bool:
         return self.role in ("prefill", "both")
 
     def accepts_decode_legs(self) -> bool:
         return self.role in ("decode", "both")
+
+
+def attention_pairs(chunk: int, prefix: int) -> float:
+    """Causal attention work of a ``chunk``-token prefill after ``prefix`` computed tokens:
+    each chunk token attends to the prefix and to the chunk tokens before it."""
+    return chunk * (prefix + (chunk + 1) / 2)

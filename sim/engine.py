@@ -10,9 +10,11 @@ Model (a small cousin of vLLM's v1 scheduler):
   (``max_num_batched_tokens``) and free KV blocks: vLLM's continuous batching with chunked
   prefill (running seqs first, then new ones; a prompt longer than the budget is prefilled
   in chunks over several steps). A step lasts (:meth:`SimConfig.step_time`)
-  ``step_base_time + prefill_tokens * prefill_time_per_token`` plus, when any seq decodes,
-  ``decode_time_per_token + decode_seqs * decode_time_per_seq + context * context_time_per_token``
-  (context: the KV tokens the decoding seqs attend to), times ``time_scale``. So a long
+  ``step_base_time + prefill_tokens * prefill_time_per_token + pairs * prefill_attention_time``
+  (pairs: each prefill chunk's ``chunk * (prefix + chunk / 2)``, its attention over what is already
+  computed and itself) plus, when any seq decodes, ``decode_time_per_token + decode_seqs *
+  decode_time_per_seq + context * context_time_per_token`` (context: the KV tokens the decoding
+  seqs attend to), times ``time_scale``. So a long
   prefill chunk stalls every decoding stream in the same engine (the interference that P/D
   disaggregation removes). A seq that has computed all its tokens samples one. Profiles
   (``sim/profiles/*.yaml``, :mod:`sim.profiles`) set these from a model and GPU shape.
@@ -32,8 +34,9 @@ Model (a small cousin of vLLM's v1 scheduler):
   with heartbeats.
 * Decode leg (``do_remote_prefill``): once admitted it takes its local prefix hit, allocates
   blocks for the rest of its prompt and pulls only those blocks' KV over the side channel
-  (:mod:`sim.kv`): a read, the transfer time (``kv_transfer_latency`` + per token
-  ``kv_transfer_time_per_token`` + ``kv_bytes_per_token`` over ``kv_bandwidth_gbps``), then a
+  (:mod:`sim.kv`): a read, the transfer time (``kv_transfer_latency`` + per block
+  ``kv_transfer_time_per_block`` + per token ``kv_transfer_time_per_token`` +
+  ``kv_bytes_per_token`` over ``kv_bandwidth_gbps``), then a
   notify that frees the remote blocks.
   The pulled tokens count as ``external_kv_transfer``; the pulled full blocks enter the local
   prefix cache (as vLLM caches them once loaded); it recomputes the last prompt token and decodes.
@@ -70,7 +73,7 @@ from typing import Any
 
 import orjson
 
-from sim.config import SimConfig
+from sim.config import SimConfig, attention_pairs
 from sim.faults import Faults
 from sim.kv import KVClient, KVError
 from sim.kv_events import EventSink
@@ -554,12 +557,14 @@ class Engine:
                 continue
 
             decode_seqs = context = 0
-            if decode_tokens:
-                for seq, chunk in batch:
-                    if not seq.in_prefill:
-                        decode_seqs += 1
-                        context += seq.num_computed + chunk
-            await asyncio.sleep(cfg.step_time(prefill_tokens, decode_seqs, context))
+            pairs = 0.0
+            for seq, chunk in batch:
+                if not seq.in_prefill:
+                    decode_seqs += 1
+                    context += seq.num_computed + chunk
+                elif cfg.prefill_attention_time:
+                    pairs += attention_pairs(chunk, seq.num_computed)
+            await asyncio.sleep(cfg.step_time(prefill_tokens, decode_seqs, context, pairs))
 
             now = _now()
             generated = 0

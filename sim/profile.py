@@ -2,8 +2,13 @@
 
 A profile (``sim/profiles/NAME.yaml``, or any file) has an ``engine`` section of
 :class:`sim.config.SimConfig` fields plus documentation-only sections (``model``,
-``hardware``, ``sources``) saying where each number comes from. ``pdgate sim --profile NAME``
-starts from it; flags given on the command line override it.
+``hardware``, ``sources``) saying where each number comes from. Where a number is uncertain,
+``ranges`` gives its value at the low-cost and at the high-cost end of what the sources allow
+(``[cheap, costly]``: for a bandwidth the larger number comes first); ``engine`` holds the
+central value, and benchmarks run at both ends with ``end="low"`` / ``end="high"``.
+``checks`` are measured cases the model must reproduce
+(:mod:`sim.calibration`). ``pdgate sim --profile NAME`` starts from it; flags given on the
+command line override it.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from typing import Any
 import yaml
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
-_DOC_KEYS = {"name", "description", "model", "hardware", "sources"}
+_DOC_KEYS = {"name", "description", "model", "hardware", "sources", "checks"}
+ENDS = ("low", "high")
 
 
 def available() -> list[str]:
@@ -43,18 +49,37 @@ def load(name_or_path: str) -> dict[str, Any]:
     doc = yaml.safe_load(path.read_text()) or {}
     if not isinstance(doc, dict) or not isinstance(doc.get("engine"), dict):
         raise ValueError(f"profile {path.name}: needs an 'engine' mapping")
-    unknown = set(doc) - _DOC_KEYS - {"engine"}
+    unknown = set(doc) - _DOC_KEYS - {"engine", "ranges"}
     if unknown:
         raise ValueError(f"profile {path.name}: unknown top-level keys {sorted(unknown)}")
     known = {f.name for f in fields(SimConfig)} - {"profile", "time_scale", "faults", "kv_events_config"}
     bad = set(doc["engine"]) - known
     if bad:
         raise ValueError(f"profile {path.name}: unknown engine settings {sorted(bad)}")
+    ranges = doc.setdefault("ranges", {}) or {}
+    if not isinstance(ranges, dict):
+        raise ValueError(f"profile {path.name}: ranges must be a mapping of engine settings to [low, high]")
+    for key, span in ranges.items():
+        if key not in doc["engine"]:
+            raise ValueError(f"profile {path.name}: range for {key!r}, which the engine section does not set")
+        ok = isinstance(span, list) and len(span) == 2 and all(isinstance(v, (int, float)) for v in span)
+        if not ok or not min(span) <= doc["engine"][key] <= max(span):
+            raise ValueError(
+                f"profile {path.name}: ranges.{key} must be [low-cost value, high-cost value] around the engine's value"
+            )
+    doc["ranges"] = ranges
     doc.setdefault("name", path.stem)
     return doc
 
 
-def engine_settings(name_or_path: str) -> dict[str, Any]:
-    """The profile's ``SimConfig`` keyword arguments (plus ``profile``: its name)."""
+def engine_settings(name_or_path: str, end: str | None = None) -> dict[str, Any]:
+    """The profile's ``SimConfig`` keyword arguments (plus ``profile``: its name, with
+    ``@low``/``@high`` when ``end`` puts every ranged setting at its low- or high-cost end)."""
+    if end is not None and end not in ENDS:
+        raise ValueError(f"end must be one of {', '.join(ENDS)}, got {end!r}")
     doc = load(name_or_path)
-    return {**doc["engine"], "profile": str(doc["name"])}
+    settings = dict(doc["engine"])
+    if end is not None:
+        settings.update({k: span[ENDS.index(end)] for k, span in doc["ranges"].items()})
+    name = str(doc["name"]) + (f"@{end}" if end else "")
+    return {**settings, "profile": name}

@@ -12,7 +12,7 @@ import pytest
 from sim import profile
 from sim.app import SimState, create_app
 from sim.cli import build_parser, config_from_args
-from sim.config import SimConfig
+from sim.config import SimConfig, attention_pairs
 from sim.engine import Collector, Seq
 
 
@@ -29,6 +29,13 @@ def test_step_time_terms():
     assert cfg.step_time(0, 4, 1000) == pytest.approx(0.01 + 0.002 + 0.004 + 0.001)
     # A prefill chunk and decodes in one step: every decoding stream waits for the chunk.
     assert cfg.step_time(8192, 4, 1000) == pytest.approx(0.01 + 0.8192 + 0.002 + 0.004 + 0.001)
+    # A chunk's attention over what is computed before it: later chunks of a long prompt cost more.
+    attn = SimConfig(prefill_attention_time=1e-9, max_num_batched_tokens=1000, max_model_len=4000)
+    assert attention_pairs(1000, 0) == 1000 * 500.5 and attention_pairs(1000, 2000) == 1000 * 2500.5
+    assert attn.step_time(1000, 0, 0, attention_pairs(1000, 2000)) == pytest.approx(2.5005e-3)
+    # A 3000-token prompt alone: three chunks, each attending to more than the one before.
+    assert attn.prefill_time(3000) == pytest.approx(1e-9 * 1000 * (500.5 + 1500.5 + 2500.5))
+    assert attn.prefill_time(3000, cached_tokens=2000) == pytest.approx(2.5005e-3)  # a cached prefix is not redone
     half = SimConfig(step_base_time=0.01, prefill_time_per_token=1e-4, time_scale=0.5)
     assert half.step_time(100, 0, 0) == pytest.approx(0.01)
     assert not half.instant and SimConfig().instant
@@ -45,6 +52,10 @@ def test_kv_transfer_time():
     assert cfg.kv_transfer_time(0) == 0
     assert SimConfig(kv_transfer_time_per_token=1e-5).kv_transfer_time(1000) == pytest.approx(0.01)
     assert SimConfig(kv_transfer_latency=0.01, time_scale=0.1).kv_transfer_time(1) == pytest.approx(0.001)
+    # Per block (NIXL descriptors): the same prompt costs 4x less of it in blocks of 64 than of 16.
+    b16 = SimConfig(kv_transfer_time_per_block=1e-3, block_size=16)
+    b64 = SimConfig(kv_transfer_time_per_block=1e-3, block_size=64)
+    assert b16.kv_transfer_time(1000) == pytest.approx(63e-3) and b64.kv_transfer_time(1000) == pytest.approx(16e-3)
 
 
 @pytest.mark.parametrize("name", profile.available())
@@ -82,7 +93,7 @@ def test_cli_profile_then_explicit_flags():
     argv = ["--profile", "llama-3.3-70b-tp8-h100", "--time-scale", "0.25", "--max-num-seqs", "7"]
     cfg = config_from_args(build_parser().parse_args(argv), argv)
     assert cfg.profile == "llama-3.3-70b-tp8-h100" and cfg.time_scale == 0.25
-    assert cfg.step_base_time == 0.011 and cfg.num_gpu_blocks == 76900
+    assert cfg.step_base_time == 0.0105 and cfg.num_gpu_blocks == 76900
     assert cfg.max_num_seqs == 7  # the flag wins over the profile's 1024
     # Parsed elsewhere (no argv): a value other than the flag's default counts as given.
     cfg = config_from_args(build_parser().parse_args(["--profile", "fast", "--block-size", "32"]))
@@ -170,3 +181,19 @@ async def test_render_routes_answer_like_vllm():
         r = await c.post("/v1/completions/render", content=b"{}", headers={"content-type": "text/plain"})
         assert r.status_code == 400
         assert (await c.get("/sim/requests")).json()["requests"] == []
+
+
+async def test_engine_charges_each_chunk_its_attention():
+    """A 3000-token prompt in 1000-token chunks: the engine's steps take at least the model's
+    1000 * (500.5 + 1500.5 + 2500.5) pairs of attention (0.45 s); a flat per-token cost would be 0."""
+    cfg = SimConfig(prefill_attention_time=1e-7, max_num_batched_tokens=1000, max_model_len=4096, num_gpu_blocks=512)
+    state = SimState(cfg)
+    await state.start()
+    try:
+        seq = Seq("p", [3] * 3000, 1, collector=Collector(1))
+        t0 = asyncio.get_running_loop().time()
+        state.engine.submit(seq)
+        await asyncio.wait_for(seq.collector.done, 10)
+        assert asyncio.get_running_loop().time() - t0 >= cfg.prefill_time(3000) * 0.95
+    finally:
+        await state.stop()
