@@ -81,7 +81,7 @@ async def _attack(kind: str, port: int, seen: Counter[str], stop: asyncio.Event)
         "endless_header": b"GET /health HTTP/1.1\r\nHost: x\r\nX-E: ",
         "slowloris": b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ",
         "stalled_body": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b'Content-Length: 1000\r\n\r\n{"model":',
+                        b"Content-Length: 1000\r\n\r\n{\"model\":",
     }
     while not stop.is_set():
         try:
@@ -144,16 +144,8 @@ async def _one(session: aiohttp.ClientSession, url: str, i: int, timeout: float)
         return "unclear", "none", ""
 
 
-async def _load(
-    gateway: str,
-    sims: dict[str, list[str]],
-    n: int,
-    concurrency: int,
-    timeout: float,
-    gateway_pid: int,
-    attackers: dict[str, int],
-    redis: Any = None,
-) -> Report:
+async def _load(gateway: str, sims: dict[str, list[str]], n: int, concurrency: int, timeout: float,
+                gateway_pid: int, attackers: dict[str, int], redis: Any = None) -> Report:
     url = gateway + "/v1/chat/completions"
     outcomes: Counter[str] = Counter()
     paths: Counter[str] = Counter()
@@ -169,7 +161,6 @@ async def _load(
     hostile = [asyncio.create_task(_attack(kind, port, seen, stop)) for kind, k in attackers.items() for _ in range(k)]
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
-
         async def worker() -> None:
             nonlocal done
             for i in todo:
@@ -202,77 +193,35 @@ async def _load(
         await asyncio.sleep(0.5)
         async with session.get(gateway + "/metrics") as resp:
             metrics = await resp.text()
-    in_flight = sum(
-        int(float(line.rsplit(" ", 1)[1]))
-        for line in metrics.splitlines()
-        if line.startswith("pdgate_endpoint_in_flight_requests{")
-    )
+    in_flight = sum(int(float(line.rsplit(" ", 1)[1])) for line in metrics.splitlines()
+                    if line.startswith("pdgate_endpoint_in_flight_requests{"))
     latencies.sort()
-    pct = (
-        {f"p{q}": round(latencies[min(len(latencies) - 1, int(q / 100 * len(latencies)))] * 1000, 1) for q in (50, 99)}
-        if latencies
-        else {}
-    )
-    return Report(
-        n,
-        concurrency,
-        killed,
-        dict(outcomes),
-        dict(paths),
-        dict(failovers),
-        in_flight,
-        rss,
-        round(seconds, 1),
-        pct,
-        dict(seen),
-        redis is not None,
-    )
+    pct = {f"p{q}": round(latencies[min(len(latencies) - 1, int(q / 100 * len(latencies)))] * 1000, 1)
+           for q in (50, 99)} if latencies else {}
+    return Report(n, concurrency, killed, dict(outcomes), dict(paths), dict(failovers), in_flight, rss,
+                  round(seconds, 1), pct, dict(seen), redis is not None)
 
 
-def run(
-    n: int, concurrency: int, timeout: float, logs: Path, attackers: dict[str, int] | None = None, redis: bool = False
-) -> Report:
+def run(n: int, concurrency: int, timeout: float, logs: Path, attackers: dict[str, int] | None = None,
+        redis: bool = False) -> Report:
     tokenizer = build_tokenizer(cache_dir() / "demo-tokenizer")
     group = ProcGroup(logs)
     try:
         redis_proc, state = None, {}
         if redis:
             redis_port = free_port()
-            redis_proc = group.start(
-                "redis",
-                ["redis-server", "--bind", "127.0.0.1", "--port", str(redis_port), "--save", "", "--appendonly", "no"],
-            )
+            redis_proc = group.start("redis", ["redis-server", "--bind", "127.0.0.1", "--port", str(redis_port),
+                                               "--save", "", "--appendonly", "no"])
             state = {"state": {"backend": "redis", "url": f"redis://127.0.0.1:{redis_port}/0"}}
         sims: dict[str, list[str]] = {"prefill": [], "decode": []}
         for pool in ("prefill", "decode"):
             for _ in range(2):
                 port, kv = free_port(), free_port()
-                proc = group.start(
-                    f"{pool}-{port}",
-                    [
-                        sys.executable,
-                        "-m",
-                        "sim",
-                        "--role",
-                        pool,
-                        "--port",
-                        str(port),
-                        "--kv-port",
-                        str(kv),
-                        "--model",
-                        MODEL,
-                        "--tokenizer",
-                        str(tokenizer),
-                        "--max-model-len",
-                        "4096",
-                        "--decode-time-per-token",
-                        "0.002",
-                        "--prefill-time-per-token",
-                        "0.00001",
-                        "--kv-expiry",
-                        "5",
-                    ],
-                )
+                proc = group.start(f"{pool}-{port}", [
+                    sys.executable, "-m", "sim", "--role", pool, "--port", str(port), "--kv-port", str(kv),
+                    "--model", MODEL, "--tokenizer", str(tokenizer), "--max-model-len", "4096",
+                    "--decode-time-per-token", "0.002", "--prefill-time-per-token", "0.00001", "--kv-expiry", "5",
+                ])
                 proc.wait_http(f"http://127.0.0.1:{port}/health")
                 sims[pool].append(f"http://127.0.0.1:{port}")
         port = free_port()
@@ -288,9 +237,8 @@ def run(
         (logs / "gateway.yaml").write_text(yaml.safe_dump(cfg))
         gw = group.start("gateway", [sys.executable, "-m", "gateway", "serve", "--config", str(logs / "gateway.yaml")])
         gw.wait_http(f"http://127.0.0.1:{port}/ready", timeout=60)
-        return asyncio.run(
-            _load(f"http://127.0.0.1:{port}", sims, n, concurrency, timeout, gw.pid, attackers or {}, redis_proc)
-        )
+        return asyncio.run(_load(f"http://127.0.0.1:{port}", sims, n, concurrency, timeout, gw.pid,
+                                 attackers or {}, redis_proc))
     finally:
         group.stop_all()
 

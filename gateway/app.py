@@ -32,6 +32,7 @@ from policies.prefix_learning import InFlightPrefixes, PrefixBeliefs
 from .admission import Gate, LoopLag, SharedGate
 from .auth import authorize, authorize_admin
 from .config import AdminConfig, GatewayConfig
+from .demand import Demand, DemandPlanner
 from .discovery import Discovery
 from .enginestats import StatsScraper
 from .errors import APIError, error_response
@@ -180,7 +181,7 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
                                  estimates.prefill_s_per_token, models)
         engines = make_client(cfg.engines)
         res = Resources(session, engines, pools, index, shared, subs, discovery, models,
-                        Learners(beliefs, estimates, BeliefAudit(metrics)), metrics)
+                        Learners(beliefs, estimates, BeliefAudit(metrics), Demand()), metrics)
         services = Services(pools, metrics, Tracing(cfg.telemetry.tracing, span_exporter),
                             AccessLog(cfg.telemetry.access_log, access_sink),
                             SharedGate(cfg.admission.max_in_flight, worker.slots, worker.lock, worker.index)
@@ -213,6 +214,8 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         watcher = ConfigWatcher(config_path, version, apply, reload_result) if config_path else None
         gw = Gateway(_runtime(cfg, version, res, toks, admin_token(cfg.admin)), services, watcher=watcher,
                      feeds=res.subs.all, shared=shared, discovery=discovery, models=models, bus=bus)
+        planner = DemandPlanner(res.learners.demand, lambda: gw.runtime.cfg, lambda: bool(pools.prefill))
+        metrics.watch_planner(planner.exported)
         if bus:
             await bus.start(metrics.render)
         await res.subs.update(cfg)
@@ -222,6 +225,7 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         await health.start()
         scraper.start()
         services.lag.start()
+        planner.start()
         if watcher:
             watcher.start()
         if collector:
@@ -236,7 +240,8 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
             # takes at most one bound, never the sum, and never hangs.
             await asyncio.gather(*(stop() for stop in (
                 *((watcher.stop,) if watcher else ()), scraper.stop, discovery.close, health.stop, res.subs.close,
-                *((shared.stop,) if shared else ()), *((bus.stop,) if bus else ()), services.releaser.close)),
+                *((shared.stop,) if shared else ()), *((bus.stop,) if bus else ()), services.releaser.close,
+                planner.stop)),
                 return_exceptions=True)
             services.gate.close()
             await services.lag.stop()
@@ -378,10 +383,11 @@ class Learners:
     beliefs: PrefixBeliefs  # what each engine holds in its prefix cache
     estimates: EngineEstimates  # prefill speeds and P/D hand-over times
     audit: BeliefAudit  # how far routing's beliefs are from what the engines report
+    demand: Demand  # what the traffic asks of the engines (the live planner's input)
 
     def subscribers(self) -> list[tuple[str, object]]:
         return [("prefix_beliefs", self.beliefs), ("engine_estimates", self.estimates),
-                ("belief_audit", self.audit)]
+                ("belief_audit", self.audit), ("demand", self.demand)]
 
     def forget(self, url: str) -> None:
         """``url`` left the configuration."""

@@ -116,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         from sim.cli import main as sim_main
 
         return sim_main(argv[1:])
+    if argv[:1] == ["plan"]:  # so does the planner
+        from sim.plan_cli import main as plan_main
+
+        return plan_main(argv[1:])
 
     parser = argparse.ArgumentParser(prog="pdgate", description="Disaggregated prefill/decode gateway for vLLM")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -141,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.set_defaults(func=_demo)
 
     sub.add_parser("sim", help="run one simulated vLLM engine (see `pdgate sim --help`)")
+    sub.add_parser("plan", help="how many prefill and decode engines for a workload and SLO (`pdgate plan --help`)")
 
     check = sub.add_parser("check-config", help="validate a config file (and load its models' tokenizers) and exit")
     check.add_argument("config")

@@ -435,6 +435,53 @@ class AdmissionConfig(_Strict):
     retry_after_s: float = Field(1.0, gt=0, description="the Retry-After a 429 carries")
 
 
+class PlannerSLO(_Strict):
+    """The SLO of requests up to ``max_prompt_tokens`` prompt tokens (None: any length)."""
+
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    ttft_s: float = Field(gt=0)
+    itl_p90_s: float = Field(gt=0)
+    itl_p99_s: float = Field(0.1, gt=0, description="with tail: true, each stream's p99 gap")
+
+
+class PlannerConfig(_Strict):
+    """The live planner (sim/planner.py): from the traffic of the last ``window_s``, the engines
+    each pool needs to meet the SLOs, published as pdgate_pool_desired_engines{pool} for an
+    autoscaler. Off by default; its engine model comes from a simulator profile."""
+
+    enabled: bool = False
+    profile: str = Field("llama-3.3-70b-tp8-h100", description="a bundled profile name or a profile file")
+    profile_end: Literal["low", "high"] | None = Field(None, description="the profile's uncertain terms at this end")
+    window_s: float = Field(300.0, ge=10, le=3600, description="traffic considered")
+    interval_s: float = Field(30.0, ge=1, le=600, description="how often the recommendation is recomputed")
+    max_requests: int = Field(1000, ge=10, le=20000, description="a larger window is sampled down to this many")
+    target: float = Field(0.9, gt=0, le=1, description="share of requests that must meet their SLO")
+    tail: bool = Field(False, description="also hold each stream's p99 gap to itl_p99_s")
+    pd_threshold: int | None = Field(None, ge=1, description="prompts from this many tokens go P/D (default: "
+                                     "routing's token_threshold, else 4096); ignored without a prefill pool")
+    slos: list[PlannerSLO] = Field(
+        default_factory=lambda: [
+            PlannerSLO(max_prompt_tokens=4095, ttft_s=1.0, itl_p90_s=0.05),
+            PlannerSLO(ttft_s=3.0, itl_p90_s=0.05),
+        ],
+        min_length=1,
+        max_length=16,
+    )
+
+    @model_validator(mode="after")
+    def _checked(self) -> PlannerConfig:
+        if self.slos[-1].max_prompt_tokens is not None:
+            raise ValueError("planner.slos: the last SLO must cover any length (no max_prompt_tokens)")
+        bounds = [s.max_prompt_tokens for s in self.slos[:-1]]
+        if any(b is None for b in bounds) or bounds != sorted(set(bounds)):  # type: ignore[type-var]
+            raise ValueError("planner.slos: max_prompt_tokens must increase, and only the last SLO may omit it")
+        if self.enabled:
+            from sim import profile  # the simulator package ships with the gateway
+
+            profile.engine_settings(self.profile, end=self.profile_end)  # a bad profile fails the config
+        return self
+
+
 class LimitsConfig(_Strict):
     """Per-request limits beyond the model's own (0: none)."""
 
@@ -570,6 +617,7 @@ class GatewayConfig(_Strict):
     state: StateConfig = StateConfig()
     admission: AdmissionConfig = AdmissionConfig()
     limits: LimitsConfig = LimitsConfig()
+    planner: PlannerConfig = PlannerConfig()
     auth: AuthConfig = AuthConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
 

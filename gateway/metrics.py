@@ -183,6 +183,10 @@ class GatewayMetrics:
     def rejected(self, reason: str) -> None:
         self._child(self.rejections, reason).inc()
 
+    def watch_planner(self, exported: Callable[[], dict[str, Any] | None]) -> None:
+        """Export the live planner's recommendation (gateway/demand.py), read at scrape time."""
+        self.registry.register(_PlannerCollector(exported))
+
     def hook_failed(self, subscriber: str, hook: str) -> None:
         self.hook_errors.labels(subscriber, hook).inc()
 
@@ -374,6 +378,35 @@ class BeliefAudit:
         m._child(m.belief_checks, leg.leg, result).inc()
         if error:
             m._child(m.belief_error, leg.leg, result).observe(abs(error))
+
+
+class _PlannerCollector:
+    """The engines each pool needs for this gateway's traffic (planner.enabled), in fractions of an
+    engine: sum them over gateway replicas and scale each pool to the ceiling."""
+
+    def __init__(self, exported: Callable[[], dict[str, Any] | None]) -> None:
+        self._exported = exported
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        rec = self._exported()
+        if rec is None:
+            return
+        desired = GaugeMetricFamily("pdgate_pool_desired_engines", "Engines the pool needs for this gateway's "
+                                    "share of the traffic to meet the planner's SLOs (fractional: sum over "
+                                    "replicas)", labels=["pool"])
+        desired.add_metric(["prefill"], rec["prefill"])
+        desired.add_metric(["decode"], rec["decode"])
+        seen = GaugeMetricFamily("pdgate_planner_window_requests", "Requests the planner's last answer was for")
+        seen.add_metric([], rec["requests"])
+        took = GaugeMetricFamily("pdgate_planner_compute_seconds", "How long the planner's last answer took")
+        took.add_metric([], rec["compute_s"])
+        unmet = GaugeMetricFamily("pdgate_planner_unmet", "1 when no number of engines the model considers "
+                                  "meets the SLOs for this traffic (the desired figures are then 0: scale by hand)")
+        unmet.add_metric([], rec["unmet"])
+        yield from (desired, seen, took, unmet)
 
 
 class _AdmissionCollector:

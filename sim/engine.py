@@ -67,7 +67,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -246,8 +246,11 @@ class Engine:
         kv_client: KVClient | None = None,
         publisher: EventSink | None = None,
         faults: Faults | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock``: what timestamps requests (a fleet on a virtual clock passes its loop's)."""
         self.cfg = cfg
+        self._clock = clock
         self.faults = faults
         self.m = metrics
         self.vocab = vocab
@@ -360,7 +363,7 @@ class Engine:
         self._free(seq)
         seq.state = FINISHED
         seq.finish_reason = "abort"
-        seq.finished_t = _now()
+        seq.finished_t = self._clock()
         if seq.kind == DECODE and not seq.kv_pulled and state == WAITING:
             # Never scheduled: tell the prefill engine to drop its blocks (vLLM sends a
             # notification with no read for requests aborted before their transfer).
@@ -482,7 +485,7 @@ class Engine:
             budget = cfg.max_num_batched_tokens
             prefill_tokens = 0
             decode_tokens = 0
-            now = _now()
+            now = self._clock()
 
             for seq in list(self.running):
                 if seq.state != RUNNING:
@@ -566,7 +569,7 @@ class Engine:
                     pairs += attention_pairs(chunk, seq.num_computed)
             await asyncio.sleep(cfg.step_time(prefill_tokens, decode_seqs, context, pairs))
 
-            now = _now()
+            now = self._clock()
             generated = 0
             for seq, chunk in batch:
                 if seq.state != RUNNING:
@@ -822,7 +825,7 @@ class Engine:
             groups = [g[first_block:] if isinstance(g, list) else g for g in groups]
         read_done = False
         try:
-            t0 = _now()
+            t0 = self._clock()
             try:
                 reply = await self.kv.call(
                     host,
@@ -867,12 +870,12 @@ class Engine:
                 self._load_failed(seq, "KV transfer failed: the prefill engine refused the read")
                 return
             read_done = True
-            post = _now() - t0
+            post = self._clock() - t0
             n_ext = seq.prompt_len - seq.num_computed  # num_computed: the local hit
             wait = cfg.kv_transfer_time(n_ext)
             if wait:
                 await asyncio.sleep(wait)
-            xfer = _now() - t0
+            xfer = self._clock() - t0
             expected = block_chain(seq.prompt_ids, int(reply.get("block_size") or cfg.block_size))[first_block:]
             tags = reply.get("tags") or []
             if tags[: len(expected)] != expected:
@@ -902,7 +905,7 @@ class Engine:
 
     def _fail(self, seq: Seq, why: str) -> None:
         seq.error = why
-        self._finish(seq, "error", _now())
+        self._finish(seq, "error", self._clock())
 
     def _load_failed(self, seq: Seq, why: str) -> None:
         """A decode leg's KV pull failed: count it, then apply ``kv_load_failure_policy``."""

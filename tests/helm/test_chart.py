@@ -547,3 +547,27 @@ def test_gateway_workers_follow_the_cpu_request(tools: Tools, values, workers):
     docs = render(tools, *values)
     config = yaml.safe_load(find(docs, "ConfigMap", "pdgate-gateway")["data"]["config.yaml"])
     assert config["server"]["workers"] == workers
+
+
+def test_planner_signal_scales_each_pool_toward_the_desired_split(tools: Tools, tmp_path):
+    """autoscaling.signal=planner: the gateway runs its live planner and both pools follow
+    pdgate_pool_desired_engines (summed over gateway replicas, one replica per unit)."""
+    big = ROOT / "deploy" / "values-llama-3.3-70b.yaml"
+    docs = render(tools, "--set", "autoscaling.signal=planner", "--set", "planner.tail=true", values=big)
+    path = tmp_path / "config.yaml"
+    path.write_text(find(docs, "ConfigMap", "pdgate-gateway")["data"]["config.yaml"])
+    cfg = load_config(path)
+    assert cfg.planner.enabled and cfg.planner.tail and cfg.planner.profile == "llama-3.3-70b-tp8-h100"
+    for pool in ("prefill", "decode"):
+        hpa = find(docs, "HorizontalPodAutoscaler", f"pdgate-{pool}")
+        assert _hpa_metrics(hpa) == [("pdgate_pool_desired_engines", {"pool": pool},
+                                      {"type": "AverageValue", "averageValue": "1"})]
+    docs = render(tools, "--set", "autoscaling.signal=planner", "--set", "autoscaling.backend=keda", values=big)
+    trigger = find(docs, "ScaledObject", "pdgate-decode")["spec"]["triggers"]
+    assert [(t["metricType"], t["metadata"]["query"], t["metadata"]["threshold"]) for t in trigger] == [
+        ("AverageValue", 'sum(pdgate_pool_desired_engines{namespace="llm",pool="decode"})', "1")]
+    # the default: the pools' own signals, and no planner in the gateway
+    cfg = yaml.safe_load(find(render(tools, values=big), "ConfigMap", "pdgate-gateway")["data"]["config.yaml"])
+    assert "planner" not in cfg
+    bad = helm_template(tools, "--set", "autoscaling.signal=guess")
+    assert bad.returncode != 0 and "signal" in bad.stderr

@@ -152,6 +152,13 @@ every GPU worker (one per tensor parallel rank): the pod's L1 is split over them
 {{- else if gt (int $v.gateway.replicas) 1 }}
 {{- fail "gateway.replicas > 1 needs shared state: set redis.enabled=true, redis.url or redis.urlSecret.name" }}
 {{- end }}
+{{- if or $v.planner.enabled (eq $v.autoscaling.signal "planner") }}
+{{- $pl := dict "enabled" true "profile" $v.planner.profile "target" $v.planner.target "tail" $v.planner.tail "window_s" $v.planner.windowSeconds }}
+{{- if $v.planner.slos }}
+{{- $_ := set $pl "slos" $v.planner.slos }}
+{{- end }}
+{{- $_ := set $cfg "planner" $pl }}
+{{- end }}
 {{- if $v.gateway.apiKeysSecret.name }}
 {{- $_ := set $cfg "auth" (dict "api_keys_env" "PDGATE_API_KEYS") }}
 {{- end }}

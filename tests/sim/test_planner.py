@@ -1,0 +1,69 @@
+"""The planner: its analytical model, its search against brute-force simulation, its CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from sim import planner, profile, workload
+from sim.fleet import Layout
+from sim.planner import Candidate
+
+H100 = profile.engine_settings("llama-3.3-70b-tp8-h100")
+
+
+def test_the_model_sees_load_and_interference():
+    jobs1 = workload.load("mix").jobs(2.0, 120, seed=0)
+    jobs4 = workload.load("mix").jobs(8.0, 30, seed=0)  # the same requests, 4x the rate
+    colo1 = Candidate(Layout(0, 1, "colocated"))
+    pd = Candidate(Layout(1, 1, "threshold", 4096))
+    a = planner.estimate(H100, colo1, jobs1, 120, tail=False)
+    b = planner.estimate(H100, colo1, jobs4, 30, tail=False)
+    assert a.attainment > b.attainment  # more load, fewer within the SLO
+    # The tail SLO (p99 ITL) is where long prompts' chunks hurt a colocated engine, not P/D's decode pool.
+    assert planner.estimate(H100, colo1, jobs1, 120, tail=True).attainment < 0.6
+    assert planner.estimate(H100, pd, jobs1, 120, tail=True).attainment > 0.95
+    # Far past capacity: overloaded, nothing met.
+    over = planner.estimate(H100, colo1, workload.load("long").jobs(20.0, 10), 10, tail=False)
+    assert over.attainment == 0 and over.notes == "overloaded"
+
+
+def test_plan_matches_brute_force_on_a_small_fleet():
+    """Up to 3 engines, every layout simulated: the plan's split is within one engine of the best."""
+    jobs = workload.load("mix").jobs(3.0, 40, seed=2)
+    p = planner.plan(H100, jobs, 40, tail=True, max_engines=3, check=4)
+    assert p.recommended is not None
+    est, res = p.recommended
+    best, best_res = planner.brute_force(H100, jobs, 40, planner.candidates(3, (4096,)), tail=True)[0]
+    assert best_res.attainment(tail=True) >= 0.9
+    assert abs(est.candidate.layout.prefill - best.layout.prefill) <= 1
+    assert abs(est.candidate.layout.decode - best.layout.decode) <= 1
+    assert res.attainment(tail=True) >= 0.9 and est.candidate.engines <= best.engines + 1
+
+
+def test_cli_writes_json_and_markdown(tmp_path):
+    out, md = tmp_path / "plan.json", tmp_path / "plan.md"
+    argv = [sys.executable, "-m", "gateway", "plan", "--workload", "chat", "--rate", "2,6", "--max-engines", "2",
+            "--duration", "20", "--check", "2", "--engine-hour-cost", "98.32",
+            "--out", str(out), "--markdown", str(md)]  # fmt: skip
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert [p["rate"] for p in doc["plans"]] and len(doc["plans"]) == 2
+    rec = doc["plans"][0]["recommended"]
+    assert rec["engines"] >= 1 and rec["cost_per_hour"] == round(rec["engines"] * 98.32, 2)
+    assert rec["simulated_attainment"] >= 0.9
+    assert "**Recommended:**" in md.read_text() and "req/s:" in r.stderr
+
+
+def test_cli_refuses_bad_input(tmp_path):
+    for args, message in (
+        (["--max-engines", "0"], "--max-engines"),
+        (["--workload", "nope"], "not a file"),
+        (["--slos", "mix"], "--slos goes with --trace"),
+        (["--rate", "-1"], "positive"),
+        (["--target", "2"], "share"),
+    ):
+        r = subprocess.run([sys.executable, "-m", "gateway", "plan", *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
