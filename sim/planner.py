@@ -327,13 +327,16 @@ def plan(
     out = Plan(rate, target, tail, ests)
     feasible = [e for e in ests if e.attainment >= target - 0.05]
     n_min = min((e.candidate.engines for e in feasible), default=max_engines)
+    # Layouts that route this traffic the same way (thresholds that split it alike) are one choice.
+    distinct: dict[tuple[int, int, int | None, int], Estimate] = {}
+    for e in ests:
+        lay = e.candidate.layout
+        routed = sum(map(_rule(lay), jobs)) if lay.prefill else 0
+        distinct.setdefault((lay.prefill, lay.decode, e.candidate.chunk, routed), e)
     picks: list[Estimate] = []
     for n in (n_min - 1, n_min, n_min + 1):
-        picks += [e for e in ests if e.candidate.engines == n][: max(1, check // 3)]
-    first: dict[Candidate, Estimate] = {}
-    for e in picks:
-        first.setdefault(e.candidate, e)
-    picks = list(first.values())[:check]
+        picks += [e for e in distinct.values() if e.candidate.engines == n][: max(1, check // 3)]
+    picks = picks[:check]
     for e in picks:
         res = simulate(e.candidate.settings(settings), e.candidate.layout, jobs, duration_s=duration,
                        progress=_reporter(progress, e.candidate.name, len(jobs)))  # fmt: skip
