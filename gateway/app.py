@@ -214,7 +214,11 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         watcher = ConfigWatcher(config_path, version, apply, reload_result) if config_path else None
         gw = Gateway(_runtime(cfg, version, res, toks, admin_token(cfg.admin)), services, watcher=watcher,
                      feeds=res.subs.all, shared=shared, discovery=discovery, models=models, bus=bus)
-        planner = DemandPlanner(res.learners.demand, lambda: gw.runtime.cfg, lambda: bool(pools.prefill))
+        def prefill_pool_configured() -> bool:  # not "has endpoints now": a pool scaled to 0 still counts
+            prefill = gw.runtime.cfg.pools.prefill
+            return bool(prefill.urls or prefill.discovery)
+
+        planner = DemandPlanner(res.learners.demand, lambda: gw.runtime.cfg, prefill_pool_configured)
         metrics.watch_planner(planner.exported)
         if bus:
             await bus.start(metrics.render)

@@ -476,10 +476,12 @@ class PlannerConfig(_Strict):
         bounds = [s.max_prompt_tokens for s in self.slos[:-1]]
         if any(b is None for b in bounds) or bounds != sorted(set(bounds)):  # type: ignore[type-var]
             raise ValueError("planner.slos: max_prompt_tokens must increase, and only the last SLO may omit it")
-        if self.enabled:
+        if self.enabled:  # a profile that does not load, or whose engine settings are invalid, fails the config
             from sim import profile  # the simulator package ships with the gateway
+            from sim.config import SimConfig
 
-            profile.engine_settings(self.profile, end=self.profile_end)  # a bad profile fails the config
+            for end in (None, "low", "high"):
+                SimConfig(**profile.engine_settings(self.profile, end=end))
         return self
 
 

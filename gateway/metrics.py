@@ -403,10 +403,17 @@ class _PlannerCollector:
         seen.add_metric([], rec["requests"])
         took = GaugeMetricFamily("pdgate_planner_compute_seconds", "How long the planner's last answer took")
         took.add_metric([], rec["compute_s"])
-        unmet = GaugeMetricFamily("pdgate_planner_unmet", "1 when no number of engines the model considers "
-                                  "meets the SLOs for this traffic (the desired figures are then 0: scale by hand)")
+        unmet = GaugeMetricFamily("pdgate_planner_unmet", "1 when the last round could not meet every SLO: "
+                                  "requests no number of engines serves in time, or none the model considers "
+                                  "(the desired figures keep the last answer)")
         unmet.add_metric([], rec["unmet"])
-        yield from (desired, seen, took, unmet)
+        unservable = GaugeMetricFamily("pdgate_planner_unservable_requests", "Requests of the window whose "
+                                       "SLO no number of engines meets (prefill alone is longer than their TTFT)")
+        unservable.add_metric([], rec["unservable"])
+        failures = CounterMetricFamily("pdgate_planner_failures", "Planner rounds without an answer (an "
+                                       "error, or past interval_s)")
+        failures.add_metric([], rec["failures"])
+        yield from (desired, seen, took, unmet, unservable, failures)
 
 
 class _AdmissionCollector:

@@ -42,7 +42,7 @@ SUMMED_GAUGES = frozenset({
     "pdgate_pool_in_flight_requests", "pdgate_pool_uncached_prompt_tokens", "pdgate_endpoint_in_flight_requests",
     "pdgate_endpoint_backlog_tokens", "pdgate_admission_in_flight", "pdgate_admission_queued",
     "pdgate_http_connections", "process_resident_memory_bytes", "process_virtual_memory_bytes", "process_open_fds",
-    "pdgate_pool_desired_engines", "pdgate_planner_window_requests",
+    "pdgate_pool_desired_engines", "pdgate_planner_window_requests", "pdgate_planner_unservable_requests",
 })
 DECLARED = _SAME_IN_EVERY_WORKER | _ALL_MUST_HOLD | SUMMED_GAUGES  # a new gauge must be placed in one (tested)
 

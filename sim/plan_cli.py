@@ -8,6 +8,7 @@ pdgate plan --trace requests.jsonl --slos my-traffic.yaml --rate 6 --profile-end
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -100,8 +101,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         jobs = wl.jobs(rate, args.duration, seed=args.seed)
         if not jobs:
             raise ValueError(f"no requests arrive within {args.duration:g} s at {rate:g} req/s")
+        duration = args.duration
+        if wl.trace:  # a trace may end before --duration: its requests span less time
+            duration = min(duration, max(jobs[-1].arrival_s, len(jobs) / rate))
         result = planner.plan(
-            settings, jobs, args.duration, target=args.target, tail=args.tail,
+            settings, jobs, duration, target=args.target, tail=args.tail,
             max_engines=args.max_engines, check=args.check, progress=bar,
         )  # fmt: skip
         plans.append(planner.to_json(result, args.engine_hour_cost))
@@ -115,11 +119,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plot(doc: dict[str, Any], path: str) -> None:
-    try:
-        import matplotlib
-
+    try:  # an optional dependency (the bench extra), imported only when a plot is asked for
+        matplotlib = importlib.import_module("matplotlib")
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = importlib.import_module("matplotlib.pyplot")
     except ImportError as e:
         raise ValueError("--plot needs matplotlib: pip install -e '.[bench]'") from e
     fig, ax = plt.subplots(figsize=(8, 4.5))

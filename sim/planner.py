@@ -200,8 +200,10 @@ def _ttft_ok(margin: float, pool: _Pool) -> float:
 
 def _itl_ok(job: Job, pool: _Pool, tail: bool) -> float:
     """P(the stream's p90 (and p99) gap within its SLO): few enough of its gaps on a slow step."""
+    if job.output_tokens <= 1:
+        return 1.0  # no gap to judge (as the fleet counts it)
     ok = 1.0
-    gaps = max(job.output_tokens - 1, 1)
+    gaps = job.output_tokens - 1
     for q, slo in ((0.9, job.itl_p90_slo_s), *(((0.99, job.itl_p99_slo_s),) if tail else ())):
         ok *= _binomial_le(gaps, pool.hit(slo), (1 - q) * (gaps - 1))
     return ok
@@ -264,6 +266,19 @@ def _rule(lay: Layout) -> Callable[[Job], bool]:
     return lambda j: j.prompt_tokens >= lay.threshold
 
 
+@dataclass(frozen=True)
+class Demand:
+    """What each pool needs: engines as real numbers (fractions add up across gateway replicas)."""
+
+    prefill: float
+    decode: float
+    unservable: int  # requests no number of engines serves within their SLO (counted, left out)
+
+
+class Stopped(Exception):
+    """The caller's ``stop`` predicate asked the computation to end."""
+
+
 def pool_demand(
     settings: dict[str, Any],
     jobs: Sequence[Job],
@@ -273,15 +288,26 @@ def pool_demand(
     target: float = 0.9,
     tail: bool = False,
     limit: float = 1024.0,
-) -> tuple[float, float] | None:
-    """Engines each pool needs for ``jobs`` to meet their SLOs (share ``target``), as real numbers:
-    prefill, decode (prefill 0 without P/D, ``pd_threshold`` None). Fractions add up across
-    gateway replicas, so autoscalers can sum them. None: not even ``limit`` engines would do."""
-    if not jobs:
-        return 0.0, 0.0
+    stop: Callable[[], bool] | None = None,
+) -> Demand | None:
+    """Engines each pool needs for ``jobs`` to meet their SLOs (share ``target``): prefill, decode
+    (prefill 0 without P/D, ``pd_threshold`` None). Requests that cannot meet their TTFT on an idle
+    engine (a prompt whose prefill alone takes longer) are counted and left out: more engines would
+    not help them. None: not even ``limit`` engines would do. ``stop`` is polled between steps
+    (raises :class:`Stopped`), so a caller can bound the time."""
     prep = _Prep(_config(settings))
     rule = (lambda j: j.prompt_tokens >= pd_threshold) if pd_threshold is not None else (lambda j: False)
-    uses_pd = pd_threshold is not None and any(rule(j) for j in jobs)
+
+    def idle_ttft(j: Job) -> float:
+        own = prep.prefill(j.prompt_tokens) + prep.cfg.step_base_time
+        return own + prep.handover(j.prompt_tokens) if rule(j) else own
+
+    servable = [j for j in jobs if idle_ttft(j) <= j.ttft_slo_s]
+    unservable = len(jobs) - len(servable)
+    if not servable:
+        return Demand(0.0, 0.0, unservable)
+    uses_pd = pd_threshold is not None and any(rule(j) for j in servable)
+    duration = duration * len(servable) / len(jobs)  # the servable requests at their own rate
 
     def least(ok: Callable[[float], bool]) -> float | None:
         lo, hi = 1e-3, limit
@@ -293,7 +319,9 @@ def pool_demand(
         return hi
 
     def meets(n_pre: float, n_dec: float) -> bool:
-        scored = _score(prep, jobs, duration, n_pre, n_dec, rule, tail)
+        if stop is not None and stop():
+            raise Stopped
+        scored = _score(prep, servable, duration, n_pre, n_dec, rule, tail)
         return scored is not None and scored[0] >= target
 
     # Decode first, with prefill plentiful; then the fewest prefill engines that still meet it.
@@ -301,9 +329,9 @@ def pool_demand(
     if dec is None:
         return None
     if not uses_pd:
-        return 0.0, dec
+        return Demand(0.0, dec, unservable)
     pre = least(lambda n: meets(n, dec * 1.02))
-    return (pre, dec * 1.02) if pre is not None else None
+    return Demand(pre, dec * 1.02, unservable) if pre is not None else None
 
 
 # ------------------------------------------------------------------------------ the search
@@ -334,8 +362,9 @@ def plan(
         routed = sum(map(_rule(lay), jobs)) if lay.prefill else 0
         distinct.setdefault((lay.prefill, lay.decode, e.candidate.chunk, routed), e)
     picks: list[Estimate] = []
-    for n in (n_min - 1, n_min, n_min + 1):
-        picks += [e for e in distinct.values() if e.candidate.engines == n][: max(1, check // 3)]
+    quota = max(1, math.ceil(check / 3))
+    for n in (n_min, n_min + 1, n_min - 1):  # the likely answer first, should --check be small
+        picks += [e for e in distinct.values() if e.candidate.engines == n][:quota]
     picks = picks[:check]
     for e in picks:
         res = simulate(e.candidate.settings(settings), e.candidate.layout, jobs, duration_s=duration,
@@ -394,8 +423,8 @@ def to_json(p: Plan, engine_hour_cost: float | None = None) -> dict[str, Any]:
                 "predicted_attainment": round(e.attainment, 4),
                 "simulated_attainment": round(r.attainment(p.tail), 4),
                 "simulated_goodput_req_s": round(r.goodput(p.tail), 3),
-                "ttft_p90_s": r.percentile("ttft_s", 0.9),
-                "itl_p90_p90_s": r.percentile("itl_p90_s", 0.9),
+                "ttft_p90_s": _finite(r.percentile("ttft_s", 0.9)),
+                "itl_p90_p90_s": _finite(r.percentile("itl_p90_s", 0.9)),
                 "cost_per_hour": cost(e.candidate.engines),
             }
             for e, r in p.checked
@@ -405,6 +434,11 @@ def to_json(p: Plan, engine_hour_cost: float | None = None) -> dict[str, Any]:
             for e in p.estimates
         ],
     }
+
+
+def _finite(x: float | None) -> float | None:
+    """JSON has no infinity: a percentile over failed requests (no gap measured) is None."""
+    return x if x is not None and math.isfinite(x) else None
 
 
 def markdown(doc: dict[str, Any]) -> str:

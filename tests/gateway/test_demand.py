@@ -111,3 +111,38 @@ async def test_the_planner_exports_its_recommendation_and_stops_in_bound():
     t0 = asyncio.get_running_loop().time()
     await planner.stop()
     assert asyncio.get_running_loop().time() - t0 < 1
+
+
+def test_requests_no_engine_count_can_serve_are_counted_apart_not_zeroed():
+    """A share of 70k-token prompts (prefill alone ~4 s) under a 3 s TTFT SLO: more engines would not
+    help them. They are counted, the rest are planned for, and the figures never drop to 0."""
+    cfg = parse_config(BASE).planner
+    clock = Clock()
+    demand = Demand(clock=clock)
+    for i in range(600):
+        clock.t += 0.5
+        _finish(demand, 70000 if i % 8 == 0 else 3000, 300)
+    rec = recommend(cfg, *demand.window(300), threshold=2048)
+    assert not rec.met and rec.unservable == 75
+    assert rec.decode is not None and rec.decode > 0 and rec.prefill is not None and rec.prefill > 0
+
+
+def test_a_round_can_be_stopped_and_only_one_runs_at_a_time():
+    from sim import planner
+
+    cfg = parse_config(BASE).planner
+    clock = Clock()
+    demand = Demand(clock=clock)
+    _traffic(demand, clock, 4.0, 300)
+    with pytest.raises(planner.Stopped):
+        recommend(cfg, *demand.window(300), threshold=2048, stop=lambda: True)
+
+
+async def test_a_planner_that_is_off_keeps_nothing():
+    clock = Clock()
+    demand = Demand(clock=clock)
+    off = parse_config({**BASE, "planner": {"enabled": False}})
+    planner = DemandPlanner(demand, lambda: off, lambda: True)
+    _traffic(demand, clock, 2.0, 60)
+    assert demand.window(300)[0] == [] and await planner.run_once() is None
+    await planner.stop()

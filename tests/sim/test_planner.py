@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from sim import planner, profile, workload
 from sim.fleet import Layout
 from sim.planner import Candidate
@@ -67,3 +69,23 @@ def test_cli_refuses_bad_input(tmp_path):
     ):
         r = subprocess.run([sys.executable, "-m", "gateway", "plan", *args], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and message in r.stderr, (args, r.stderr)
+
+
+def test_small_check_budgets_simulate_the_likely_answer_first_and_json_is_finite():
+    jobs = workload.load("mix").jobs(4.0, 40, seed=2)
+    p = planner.plan(H100, jobs, 40, tail=True, max_engines=4, check=1)
+    assert len(p.checked) == 1 and p.recommended is not None  # the cheapest the model expects to pass
+    doc = planner.to_json(planner.plan(H100, jobs, 40, tail=True, max_engines=3, check=3))
+    json.dumps(doc, allow_nan=False)  # failed requests leave no infinity in the report
+
+
+def test_a_short_trace_is_planned_at_its_own_rate(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps({"t": i * 0.5, "prompt_tokens": 800, "output_tokens": 50})
+                               for i in range(61)))  # fmt: skip  # 30 s at 2 req/s
+    out = tmp_path / "plan.json"
+    r = subprocess.run([sys.executable, "-m", "gateway", "plan", "--trace", str(trace), "--duration", "120",
+                        "--max-engines", "2", "--check", "2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["plans"][0]["rate"] == pytest.approx(2.0, rel=0.05)
