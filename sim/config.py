@@ -173,12 +173,17 @@ class SimConfig:
     def prefill_time(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
         """Wall seconds to prefill one prompt alone (no decodes in its steps), chunked by
         ``max_num_batched_tokens`` as the engine does it: what the calibration checks."""
-        t, done = 0.0, cached_tokens
+        chunks = self.prefill_chunks(prompt_tokens, cached_tokens)
+        return sum(self.step_time(c, 0, 0, attention_pairs(c, p)) for c, p in chunks)
+
+    def prefill_chunks(self, prompt_tokens: int, cached_tokens: int = 0) -> list[tuple[int, int]]:
+        """(chunk, tokens computed before it) of each step that prefills one prompt alone."""
+        out, done = [], cached_tokens
         while done < prompt_tokens:
             chunk = min(self.max_num_batched_tokens, prompt_tokens - done)
-            t += self.step_time(chunk, 0, 0, attention_pairs(chunk, done))
+            out.append((chunk, done))
             done += chunk
-        return t
+        return out
 
     def accepts_prefill_legs(self) -> bool:
         return self.role in ("prefill", "both")

@@ -65,6 +65,10 @@ class Layout:
     def engines(self) -> int:
         return self.prefill + self.decode
 
+    def routes_pd(self, prompt_tokens: int) -> bool:
+        """Whether a prompt of this length takes the P/D path in this layout."""
+        return self.prefill > 0 and (self.policy == "always" or prompt_tokens >= self.threshold)
+
     @property
     def name(self) -> str:
         if self.policy == "colocated":
@@ -172,17 +176,13 @@ class Fleet:
 
         return min(pool, key=load)
 
-    def wants_pd(self, job: Job) -> bool:
-        lay = self.layout
-        return lay.prefill > 0 and (lay.policy == "always" or job.prompt_tokens >= lay.threshold)
-
     async def serve(self, job: Job, idx: int) -> Outcome:
         loop = asyncio.get_running_loop()
         prompt = _prompt(job, idx)
         arrival = loop.time()
         kv_in = None
         path = "direct"
-        if self.wants_pd(job):
+        if self.layout.routes_pd(job.prompt_tokens):
             path = "pd"
             pre = Seq(f"p{idx}", prompt, 1, kind=PREFILL, kv_in={"do_remote_decode": True}, collector=Collector(1))
             pre.arrival = arrival
@@ -228,7 +228,7 @@ async def _run(
         try:
             return await asyncio.wait_for(fleet.serve(job, idx), max(horizon_s - loop.time(), 0.001))
         except TimeoutError:
-            return Outcome(None, math.inf, math.inf, "pd" if fleet.wants_pd(job) else "direct")
+            return Outcome(None, math.inf, math.inf, "pd" if layout.routes_pd(job.prompt_tokens) else "direct")
         finally:
             done += 1
             if progress is not None:
@@ -260,9 +260,4 @@ def simulate(
     return Result(layout, outcomes, list(jobs), duration)
 
 
-def with_chunk(settings: dict[str, Any], max_num_batched_tokens: int) -> dict[str, Any]:
-    """The same engines with another prefill chunk budget (colocated tuning)."""
-    return {**settings, "max_num_batched_tokens": max_num_batched_tokens}
-
-
-__all__ = ["POLICIES", "Job", "Layout", "Outcome", "Result", "simulate", "with_chunk"]
+__all__ = ["POLICIES", "Job", "Layout", "Outcome", "Result", "simulate"]

@@ -45,8 +45,6 @@ class Candidate:
 class Estimate:
     candidate: Candidate
     attainment: float  # predicted share of requests within their SLO
-    ttft_p90_s: float | None
-    decode_step_s: float | None  # the decode pool's step with its predicted batch
     notes: str = ""
 
 
@@ -115,12 +113,8 @@ class _Pool:
 
 def _chunk_costs(cfg: SimConfig, prompt: int) -> list[float]:
     """Each chunk's own step time (without the step's fixed cost), as the engine charges it."""
-    c, out, done = cfg.max_num_batched_tokens, [], 0
-    while done < prompt:
-        n = min(c, prompt - done)
-        out.append(cfg.step_time(n, 0, 0, attention_pairs(n, done)) - cfg.step_base_time)
-        done += n
-    return out
+    base = cfg.step_base_time
+    return [cfg.step_time(n, 0, 0, attention_pairs(n, done)) - base for n, done in cfg.prefill_chunks(prompt)]
 
 
 class _Prep:
@@ -217,9 +211,9 @@ def _score(
     n_dec: float,
     pd_rule: Callable[[Job], bool],
     tail: bool,
-) -> tuple[float, list[float], _Pool] | None:
-    """Predicted attainment, TTFTs and the decode pool for ``n_pre`` prefill and ``n_dec`` decode
-    engines (real numbers: a pool's demand in fractions of an engine); None when overloaded."""
+) -> float | None:
+    """Predicted attainment for ``n_pre`` prefill and ``n_dec`` decode engines (real numbers: a
+    pool's demand in fractions of an engine); None when overloaded."""
     pd = [j for j in jobs if n_pre > 0 and pd_rule(j)]
     pd_ids = {id(j) for j in pd}
     direct = [j for j in jobs if id(j) not in pd_ids]
@@ -228,19 +222,17 @@ def _score(
     pre = _pool(prep, pd, [], n_pre, duration, decode=False) if n_pre > 0 else _Pool()
     if dec.overloaded or pre.overloaded:
         return None
-    scores, ttfts = [], []
+    scores = []
     for j in jobs:
         if id(j) in pd_ids:
             ttft = prep.prefill(j.prompt_tokens) + prep.handover(j.prompt_tokens) + dec.step
             p_ttft = _ttft_ok(j.ttft_slo_s - ttft, pre)
-            ttfts.append(ttft + pre.wait_mean)
         else:
             n = len(prep.chunks(j.prompt_tokens))
             ttft = prep.prefill(j.prompt_tokens) + n * max(dec.step - cfg.step_base_time, 0.0)
             p_ttft = _ttft_ok(j.ttft_slo_s - ttft, dec)
-            ttfts.append(ttft + dec.wait_mean)
         scores.append(p_ttft * _itl_ok(j, dec, tail))
-    return fmean(scores), ttfts, dec
+    return fmean(scores)
 
 
 def _config(settings: dict[str, Any]) -> SimConfig:
@@ -250,20 +242,11 @@ def _config(settings: dict[str, Any]) -> SimConfig:
 def estimate(settings: dict[str, Any], cand: Candidate, jobs: Sequence[Job], duration: float, tail: bool) -> Estimate:
     """The analytical model's SLO attainment for ``cand`` serving ``jobs`` (see the module doc)."""
     if not jobs:
-        return Estimate(cand, 1.0, None, None)
+        return Estimate(cand, 1.0)
     lay = cand.layout
-    scored = _score(_Prep(_config(cand.settings(settings))), jobs, duration, lay.prefill, lay.decode, _rule(lay), tail)
-    if scored is None:
-        return Estimate(cand, 0.0, None, None, "overloaded")
-    attainment, ttfts, dec = scored
-    ttfts.sort()
-    return Estimate(cand, attainment, ttfts[int(0.9 * (len(ttfts) - 1))], dec.step)
-
-
-def _rule(lay: Layout) -> Callable[[Job], bool]:
-    if lay.policy == "always":
-        return lambda j: True
-    return lambda j: j.prompt_tokens >= lay.threshold
+    prep = _Prep(_config(cand.settings(settings)))
+    scored = _score(prep, jobs, duration, lay.prefill, lay.decode, lambda j: lay.routes_pd(j.prompt_tokens), tail)
+    return Estimate(cand, 0.0, "overloaded") if scored is None else Estimate(cand, scored)
 
 
 @dataclass(frozen=True)
@@ -322,7 +305,7 @@ def pool_demand(
         if stop is not None and stop():
             raise Stopped
         scored = _score(prep, servable, duration, n_pre, n_dec, rule, tail)
-        return scored is not None and scored[0] >= target
+        return scored is not None and scored >= target
 
     # Decode first, with prefill plentiful; then the fewest prefill engines that still meet it.
     dec = least(lambda n: meets(limit if uses_pd else 0.0, n))
@@ -359,7 +342,7 @@ def plan(
     distinct: dict[tuple[int, int, int | None, int], Estimate] = {}
     for e in ests:
         lay = e.candidate.layout
-        routed = sum(map(_rule(lay), jobs)) if lay.prefill else 0
+        routed = sum(lay.routes_pd(j.prompt_tokens) for j in jobs)
         distinct.setdefault((lay.prefill, lay.decode, e.candidate.chunk, routed), e)
     picks: list[Estimate] = []
     quota = max(1, math.ceil(check / 3))
