@@ -42,6 +42,16 @@ def clients_per_worker(gw: Gateway) -> dict[int, httpx.Client]:
     pytest.fail(f"200 connections reached only workers {sorted(found)}")
 
 
+def reconnect(gw: Gateway, worker: int) -> httpx.Client:
+    """A client whose one connection is to ``worker`` now."""
+    for _ in range(200):
+        c = httpx.Client(timeout=E.REQUEST_TIMEOUT_S, limits=httpx.Limits(max_connections=1))
+        if c.get(gw.url + "/ready").json()["workers"]["this"] == worker:
+            return c
+        c.close()
+    pytest.fail(f"200 connections did not reach worker {worker}")
+
+
 def test_turn_two_on_the_other_worker_goes_direct_on_a_real_cache_hit(vllm_pair: Pair, gw2: Gateway) -> None:
     d = vllm_pair.decode
     clients = clients_per_worker(gw2)
@@ -55,6 +65,10 @@ def test_turn_two_on_the_other_worker_goes_direct_on_a_real_cache_hit(vllm_pair:
         turn2 = next_turn(messages, r1)
         n2 = d.tokenize_chat(turn2)
         hits, local = by_source(d, "local_cache_hit"), by_source(d, "local_compute")
+        # Turn 1 on real CPU engines takes long enough for the server to drop worker 1's idle
+        # connection: take one to worker 1 again right before turn 2.
+        clients[1].close()
+        clients[1] = reconnect(gw2, 1)
         r2 = clients[1].post(gw2.url + "/v1/chat/completions",
                              json={"model": E.MODEL_NAME, "messages": turn2, **SAMPLING})
         assert clients[1].get(gw2.url + "/ready").json()["workers"]["this"] == 1  # still worker 1
