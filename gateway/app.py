@@ -152,7 +152,8 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
             estimates.forget(ep.url)
             metrics.restarted(ep.pool)
 
-        pools = Pools(cfg.pools.prefill.urls, cfg.pools.decode.urls, stats_max_age_s=cfg.signals.max_age_s,
+        pools = Pools(cfg.pools.prefill.urls, cfg.pools.decode.urls, topology=cfg.pools.topology,
+                      stats_max_age_s=cfg.signals.max_age_s,
                       outlier=cfg.health.outlier, prefill_speed=estimates.prefill_s_per_token, on_restart=restarted)
         index = PrefixIndex(max_approx_entries=cfg.routing.prefix.max_learned_blocks,
                             approx_ttl_s=cfg.routing.prefix.learned_ttl_s)
@@ -168,7 +169,7 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
             """Kubernetes discovery's endpoints changed: apply them to the pools as a reload would."""
             before = set(map(id, pools.all()))
             eff = discovery.effective(gw.runtime.cfg)
-            removed = pools.update(eff.pools.prefill.urls, eff.pools.decode.urls)
+            removed = pools.update(eff.pools.prefill.urls, eff.pools.decode.urls, eff.pools.topology)
             for url in {ep.url for ep in removed} - {ep.url for ep in pools.all()}:
                 res.learners.forget(url)
             await res.subs.update(eff)
@@ -467,7 +468,7 @@ async def _apply(gw: Gateway, new: GatewayConfig, version: str, res: Resources) 
     runtime = _runtime(new, version, res, tokenizers, token)
     # Nothing below can fail: the new config is applied whole.
     eff = res.discovery.effective(new) if res.discovery else new  # static + discovered endpoints
-    removed = pools.update(eff.pools.prefill.urls, eff.pools.decode.urls)
+    removed = pools.update(eff.pools.prefill.urls, eff.pools.decode.urls, eff.pools.topology)
     pools.configure(new.signals.max_age_s, new.health.outlier)
     for url in {ep.url for ep in removed} - {ep.url for ep in pools.all()}:
         res.learners.forget(url)

@@ -94,6 +94,16 @@ class ModelConfig(_Strict):
     )
 
 
+def _check_label(key: str, value: str | None = None) -> None:
+    """A Kubernetes label key (and value), as the API server would accept it."""
+    from .discovery import LABEL_KEY, LABEL_VALUE  # discovery imports this module
+
+    if len(key) > 317 or not LABEL_KEY.fullmatch(key):
+        raise ValueError(f"{key!r} is not a Kubernetes label key")
+    if value is not None and (len(value) > 63 or not LABEL_VALUE.fullmatch(value)):
+        raise ValueError(f"{value!r} (label {key}) is not a Kubernetes label value")
+
+
 def _check_url(url: str) -> str:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -113,11 +123,22 @@ class EndpointConfig(_Strict):
     )
     kv_events_replay: str | None = Field(None, description="its replay endpoint, to recover missed events")
     kv_events_topic: str = ""
+    topology: dict[str, str] = Field(
+        default_factory=dict, max_length=16, description="where the engine runs, as Kubernetes labels (e.g. "
+        "topology.kubernetes.io/zone: us-east-1a): pairing policies (same_zone, topology) compare them",
+    )
 
     @field_validator("url")
     @classmethod
     def _url(cls, url: str) -> str:
         return _check_url(url)
+
+    @field_validator("topology")
+    @classmethod
+    def _labels(cls, labels: dict[str, str]) -> dict[str, str]:
+        for key, value in labels.items():
+            _check_label(key, value)
+        return labels
 
     @field_validator("kv_events", "kv_events_replay")
     @classmethod
@@ -174,6 +195,20 @@ class DiscoveryConfig(_Strict):
         4 * 1024 * 1024, ge=1024, description="longest watch event (one JSON line); a longer one ends the watch "
         "with an error and a fresh list",
     )
+    node_labels: list[str] = Field(
+        default_factory=list, max_length=8, description="labels of each engine's Node to read into its topology "
+        "(e.g. topology.k8s.aws/network-node-layer-3, an EC2 network spine); needs get on nodes. The slice's zone "
+        "is always read",
+    )
+
+    @field_validator("node_labels")
+    @classmethod
+    def _node_labels(cls, keys: list[str]) -> list[str]:
+        for key in keys:
+            _check_label(key)
+        if len(set(keys)) != len(keys):
+            raise ValueError("a label is listed twice")
+        return keys
 
     @field_validator("label_selector")
     @classmethod
@@ -249,6 +284,12 @@ class PoolsConfig(_Strict):
         if not decode.endpoints and decode.discovery is None:
             raise ValueError("needs at least one endpoint or discovery (every request ends on a decode engine)")
         return decode
+
+    @property
+    def topology(self) -> dict[str, tuple[tuple[str, str], ...]]:
+        """Each endpoint's topology labels (those that have any), by URL, sorted by key."""
+        return {e.url: tuple(sorted(e.topology.items())) for e in (*self.prefill.endpoints, *self.decode.endpoints)
+                if e.topology}
 
 
 class OutlierConfig(_Strict):

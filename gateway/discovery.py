@@ -46,10 +46,13 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import orjson
 import yaml
+
+from policies.base import ZONE
 
 from .config import DiscoveryConfig, EndpointConfig, GatewayConfig
 from .tasks import cancel_checkpoint, stop_task
@@ -80,6 +83,9 @@ _EQUALITY = re.compile(rf"({_KEY})\s*(==|=|!=)\s*({_VALUE})")
 _SET = re.compile(rf"({_KEY})\s+(in|notin)\s*\(([^()]*)\)")
 _EXISTS = re.compile(rf"(!?)\s*({_KEY})")
 _VALUE_RE = re.compile(_VALUE)
+LABEL_KEY = re.compile(  # [DNS subdomain prefix/]name, as the API server checks label keys
+    r"(?:[a-z0-9](?:[-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+LABEL_VALUE = _VALUE_RE
 
 
 @dataclass(frozen=True)
@@ -431,9 +437,13 @@ def _port(slice_: dict[str, Any], want: int | str | None) -> int | None:
     return next((int(p["port"]) for p in ports if p.get("name") == want), None)
 
 
-def ready_endpoints(slices: dict[str, dict[str, Any]], cfg: DiscoveryConfig) -> tuple[EndpointConfig, ...]:
-    """The ready endpoints of ``slices`` as the pool's endpoint configs, sorted by URL."""
+def ready_endpoints(slices: dict[str, dict[str, Any]], cfg: DiscoveryConfig,
+                    nodes: Mapping[str, Mapping[str, str]] | None = None) -> tuple[EndpointConfig, ...]:
+    """The ready endpoints of ``slices`` as the pool's endpoint configs, sorted by URL, each with its
+    topology: the slice's ``zone`` and, from ``nodes`` (labels by Node name), its Node's
+    ``node_labels``."""
     found: dict[str, EndpointConfig] = {}
+    nodes = nodes or {}
     for slice_ in slices.values():
         address_type = slice_.get("addressType", "IPv4")
         if address_type != cfg.address_type:  # the other family of a dual-stack Service, or FQDN
@@ -453,8 +463,22 @@ def ready_endpoints(slices: dict[str, dict[str, Any]], cfg: DiscoveryConfig) -> 
                 kv_events=f"tcp://{host}:{cfg.kv_events_port}" if cfg.kv_events_port else None,
                 kv_events_replay=f"tcp://{host}:{cfg.kv_events_replay_port}" if cfg.kv_events_replay_port else None,
                 kv_events_topic=cfg.kv_events_topic,
+                topology=_topology(ep, nodes),
             )
     return tuple(found[u] for u in sorted(found))
+
+
+def _topology(ep: Mapping[str, Any], nodes: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
+    where = dict(nodes.get(ep.get("nodeName") or "", {}))
+    zone = ep.get("zone")
+    if isinstance(zone, str) and zone and LABEL_VALUE.fullmatch(zone) and len(zone) <= 63:
+        where[ZONE] = zone
+    return where
+
+
+def _node_names(slices: Mapping[str, Mapping[str, Any]]) -> set[str]:
+    return {name for s in slices.values() for ep in s.get("endpoints") or []
+            if isinstance(name := ep.get("nodeName"), str) and name}
 
 
 class SliceWatcher:
@@ -476,6 +500,12 @@ class SliceWatcher:
         self._selector = LabelSelector.parse(cfg.label_selector)  # valid: the config checked it
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
+        # With node_labels: those labels of each Node an endpoint runs on (Nodes no slice names any
+        # more are dropped), the Nodes whose read failed since the last list (not asked again
+        # until the next one), and the wake-up of the loop that reads them.
+        self._nodes: dict[str, dict[str, str]] = {}
+        self._nodes_failed: set[str] = set()
+        self._nodes_wanted = asyncio.Event()
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"discovery-{self.pool}")
@@ -500,48 +530,88 @@ class SliceWatcher:
                 log.error("discovery (%s): %s; retrying in %.1f s", self.pool, self.last_error, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.cfg.max_retry_s)
-        backoff = self.cfg.retry_s
-        path = f"/apis/discovery.k8s.io/v1/namespaces/{access.namespace}/endpointslices"
         connector = aiohttp.TCPConnector(ssl=access.ssl if access.ssl is not None else True)
         async with aiohttp.ClientSession(connector=connector) as session:
             self._session = session
-            listed = False  # False: the next step is a full list (at the start and after a 410)
-            while True:
-                cancel_checkpoint()  # a cancel a library swallowed ends the loop here (gateway/tasks.py)
-                try:
-                    if not listed:
-                        await self._list(access, path)
-                        listed = True
-                        backoff = self.cfg.retry_s
-                    started = asyncio.get_running_loop().time()
-                    await self._watch(access, path)  # returns when the server ends the watch
+            if not self.cfg.node_labels:
+                await self._follow(access)
+                return
+            async with asyncio.TaskGroup() as tasks:  # both end when the watcher is stopped
+                tasks.create_task(self._read_nodes(access), name=f"discovery-{self.pool}-nodes")
+                await self._follow(access)
+
+    async def _follow(self, access: Access) -> None:
+        """List, then watch, the pool's slices, for as long as the watcher runs."""
+        backoff = self.cfg.retry_s
+        path = f"/apis/discovery.k8s.io/v1/namespaces/{access.namespace}/endpointslices"
+        listed = False  # False: the next step is a full list (at the start and after a 410)
+        while True:
+            cancel_checkpoint()  # a cancel a library swallowed ends the loop here (gateway/tasks.py)
+            try:
+                if not listed:
+                    await self._list(access, path)
+                    listed = True
                     backoff = self.cfg.retry_s
-                    if asyncio.get_running_loop().time() - started < 1.0:  # not a busy loop
-                        await asyncio.sleep(self.cfg.retry_s)
-                    continue
-                except Gone:
-                    log.info("discovery (%s): resourceVersion %s expired (410); listing again",
-                             self.pool, self.resource_version)
-                    listed = False
-                    await asyncio.sleep(self.cfg.retry_s)  # a short pause: many clients relist at once
-                    continue
-                except EventTooLarge as err:
-                    # Re-watching from the same resourceVersion would meet the same event again: a
-                    # list reads the state it led to, and the next watch starts after it.
-                    self._failed(f"EventTooLarge: {err}")
-                    log.error("discovery (%s): %s; listing again in %.1f s", self.pool, err, backoff)
-                    listed = False
+                started = asyncio.get_running_loop().time()
+                await self._watch(access, path)  # returns when the server ends the watch
+                backoff = self.cfg.retry_s
+                if asyncio.get_running_loop().time() - started < 1.0:  # not a busy loop
+                    await asyncio.sleep(self.cfg.retry_s)
+                continue
+            except Gone:
+                log.info("discovery (%s): resourceVersion %s expired (410); listing again",
+                         self.pool, self.resource_version)
+                listed = False
+                await asyncio.sleep(self.cfg.retry_s)  # a short pause: many clients relist at once
+                continue
+            except EventTooLarge as err:
+                # Re-watching from the same resourceVersion would meet the same event again: a
+                # list reads the state it led to, and the next watch starts after it.
+                self._failed(f"EventTooLarge: {err}")
+                log.error("discovery (%s): %s; listing again in %.1f s", self.pool, err, backoff)
+                listed = False
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError, APIError) as err:
+                self._failed(f"{type(err).__name__}: {err}")
+                log.warning("discovery (%s): %s; %s in %.1f s", self.pool, self.last_error,
+                            "watching again" if listed else "listing again", backoff)
+            except Exception as err:  # e.g. an object without the fields a slice has: keep going
+                self._failed(f"{type(err).__name__}: {err}")
+                log.exception("discovery (%s): unexpected failure; retrying in %.1f s", self.pool, backoff)
+            # a watch that failed resumes from the last resourceVersion seen (no relist), unless
+            # it was too large an event
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.cfg.max_retry_s)
+
+    async def _read_nodes(self, access: Access) -> None:
+        """Reads ``node_labels`` of each Node the endpoints run on, once per Node: a Node's topology
+        labels (its zone, its EC2 network spine) do not change while it lives. A Node that cannot be
+        read (no RBAC for nodes, an API error) is asked again after the next full list."""
+        while True:
+            await self._nodes_wanted.wait()
+            self._nodes_wanted.clear()
+            for name in sorted(_node_names(self._slices) - self._nodes.keys() - self._nodes_failed):
+                try:
+                    self._nodes[name] = await self._node(access, name)
                 except (aiohttp.ClientError, TimeoutError, OSError, ValueError, APIError) as err:
-                    self._failed(f"{type(err).__name__}: {err}")
-                    log.warning("discovery (%s): %s; %s in %.1f s", self.pool, self.last_error,
-                                "watching again" if listed else "listing again", backoff)
-                except Exception as err:  # e.g. an object without the fields a slice has: keep going
-                    self._failed(f"{type(err).__name__}: {err}")
-                    log.exception("discovery (%s): unexpected failure; retrying in %.1f s", self.pool, backoff)
-                # a watch that failed resumes from the last resourceVersion seen (no relist), unless
-                # it was too large an event
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.cfg.max_retry_s)
+                    self._nodes_failed.add(name)
+                    self._failed(f"cannot read node {name}: {type(err).__name__}: {err}")
+                    log.warning("discovery (%s): %s (the gateway needs get on nodes for node_labels); its "
+                                "endpoints have no %s until the next list", self.pool, self.last_error,
+                                ", ".join(self.cfg.node_labels))
+                cancel_checkpoint()
+            self._recompute()
+
+    async def _node(self, access: Access, name: str) -> dict[str, str]:
+        assert self._session is not None
+        url = f"{access.url}/api/v1/nodes/{quote(name, safe='')}"
+        timeout = aiohttp.ClientTimeout(total=30)
+        async with self._session.get(url, headers=await self._headers(access), timeout=timeout) as resp:
+            body = await resp.read()
+            if resp.status != 200:
+                raise APIError(f"answered {resp.status}: {body[:200].decode(errors='replace')}")
+        labels = _labels(orjson.loads(body))
+        return {k: v for k in self.cfg.node_labels if isinstance(v := labels.get(k), str)
+                and len(v) <= 63 and LABEL_VALUE.fullmatch(v)}
 
     def _failed(self, why: str) -> None:
         self.errors += 1
@@ -583,6 +653,7 @@ class SliceWatcher:
         self.resource_version = meta.get("resourceVersion")
         self.lists += 1
         self._slices = slices
+        self._nodes_failed.clear()
         self._recompute()
         self.synced.set()
 
@@ -628,7 +699,13 @@ class SliceWatcher:
         self._recompute()
 
     def _recompute(self) -> None:
-        endpoints = ready_endpoints(self._slices, self.cfg)
+        if self.cfg.node_labels:
+            names = _node_names(self._slices)
+            for gone_node in self._nodes.keys() - names:
+                del self._nodes[gone_node]
+            if names - self._nodes.keys() - self._nodes_failed:
+                self._nodes_wanted.set()
+        endpoints = ready_endpoints(self._slices, self.cfg, self._nodes)
         if endpoints != self.endpoints:
             added = {e.url for e in endpoints} - {e.url for e in self.endpoints}
             gone = {e.url for e in self.endpoints} - {e.url for e in endpoints}

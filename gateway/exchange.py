@@ -33,7 +33,7 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
-from policies.base import Decision, Finished, LegOutcome, LegReport, Path, RequestContext
+from policies.base import Decision, EndpointView, Finished, LegOutcome, LegReport, Path, RequestContext
 from policies.pipeline import NoEndpointError, Route
 
 from . import legs
@@ -291,7 +291,7 @@ class Exchange:
                 ep.record(False)
                 log.warning("request %s: prefill leg on %s failed (%s)", self.rec.request_id, ep.url,
                             failed.err.message)
-                other = self._other("prefill", tried) if attempt < retries else None
+                other = self._other("prefill", tried, decision.decode) if attempt < retries else None
                 if other is None:
                     if not self.rt.cfg.failover.fallback_to_direct:
                         raise failed.err from None
@@ -471,9 +471,9 @@ class Exchange:
 
     # -- bookkeeping ------------------------------------------------------------------------------------
 
-    def _other(self, pool: str, exclude: set[str]) -> Endpoint | None:
+    def _other(self, pool: str, exclude: set[str], paired: EndpointView | None = None) -> Endpoint | None:
         assert self.prep is not None
-        return self.rt.router.other(self.prep, pool, exclude)
+        return self.rt.router.other(self.prep, pool, exclude, paired)
 
     def _failover(self, event: str, err: APIError, ep: Endpoint) -> None:
         cause = err.code or "engine_error"

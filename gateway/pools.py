@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from policies.base import EndpointView, PoolSnapshot
+from policies.base import EndpointView, PoolSnapshot, Topology
 
 from .config import HealthConfig, OutlierConfig
 from .tasks import cancel_checkpoint, stop_task
@@ -70,6 +70,7 @@ class Endpoint:
     outcomes: deque[bool] = field(default_factory=deque)
     ejected_until: float = 0.0
     ejections: int = 0  # in a row: each one lasts twice as long as the one before
+    topology: Topology = ()  # where it runs (discovery or its config): pairing policies read it
 
     @property
     def ejected(self) -> bool:
@@ -112,9 +113,9 @@ class Endpoint:
         if st is None or now - st.at > max_age_s:
             return EndpointView(self.url, self.pool, usable, self.in_flight + others,
                                 backlog_tokens=self.backlog_tokens, prefill_s_per_token=s_per_token,
-                                models=self.served_models)
+                                models=self.served_models, topology=self.topology)
         return EndpointView(self.url, self.pool, usable, self.in_flight + others, st.running, st.waiting,
-                            st.kv_usage, self.backlog_tokens, s_per_token, self.served_models)
+                            st.kv_usage, self.backlog_tokens, s_per_token, self.served_models, self.topology)
 
     def acquire(self) -> None:
         self.in_flight += 1
@@ -151,7 +152,8 @@ class Endpoint:
 class Pools:
     """The prefill and decode pools; the only owner of endpoint state."""
 
-    def __init__(self, prefill: Iterable[str], decode: Iterable[str], *, stats_max_age_s: float = 5.0,
+    def __init__(self, prefill: Iterable[str], decode: Iterable[str], *, topology: Mapping[str, Topology] | None = None,
+                 stats_max_age_s: float = 5.0,
                  outlier: OutlierConfig | None = None,
                  prefill_speed: Callable[[str], float | None] = lambda url: None,
                  on_restart: Callable[[Endpoint], None] = lambda ep: None,
@@ -168,20 +170,24 @@ class Pools:
         self._release_waiters: list[asyncio.Future[None]] = []
         self.outlier = outlier or OutlierConfig()
         self._not_serving: dict[str, frozenset[tuple[str, str]]] = {}  # not_serving's answers, per model
-        self.update(prefill, decode)
+        self.update(prefill, decode, topology)
 
-    def update(self, prefill: Iterable[str], decode: Iterable[str]) -> list[Endpoint]:
-        """Take new endpoint lists (a config reload): endpoints kept keep their state (health, load,
-        learned speed); requests in flight on removed ones finish normally. Returns the removed."""
+    def update(self, prefill: Iterable[str], decode: Iterable[str], topology: Mapping[str, Topology] | None = None
+               ) -> list[Endpoint]:
+        """Take new endpoint lists (a config reload, a discovery change): endpoints kept keep their
+        state (health, load, learned speed) and take their new ``topology`` (by URL); requests in
+        flight on removed ones finish normally. Returns the removed."""
         old = self._by_url
         self.prefill = [old.get(("prefill", u)) or Endpoint(u, "prefill") for u in prefill]
         self.decode = [old.get(("decode", u)) or Endpoint(u, "decode") for u in decode]
         self._by_url = {(e.pool, e.url): e for e in self.all()}
         self._refresh_beliefs()
+        where = topology or {}
         for e in self.all():
             e.on_release = self._released
             e.outlier = self.outlier
             e.clock = self._clock
+            e.topology = where.get(e.url, ())
         return [e for key, e in old.items() if key not in self._by_url]
 
     def all(self) -> list[Endpoint]:

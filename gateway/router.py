@@ -6,7 +6,7 @@ lifecycle hooks (policies/prefix_learning.py)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from policies.base import (
     NOTHING_MEASURED,
@@ -14,6 +14,7 @@ from policies.base import (
     EndpointView,
     Filter,
     Measured,
+    NoPairing,
     Picker,
     PoolSnapshot,
     RequestContext,
@@ -151,11 +152,17 @@ class Router:
             snap = _with_capacity(snap, max_prefill, max_decode)
         return self.pipeline.route(prep.ctx, snap, explain=explain)
 
-    def other(self, prep: Prepared, pool: str, exclude: set[str]) -> Endpoint | None:
-        """The pool's next choice for this request without the ``exclude``d engines (failover)."""
+    def other(self, prep: Prepared, pool: str, exclude: set[str], paired: EndpointView | None = None
+              ) -> Endpoint | None:
+        """The pool's next choice for this request without the ``exclude``d engines (failover);
+        ``paired``: for the prefill pool, the decode engine that will pull the KV."""
         model = prep.ctx.model
         snap = _serving(self._pools.snapshot(), self._pools.not_serving(model), model, strict=False)
         views = snap.prefill if pool == "prefill" else snap.decode
         pipe = self.pipeline.prefill if pool == "prefill" else self.pipeline.decode
-        view = pipe.choose(prep.ctx, [v for v in views if v.url not in exclude])
+        ctx = replace(prep.ctx, paired=paired) if paired is not None else prep.ctx
+        try:
+            view = pipe.choose(ctx, [v for v in views if v.url not in exclude])
+        except NoPairing:
+            return None
         return self._pools.get(view) if view is not None else None

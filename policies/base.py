@@ -28,6 +28,13 @@ from typing import Literal, Protocol, runtime_checkable
 
 from .blockhash import BlockHash
 
+# Where an engine runs, as (label key, value) pairs sorted by key: the zone from its EndpointSlice
+# (``topology.kubernetes.io/zone``), Node labels discovery was asked to read (an EC2 network spine),
+# or what a static endpoint's config says. Policies that pair a prefill engine with a decode engine
+# compare them (KV moves over EFA only inside one availability zone).
+Topology = tuple[tuple[str, str], ...]
+ZONE = "topology.kubernetes.io/zone"
+
 
 class Path(StrEnum):
     PD = "pd"
@@ -51,6 +58,11 @@ class EndpointView:
     # Prefill speed measured on its prefill legs (seconds per computed prompt token); None until seen.
     prefill_s_per_token: float | None = None
     models: frozenset[str] | None = None  # what the engine's /v1/models lists; None: not known yet
+    topology: Topology = ()
+
+    def where(self, key: str) -> str | None:
+        """The engine's value of topology label ``key`` (None: not known)."""
+        return next((v for k, v in self.topology if k == key), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +113,9 @@ class RequestContext:
     block_hashes: Sequence[BlockHash] = ()  # the prompt's full KV blocks, hashed as the engines do
     block_size: int = 0  # 0: prefix routing is off
     measured: Measured = NOTHING_MEASURED
+    # While the prefill pool chooses: the decode engine already chosen, which will pull the KV from
+    # the prefill engine (pairing policies compare topologies). None while the decode pool chooses.
+    paired: EndpointView | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -152,7 +167,21 @@ PrefillFinder = Callable[[], EndpointView | None]
 
 @runtime_checkable
 class Filter(Protocol):
-    def filter(self, ctx: RequestContext, candidates: Sequence[EndpointView]) -> Sequence[EndpointView]: ...
+    def filter(self, ctx: RequestContext, candidates: Sequence[EndpointView]) -> Sequence[EndpointView]:
+        """The candidates that may serve. Filters are soft: one that keeps none is skipped for that
+        request, unless it raises ``NoPairing`` (a pairing that must not be made at all)."""
+        ...
+
+
+class NoPairing(Exception):
+    """A filter's verdict that no candidate may serve this request (e.g. no prefill engine in the
+    decode engine's zone): the pool chooses none, and the request takes the direct path with
+    ``reason`` (a short code, used as a metric label)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(detail or reason)
+        self.reason = reason
+        self.detail = detail
 
 
 @runtime_checkable

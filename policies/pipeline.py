@@ -4,10 +4,21 @@ decider chooses the path once the decode endpoint is known."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .base import Decider, Decision, EndpointView, Filter, Path, Picker, PoolSnapshot, RequestContext, Scorer
+from .base import (
+    Decider,
+    Decision,
+    EndpointView,
+    Filter,
+    NoPairing,
+    Path,
+    Picker,
+    PoolSnapshot,
+    RequestContext,
+    Scorer,
+)
 
 
 class NoEndpointError(RuntimeError):
@@ -24,7 +35,8 @@ class Weighted:
 @dataclass(frozen=True)
 class PoolPipeline:
     """How one pool chooses an endpoint. A filter that would leave no candidate is skipped for that
-    request (a full cluster should queue, not fail)."""
+    request (a full cluster should queue, not fail), unless it raises ``NoPairing``, which ``choose``
+    passes on."""
 
     picker: Picker
     filters: tuple[tuple[str, Filter], ...] = ()
@@ -42,10 +54,17 @@ class PoolPipeline:
         candidates: Sequence[EndpointView] = [e for e in endpoints if e.healthy]
         if not candidates:
             return None
-        if len(candidates) == 1 and trace is None:
-            return candidates[0]  # nothing to choose between: filters are soft, scores would not matter
+        if len(candidates) == 1 and trace is None and (ctx.paired is None or not self.filters):
+            # nothing to choose between: filters are soft, scores would not matter (a pairing
+            # filter may still refuse the one candidate)
+            return candidates[0]
         for name, f in self.filters:
-            kept = f.filter(ctx, candidates)
+            try:
+                kept = f.filter(ctx, candidates)
+            except NoPairing as err:
+                if trace is not None:
+                    trace.append({"filter": name, "kept": [], "no_pairing": err.reason})
+                raise
             if trace is not None:
                 trace.append({"filter": name, "kept": [e.url for e in kept]})
             if kept:
@@ -102,9 +121,14 @@ class RoutingPipeline:
                     fallback.append(ctx.local_only)
                     picked.append(None)
                 else:
-                    ep = self.prefill.choose(ctx, pools.prefill, traces.get("prefill"))
-                    if ep is None:
-                        fallback.append("no_prefill_endpoint")
+                    try:
+                        ep = self.prefill.choose(replace(ctx, paired=decode), pools.prefill, traces.get("prefill"))
+                    except NoPairing as err:
+                        ep = None
+                        fallback.append(err.reason)
+                    else:
+                        if ep is None:
+                            fallback.append("no_prefill_endpoint")
                     picked.append(ep)
             return picked[0]
 

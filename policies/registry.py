@@ -20,8 +20,10 @@ from .least_inflight import LeastInflight
 from .load import Load
 from .max_score import MaxScore
 from .prefix_affinity import PrefixAffinity
+from .same_zone import SameZone
 from .session_affinity import SessionAffinity
 from .token_threshold import TokenThreshold
+from .topology import Topology
 
 ENTRY_POINT_GROUP = "pdgate.policies"
 
@@ -32,6 +34,8 @@ BUILTIN: Mapping[str, Callable[..., Any]] = {
     "prefix_affinity": PrefixAffinity,  # scorer
     "load": Load,  # scorer
     "session_affinity": SessionAffinity,  # scorer
+    "same_zone": SameZone,  # filter (prefill pool: pairs with the decode engine's zone)
+    "topology": Topology,  # scorer (prefill pool: the decode engine's network neighbours)
     "max_score": MaxScore,  # picker
     "least_inflight": LeastInflight,  # picker
 }

@@ -117,7 +117,7 @@ def routing_errors(routing: dict) -> list[str]:
      "routing.decode.filters[0].load_factor: Input should be greater than or equal to 1"),
     ({"decode": {"scorers": [{"name": "prefix_afinity"}]}},
      "routing.decode.scorers[0].name: unknown policy 'prefix_afinity' (known: bounded_load, cost_model, "
-     "least_inflight, load, max_score, prefix_affinity, session_affinity, token_threshold)"),
+     "least_inflight, load, max_score, prefix_affinity, same_zone, session_affinity, token_threshold, topology)"),
 ])
 def test_policy_errors_name_their_yaml_location(routing, error):
     assert routing_errors(routing) == [error]

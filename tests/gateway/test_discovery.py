@@ -46,13 +46,14 @@ LABELS = {"app.kubernetes.io/name": "pdgate", "app.kubernetes.io/component": "de
           "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}
 
 
-def endpoint(address: str, ready: bool | None = True, terminating: bool = False, pod: str = "") -> dict:
+def endpoint(address: str, ready: bool | None = True, terminating: bool = False, pod: str = "",
+             zone: str = "us-east-1a", node: str = "ip-10-0-1-5.ec2.internal") -> dict:
     conditions: dict[str, Any] = {"serving": ready is not False, "terminating": terminating}
     if ready is not None:
         conditions["ready"] = ready
-    return {"addresses": [address], "conditions": conditions, "nodeName": "ip-10-0-1-5.ec2.internal",
-            "zone": "us-east-1a", "targetRef": {"kind": "Pod", "namespace": NS, "name": pod or f"decode-{address}",
-                                                "uid": "0b7a4c1e-0000-4000-8000-000000000000"}}
+    return {"addresses": [address], "conditions": conditions, "nodeName": node,
+            "zone": zone, "targetRef": {"kind": "Pod", "namespace": NS, "name": pod or f"decode-{address}",
+                                        "uid": "0b7a4c1e-0000-4000-8000-000000000000"}}
 
 
 def endpoint_slice(name: str, endpoints: list[dict], port: int = 8000, address_type: str = "IPv4",
@@ -99,6 +100,9 @@ class FakeKubeAPI:
         self._cond: asyncio.Condition | None = None
         self._cut = 0  # bumping it ends every open watch stream
         self._cut_events: dict[int, dict] = {}  # cut value -> the event its streams end with
+        self.nodes: dict[str, dict[str, str]] = {}  # Node name -> its labels (GET /api/v1/nodes/NAME)
+        self.nodes_forbidden = False  # answer Node reads with 403, as without RBAC for nodes
+        self.node_reads: list[str] = []
 
     # -- test-side controls (thread-safe) ---------------------------------------------------------
 
@@ -262,6 +266,18 @@ class FakeKubeAPI:
             await resp.write_eof()
         return resp
 
+    async def _node(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        self.node_reads.append(name)
+        if self.nodes_forbidden:
+            return web.json_response({"kind": "Status", "code": 403, "reason": "Forbidden",
+                                      "message": f'nodes "{name}" is forbidden: User "system:serviceaccount:llm:'
+                                      'pdgate-gateway" cannot get resource "nodes"'}, status=403)
+        if name not in self.nodes:
+            return web.json_response({"kind": "Status", "code": 404, "reason": "NotFound"}, status=404)
+        return web.json_response({"kind": "Node", "apiVersion": "v1",
+                                  "metadata": {"name": name, "labels": self.nodes[name]}, "spec": {}})
+
     def start(self) -> FakeKubeAPI:
         self._loop = asyncio.new_event_loop()
         ready = threading.Event()
@@ -270,6 +286,7 @@ class FakeKubeAPI:
             self._cond = asyncio.Condition()
             app = web.Application()
             app.router.add_get("/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices", self._handle)
+            app.router.add_get("/api/v1/nodes/{name}", self._node)
             self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
             await self._runner.setup()
             await web.TCPSite(self._runner, "127.0.0.1", self.port, ssl_context=self._ssl).start()
@@ -926,3 +943,124 @@ async def test_watcher_from_the_kubeconfig_environment_variable(api, tmp_path, m
         assert api.lists()[0]["headers"]["Authorization"] == "Bearer kube-token"
     finally:
         await watcher.stop()
+
+
+# -- topology: zones from the slices, spines from the Nodes ---------------------------------------
+
+ZONE = "topology.kubernetes.io/zone"
+SPINE = "topology.k8s.aws/network-node-layer-3"
+
+
+def test_ready_endpoints_carry_the_slices_zone_and_the_nodes_labels():
+    slices = {"a": endpoint_slice("a", [endpoint("10.0.0.1", zone="us-east-1a", node="n1"),
+                                        endpoint("10.0.0.2", zone="us-east-1b", node="n2"),
+                                        endpoint("10.0.0.3", zone="", node="")])}
+    cfg = DiscoveryConfig(label_selector="x=y", node_labels=[SPINE])
+    eps = ready_endpoints(slices, cfg, {"n1": {SPINE: "nn-1"}})
+    assert [e.topology for e in eps] == [{ZONE: "us-east-1a", SPINE: "nn-1"}, {ZONE: "us-east-1b"}, {}]
+
+
+async def test_node_labels_are_read_once_per_node_and_follow_the_slices(api):
+    api.nodes = {"n1": {SPINE: "nn-1", "other": "x"}, "n2": {SPINE: "nn-2"}}
+    api.put(endpoint_slice("pdgate-decode-1", [endpoint("10.0.0.1", node="n1"), endpoint("10.0.0.2", node="n2"),
+                                               endpoint("10.0.0.3", node="n1")]))
+    watcher = SliceWatcher("decode", discovery_cfg(api, node_labels=[SPINE]), lambda: None)
+    await watcher.start()
+    try:
+        await until(lambda: all(SPINE in e.topology for e in watcher.endpoints) and len(watcher.endpoints) == 3)
+        assert {e.url: e.topology[SPINE] for e in watcher.endpoints} == {
+            "http://10.0.0.1:8000": "nn-1", "http://10.0.0.2:8000": "nn-2", "http://10.0.0.3:8000": "nn-1"}
+        assert all(e.topology[ZONE] == "us-east-1a" for e in watcher.endpoints)
+        assert sorted(api.node_reads) == ["n1", "n2"]  # once per Node, only the labels asked for
+        # a new engine on a new Node: that Node is read, the others are not again
+        api.nodes["n3"] = {SPINE: "nn-3"}
+        api.put(endpoint_slice("pdgate-decode-2", [endpoint("10.0.0.4", node="n3")]))
+        await until(lambda: any(e.topology.get(SPINE) == "nn-3" for e in watcher.endpoints))
+        assert sorted(api.node_reads) == ["n1", "n2", "n3"]
+    finally:
+        await watcher.stop()
+
+
+async def test_without_rbac_for_nodes_the_endpoints_keep_their_zone_and_the_error_shows(api):
+    api.nodes_forbidden = True
+    api.put(endpoint_slice("pdgate-decode-1", [endpoint("10.0.0.1", node="n1", zone="us-east-1b")]))
+    watcher = SliceWatcher("decode", discovery_cfg(api, node_labels=[SPINE]), lambda: None)
+    await watcher.start()
+    try:
+        await until(lambda: watcher.errors > 0)
+        assert [e.topology for e in watcher.endpoints] == [{ZONE: "us-east-1b"}]
+        assert "cannot read node n1" in watcher.last_error and "403" in watcher.last_error
+        api.put(endpoint_slice("pdgate-decode-1", [endpoint("10.0.0.1", node="n1", zone="us-east-1b"),
+                                                   endpoint("10.0.0.5", node="n1", zone="us-east-1b")]))
+        await until(lambda: len(watcher.endpoints) == 2)
+        await asyncio.sleep(0.3)
+        assert api.node_reads == ["n1"]  # a refused Node is not asked again until the next list
+    finally:
+        await watcher.stop()
+
+
+def _prefill_answer(engine: str) -> dict:
+    return {"id": "cmpl-p", "object": "text_completion", "model": "tiny",
+            "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine,
+                                   "remote_block_ids": [[1]], "remote_host": "127.0.0.1", "remote_port": 5600}}
+
+
+def test_gateway_pairs_prefill_and_decode_engines_inside_their_zone(api, tokenizer_dir, tmp_path):
+    """The whole gateway with both pools discovered from slices with zones (two per zone): every P/D
+    request's KV handle comes from a prefill engine in its decode engine's zone; once zone b has no
+    prefill engine left, zone b's requests go direct (reason no_prefill_in_zone) and zone a's keep P/D."""
+    engines = {name: ScriptedEngine().start() for name in ("pa", "pb", "da", "db")}
+    try:
+        for name, eng in engines.items():
+            pool = "prefill" if name.startswith("p") else "decode"
+            labels = {**LABELS, "app.kubernetes.io/component": pool, "kubernetes.io/service-name": f"pdgate-{pool}"}
+            api.put(endpoint_slice(f"pdgate-{name}", [endpoint("127.0.0.1", zone=f"us-east-1{name[1]}", pod=name)],
+                                   port=eng.port, labels=labels))
+        disc = {"namespace": NS, "api_url": api.url, "token_file": None, "retry_s": 0.05}
+        data = {
+            "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}],
+            "pools": {pool: {"discovery": {**disc, "label_selector": f"kubernetes.io/service-name=pdgate-{pool}"}}
+                      for pool in ("prefill", "decode")},
+            "routing": {"decider": {"name": "token_threshold", "threshold": 1},
+                        "prefill": {"filters": [{"name": "same_zone"}]}},
+            "health": {"interval_s": 0.1},
+        }
+        path = tmp_path / "gateway.yaml"
+        path.write_bytes(orjson.dumps(data))
+        with TestClient(create_app(parse_config(data), config_path=path)) as client:
+            assert wait_for(lambda: client.get("/ready").json()["pools"]["prefill"]["healthy"] == 2, 10)
+
+            def send(n: int) -> list[str]:
+                paths = []
+                for _ in range(n):
+                    for name in ("pa", "pb"):
+                        engines[name].reply("/v1/completions", _prefill_answer(name))
+                    for name in ("da", "db"):
+                        engines[name].reply("/v1/completions", _completion(name))
+                    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hello there", "max_tokens": 2})
+                    assert r.status_code == 200, r.text
+                    paths.append((r.headers["x-pdgate-path"], r.json()["choices"][0]["text"]))
+                    for eng in engines.values():  # unused scripted answers do not carry over
+                        eng._queue.clear()
+                return paths
+
+            first = send(8)
+            pulls = {(d, rec.body["kv_transfer_params"]["remote_engine_id"])
+                     for d in ("da", "db") for rec in engines[d].posts("/v1/completions")}
+            assert {d for _, d in first} == {"da", "db"} and all(p == "pd" for p, _ in first)
+            assert pulls == {("da", "pa"), ("db", "pb")}  # never across zones
+
+            api.delete("pdgate-pb")  # zone b has no prefill engine any more
+            assert wait_for(lambda: client.get("/ready").json()["pools"]["prefill"]["total"] == 1, 10)
+            for eng in engines.values():
+                eng.reset()
+            second = send(8)
+            assert {(p, d) for p, d in second} == {("pd", "da"), ("direct", "db")}
+            assert all("kv_transfer_params" not in rec.body for rec in engines["db"].posts("/v1/completions"))
+            assert sample(client.get("/metrics").text, "pdgate_route_decisions_total", path="direct",
+                          reason="no_prefill_in_zone") == sum(1 for p, _ in second if p == "direct")
+    finally:
+        for e in engines.values():
+            e.stop()

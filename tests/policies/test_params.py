@@ -15,7 +15,8 @@ from policies.base import Decider, Filter, Path, PathChoice, Picker, Scorer
 from .helpers import ctx, ep
 
 KIND = {"token_threshold": Decider, "cost_model": Decider, "bounded_load": Filter, "prefix_affinity": Scorer,
-        "load": Scorer, "session_affinity": Scorer, "max_score": Picker, "least_inflight": Picker}
+        "load": Scorer, "session_affinity": Scorer, "max_score": Picker, "least_inflight": Picker,
+        "same_zone": Filter, "topology": Scorer}
 
 # The defaults docs/configuration.md's policy table documents.
 DOCUMENTED = {
@@ -29,11 +30,13 @@ DOCUMENTED = {
     "session_affinity": {"header": "x-session-id", "load_factor": 1.25, "vnodes": 64},
     "max_score": {"tie_margin": 1e-6},
     "least_inflight": {},
+    "same_zone": {"key": "topology.kubernetes.io/zone", "strict": True},
+    "topology": {"levels": ("topology.kubernetes.io/zone", "topology.k8s.aws/network-node-layer-3")},
 }
 
 COUNTS = {("token_threshold", "threshold"), ("session_affinity", "vnodes")}  # integers only
 NUMERIC = [(name, key) for name, defaults in DOCUMENTED.items() for key, v in defaults.items()
-           if isinstance(v, int | float)]
+           if isinstance(v, int | float) and not isinstance(v, bool)]
 
 
 def test_every_builtin_policy_is_covered():

@@ -1,0 +1,127 @@
+"""Topology-aware pairing: the prefill engine is chosen for the decode engine already picked
+(same_zone keeps the KV pull inside one availability zone, topology prefers the same network
+spine), through the pipeline and through prefill failover."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from gateway.config import parse_config
+from gateway.pools import Pools
+from gateway.router import Router
+from policies.base import ZONE, NoPairing, Path, PoolSnapshot
+from policies.max_score import MaxScore
+from policies.pipeline import PoolPipeline, RoutingPipeline, Weighted
+from policies.prefix_index import PrefixIndex
+from policies.same_zone import SameZone
+from policies.token_threshold import TokenThreshold
+from policies.topology import Topology
+
+from .helpers import ctx, ep
+
+SPINE = "topology.k8s.aws/network-node-layer-3"
+
+
+def at(url: str, pool: str, zone: str | None = None, spine: str | None = None, **kw):
+    where = tuple(sorted((k, v) for k, v in ((ZONE, zone), (SPINE, spine)) if v is not None))
+    return ep(url, pool, topology=where, **kw)
+
+
+def paired(decode) -> object:
+    return replace(ctx(10), paired=decode)
+
+
+def test_same_zone_keeps_the_decode_engines_zone_and_engines_of_unknown_zone():
+    cands = [at("pa", "prefill", "a"), at("pb", "prefill", "b"), at("p?", "prefill")]
+    kept = SameZone().filter(paired(at("d", "decode", "a")), cands)
+    assert [e.url for e in kept] == ["pa", "p?"]
+
+
+def test_same_zone_judges_nothing_without_the_decode_engines_zone():
+    cands = [at("pa", "prefill", "a"), at("pb", "prefill", "b")]
+    assert SameZone().filter(paired(at("d", "decode")), cands) == cands
+    assert SameZone().filter(ctx(10), cands) == cands  # not pairing (the decode pool choosing)
+
+
+def test_strict_same_zone_refuses_a_cross_zone_pairing_and_soft_keeps_none():
+    cands = [at("pb", "prefill", "b")]
+    with pytest.raises(NoPairing) as err:
+        SameZone().filter(paired(at("d", "decode", "a")), cands)
+    assert err.value.reason == "no_prefill_in_zone"
+    assert SameZone(strict=False).filter(paired(at("d", "decode", "a")), cands) == []
+
+
+def test_same_zone_reads_the_configured_key():
+    cands = [ep("p1", "prefill", topology=(("rack", "r1"),)), ep("p2", "prefill", topology=(("rack", "r2"),))]
+    kept = SameZone(key="rack").filter(paired(ep("d", topology=(("rack", "r2"),))), cands)
+    assert [e.url for e in kept] == ["p2"]
+
+
+def test_topology_scores_shared_levels_from_the_broadest_down():
+    d = at("d", "decode", "a", "spine-1")
+    cands = [at("same", "prefill", "a", "spine-1"), at("zone", "prefill", "a", "spine-2"),
+             at("far", "prefill", "b", "spine-1"), at("unknown", "prefill")]
+    assert Topology().score(paired(d), cands) == [1.0, 0.5, 0.0, 0.0]  # a spine name in another zone counts nothing
+    # decode spine unknown: only the zone can count
+    assert Topology().score(paired(at("d", "decode", "a")), cands) == [0.5, 0.5, 0.0, 0.0]
+    assert Topology().score(ctx(10), cands) == [0.0] * 4
+
+
+def pd_pipeline(strict: bool = True) -> RoutingPipeline:
+    return RoutingPipeline(
+        decider=TokenThreshold(threshold=5),
+        decode=PoolPipeline(MaxScore()),
+        prefill=PoolPipeline(MaxScore(), filters=(("same_zone", SameZone(strict=strict)),),
+                             scorers=(Weighted("topology", Topology(), 1.0),)),
+    )
+
+
+def test_the_pipeline_pairs_each_decode_engine_with_a_prefill_engine_of_its_zone():
+    prefill = (at("pa1", "prefill", "a", "s2"), at("pa2", "prefill", "a", "s1"), at("pb", "prefill", "b", "s1"))
+    for decode, want in ((at("da", "decode", "a", "s1"), "pa2"), (at("db", "decode", "b", "s9"), "pb")):
+        d = pd_pipeline().route(ctx(50), PoolSnapshot(prefill, (decode,))).decision
+        assert (d.path, d.prefill.url) == (Path.PD, want)
+
+
+def test_no_prefill_engine_in_the_zone_sends_the_request_direct_and_says_why():
+    pools = PoolSnapshot((at("pb", "prefill", "b"),), (at("da", "decode", "a"),))  # one candidate: no shortcut
+    route = pd_pipeline().route(ctx(50), pools, explain=True)
+    d = route.decision
+    assert (d.path, d.reason, d.prefill) == (Path.DIRECT, "no_prefill_in_zone", None)
+    assert d.detail.endswith("; no_prefill_in_zone")
+    assert route.trace["prefill"] == [{"filter": "same_zone", "kept": [], "no_pairing": "no_prefill_in_zone"}]
+    # not strict: the pairing across zones is made rather than none
+    assert pd_pipeline(strict=False).route(ctx(50), pools).decision.prefill.url == "pb"
+
+
+def test_prefill_failover_stays_in_the_decode_engines_zone(tokenizer_dir):
+    cfg = parse_config({
+        "models": [{"name": "m", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}],
+        "pools": {"prefill": {"endpoints": [{"url": "http://pa1", "topology": {ZONE: "a"}},
+                                            {"url": "http://pa2", "topology": {ZONE: "a"}},
+                                            {"url": "http://pb", "topology": {ZONE: "b"}}]},
+                  "decode": {"endpoints": [{"url": "http://da", "topology": {ZONE: "a"}}]}},
+        "routing": {"decider": {"name": "token_threshold", "threshold": 5},
+                    "prefill": {"filters": [{"name": "same_zone"}]}},
+    })
+    pools = Pools(cfg.pools.prefill.urls, cfg.pools.decode.urls, topology=cfg.pools.topology)
+    for e in pools.all():
+        e.mark_up()
+    router = Router(cfg.routing, pools, PrefixIndex())
+    prep = type("Prep", (), {"ctx": ctx(50)})()
+    decode = pools.decode[0].view()
+    assert decode.where(ZONE) == "a"
+    assert router.other(prep, "prefill", {"http://pa1"}, decode).url == "http://pa2"
+    assert router.other(prep, "prefill", {"http://pa1", "http://pa2"}, decode) is None  # not pb, across zones
+
+
+def test_topology_labels_are_checked_in_the_config(tokenizer_dir):
+    base = {"models": [{"name": "m", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}]}
+    with pytest.raises(ValueError, match="is not a Kubernetes label key"):
+        parse_config({**base, "pools": {"decode": {"endpoints": [{"url": "http://d", "topology": {"bad key": "a"}}]}}})
+    with pytest.raises(ValueError, match="is not a Kubernetes label value"):
+        parse_config({**base, "pools": {"decode": {"endpoints": [{"url": "http://d", "topology": {ZONE: "a b"}}]}}})
+    with pytest.raises(ValueError, match="is not a Kubernetes label key"):
+        parse_config({**base, "pools": {"decode": {"discovery": {"label_selector": "a=b", "node_labels": ["x y"]}}}})
