@@ -73,8 +73,8 @@ def test_rendered_manifests_pass_the_kubernetes_schemas(tools: Tools, case, tmp_
     assert "ERROR" not in check.stdout + check.stderr
     # every built-in kind was really checked (custom resources only get a warning)
     passed = check.stdout.count(" passed for resource ")
-    builtin = [d for d in yaml.safe_load_all(out.stdout) if d and "coreos.com" not in d["apiVersion"]
-               and "keda.sh" not in d["apiVersion"]]
+    custom = ("coreos.com", "keda.sh", "leaderworkerset.x-k8s.io")  # CRDs: see tests/helm/test_eks.py
+    builtin = [d for d in yaml.safe_load_all(out.stdout) if d and not any(c in d["apiVersion"] for c in custom)]
     assert passed == len(builtin)
 
 
@@ -118,12 +118,19 @@ def test_discovery_finds_the_engine_services_with_rbac(rendered, case):
         if "kv_events_port" in d:
             assert ports["kv-events"] == d["kv_events_port"] and ports["kv-replay"] == d["kv_events_replay_port"]
         # the engines behind it listen where the Service and the gateway expect
-        engines = find(docs, "Deployment", service)
-        assert svc["spec"]["selector"] == engines["spec"]["selector"]["matchLabels"]
-        [vllm] = engines["spec"]["template"]["spec"]["containers"]
+        deployments = [d for d in of_kind(docs, "Deployment") if d["metadata"]["name"] == service]
+        if deployments:
+            engines = deployments[0]
+            assert svc["spec"]["selector"] == engines["spec"]["selector"]["matchLabels"]
+            pod = engines["spec"]["template"]
+        else:  # multi-node engines: the Service selects the LeaderWorkerSet's leaders only
+            pod = find(docs, "LeaderWorkerSet", service)["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
+            assert svc["spec"]["selector"].pop("leaderworkerset.sigs.k8s.io/worker-index") == "0"
+            assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+        [vllm] = pod["spec"]["containers"]
         assert {p["name"] for p in vllm["ports"]} >= set(ports)
     if discovered:
-        role = find(docs, "Role", "pdgate-gateway")
+        role = find(docs, "Role", "pdgate-gateway")  # (ClusterRole for nodes: placement.pairing spine only)
         assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
                                   "verbs": ["get", "list", "watch"]}]
         binding = find(docs, "RoleBinding", "pdgate-gateway")
@@ -199,11 +206,14 @@ def test_each_pool_scales_on_its_own_signal(rendered, tools: Tools):
     target = {"apiVersion": "apps/v1", "kind": "Deployment", "name": "pdgate-prefill"}
     assert prefill["spec"]["scaleTargetRef"] == target
     assert (prefill["spec"]["minReplicas"], prefill["spec"]["maxReplicas"]) == (2, 6)
-    assert _hpa_metrics(prefill) == [("pdgate_pool_uncached_prompt_tokens", {"pool": "prefill"},
+    # this release's series only (the ServiceMonitor copies the pods' app.kubernetes.io/instance)
+    mine = {"app_kubernetes_io_instance": "pdgate"}
+    assert _hpa_metrics(prefill) == [("pdgate_pool_uncached_prompt_tokens", {**mine, "pool": "prefill"},
                                       {"type": "AverageValue", "averageValue": "32768"})]
     assert _hpa_metrics(decode) == [
-        ("pdgate_pool_kv_usage_ratio", {"pool": "decode"}, {"type": "Value", "value": "0.75"}),
-        ("pdgate_pool_engine_running_requests", {"pool": "decode"}, {"type": "AverageValue", "averageValue": "192"}),
+        ("pdgate_pool_kv_usage_ratio", {**mine, "pool": "decode"}, {"type": "Value", "value": "0.75"}),
+        ("pdgate_pool_engine_running_requests", {**mine, "pool": "decode"},
+         {"type": "AverageValue", "averageValue": "192"}),
     ]
     # the HPA owns the replica count
     assert "replicas" not in find(docs, "Deployment", "pdgate-prefill")["spec"]
@@ -213,11 +223,15 @@ def test_each_pool_scales_on_its_own_signal(rendered, tools: Tools):
     so = find(docs, "ScaledObject", "pdgate-decode")
     assert so["spec"]["scaleTargetRef"] == {"name": "pdgate-decode"}
     assert [(t["metricType"], t["metadata"]["query"], t["metadata"]["threshold"]) for t in so["spec"]["triggers"]] == [
-        ("Value", 'max(pdgate_pool_kv_usage_ratio{namespace="llm",pool="decode"})', "0.75"),
-        ("AverageValue", 'max(pdgate_pool_engine_running_requests{namespace="llm",pool="decode"})', "192"),
+        ("Value", 'max(max by (pool, pod) (pdgate_pool_kv_usage_ratio{'
+                  'app_kubernetes_io_instance="pdgate",namespace="llm",pool="decode"}))', "0.75"),
+        ("AverageValue", 'max(max by (pool, pod) (pdgate_pool_engine_running_requests{'
+                         'app_kubernetes_io_instance="pdgate",namespace="llm",pool="decode"}))', "192"),
     ]
+    # a gateway pod scraped twice counts once: max by (pool, pod) before the sum over pods
     query = find(docs, "ScaledObject", "pdgate-prefill")["spec"]["triggers"][0]["metadata"]["query"]
-    assert query == 'sum(pdgate_pool_uncached_prompt_tokens{namespace="llm",pool="prefill"})'
+    assert query == ('sum(max by (pool, pod) (pdgate_pool_uncached_prompt_tokens{'
+                     'app_kubernetes_io_instance="pdgate",namespace="llm",pool="prefill"}))')
     # turned off: no autoscaler, a fixed replica count
     docs = render(tools, "--set", "decode.autoscaling.enabled=false", "--set", "decode.replicas=3",
                   values=ROOT / "deploy" / "values-llama-3.3-70b.yaml")
@@ -243,10 +257,15 @@ def test_autoscaling_is_off_by_default_and_needs_metrics(rendered, tools: Tools,
 def test_prometheus_adapter_rules_cover_the_hpa_metrics():
     rules = yaml.safe_load((ROOT / "deploy" / "prometheus-adapter-values.yaml").read_text())["rules"]["external"]
     by_name = {r["name"]["as"]: r["metricsQuery"] for r in rules}
-    assert by_name["pdgate_pool_uncached_prompt_tokens"].startswith("sum by (pool)")  # per gateway replica
+    # one series per gateway pod first (a pod scraped by two Prometheus replicas or two jobs counts
+    # once), keeping the release label the HPAs select on; then over the pods
+    inner = "(max by (pool, app_kubernetes_io_instance, pod) (<<.Series>>{<<.LabelMatchers>>}))"
+    for summed in ("pdgate_pool_uncached_prompt_tokens", "pdgate_pool_in_flight_requests",
+                   "pdgate_pool_desired_engines"):  # per gateway replica
+        assert by_name[summed] == f"sum by (pool, app_kubernetes_io_instance) {inner}"
     for engine_scraped in ("pdgate_pool_kv_usage_ratio", "pdgate_pool_engine_running_requests",
-                           "pdgate_pool_engine_waiting_requests"):
-        assert by_name[engine_scraped].startswith("max by (pool)")  # the same on every replica
+                           "pdgate_pool_engine_waiting_requests", "pdgate_pool_healthy_endpoints"):
+        assert by_name[engine_scraped] == f"max by (pool, app_kubernetes_io_instance) {inner}"  # same on every replica
     schema = json.loads((CHART / "values.schema.json").read_text())
     metric_names = schema["properties"]["prefill"]["properties"]["autoscaling"]["properties"]["metrics"]["items"][
         "properties"]["name"]["enum"]
@@ -307,7 +326,8 @@ def test_small_example_has_plain_nixl_and_no_autoscaler(rendered):
     assert kv == {"kv_connector": "NixlConnector", "kv_role": "kv_both",
                   "kv_connector_extra_config": {"backends": ["UCX"]}}
     assert not of_kind(docs, "HorizontalPodAutoscaler")
-    assert [c["metadata"]["name"] for c in of_kind(docs, "ConfigMap")] == ["pdgate-gateway"]  # no LMCache
+    # no LMCache
+    assert [c["metadata"]["name"] for c in of_kind(docs, "ConfigMap")] == ["pdgate-gateway", "pdgate-preflight"]
     assert "vpc.amazonaws.com/efa" not in _vllm(docs, "prefill")["resources"]["limits"]
 
 
@@ -560,12 +580,14 @@ def test_planner_signal_scales_each_pool_toward_the_desired_split(tools: Tools, 
     assert cfg.planner.enabled and cfg.planner.tail and cfg.planner.profile == "llama-3.3-70b-tp8-h100"
     for pool in ("prefill", "decode"):
         hpa = find(docs, "HorizontalPodAutoscaler", f"pdgate-{pool}")
-        assert _hpa_metrics(hpa) == [("pdgate_pool_desired_engines", {"pool": pool},
+        assert _hpa_metrics(hpa) == [("pdgate_pool_desired_engines", {"app_kubernetes_io_instance": "pdgate",
+                                                                       "pool": pool},
                                       {"type": "AverageValue", "averageValue": "1"})]
     docs = render(tools, "--set", "autoscaling.signal=planner", "--set", "autoscaling.backend=keda", values=big)
     trigger = find(docs, "ScaledObject", "pdgate-decode")["spec"]["triggers"]
     assert [(t["metricType"], t["metadata"]["query"], t["metadata"]["threshold"]) for t in trigger] == [
-        ("AverageValue", 'sum(pdgate_pool_desired_engines{namespace="llm",pool="decode"})', "1")]
+        ("AverageValue", 'sum(max by (pool, pod) (pdgate_pool_desired_engines{'
+                         'app_kubernetes_io_instance="pdgate",namespace="llm",pool="decode"}))', "1")]
     # the default: the pools' own signals, and no planner in the gateway
     cfg = yaml.safe_load(find(render(tools, values=big), "ConfigMap", "pdgate-gateway")["data"]["config.yaml"])
     assert "planner" not in cfg

@@ -129,6 +129,10 @@ every GPU worker (one per tensor parallel rank): the pod's L1 is split over them
 {{- $_ := set $d "kv_events_port" (int $v.engines.kvEvents.port) }}
 {{- $_ := set $d "kv_events_replay_port" (int $v.engines.kvEvents.replayPort) }}
 {{- end }}
+{{- if eq $v.placement.pairing "spine" }}
+{{- /* each engine's Node labels: the gateway's ClusterRole gets `get` on nodes for them */}}
+{{- $_ := set $d "node_labels" (list $v.placement.spineLabel) }}
+{{- end }}
 {{- $_ := set $pc "discovery" $d }}
 {{- end }}
 {{- if and (eq $pool "decode") (not $pc) }}
@@ -141,7 +145,17 @@ every GPU worker (one per tensor parallel rank): the pod's L1 is split over them
 {{- if $v.engines.pythonHashSeed }}
 {{- $_ := set $prefix "hash_seed" (toString $v.engines.pythonHashSeed) }}
 {{- end }}
-{{- $_ := set $cfg "routing" (dict "decider" (dict "name" "token_threshold" "threshold" (int $v.gateway.routing.threshold)) "prefix" $prefix) }}
+{{- $routing := dict "decider" (dict "name" "token_threshold" "threshold" (int $v.gateway.routing.threshold)) "prefix" $prefix }}
+{{- if and (ne $v.placement.pairing "off") $pools.prefill }}
+{{- /* Pairing: a prefill engine in the decode engine's zone (EFA does not cross zones); the
+scorers are the gateway's defaults, written out because a pool's routing replaces them whole */}}
+{{- $scorers := list (dict "name" "prefix_affinity" "weight" 2) (dict "name" "load" "weight" 1) }}
+{{- if eq $v.placement.pairing "spine" }}
+{{- $scorers = append $scorers (dict "name" "topology" "weight" 2 "levels" (list "topology.kubernetes.io/zone" $v.placement.spineLabel)) }}
+{{- end }}
+{{- $_ := set $routing "prefill" (dict "filters" (list (dict "name" "same_zone")) "scorers" $scorers) }}
+{{- end }}
+{{- $_ := set $cfg "routing" $routing }}
 {{- $mode := include "pdgate.redisMode" . }}
 {{- if eq $mode "chart" }}
 {{- $_ := set $cfg "state" (dict "backend" "redis" "url" (printf "redis://%s:6379/0" (include "pdgate.componentName" (list . "redis")))) }}
@@ -153,7 +167,7 @@ every GPU worker (one per tensor parallel rank): the pod's L1 is split over them
 {{- fail "gateway.replicas > 1 needs shared state: set redis.enabled=true, redis.url or redis.urlSecret.name" }}
 {{- end }}
 {{- if or $v.planner.enabled (eq $v.autoscaling.signal "planner") }}
-{{- $pl := dict "enabled" true "profile" $v.planner.profile "target" $v.planner.target "tail" $v.planner.tail "window_s" $v.planner.windowSeconds }}
+{{- $pl := dict "enabled" true "profile" $v.planner.profile "target" (float64 $v.planner.target) "tail" $v.planner.tail "window_s" $v.planner.windowSeconds }}
 {{- if $v.planner.slos }}
 {{- $_ := set $pl "slos" $v.planner.slos }}
 {{- end }}
@@ -219,6 +233,87 @@ every GPU worker (one per tensor parallel rank): the pod's L1 is split over them
 {{- end }}
 {{- end }}
 {{- end }}
+{{- end }}
+{{- end }}
+{{- /* GPUs, parallelism, replicas, labels, grace periods: per enabled pool */}}
+{{- range $pool := list "prefill" "decode" }}
+{{- $p := index $v $pool }}
+{{- if $p.enabled }}
+{{- range $a := $p.extraArgs }}
+{{- $flag := regexReplaceAll "=.*$" (toString $a) "" }}
+{{- if has $flag (list "--tensor-parallel-size" "-tp" "--pipeline-parallel-size" "-pp" "--nnodes" "--node-rank" "--master-addr" "--headless") }}
+{{- fail (printf "%s.extraArgs sets %s: the chart sets it from %s.tensorParallelSize / pipelineParallelSize / multiNode, and checks them against %s.gpus" $pool $flag $pool $pool) }}
+{{- end }}
+{{- end }}
+{{- $nodes := ternary (int $p.multiNode.size) 1 $p.multiNode.enabled }}
+{{- $ranks := mul (int $p.tensorParallelSize) (int $p.pipelineParallelSize) }}
+{{- if ne (mul (int $p.gpus) $nodes) $ranks }}
+{{- if $p.multiNode.enabled }}
+{{- fail (printf "%s: %d GPUs per pod x multiNode.size %d = %d GPUs, but tensorParallelSize %d x pipelineParallelSize %d = %d ranks: vLLM needs one GPU per rank (e.g. 8 GPUs x 2 nodes: tensorParallelSize 8, pipelineParallelSize 2)" $pool (int $p.gpus) $nodes (mul (int $p.gpus) $nodes) (int $p.tensorParallelSize) (int $p.pipelineParallelSize) $ranks) }}
+{{- else }}
+{{- fail (printf "%s: gpus is %d but tensorParallelSize %d x pipelineParallelSize %d = %d: vLLM needs one GPU per rank on the node (set %s.gpus to %d, or the parallel sizes to use %d GPUs; more GPUs than one node has: %s.multiNode)" $pool (int $p.gpus) (int $p.tensorParallelSize) (int $p.pipelineParallelSize) $ranks $pool $ranks (int $p.gpus) $pool) }}
+{{- end }}
+{{- end }}
+{{- if and $p.autoscaling.enabled (gt (int $p.autoscaling.minReplicas) (int $p.autoscaling.maxReplicas)) }}
+{{- fail (printf "%s.autoscaling: minReplicas %d is above maxReplicas %d" $pool (int $p.autoscaling.minReplicas) (int $p.autoscaling.maxReplicas)) }}
+{{- end }}
+{{- if ge (int $v.engines.preStopSleepSeconds) (int $p.terminationGracePeriodSeconds) }}
+{{- fail (printf "engines.preStopSleepSeconds (%d) must stay below %s.terminationGracePeriodSeconds (%d): the kubelet kills the pod at the end of the grace period, preStop included, and vLLM would get no time to stop" (int $v.engines.preStopSleepSeconds) $pool (int $p.terminationGracePeriodSeconds)) }}
+{{- end }}
+{{- if and $p.multiNode.enabled (eq (toString (dig "type" "" ($p.strategy | default dict))) "Recreate") }}
+{{- fail (printf "%s.strategy.type Recreate: a LeaderWorkerSet (%s.multiNode) only rolls out with RollingUpdate (set %s.strategy.rollingUpdate.maxUnavailable instead)" $pool $pool $pool) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- range $c := list "gateway" "prefill" "decode" }}
+{{- range $k := keys ((index $v $c).podLabels | default dict) | sortAlpha }}
+{{- if has $k (list "app.kubernetes.io/name" "app.kubernetes.io/instance" "app.kubernetes.io/component") }}
+{{- fail (printf "%s.podLabels sets %s: the chart's selector labels place the pod in its Service, Deployment and NetworkPolicies and cannot be changed" $c $k) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- /* UCX moves GPU memory only with a CUDA transport; UCX_TLS as the container ends up with it
+(the last entry of a name wins) */}}
+{{- if has "UCX" (include "pdgate.nixlBackends" . | fromJsonArray) }}
+{{- range $pool := list "prefill" "decode" }}
+{{- $p := index $v $pool }}
+{{- if $p.enabled }}
+{{- $tls := "" }}
+{{- range concat ($v.nixl.env | default list) ($v.engines.extraEnv | default list) ($p.extraEnv | default list) }}
+{{- if and (eq .name "UCX_TLS") (hasKey . "value") }}
+{{- $tls = toString .value }}
+{{- end }}
+{{- end }}
+{{- if $tls }}
+{{- $names := splitList "," (lower (trimPrefix "^" $tls)) }}
+{{- $cuda := false }}
+{{- if hasPrefix "^" $tls }}
+{{- $cuda = not (or (has "cuda" $names) (has "cuda_copy" $names)) }}
+{{- else }}
+{{- $cuda = or (has "cuda" $names) (has "cuda_copy" $names) (has "all" $names) }}
+{{- end }}
+{{- if not $cuda }}
+{{- fail (printf "%s: UCX_TLS=%s has no CUDA transport: NIXL's UCX backend cannot move the GPU-resident KV cache without cuda_copy (NIXL refuses it). Add cuda_copy (and cuda_ipc for GPUs on one node), e.g. sm,cuda_ipc,cuda_copy,tcp as llm-d uses" $pool $tls) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- /* Model loading */}}
+{{- if hasPrefix "s3://" $v.model.id }}
+{{- if not (hasPrefix "runai_streamer" $v.model.loadFormat) }}
+{{- fail (printf "model.id %s is on S3: vLLM reads it only with model.loadFormat runai_streamer (or runai_streamer_sharded)" $v.model.id) }}
+{{- end }}
+{{- if not $v.model.tokenizer }}
+{{- fail "model.id is on S3: set model.tokenizer to the model's Hugging Face id (or a path in the gateway image): the gateway loads the tokenizer itself and cannot read S3" }}
+{{- end }}
+{{- end }}
+{{- if $v.model.preload.enabled }}
+{{- if ne $v.model.cache.type "pvc" }}
+{{- fail (printf "model.preload needs model.cache.type pvc (a claim every engine pod mounts, e.g. FSx for Lustre); with %s the Job's download would land where no engine reads it" $v.model.cache.type) }}
+{{- end }}
+{{- if hasPrefix "s3://" $v.model.id }}
+{{- fail "model.preload downloads a Hugging Face model id; model.id is on S3 (streamed by the engines): turn one of them off" }}
 {{- end }}
 {{- end }}
 {{- end }}
