@@ -592,7 +592,7 @@ class SliceWatcher:
             for name in sorted(_node_names(self._slices) - self._nodes.keys() - self._nodes_failed):
                 try:
                     self._nodes[name] = await self._node(access, name)
-                except (aiohttp.ClientError, TimeoutError, OSError, ValueError, APIError) as err:
+                except Exception as err:  # an API error, or a body that is no Node: never the slices' watch
                     self._nodes_failed.add(name)
                     self._failed(f"cannot read node {name}: {type(err).__name__}: {err}")
                     log.warning("discovery (%s): %s (the gateway needs get on nodes for node_labels); its "

@@ -8,19 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import httpx
 import pytest
 import yaml
 
 from . import engines as E
 from .conftest import THRESHOLD, Gateway, Pair, start_gateway
 from .test_real_vllm import chat_messages, counters, expect_direct, expect_pd
-from .test_routing_beliefs import gateway_metric
+from .test_routing_beliefs import TOKEN, chat, gateway_metric
+from .test_routing_beliefs import plan as route
 
 pytestmark = [pytest.mark.realvllm, pytest.mark.e2e]
 
 ZONE = "topology.kubernetes.io/zone"
-TOKEN = "realvllm-pairing-admin"
 
 
 def pools(pair: Pair, prefill_zone: str) -> dict:
@@ -41,18 +40,6 @@ def gw(vllm_pair: Pair) -> Iterator[Gateway]:
         yield gw
     finally:
         gw.proc.stop()
-
-
-def chat(gw: Gateway, messages: list[dict]) -> httpx.Response:
-    body = {"model": E.MODEL_NAME, "messages": messages, "max_tokens": 4, "ignore_eos": True}
-    return httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=E.REQUEST_TIMEOUT_S)
-
-
-def route(gw: Gateway, messages: list[dict]) -> dict:
-    r = httpx.post(gw.url + "/debug/route", json={"model": E.MODEL_NAME, "messages": messages},
-                   headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def test_no_kv_pull_across_zones_and_one_inside_a_zone(vllm_pair: Pair, gw: Gateway) -> None:
