@@ -117,14 +117,15 @@ spec:
         {{- end }}
         {{- if $p.multiNode.enabled }}
         {{- /* vLLM's own multi-node launch (no Ray): every pod runs vllm serve with the same
-        engine flags; LWS sets LWS_GROUP_SIZE, LWS_WORKER_INDEX and LWS_LEADER_ADDRESS, which
-        Kubernetes expands in args */}}
+        engine flags; LWS sets LWS_GROUP_SIZE and LWS_LEADER_ADDRESS, which Kubernetes expands in
+        args; the node rank is the pod's worker-index label (LWS_WORKER_INDEX exists only from LWS
+        0.6 on), read through the downward API */}}
         - --distributed-executor-backend
         - mp
         - --nnodes
         - $(LWS_GROUP_SIZE)
         - --node-rank
-        - {{ ternary "0" "$(LWS_WORKER_INDEX)" (eq $role "leader") | quote }}
+        - {{ ternary "0" "$(PDGATE_NODE_RANK)" (eq $role "leader") | quote }}
         - --master-addr
         - $(LWS_LEADER_ADDRESS)
         - --master-port
@@ -151,6 +152,10 @@ spec:
         - name: VLLM_NIXL_SIDE_CHANNEL_HOST  # the decode engine pulls KV from this address
           valueFrom: {fieldRef: {fieldPath: status.podIP}}
         - {name: VLLM_NIXL_SIDE_CHANNEL_PORT, value: {{ $v.nixl.sideChannelPort | quote }}}
+        {{- if and $p.multiNode.enabled (eq $role "worker") }}
+        - name: PDGATE_NODE_RANK  # --node-rank (any LWS version)
+          valueFrom: {fieldRef: {fieldPath: "metadata.labels['leaderworkerset.sigs.k8s.io/worker-index']"}}
+        {{- end }}
         {{- if $v.model.hfTokenSecret }}
         - name: HF_TOKEN
           valueFrom: {secretKeyRef: {name: {{ $v.model.hfTokenSecret }}, key: HF_TOKEN}}

@@ -142,7 +142,7 @@ every GPU worker (one per tensor parallel rank): the pod's L1 is split over them
 {{- end }}
 {{- $_ := set $cfg "pools" $pools }}
 {{- $prefix := dict "hash_algo" $v.engines.prefixHashAlgo }}
-{{- if $v.engines.pythonHashSeed }}
+{{- if ne (toString $v.engines.pythonHashSeed) "" }}{{/* --set engines.pythonHashSeed=0 is an integer 0 */}}
 {{- $_ := set $prefix "hash_seed" (toString $v.engines.pythonHashSeed) }}
 {{- end }}
 {{- $routing := dict "decider" (dict "name" "token_threshold" "threshold" (int $v.gateway.routing.threshold)) "prefix" $prefix }}
@@ -167,9 +167,17 @@ scorers are the gateway's defaults, written out because a pool's routing replace
 {{- fail "gateway.replicas > 1 needs shared state: set redis.enabled=true, redis.url or redis.urlSecret.name" }}
 {{- end }}
 {{- if or $v.planner.enabled (eq $v.autoscaling.signal "planner") }}
-{{- $pl := dict "enabled" true "profile" $v.planner.profile "target" (float64 $v.planner.target) "tail" $v.planner.tail "window_s" $v.planner.windowSeconds }}
+{{- $pl := dict "enabled" true "profile" $v.planner.profile "target" (float64 $v.planner.target) "tail" $v.planner.tail "window_s" (float64 $v.planner.windowSeconds) }}
 {{- if $v.planner.slos }}
-{{- $_ := set $pl "slos" $v.planner.slos }}
+{{- $slos := list }}
+{{- range $slo := $v.planner.slos }}{{/* seconds given with --set arrive as strings */}}
+{{- $one := deepCopy $slo }}
+{{- range $k := list "ttft_s" "itl_p90_s" "itl_p99_s" }}
+{{- if hasKey $one $k }}{{ $_ := set $one $k (float64 (index $one $k)) }}{{ end }}
+{{- end }}
+{{- $slos = append $slos $one }}
+{{- end }}
+{{- $_ := set $pl "slos" $slos }}
 {{- end }}
 {{- $_ := set $cfg "planner" $pl }}
 {{- end }}
