@@ -179,9 +179,8 @@ class NoPairing(Exception):
     ``reason`` (a short code, used as a metric label)."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(detail or reason)
+        super().__init__(detail or reason)  # the detail, with the numbers, for logs
         self.reason = reason
-        self.detail = detail
 
 
 @runtime_checkable

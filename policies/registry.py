@@ -23,7 +23,7 @@ from .prefix_affinity import PrefixAffinity
 from .same_zone import SameZone
 from .session_affinity import SessionAffinity
 from .token_threshold import TokenThreshold
-from .topology import Topology
+from .topology import TopologyAffinity
 
 ENTRY_POINT_GROUP = "pdgate.policies"
 
@@ -35,7 +35,7 @@ BUILTIN: Mapping[str, Callable[..., Any]] = {
     "load": Load,  # scorer
     "session_affinity": SessionAffinity,  # scorer
     "same_zone": SameZone,  # filter (prefill pool: pairs with the decode engine's zone)
-    "topology": Topology,  # scorer (prefill pool: the decode engine's network neighbours)
+    "topology": TopologyAffinity,  # scorer (prefill pool: the decode engine's network neighbours)
     "max_score": MaxScore,  # picker
     "least_inflight": LeastInflight,  # picker
 }

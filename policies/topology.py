@@ -33,7 +33,7 @@ _DEFAULTS = TopologyParams()
 
 
 @dataclass(frozen=True)
-class Topology:
+class TopologyAffinity:
     Params: ClassVar[type[TopologyParams]] = TopologyParams
 
     levels: tuple[str, ...] = _DEFAULTS.levels

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.procs import free_port
 from tests.realvllm import engines as E
@@ -162,4 +161,3 @@ def test_the_test_pods_role_reads_endpointslices_and_execs_only(tools: Tools):
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
         {"apiGroups": [""], "resources": ["pods/exec"], "verbs": ["create", "get"]},
     ]
-    assert yaml.safe_dump(role)  # plain data

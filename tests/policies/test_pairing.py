@@ -17,7 +17,7 @@ from policies.pipeline import PoolPipeline, RoutingPipeline, Weighted
 from policies.prefix_index import PrefixIndex
 from policies.same_zone import SameZone
 from policies.token_threshold import TokenThreshold
-from policies.topology import Topology
+from policies.topology import TopologyAffinity
 
 from .helpers import ctx, ep
 
@@ -63,10 +63,11 @@ def test_topology_scores_shared_levels_from_the_broadest_down():
     d = at("d", "decode", "a", "spine-1")
     cands = [at("same", "prefill", "a", "spine-1"), at("zone", "prefill", "a", "spine-2"),
              at("far", "prefill", "b", "spine-1"), at("unknown", "prefill")]
-    assert Topology().score(paired(d), cands) == [1.0, 0.5, 0.0, 0.0]  # a spine name in another zone counts nothing
+    # a spine name in another zone counts nothing
+    assert TopologyAffinity().score(paired(d), cands) == [1.0, 0.5, 0.0, 0.0]
     # decode spine unknown: only the zone can count
-    assert Topology().score(paired(at("d", "decode", "a")), cands) == [0.5, 0.5, 0.0, 0.0]
-    assert Topology().score(ctx(10), cands) == [0.0] * 4
+    assert TopologyAffinity().score(paired(at("d", "decode", "a")), cands) == [0.5, 0.5, 0.0, 0.0]
+    assert TopologyAffinity().score(ctx(10), cands) == [0.0] * 4
 
 
 def pd_pipeline(strict: bool = True) -> RoutingPipeline:
@@ -74,7 +75,7 @@ def pd_pipeline(strict: bool = True) -> RoutingPipeline:
         decider=TokenThreshold(threshold=5),
         decode=PoolPipeline(MaxScore()),
         prefill=PoolPipeline(MaxScore(), filters=(("same_zone", SameZone(strict=strict)),),
-                             scorers=(Weighted("topology", Topology(), 1.0),)),
+                             scorers=(Weighted("topology", TopologyAffinity(), 1.0),)),
     )
 
 
