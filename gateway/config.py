@@ -420,12 +420,25 @@ class PrefixConfig(_Strict):
     )
 
 
+class MigrationConfig(_Strict):
+    """A decode leg that fails after its first token continues on another decode engine: the
+    prompt plus the tokens generated so far, routed like a new request (docs/operations.md,
+    "Mid-stream migration")."""
+
+    enabled: bool = Field(True, description="continue an answer whose decode engine failed mid-way on another one")
+    max_per_request: int = Field(1, ge=0, le=8, description="migrations one request may use; past them the "
+                                 "client gets the error event")
+    deadline_s: float = Field(600.0, ge=0, description="a request older than this is not migrated any more "
+                              "(0: no limit)")
+
+
 class RoutingConfig(_Strict):
     decider: PolicySpec = PolicySpec(name="token_threshold")
     decode: PoolRoutingConfig = PoolRoutingConfig(filters=[PolicySpec(name="bounded_load")],
                                                   scorers=_default_scorers())
     prefill: PoolRoutingConfig = PoolRoutingConfig(scorers=_default_scorers())
     prefix: PrefixConfig = PrefixConfig()
+    migration: MigrationConfig = MigrationConfig()
     debug_headers: bool = Field(
         False, description="add x-pdgate-route (reason, numbers, chosen endpoints) to every response",
     )

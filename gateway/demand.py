@@ -49,7 +49,7 @@ class Demand:
         self.active = True  # False while the planner is off: nothing is kept
 
     def on_finished(self, ctx: RequestContext, decision: Decision, result: Finished) -> None:
-        if self.active and result.status == 200 and ctx.prompt_tokens:
+        if self.active and result.status == 200 and ctx.prompt_tokens and not result.continuation:
             self._seen.append((self._clock(), ctx.prompt_tokens, result.output_tokens or 1))
 
     def pause(self) -> None:

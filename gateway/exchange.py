@@ -12,11 +12,16 @@ gateway learns from the request goes out through the lifecycle hooks (``policies
 the end, each on the event loop's next turn, off the request's critical path. The engine I/O of a
 single leg is ``gateway/legs.py``; the client side is ``gateway/relay.py``'s ``ClientWire``.
 
-Failover happens only before the client has received a byte: a failed prefill leg is retried on
-another prefill engine, then (if allowed) the request goes direct; a decode leg that fails before
-its first token is retried on another decode engine. The retry keeps the KV handle only when the
+Failover before the client has received a byte: a failed prefill leg is retried on another
+prefill engine, then (if allowed) the request goes direct; a decode leg that fails before its
+first token is retried on another decode engine. The retry keeps the KV handle only when the
 failed engine never saw the request (connection refused): an engine that did see it may have told
 the prefill engine to drop the blocks, so the retry goes direct (the decode engine prefills).
+
+After the first token, a migratable request's decode leg that fails is *migrated*: its answer goes
+on from the text the client has, on another decode engine, as a new ``_Part`` (the prompt plus the
+output kept, routed like a request, so a long one takes the P/D path again). The engine events of
+a migratable request are read (gateway/stitch.py); every other answer is relayed byte for byte.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import math
 import random
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -41,15 +46,18 @@ from .admission import too_busy
 from .auth import authorize
 from .errors import APIError, clip
 from .legs import DecodeStream, LegFailed, PrefillAnswer
+from .migration import continuation_body, output_budget, resume_point, unmigratable
 from .pools import Endpoint
 from .protocol import Kind, ParsedRequest, check_output_limit, parse_body, too_large
 from .relay import DONE, ClientWire
 from .requestlog import RequestRecord
 from .router import NotServed, Prepared, Saturated
 from .runtime import Runtime, Services
+from .stitch import Answer, Broken, Diverged
 from .tokenizer import PromptIds
+from .tracing import RequestTrace
 from .transport import ClientError
-from .upstream import transport_error
+from .upstream import EngineError, transport_error
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +85,32 @@ def request_id(client_id: str | None) -> str:
 
 
 @dataclass(slots=True)
+class _Part:
+    """One engine request the client's answer comes from: the request as the client sent it
+    (``number`` 0), or after a migration its continuation on another decode engine: a
+    ``/v1/completions`` request over the prompt plus the output kept, with a context of its own."""
+
+    number: int
+    path: str  # the engines' route
+    body: dict[str, Any]  # the decode leg's body (the prefill leg's is made from it)
+    stream: bool  # the decode leg streams (a migratable request's always does)
+    prep: Prepared
+    request_id: str  # both legs' X-Request-Id
+    trace: RequestTrace  # where its legs' spans go
+    decision: Decision | None = None
+    prefilled_on: Endpoint | None = None  # the prefill engine that answered, if any
+    reports: list[LegReport] = field(default_factory=list)  # every engine leg attempt, as the hooks were told
+
+    @property
+    def ctx(self) -> RequestContext:
+        return self.prep.ctx
+
+
+@dataclass(slots=True)
 class _OpenDecode:
     """A decode leg past its first token (or whole answer), until the relay has sent it on."""
 
+    part: _Part
     stream: DecodeStream
     ep: Endpoint
     path: Path
@@ -88,6 +119,15 @@ class _OpenDecode:
     tokens: int  # the gateway's belief: uncached prompt tokens on this engine
     prefill_url: str | None
     span: Any
+
+
+@dataclass(frozen=True, slots=True)
+class _Cut:
+    """A decode leg that failed after its first token: why (a metric label) and what the client
+    gets if the answer cannot go on."""
+
+    reason: str
+    err: APIError
 
 
 class Exchange:
@@ -104,15 +144,15 @@ class Exchange:
         self.prompts: PromptIds | None = None
         self.prep: Prepared | None = None
         self.decision: Decision | None = None
-        self.reports: list[LegReport] = []  # every engine leg attempt, as the hooks were told
+        self.parts: list[_Part] = []  # the request's own, then one per migration
+        self.answer: Answer | None = None  # a migratable request's answer (its events are read)
+        self.unmigratable: str | None = None  # else why not
         self.status = 0
         self.error = ""
         self._admitted = False
         self._answered = False  # the client has the whole answer (an SSE stream through [DONE])
         self._deadline = 0.0  # admission and engine capacity are waited for until then
-        self._prefilled_on: Endpoint | None = None  # the prefill engine that answered, if any
-
-    # -- the request path -----------------------------------------------------------------------------
+        self._failed_decode: set[str] = set()  # decode engines whose leg broke off mid-answer
 
     async def run(self, client: ClientWire) -> None:
         """Serve the request; returns once the client has its answer (or is gone). Never raises
@@ -151,9 +191,10 @@ class Exchange:
         req = await self._understand(body)
         route = await self._route(req)
         decision = self.decision = route.decision
-        asyncio.get_running_loop().call_soon(self._routed, decision)  # off the critical path
-        handle = await self._prefill(req, decision) if decision.path is Path.PD else None
-        leg = await self._decode(req, decision, handle)
+        part = self._first_part(req, decision)
+        asyncio.get_running_loop().call_soon(self._routed, part)  # off the critical path
+        handle = await self._prefill(part, decision) if decision.path is Path.PD else None
+        leg = await self._decode(part, decision, handle)
         await self._relay(client, req, leg)
 
     @property
@@ -271,9 +312,33 @@ class Exchange:
             rec.trace.record("route", t2 - t1, _route_attributes(rec, d, prep, waited))
         return route
 
+    def _first_part(self, req: ParsedRequest, decision: Decision) -> _Part:
+        """The request's own engine request. A migratable one streams from its engine with the
+        generated token ids, whatever the client asked: its answer can then go on elsewhere."""
+        assert self.prep is not None and self.prompts is not None
+        body, stream = req.body, req.stream
+        migration = self.rt.cfg.routing.migration
+        why = unmigratable(req, self.prompts.approximate_reason) if migration.enabled else "disabled"
+        if why is None and migration.max_per_request > 0:
+            opts = body.get("stream_options") or {}
+            max_model_len = self.rt.tokenizers.get(req.model).cfg.max_model_len  # type: ignore[union-attr]
+            self.answer = Answer(req.kind, stream=req.stream, wants_ids=bool(body.get("return_token_ids")),
+                                 usage=bool(opts.get("include_usage")),
+                                 continuous=bool(opts.get("include_usage") and opts.get("continuous_usage_stats")),
+                                 prompt=self.prompts[0], max_event_bytes=(1 << 16) + 12 * max_model_len)
+            body = {**body, "return_token_ids": True}
+            if not stream:
+                body.update(stream=True, stream_options={"include_usage": True})
+                stream = True
+        else:
+            self.unmigratable = why or "limit"
+        part = _Part(0, self.path, body, stream, self.prep, self.rec.request_id, self.rec.trace, decision)
+        self.parts.append(part)
+        return part
+
     # -- the engine legs --------------------------------------------------------------------------------
 
-    async def _prefill(self, req: ParsedRequest, decision: Decision) -> PrefillAnswer | None:
+    async def _prefill(self, part: _Part, decision: Decision) -> PrefillAnswer | None:
         """Steps 1-2 of the handshake, on the chosen prefill engine, else another one, else none:
         then the request goes direct (``failover.fallback_to_direct``)."""
         assert decision.prefill is not None
@@ -281,17 +346,17 @@ class Exchange:
         tried = {ep.url}
         for attempt in range(retries + 1):
             try:
-                answer = await self._prefill_leg(ep, req)
+                answer = await self._prefill_leg(part, ep)
                 ep.record(True)
-                self._prefilled_on = ep
+                part.prefilled_on = ep
                 return answer
             except LegFailed as failed:
                 if not legs.retryable(failed.err):
                     raise failed.err from None
                 ep.record(False)
-                log.warning("request %s: prefill leg on %s failed (%s)", self.rec.request_id, ep.url,
+                log.warning("request %s: prefill leg on %s failed (%s)", part.request_id, ep.url,
                             failed.err.message)
-                other = self._other("prefill", tried, decision.decode) if attempt < retries else None
+                other = self._other(part, "prefill", tried, decision.decode) if attempt < retries else None
                 if other is None:
                     if not self.rt.cfg.failover.fallback_to_direct:
                         raise failed.err from None
@@ -303,17 +368,17 @@ class Exchange:
                 tried.add(ep.url)
         raise AssertionError("unreachable: the loop returns or raises")
 
-    async def _prefill_leg(self, ep: Endpoint, req: ParsedRequest) -> PrefillAnswer:
+    async def _prefill_leg(self, part: _Part, ep: Endpoint) -> PrefillAnswer:
         rec = self.rec
-        tokens = self.ctx.uncached(ep.url)
+        tokens = part.ctx.uncached(ep.url)
         ticket = ep.start_prefill(tokens)
-        span = rec.trace.leg("prefill", ep.url)
+        span = part.trace.leg("prefill", ep.url)
         span.set("pdgate.uncached_tokens", tokens)
         started = time.perf_counter()
         outcome, status, answer = LegOutcome.ABANDONED, 0, None
         ep.acquire()
         try:
-            answer = await legs.prefill(self.rt.upstream, ep, self.path, req.body, rec.request_id, span.headers)
+            answer = await legs.prefill(self.rt.upstream, ep, part.path, part.body, part.request_id, span.headers)
             outcome, status = LegOutcome.OK, 200
             return answer
         except LegFailed as failed:
@@ -326,27 +391,27 @@ class Exchange:
             rec.prefill_legs.append(("ok" if outcome is LegOutcome.OK else "error", seconds))
             rec.prefill = ep.url
             span.end(None if outcome is LegOutcome.OK else outcome.value)
-            self._leg_done(LegReport("prefill", ep.url, outcome, Path.PD, seconds, uncached_tokens=tokens,
-                                     queued_tokens=ticket.ahead, status=status,
-                                     cached_tokens=answer.cached_tokens if answer else None))
+            self._leg_done(part, LegReport("prefill", ep.url, outcome, Path.PD, seconds, uncached_tokens=tokens,
+                                           queued_tokens=ticket.ahead, status=status,
+                                           cached_tokens=answer.cached_tokens if answer else None))
 
-    async def _decode(self, req: ParsedRequest, decision: Decision, handle: PrefillAnswer | None) -> _OpenDecode:
+    async def _decode(self, part: _Part, decision: Decision, handle: PrefillAnswer | None) -> _OpenDecode:
         """Step 3 up to its first token, on the chosen decode engine, else another one."""
         ep, retries = self.svc.pools.get(decision.decode), self.rt.cfg.failover.decode_retries
-        tried = {ep.url}
+        tried = {ep.url, *self._failed_decode}
         try:
             for attempt in range(retries + 1):
                 try:
-                    leg = await self._decode_leg(ep, req, handle)
+                    leg = await self._decode_leg(part, ep, handle)
                     ep.record(True)
                     return leg
                 except LegFailed as failed:
                     if not legs.retryable(failed.err):
                         raise failed.err from None
                     ep.record(False)
-                    log.warning("request %s: decode leg on %s failed (%s)", self.rec.request_id, ep.url,
+                    log.warning("request %s: decode leg on %s failed (%s)", part.request_id, ep.url,
                                 failed.err.message)
-                    other = self._other("decode", tried) if attempt < retries else None
+                    other = self._other(part, "decode", tried) if attempt < retries else None
                     if other is None:
                         raise failed.err from None
                     self._failover("decode_retried", failed.err, ep)
@@ -357,43 +422,45 @@ class Exchange:
             raise AssertionError("unreachable: the loop returns or raises")
         except asyncio.CancelledError:
             if handle is not None:  # the client left: its prefilled KV need not wait out the lease
-                self.svc.releaser.release(ep, req.model, handle.kv_params, self.rec.request_id)
+                self.svc.releaser.release(ep, part.ctx.model, handle.kv_params, part.request_id)
             raise
 
-    async def _decode_leg(self, ep: Endpoint, req: ParsedRequest, handle: PrefillAnswer | None) -> _OpenDecode:
+    async def _decode_leg(self, part: _Part, ep: Endpoint, handle: PrefillAnswer | None) -> _OpenDecode:
         """A direct stream prefills its uncached tokens on the engine first: they count in its
         backlog until the first token (the cost model's queue estimate); a whole answer's first
         token cannot be seen, so non-streamed legs do not count."""
         rec = self.rec
         path = Path.DIRECT if handle is None else Path.PD
-        body = req.body if handle is None else {**req.body, "kv_transfer_params": handle.kv_params}
-        prefill_url = self._prefilled_on.url if handle is not None and self._prefilled_on else None
-        tokens = self.ctx.uncached(ep.url)
-        span = rec.trace.leg("decode", ep.url)
+        body = part.body if handle is None else {**part.body, "kv_transfer_params": handle.kv_params}
+        prefill_url = part.prefilled_on.url if handle is not None and part.prefilled_on else None
+        tokens = part.ctx.uncached(ep.url)
+        span = part.trace.leg("decode", ep.url)
         span.set("pdgate.kv_from_prefill", handle is not None)
-        ticket = ep.start_prefill(tokens if handle is None and req.stream else 0)
+        ticket = ep.start_prefill(tokens if handle is None and part.stream else 0)
         started = time.perf_counter()
         rec.decode = ep.url
         ep.acquire()
         try:
-            stream = await legs.open_decode(self.rt.upstream, ep, self.path, body, rec.request_id, req.stream,
+            stream = await legs.open_decode(self.rt.upstream, ep, part.path, body, part.request_id, part.stream,
                                             span.headers)
         except BaseException as err:
             ep.release()
             outcome = _failed(err) if isinstance(err, LegFailed) else LegOutcome.ABANDONED
             span.end(outcome.value)
-            self._leg_done(LegReport("decode", ep.url, outcome, path, time.perf_counter() - started,
-                                     uncached_tokens=tokens, prefill_url=prefill_url,
-                                     status=err.err.status if isinstance(err, LegFailed) else 0))
+            self._leg_done(part, LegReport("decode", ep.url, outcome, path, time.perf_counter() - started,
+                                           uncached_tokens=tokens, prefill_url=prefill_url,
+                                           status=err.err.status if isinstance(err, LegFailed) else 0))
             raise
         finally:
             ep.end_prefill(ticket)
         first = None
-        if req.stream:
-            first = rec.decode_first_token_s = time.perf_counter() - started
+        if part.stream:
+            first = time.perf_counter() - started
             span.set("pdgate.first_token_s", first)
-            rec.itl = self.svc.metrics.itl_for(rec.model, path.value)
-        return _OpenDecode(stream, ep, path, started, first, tokens, prefill_url, span)
+            if rec.stream and part.number == 0:  # what the client's stream waited for
+                rec.decode_first_token_s = first
+                rec.itl = self.svc.metrics.itl_for(rec.model, path.value)
+        return _OpenDecode(part, stream, ep, path, started, first, tokens, prefill_url, span)
 
     # -- the answer -------------------------------------------------------------------------------------
 
@@ -404,13 +471,18 @@ class Exchange:
         rec.path = leg.path.value
         headers = self._headers(path=leg.path)
         headers.append((b"content-type", resp.header(b"content-type") or b"application/json"))
+        if self.answer is not None and _is_stream(resp.header(b"content-type")):
+            await self._relay_answer(client, req, leg, headers, self.answer)
+            return
         outcome, clean = LegOutcome.CUT, False
         try:
             if not req.stream:
+                # (a migratable request's engine that answered a whole body although asked to stream)
+                body = leg.stream.head if leg.part.stream == req.stream else leg.stream.head + await resp.read()
                 self._outcome(resp.status)
-                await client.whole(resp.status, headers, leg.stream.head)
+                await client.whole(resp.status, headers, body)
                 self._answered = True
-                rec.sent_body(leg.stream.head)
+                rec.sent_body(body)
                 outcome = LegOutcome.OK
                 clean = True
                 return
@@ -431,6 +503,7 @@ class Exchange:
                     return
                 # Headers are gone already: an error event and [DONE], as vLLM ends a failed stream.
                 cut = transport_error(err, "decode")
+                self._not_migrated(_Cut(_reason(err), cut), self.unmigratable or "disabled")
                 self._outcome(cut.status, cut.message)
                 await client.error(cut, [])
                 return
@@ -438,15 +511,186 @@ class Exchange:
             outcome = LegOutcome.OK
             clean = True
         finally:
-            leg.stream.close(reuse=clean)
-            leg.ep.release()
-            leg.span.end(None if clean else "decode stream cut short")
-            self._leg_done(LegReport(
-                "decode", leg.ep.url, outcome, leg.path, time.perf_counter() - leg.started,
-                first_token_s=leg.first_token_s, uncached_tokens=leg.tokens, prefill_url=leg.prefill_url,
-                status=resp.status,
-                # on the P/D path vLLM reports the prefill engine's cache hit here, not this engine's
-                cached_tokens=rec.cached_tokens if leg.path is Path.DIRECT else None))
+            self._leg_end(leg, outcome, clean, resp.status, rec.cached_tokens)
+
+    async def _relay_answer(self, client: ClientWire, req: ParsedRequest, leg: _OpenDecode,
+                            headers: list[tuple[bytes, bytes]], answer: Answer) -> None:
+        """A migratable answer: each engine event read, the client's written; a decode leg that
+        fails mid-way is continued on another engine, as often as the config allows."""
+        if req.stream:
+            self._outcome(200)
+            await client.start(200, headers)
+        while True:
+            cut = await self._relay_part(client, leg, answer)
+            if cut is None:
+                break
+            opened = await self._migrate(req, leg, cut, answer)
+            if opened is None:
+                self._outcome(cut.err.status, cut.err.message)
+                await client.error(cut.err, [] if req.stream else self._headers(failed=True))
+                return
+            leg = opened
+        for m in self.rec.migrations:
+            if m["result"] == "pending":
+                m["result"] = "ok"
+                self.svc.metrics.migration(m["reason"], "ok")
+        self.rec.output_tokens = answer.output_tokens
+        if req.stream:
+            await client.end()
+        else:
+            body = answer.whole()
+            self._outcome(200)
+            await client.whole(200, headers, body)
+            self.rec.sent_body(body)
+        self._answered = True
+
+    async def _relay_part(self, client: ClientWire, leg: _OpenDecode, answer: Answer) -> _Cut | None:
+        """One part of a migratable answer, until it is whole (None) or breaks off (the cut)."""
+        rec, resp = self.rec, leg.stream.resp
+        outcome, clean, cut = LegOutcome.CUT, False, None
+        chunk, send, read = leg.stream.head, client.asgi_send, resp.read_some
+        try:
+            while chunk:
+                out = answer.feed(chunk)
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                    rec.sent_chunk(out)
+                if answer.done:  # whatever happens to the connection now
+                    outcome = LegOutcome.OK
+                    self._answered = answer.stream  # [DONE] is out: a hang-up now changes nothing
+                chunk = await read()
+            answer.ended()
+            outcome, clean = LegOutcome.OK, True
+        except (TimeoutError, ClientError) as err:
+            if answer.done:  # the engine broke off after [DONE]: the answer is whole
+                outcome = LegOutcome.OK
+            else:
+                cut = _Cut(_reason(err), transport_error(err, "decode"))
+        except Broken as err:
+            cut = _Cut(err.cause, EngineError(502, f"The decode engine failed: {err}.", code="engine_error"))
+        except Diverged as err:
+            log.warning("request %s: %s", self.rec.request_id, err)
+            cut = _Cut("diverged", EngineError(502, "The decode engine failed mid-answer.", code="engine_error"))
+        finally:
+            self._leg_end(leg, outcome, clean, resp.status, answer.cached_tokens)
+        return cut
+
+    def _leg_end(self, leg: _OpenDecode, outcome: LegOutcome, clean: bool, status: int, cached: int | None) -> None:
+        """``cached``: the engine's own count of prompt tokens its cache served (its usage)."""
+        leg.stream.close(reuse=clean)
+        leg.ep.release()
+        leg.span.end(None if clean or outcome is LegOutcome.OK else "decode stream cut short")
+        self._leg_done(leg.part, LegReport(
+            "decode", leg.ep.url, outcome, leg.path, time.perf_counter() - leg.started,
+            first_token_s=leg.first_token_s, uncached_tokens=leg.tokens, prefill_url=leg.prefill_url,
+            status=status,
+            # on the P/D path vLLM reports the prefill engine's cache hit here, not this engine's
+            cached_tokens=cached if leg.path is Path.DIRECT else None))
+
+    # -- migration --------------------------------------------------------------------------------------
+
+    async def _migrate(self, req: ParsedRequest, failed: _OpenDecode, cut: _Cut, answer: Answer) -> _OpenDecode | None:
+        """Continue the answer on another decode engine: the prompt plus the output kept, routed
+        like a request. None when it cannot (the reason is logged and counted)."""
+        self._failed_decode.add(failed.ep.url)
+        for m in self.rec.migrations:  # an earlier migration's continuation failed too
+            if m["result"] == "pending":
+                m["result"] = "failed"
+                self.svc.metrics.migration(m["reason"], "failed")
+        why = self._why_not(cut, answer)
+        if why is not None:
+            self._not_migrated(cut, why)
+            return None
+        t0 = time.perf_counter()
+        record: dict[str, Any] = {"reason": cut.reason, "from": failed.ep.url, "to": None, "path": None,
+                                  "tokens": 0, "result": "pending"}
+        self.rec.migrations.append(record)
+        span, trace = self.rec.trace.child("migration", {"pdgate.migration.reason": cut.reason,
+                                                         "pdgate.migration.from": failed.ep.url})
+        try:
+            part = await self._continuation(req, answer, trace)
+            record["tokens"] = kept = answer.output_tokens
+            span.set("pdgate.migration.kept_tokens", kept)
+            if part is None:
+                why = "no_resume_point"
+                log.warning("request %s: not migrated (%s): the text sent does not join the tokens received",
+                            self.rec.request_id, why)
+                record["result"] = "skipped"
+                self.svc.metrics.migration(cut.reason, "skipped", why)
+                span.end(why)
+                return None
+            log.warning("request %s: decode leg on %s failed mid-answer (%s); continuing after %d tokens",
+                        self.rec.request_id, failed.ep.url, cut.reason, kept)
+            route = self.rt.router.route(part.prep, exclude=self._failed_decode)
+            decision = part.decision = route.decision
+            asyncio.get_running_loop().call_soon(self._routed, part)
+            handle = await self._prefill(part, decision) if decision.path is Path.PD else None
+            leg = await self._decode(part, decision, handle)
+        except (APIError, NoEndpointError, NotServed) as err:
+            log.warning("request %s: migration failed: %s", self.rec.request_id, err)
+            record["result"] = "failed"
+            self.svc.metrics.migration(cut.reason, "failed")
+            span.end(str(err))
+            return None
+        except BaseException:
+            span.end("abandoned")
+            raise
+        seconds = time.perf_counter() - t0
+        record.update(to=leg.ep.url, path=leg.path.value, ms=round(seconds * 1000, 3))
+        span.set("pdgate.migration.to", leg.ep.url)
+        span.set("pdgate.migration.path", leg.path.value)
+        span.end()
+        self.svc.metrics.migrated(self.rec.model, leg.path.value, kept, seconds)
+        return leg
+
+    def _why_not(self, cut: _Cut, answer: Answer) -> str | None:
+        migration = self.rt.cfg.routing.migration
+        if cut.reason == "diverged":
+            return "diverged"
+        if answer.unresumable is not None:
+            return answer.unresumable
+        if not answer.prompt_confirmed and self.prompts is not None and self.prompts.approximate_reason:
+            return "prompt_unknown"  # the gateway's count may be off and the engine did not say its own
+        if sum(1 for m in self.rec.migrations if m["result"] != "skipped") >= migration.max_per_request:
+            return "limit"
+        if migration.deadline_s and self.rec.since_start() > migration.deadline_s:
+            return "deadline"
+        return None
+
+    def _not_migrated(self, cut: _Cut, why: str) -> None:
+        log.warning("request %s: decode leg failed mid-answer (%s); not migrated: %s", self.rec.request_id,
+                    cut.reason, why)
+        self.rec.migrations.append({"reason": cut.reason, "result": "skipped", "why": why})
+        self.svc.metrics.migration(cut.reason, "skipped", why)
+
+    async def _continuation(self, req: ParsedRequest, answer: Answer, trace: RequestTrace) -> _Part | None:
+        """The next part: where the answer resumes (None: nowhere safe), its body and context."""
+        tok = self.rt.tokenizers.get(req.model)
+        assert tok is not None
+        prompt = answer.prompt()
+        budget = output_budget(req)
+        point = await self.rt.tokenizers.run(
+            resume_point, tok.backend, prompt, answer.ids, answer.text_len, answer.tail(answer.tail_chars),
+            skip_special_tokens=req.body.get("skip_special_tokens") is not False,
+            spaces_between_special_tokens=req.body.get("spaces_between_special_tokens") is not False,
+            max_tokens=budget)
+        if point is None:
+            return None
+        if answer.prompt_mismatch:
+            log.warning("request %s: the engine's prompt token ids differ from the gateway's (%d vs %d tokens); "
+                        "the continuation uses the engine's", self.rec.request_id, answer.prompt_tokens,
+                        len(self.prompts[0]) if self.prompts else 0)
+        answer.resume(point.tokens, point.overlap)
+        ids = [*prompt, *answer.ids]
+        body = continuation_body(req, ids, point.tokens, continuous=answer.continuous)
+        number = len(self.parts)
+        request_id = f"{self.rec.request_id}-m{number}"
+        salt = req.body.get("cache_salt")
+        prep = await self.rt.router.prepare(req.model, request_id, ids, None, self.request.headers,
+                                            salt if isinstance(salt, str) else None)
+        part = _Part(number, "/v1/completions", body, True, prep, request_id, trace)
+        self.parts.append(part)
+        return part
 
     def _headers(self, *, path: Path | None = None, failed: bool = False) -> list[tuple[bytes, bytes]]:
         """The gateway's response headers. ``x-pdgate-path`` only on an answer from an engine: on an
@@ -471,9 +715,9 @@ class Exchange:
 
     # -- bookkeeping ------------------------------------------------------------------------------------
 
-    def _other(self, pool: str, exclude: set[str], paired: EndpointView | None = None) -> Endpoint | None:
-        assert self.prep is not None
-        return self.rt.router.other(self.prep, pool, exclude, paired)
+    def _other(self, part: _Part, pool: str, exclude: set[str], paired: EndpointView | None = None
+               ) -> Endpoint | None:
+        return self.rt.router.other(part.prep, pool, exclude, paired)
 
     def _failover(self, event: str, err: APIError, ep: Endpoint) -> None:
         cause = err.code or "engine_error"
@@ -481,13 +725,15 @@ class Exchange:
         self.rec.trace.event(event, {"pdgate.cause": cause, "pdgate.failed_endpoint": ep.url})
         self.svc.metrics.failover(event, cause)
 
-    def _routed(self, decision: Decision) -> None:
-        self.rt.hooks.routed(self.ctx, decision)
-        self.svc.metrics.decided(decision.path.value, decision.reason)
+    def _routed(self, part: _Part) -> None:
+        assert part.decision is not None
+        self.rt.hooks.routed(part.ctx, part.decision)
+        if part.number == 0:  # a continuation's route is counted with its migration
+            self.svc.metrics.decided(part.decision.path.value, part.decision.reason)
 
-    def _leg_done(self, report: LegReport) -> None:
-        self.reports.append(report)
-        asyncio.get_running_loop().call_soon(self.rt.hooks.leg_done, self.ctx, report)
+    def _leg_done(self, part: _Part, report: LegReport) -> None:
+        part.reports.append(report)
+        asyncio.get_running_loop().call_soon(self.rt.hooks.leg_done, part.ctx, report)
 
     def _outcome(self, status: int, error: str = "") -> None:
         self.status, self.error = status, error
@@ -499,17 +745,30 @@ class Exchange:
             self.svc.gate.leave()
         if self.decision is None:
             rec.path = "none"  # the gateway answered itself
+        for m in rec.migrations:
+            if m["result"] == "pending":  # the client left (or the gateway stopped) before the end
+                m["result"] = "abandoned"
+                self.svc.metrics.migration(m["reason"], "abandoned")
         rec.finish(self.status, self.error)
         if rec.trace.span is not None:
             rec.trace.set({"pdgate.path": rec.path})
             if rec.output_tokens is not None:
                 rec.trace.set({"gen_ai.usage.output_tokens": rec.output_tokens})
+            if rec.migrations:
+                rec.trace.set({"pdgate.migrations": len(rec.migrations)})
         rec.trace.end(rec.status, rec.error)
         self.svc.metrics.record(rec)
         self.svc.access_log.write(rec)
-        if self.decision is not None:
-            result = Finished(rec.status, rec.path, tuple(self.reports), rec.e2e_s, rec.ttft_s, rec.output_tokens)
-            asyncio.get_running_loop().call_soon(self.rt.hooks.finished, self.ctx, self.decision, result)
+        call_soon = asyncio.get_running_loop().call_soon
+        for part in self.parts:
+            if part.decision is None:  # routing the continuation failed: its hooks were never told
+                continue
+            if part.number == 0:
+                result = Finished(rec.status, rec.path, tuple(part.reports), rec.e2e_s, rec.ttft_s, rec.output_tokens)
+            else:
+                result = Finished(rec.status, part.decision.path.value, tuple(part.reports), rec.e2e_s,
+                                  continuation=True)
+            call_soon(self.rt.hooks.finished, part.ctx, part.decision, result)
 
     # -- POST /debug/route ------------------------------------------------------------------------------
 
@@ -563,3 +822,12 @@ def _route_attributes(rec: RequestRecord, d: Decision, prep: Prepared, waited: f
     for path, seconds in d.predicted_ttft:  # when the decider predicts (the cost model)
         attrs[f"pdgate.predicted_ttft_{path}_s"] = seconds
     return attrs
+
+
+def _is_stream(content_type: bytes | None) -> bool:
+    return content_type is not None and content_type.startswith(b"text/event-stream")
+
+
+def _reason(err: BaseException) -> str:
+    """A broken decode connection as a migration reason."""
+    return "timeout" if isinstance(err, TimeoutError) else "disconnected"

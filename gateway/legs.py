@@ -34,7 +34,8 @@ PREFILL_KV_PARAMS = {
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    leg = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    # No token ids back: the prefill answer goes nowhere but here, and they would echo the prompt.
+    leg = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens", "return_token_ids")}
     leg["stream"] = False
     leg["max_tokens"] = 1
     if "max_completion_tokens" in leg:

@@ -31,6 +31,10 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
                 0.4, 0.5, 0.75, 1, 2.5)
 FAILOVER_EVENTS = ("prefill_retried", "prefill_fallback_direct", "decode_retried")
 FAILOVER_CAUSES = ("engine_unreachable", "engine_timeout", "engine_error")
+# A decode leg that fails after its first token: why (the connection broke, the engine went silent,
+# it sent an error event or an unreadable one, its stream ended early) and what became of the answer.
+MIGRATION_REASONS = ("disconnected", "timeout", "error_event", "bad_event", "ended")
+MIGRATION_RESULTS = ("ok", "failed", "skipped", "abandoned")
 _STEP_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 # How far off a wrong belief was, in cached prompt tokens (a block is 16-128 tokens on vLLM).
 _BELIEF_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536)
@@ -117,6 +121,24 @@ class GatewayMetrics:
                                 ["pool"], registry=r)
         self.hook_errors = Counter("pdgate_hook_errors", "Lifecycle hooks that raised, by subscriber and hook",
                                    ["subscriber", "hook"], registry=r)
+        # Mid-stream migration (docs/operations.md, "Mid-stream migration").
+        self.migrations = Counter(
+            "pdgate_migrations", "Decode legs that failed after their first token, by reason (disconnected, timeout, "
+            "error_event, bad_event, ended) and result (ok: the answer went on on another engine to its end; failed: "
+            "the continuation failed too; skipped: not migrated, see pdgate_migrations_skipped_total; abandoned: "
+            "the client left first)",
+            ["reason", "result"], registry=r)
+        self.migrations_skipped = Counter(
+            "pdgate_migrations_skipped", "Answers cut mid-way that were not migrated, by why (disabled; the request: "
+            "guided_decoding, tools, logprobs, multiple_sequences, ...; limit, deadline, no_token_ids, "
+            "no_resume_point, parsed_output)", ["why"], registry=r)
+        self.migrated_tokens = Counter(
+            "pdgate_migrated_tokens", "Generated tokens carried into continuations (their KV pulled or computed again)",
+            ["model"], registry=r)
+        self.migration_time = Histogram(
+            "pdgate_migration_duration_seconds", "From a decode leg's failure to its continuation's first token, by "
+            "the continuation's path: the gap a migrated stream shows", ["model", "path"], buckets=_TTFT_BUCKETS,
+            registry=r)
         # Known label values start at 0, so rate() and alerts see the series before the first event.
         for result in ("ok", "rejected"):
             self.reloads.labels(result)
@@ -125,6 +147,9 @@ class GatewayMetrics:
         for event in FAILOVER_EVENTS:
             for cause in FAILOVER_CAUSES:
                 self.failover_child(event, cause)
+        for reason in MIGRATION_REASONS:
+            for result in MIGRATION_RESULTS:
+                self.migrations.labels(reason, result)
         for pool in ("prefill", "decode"):
             self.restarts.labels(pool)
             for result in ("exact", "over", "under"):
@@ -170,6 +195,17 @@ class GatewayMetrics:
 
     def failover(self, event: str, cause: str) -> None:
         self.failover_child(event, cause).inc()
+
+    def migration(self, reason: str, result: str, why: str = "") -> None:
+        """A decode leg failed after its first token (``why``: why it was not migrated, if not)."""
+        self._child(self.migrations, reason, result).inc()
+        if why:
+            self._child(self.migrations_skipped, why).inc()
+
+    def migrated(self, model: str, path: str, tokens: int, seconds: float) -> None:
+        """A continuation's first token arrived, ``seconds`` after the failure, ``tokens`` carried."""
+        self._child(self.migrated_tokens, model).inc(tokens)
+        self._child(self.migration_time, model, path).observe(seconds)
 
     def decided(self, path: str, reason: str) -> None:
         self._child(self.decisions, path, reason).inc()

@@ -55,6 +55,7 @@ class RequestRecord:
     ttft_s: float | None = None
     e2e_s: float = 0.0
     failover: list[str] = field(default_factory=list)
+    migrations: list[dict[str, Any]] = field(default_factory=list)  # decode legs that failed mid-way, and after
     # Streams: the inter-token histogram of this request's model and path (set once the decode leg
     # is open), the last token chunk's time, and how many SSE events went out.
     itl: Observer | None = None
@@ -122,6 +123,8 @@ class RequestRecord:
         }
         if self.failover:
             line["failover"] = self.failover
+        if self.migrations:
+            line["migrations"] = self.migrations
         if self.error:
             line["error"] = self.error
         span = self.trace.span

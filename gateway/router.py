@@ -5,7 +5,7 @@ lifecycle hooks (policies/prefix_learning.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from policies.base import (
@@ -143,11 +143,15 @@ class Router:
                              spec.block_size if spec else 0, self._measured)
         return Prepared(ctx, hashes, spec.block_size if spec else 0)
 
-    def route(self, prep: Prepared, *, explain: bool = False, max_decode: int = 0, max_prefill: int = 0) -> Route:
+    def route(self, prep: Prepared, *, explain: bool = False, max_decode: int = 0, max_prefill: int = 0,
+              exclude: Collection[str] = ()) -> Route:
         """Raises NoEndpointError (no healthy decode engine), NotServed (none serving the model) or
-        Saturated (all at ``max_decode``)."""
+        Saturated (all at ``max_decode``). ``exclude``: decode engines this request must not use
+        (a migration's continuation leaves out the engines that failed it)."""
         model = prep.ctx.model
         snap = _serving(self._pools.snapshot(), self._pools.not_serving(model), model)
+        if exclude:
+            snap = PoolSnapshot(snap.prefill, tuple(v for v in snap.decode if v.url not in exclude))
         if max_decode or max_prefill:
             snap = _with_capacity(snap, max_prefill, max_decode)
         return self.pipeline.route(prep.ctx, snap, explain=explain)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
 import logging
 import os
@@ -32,11 +33,11 @@ import queue
 import re
 import threading
 from bisect import bisect_right
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from cachetools import LRUCache
 
@@ -44,6 +45,8 @@ from . import chat, fasttok
 from .config import ModelConfig, TokenizerConfig
 from .errors import APIError, bad_request
 from .protocol import ParsedRequest, check_lengths
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 _IMPORT_LOCK = threading.Lock()
@@ -831,6 +834,11 @@ class Tokenizers:
         if req.raw_size <= self._cfg.inline_max_bytes and not _tokenizes_in_template(req):
             return tok.prompt_ids(req)
         return await asyncio.get_running_loop().run_in_executor(self._pool, tok.prompt_ids, req)
+
+    async def run(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """``fn`` on the tokenizer threads: other work with a tokenizer (replaying a migrated
+        answer's output) stays off the event loop too."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
 
     def close(self, *, cancel: bool = True) -> None:
         self._pool.shutdown(wait=False, cancel_futures=cancel)

@@ -155,6 +155,19 @@ class RequestTrace:
         self._open.append(leg)
         return leg
 
+    def child(self, name: str, attributes: dict[str, Any]) -> tuple[LegSpan, RequestTrace]:
+        """A step inside this span that has engine legs of its own (a migration): its handle, to
+        set attributes and end it, and the trace its legs go in. It ends with the request at the
+        latest."""
+        if self._tracer is None:
+            return NO_LEG, self if self.span is None else RequestTrace(None, None)
+        span = self._tracer.start_span(name, context=self._context, attributes=attributes)
+        handle = LegSpan(span, {})
+        self._open.append(handle)
+        inner = RequestTrace(self._tracer, span)
+        inner._open = self._open  # its legs too
+        return handle, inner
+
     def event(self, name: str, attributes: dict[str, Any]) -> None:
         if self.span is not None:
             self.span.add_event(name, attributes)

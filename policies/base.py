@@ -252,6 +252,10 @@ class Finished:
     e2e_s: float
     ttft_s: float | None = None
     output_tokens: int | None = None
+    # A migration's continuation (its context's prompt is the request's prompt plus the output kept,
+    # its legs the continuation's): the request's own ``Finished`` comes separately, so counters of
+    # requests skip these.
+    continuation: bool = False
 
 
 class Lifecycle(Protocol):

@@ -79,7 +79,7 @@ from sim.kv import KVClient, KVError
 from sim.kv_events import EventSink
 from sim.metrics import SimMetrics
 from sim.prefix import BlockPool, engine_hash_spec, extend_digests
-from sim.tokens import OutputVocab, block_chain, output_index, prompt_seed
+from sim.tokens import OutputContext, OutputVocab, block_chain
 
 log = logging.getLogger("sim.engine")
 
@@ -112,6 +112,7 @@ class Seq:
         "blocks",
         "cached_tokens",
         "collector",
+        "context",
         "counted_prompt",
         "created_cache_tokens",
         "digests",
@@ -143,7 +144,6 @@ class Seq:
         "remote_released",
         "req_id",
         "scheduled_t",
-        "seed",
         "state",
         "stop_reason",
         "stop_strs",
@@ -180,7 +180,7 @@ class Seq:
         self.kv_in = kv_in
         self.n_param = n_param
         self.collector = collector
-        self.seed = prompt_seed(prompt_ids, salt=choice.to_bytes(4, "little") if choice else b"")
+        self.context = OutputContext(prompt_ids, salt=choice.to_bytes(4, "little") if choice else b"")
         self.state = WAITING
         self.arrival = _now()
         self.scheduled_t: float | None = None
@@ -585,8 +585,9 @@ class Engine:
     def _sample(self, seq: Seq, now: float) -> None:
         m = self.m
         k = len(seq.output_ids)
-        idx = output_index(seq.seed, k) % self.vocab.size
+        idx = seq.context.choice() % self.vocab.size
         tid = self.vocab.ids[idx]
+        seq.context.append(tid)
         seq.output_ids.append(tid)
         seq.pieces.append(self.vocab.pieces[idx])
         if seq.first_token_t is None:
@@ -881,7 +882,7 @@ class Engine:
             if tags[: len(expected)] != expected:
                 # The blocks held someone else's KV (or nothing): the output is garbage, but
                 # different garbage than a correct run (that is how to spot it from outside).
-                seq.seed = prompt_seed(seq.prompt_ids, salt=b"foreign-kv:" + orjson.dumps(tags))
+                seq.context = OutputContext(seq.prompt_ids, salt=b"foreign-kv:" + orjson.dumps(tags))
             n_blocks = sum(len(g) for g in groups)
             m.nixl_xfer_time.observe(xfer)
             m.nixl_post_time.observe(post)

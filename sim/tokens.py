@@ -10,10 +10,12 @@ Without a tokenizer the engine counts **one token per 4 bytes of UTF-8**
 4-byte slice, and chat messages are laid out with a small built-in ChatML-like template
 (the one ``sim.tinymodel`` gives its tokenizer). Token-id prompts are used as given.
 
-Output text is a function of the prompt: every output token is one "word piece" (a
-leading space and a short lowercase word) picked by a PRNG seeded from the prompt's
-token ids. With a tokenizer the pieces are real vocabulary entries, so output token
-ids decode to the output text.
+Output text is a function of the prompt, as greedy decoding is: every output token is one
+"word piece" (a leading space and a short lowercase word) chosen from a running digest of
+the prompt's token ids and every output id so far (``OutputContext``). So a prompt that is
+another request's prompt plus its first k output ids goes on exactly as that request did
+(what a migrated stream's continuation relies on). With a tokenizer the pieces are real
+vocabulary entries, so output token ids decode to the output text.
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ _WORDS_TEXT = (
 _WORDS = tuple(_WORDS_TEXT.split())
 
 _PIECE_RE = re.compile(r" [a-z]{2,10}")
-_MASK64 = (1 << 64) - 1
 
 
 class OutputVocab:
@@ -58,12 +59,24 @@ class OutputVocab:
         self.size = len(self.ids)
 
 
-def prompt_seed(token_ids: Sequence[int], salt: bytes = b"") -> int:
-    """A 64-bit seed that depends only on the token ids (and an optional salt)."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(salt)
-    h.update(array("Q", token_ids).tobytes())
-    return int.from_bytes(h.digest(), "little")
+class OutputContext:
+    """The context the next output token is chosen from: a digest of an optional salt, the
+    prompt's ids and each output id appended since. Digests chain, so the context after prompt P
+    and outputs G equals the context of prompt P + G: the choices go on the same."""
+
+    __slots__ = ("_h",)
+
+    def __init__(self, prompt_ids: Sequence[int], salt: bytes = b"") -> None:
+        self._h = hashlib.blake2b(digest_size=8)
+        self._h.update(salt)
+        self._h.update(array("Q", prompt_ids).tobytes())
+
+    def choice(self) -> int:
+        """A 64-bit number for the next output choice."""
+        return int.from_bytes(self._h.copy().digest(), "little")
+
+    def append(self, token_id: int) -> None:
+        self._h.update(token_id.to_bytes(8, "little"))
 
 
 def block_chain(token_ids: Sequence[int], block_size: int, n_blocks: int | None = None) -> list[str]:
@@ -78,14 +91,6 @@ def block_chain(token_ids: Sequence[int], block_size: int, n_blocks: int | None 
         h.update(b"|")
         out.append(h.copy().hexdigest())
     return out
-
-
-def output_index(seed: int, position: int) -> int:
-    """splitmix64 of (seed, position): the position-th output choice for a seed."""
-    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
 
 
 class ByteTokenizer:

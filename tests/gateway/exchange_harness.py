@@ -103,12 +103,14 @@ def completion(text: str = "ok", kv: dict | None = None, cached: int | None = No
 
 
 class FakeUpstream:
-    """Answers each leg with what the test queued for that engine url (a response or an error),
-    else for that leg kind ("prefill", "decode"), whichever engine it goes to."""
+    """Answers each leg with what the test queued for that engine url (a response, an error, or a
+    function of the request body that returns one), else for that leg kind ("prefill", "decode"),
+    whichever engine it goes to."""
 
     def __init__(self) -> None:
         self.script: dict[str, deque[Any]] = defaultdict(deque)
         self.calls: list[tuple[str, str, dict]] = []  # (url, leg, body)
+        self.paths: list[str] = []  # the route of each call
 
     def on(self, url: str, *answers: Any) -> None:
         self.script[url].extend(answers)
@@ -116,10 +118,13 @@ class FakeUpstream:
     async def post(self, ep: Any, path: str, body: dict, request_id: str, *, leg: str,
                    headers: dict | None = None) -> FakeResponse:
         self.calls.append((ep.url, leg, body))
+        self.paths.append(path)
         queue = self.script[ep.url] or self.script[leg]
         if not queue:
             raise AssertionError(f"nothing scripted for {ep.url} ({leg})")
         got = queue.popleft()
+        if callable(got) and not isinstance(got, BaseException):  # an answer made from the request body
+            got = got(body)
         if isinstance(got, BaseException):
             if isinstance(got, EngineError) and got.code == "engine_unreachable":
                 ep.mark_down("connect failed")

@@ -21,6 +21,10 @@ KV = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": 
 PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
               "remote_block_ids": None, "remote_host": None, "remote_port": None}
 LONG = "def handler(request):\n    return request.body\n" * 40  # well over THRESHOLD tokens
+# What a migratable non-streamed request's decode leg adds to the client's body (docs/operations.md,
+# "Mid-stream migration"): the engine streams, with the generated token ids, and the gateway
+# assembles the whole answer.
+MIGRATABLE = {"stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
 
 
 def completion(text="ok", kv=None):
@@ -71,7 +75,8 @@ def test_short_prompt_goes_direct(client, prefill, decode):
     assert r.headers["x-pdgate-path"] == "direct"
     assert r.json()["choices"][0]["text"] == "hi"
     [sent] = decode.posts("/v1/completions")
-    assert sent.body == {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+    # Migratable: the engine streams its answer with the token ids (the client gets it whole)
+    assert sent.body == {"model": "tiny", "prompt": "hello", "max_tokens": 4, **MIGRATABLE}
     assert prefill.requests == []
 
 
@@ -92,8 +97,9 @@ def test_long_prompt_runs_the_nixl_handshake(client, prefill, decode):
                    "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
                                           "remote_engine_id": None, "remote_block_ids": None,
                                           "remote_host": None, "remote_port": None}}
-    # decode leg: the client's body as sent, plus the prefill's params verbatim
-    assert dec == {**sent, "kv_transfer_params": KV}
+    # decode leg: the client's body as sent, plus the prefill's params verbatim (and, for a
+    # migratable request, streamed with its token ids)
+    assert dec == {**sent, **MIGRATABLE, "kv_transfer_params": KV}
     assert pre_leg.headers["x-request-id"] == dec_leg.headers["x-request-id"] == r.headers["x-request-id"]
     assert r.json()["choices"][0]["text"] == "decoded"
 

@@ -173,17 +173,22 @@ async def test_a_client_leaving_during_prefill_abandons_it_and_learns_nothing(h)
     settled(h)
 
 
-@pytest.mark.parametrize("streamed", [True, False])
-async def test_a_direct_stream_is_decode_backlog_until_its_first_token(h, streamed):
+@pytest.mark.parametrize(("fields", "streamed"), [
+    ({"stream": True}, True),
+    ({}, True),  # migratable: its engine streams (the client gets a whole answer), so the first token shows
+    ({"logprobs": 1}, False),  # not migratable: the engine sends a whole answer
+])
+async def test_a_direct_stream_is_decode_backlog_until_its_first_token(h, fields, streamed):
     """A stream's first token shows when its prefill is done; a whole answer's does not, so it never counts."""
     gate = asyncio.Event()
     body = completion("x")
     for url in (D, D2):
         h.upstream.on(url, stream("a", gate=gate) if streamed else answer(body, gate=gate))
     prompt = "def handler(request):\n    return request.body\n" * 4  # under the threshold: direct
-    task = asyncio.create_task(h.send({"model": "tiny", "prompt": prompt, "stream": streamed}))
+    task = asyncio.create_task(h.send({"model": "tiny", "prompt": prompt, **fields}))
     await until(lambda: h.upstream.calls)
     ep = next(e for e in h.pools.decode if e.url == h.upstream.calls[0][0])
+    assert bool(h.upstream.calls[0][2].get("stream")) is streamed
     assert ep.in_flight == 1
     assert (ep.backlog_tokens > 0) is streamed
     gate.set()

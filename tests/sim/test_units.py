@@ -13,7 +13,7 @@ from sim.cli import build_parser, config_from_args
 from sim.config import SimConfig
 from sim.kv import KVClient, KVError, KVServer, encode_frame, read_frame
 from sim.metrics import SimMetrics, build_1_2_5_buckets
-from sim.tokens import ByteTokenizer, HFTokenizer, block_chain, output_index, prompt_seed
+from sim.tokens import ByteTokenizer, HFTokenizer, OutputContext, block_chain
 
 # ------------------------------------------------------------------------------ config / CLI
 
@@ -79,11 +79,20 @@ def test_byte_tokenizer_chat_layout():
     )
 
 
+def _outputs(prompt: list[int], n: int, salt: bytes = b"") -> list[int]:
+    ctx, out = OutputContext(prompt, salt), []
+    for _ in range(n):
+        out.append(ctx.choice() % 97)
+        ctx.append(out[-1])
+    return out
+
+
 def test_output_is_a_function_of_the_prompt_tokens():
-    a, b = prompt_seed([1, 2, 3]), prompt_seed([1, 2, 3])
-    assert a == b != prompt_seed([1, 2, 4]) != prompt_seed([1, 2, 3], salt=b"x")
-    assert [output_index(a, i) for i in range(5)] == [output_index(b, i) for i in range(5)]
-    assert len({output_index(a, i) % 97 for i in range(50)}) > 10  # not stuck on one word
+    a = _outputs([1, 2, 3], 50)
+    assert a == _outputs([1, 2, 3], 50) != _outputs([1, 2, 4], 50) != _outputs([1, 2, 3], 50, b"x")
+    assert len(set(a)) > 10  # not stuck on one word
+    # Like greedy decoding: the prompt plus the first k outputs goes on with the same outputs.
+    assert _outputs([1, 2, 3, *a[:20]], 30) == a[20:]
     chain = block_chain(list(range(10)), 4)
     assert len(chain) == 3 and chain == block_chain(list(range(10)), 4)
     assert block_chain(list(range(8)), 4) == chain[:2]  # chained: a block's tag covers its prefix

@@ -1,0 +1,222 @@
+"""Mid-stream migration in the request lifecycle, driven through the real ASGI endpoint against
+scripted decode engines that stream vLLM 0.32's events (tests/gateway/vllm_events.py). A
+continuation's engine is scripted as greedy decoding is: from whatever prompt it is sent, it
+generates the tokens the first engine would have. What a client or an operator notices: one
+uninterrupted answer (or, where migration does not apply, the error event as before), the other
+engine given the prompt plus the output kept, every slot and count given back, the hooks told about
+both parts, and the migration counted."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import orjson
+import pytest
+from tokenizers import Tokenizer
+
+from gateway.protocol import parse_body
+from gateway.upstream import EngineError
+from policies.base import LegOutcome, Path
+from tests.promtext import sample
+from tests.waiting import until
+
+from .exchange_harness import KV, FakeResponse, Harness, P, answer, completion, make
+from .test_exchange import LONG, settled
+from .vllm_events import client_text, events, full_text
+
+TEXT = "def handler(request):\n    return request.body  # héllo wörld\n" * 6
+
+
+@pytest.fixture
+def h(tokenizer_dir):
+    harness = make(tokenizer_dir)
+    yield harness
+    harness.close()
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir) -> Tokenizer:
+    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+
+
+def prompt_ids(h: Harness, body: dict, kind: str) -> list[int]:
+    return h.tokenizers.get("tiny").prompt_ids(parse_body(orjson.dumps(body), kind))[0]  # type: ignore[union-attr]
+
+
+def breaking(tok: Tokenizer, prompt: list[int], gen: list[int], kind: str, after: int, **kw) -> FakeResponse:
+    """The first engine: streams, then its connection breaks after ``after`` events."""
+    return FakeResponse(events(tok, prompt, gen, kind=kind, **kw), content_type=b"text/event-stream",
+                        break_after=after)
+
+
+def greedy(tok: Tokenizer, prompt: list[int], gen: list[int], **kw) -> Callable[[dict], FakeResponse]:
+    """A continuation's engine: from the prompt it is sent (the original plus kept tokens), the
+    rest of ``gen``, as a completions stream."""
+    def respond(body: dict) -> FakeResponse:
+        kept = body["prompt"][len(prompt):]
+        assert body["prompt"][:len(prompt)] == prompt and kept == gen[:len(kept)]
+        return FakeResponse(events(tok, body["prompt"], gen[len(kept):], kind="completion", rid="other", **kw),
+                            content_type=b"text/event-stream")
+    return respond
+
+
+def migrations(h: Harness, result: str, reason: str = "disconnected") -> float:
+    return sample(h.metrics.render().decode(), "pdgate_migrations_total", reason=reason, result=result)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_decode_leg_broken_mid_answer_goes_on_on_the_other_engine(h, tok, kind, stream):
+    body = ({"model": "tiny", "messages": [{"role": "user", "content": "Write a handler."}]} if kind == "chat"
+            else {"model": "tiny", "prompt": "Write a handler."})
+    gen = tok.encode(TEXT, add_special_tokens=False).ids
+    body.update(max_tokens=len(gen), stream=stream)
+    prompt = prompt_ids(h, body, kind)
+    h.upstream.on("decode", breaking(tok, prompt, gen, kind, after=12), greedy(tok, prompt, gen, usage=True))
+    r = await h.send(body, kind=kind)
+    assert r.status == 200 and r.headers["x-pdgate-path"] == "direct"
+    if stream:
+        assert client_text(r.body, kind) == full_text(tok, prompt, gen)
+        assert r.body.endswith(b"data: [DONE]\n\n") and b'"error"' not in r.body
+    else:
+        out = r.json()
+        text = out["choices"][0]["message"]["content"] if kind == "chat" else out["choices"][0]["text"]
+        assert text == full_text(tok, prompt, gen)
+        assert out["usage"]["completion_tokens"] == len(gen) and out["usage"]["prompt_tokens"] == len(prompt)
+    first, second = h.upstream.calls
+    assert first[0] != second[0]  # the other decode engine
+    assert h.upstream.paths[1] == "/v1/completions"  # a chat continues as a completion of its rendered prompt
+    kept = len(second[2]["prompt"]) - len(prompt)
+    assert 0 < kept < len(gen) and second[2]["max_tokens"] == len(gen) - kept
+    assert second[2]["return_token_ids"] is True and "messages" not in second[2]
+    # Both parts told to the hooks: the request's own context, then the continuation's.
+    legs = h.recorder.legs()
+    assert [leg.outcome for leg in legs] == [LegOutcome.CUT, LegOutcome.OK]
+    finished = [e for k, e in h.recorder.events if k == "finished"]
+    assert [f.continuation for f in finished] == [False, True] and finished[0].output_tokens == len(gen)
+    assert migrations(h, "ok") == 1
+    assert sample(h.metrics.render().decode(), "pdgate_migrated_tokens_total", model="tiny") == kept
+    settled(h)
+
+
+async def test_a_long_prompt_continues_through_prefill_then_decode(h, tok):
+    """The continuation is routed like a request: long, so the prefill engine computes it and the
+    other decode engine gets the KV handle."""
+    body = {"model": "tiny", "prompt": LONG, "max_tokens": 40, "stream": True}
+    prompt = prompt_ids(h, body, "completion")
+    gen = tok.encode(TEXT, add_special_tokens=False).ids[:40]
+    h.upstream.on(P, answer(completion("x", kv=KV)), answer(completion("x", kv={**KV, "remote_request_id": "r2"})))
+    h.upstream.on("decode", breaking(tok, prompt, gen, "completion", after=6), greedy(tok, prompt, gen))
+    r = await h.send(body)
+    assert r.status == 200 and r.headers["x-pdgate-path"] == "pd"
+    assert client_text(r.body, "completion") == full_text(tok, prompt, gen)
+    _, dec1, pre2, dec2 = h.upstream.calls
+    assert [c[1] for c in h.upstream.calls] == ["prefill", "decode", "prefill", "decode"]
+    assert pre2[2]["prompt"] == dec2[2]["prompt"] and pre2[2]["max_tokens"] == 1 and pre2[2]["stream"] is False
+    assert "return_token_ids" not in pre2[2]  # the prefill answer would echo the whole prompt
+    assert dec2[2]["kv_transfer_params"]["remote_request_id"] == "r2" and dec2[0] != dec1[0]
+    assert [leg.path for leg in h.recorder.legs()] == [Path.PD] * 4
+    settled(h)
+
+
+async def test_an_engine_error_event_mid_stream_is_migrated_too(h, tok):
+    body = {"model": "tiny", "prompt": "Write a handler.", "max_tokens": 30, "stream": True}
+    prompt = prompt_ids(h, body, "completion")
+    gen = tok.encode(TEXT, add_special_tokens=False).ids[:30]
+    error = b'data: {"error": {"message": "Internal server error", "type": "InternalServerError", "code": 500}}\n\n'
+    failing = [*events(tok, prompt, gen, kind="completion")[:8], error, b"data: [DONE]\n\n"]
+    h.upstream.on("decode", FakeResponse(failing, content_type=b"text/event-stream"), greedy(tok, prompt, gen))
+    r = await h.send(body)
+    assert client_text(r.body, "completion") == full_text(tok, prompt, gen) and b'"error"' not in r.body
+    assert migrations(h, "ok", reason="error_event") == 1
+    settled(h)
+
+
+async def test_a_request_that_cannot_migrate_ends_with_the_error_event(h, tok):
+    body = {"model": "tiny", "prompt": "Write a handler.", "max_tokens": 30, "stream": True, "logprobs": 1}
+    prompt = prompt_ids(h, body, "completion")
+    gen = tok.encode(TEXT, add_special_tokens=False).ids[:30]
+    h.upstream.on("decode", breaking(tok, prompt, gen, "completion", after=5, ids=False))
+    r = await h.send(body)
+    assert r.status == 200
+    sent = [e for e in r.body.split(b"\n\n") if e]
+    assert orjson.loads(sent[-2][6:])["error"]["code"] == "engine_error" and sent[-1] == b"data: [DONE]"
+    assert "return_token_ids" not in h.upstream.calls[0][2]  # its events were relayed untouched
+    assert len(h.upstream.calls) == 1
+    assert sample(h.metrics.render().decode(), "pdgate_migrations_skipped_total", why="logprobs") == 1
+    assert migrations(h, "skipped") == 1
+    settled(h)
+
+
+async def test_a_second_failure_after_one_migration_ends_with_the_error_event(h, tok):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Write a handler."}], "max_tokens": 60,
+            "stream": True}
+    prompt = prompt_ids(h, body, "chat")
+    gen = tok.encode(TEXT, add_special_tokens=False).ids[:60]
+
+    def breaks_too(body: dict) -> FakeResponse:
+        resp = greedy(tok, prompt, gen)(body)
+        resp.break_after = 4
+        return resp
+
+    h.upstream.on("decode", breaking(tok, prompt, gen, "chat", after=6), breaks_too)
+    r = await h.send(body, kind="chat")
+    sent = [e for e in r.body.split(b"\n\n") if e]
+    assert b'"error"' in sent[-2] and sent[-1] == b"data: [DONE]"
+    assert full_text(tok, prompt, gen).startswith(client_text(r.body, "chat"))  # no text twice, none lost
+    assert len(h.upstream.calls) == 2  # max_per_request: 1
+    assert migrations(h, "failed") == 1 and migrations(h, "skipped") == 1
+    assert sample(h.metrics.render().decode(), "pdgate_migrations_skipped_total", why="limit") == 1
+    settled(h)
+
+
+async def test_no_other_decode_engine_ends_with_the_error_event(h, tok):
+    body = {"model": "tiny", "prompt": "Write a handler.", "max_tokens": 30, "stream": True}
+    prompt = prompt_ids(h, body, "completion")
+    gen = tok.encode(TEXT, add_special_tokens=False).ids[:30]
+    h.upstream.on("decode", breaking(tok, prompt, gen, "completion", after=5),
+                  EngineError(503, "busy", code="engine_error"))
+    r = await h.send(body)
+    assert b'"error"' in r.body and r.body.endswith(b"data: [DONE]\n\n")
+    assert migrations(h, "failed") == 1
+    settled(h)
+
+
+async def test_a_client_leaving_during_the_continuations_prefill_frees_everything(h, tok):
+    body = {"model": "tiny", "prompt": LONG, "max_tokens": 40, "stream": True}
+    prompt = prompt_ids(h, body, "completion")
+    gen = tok.encode(TEXT, add_special_tokens=False).ids[:40]
+    held = answer(completion("x", kv=KV), gate=asyncio.Event())
+    h.upstream.on(P, answer(completion("x", kv=KV)), held)
+    h.upstream.on("decode", breaking(tok, prompt, gen, "completion", after=6))
+    leave = asyncio.Event()
+
+    async def hang_up() -> None:
+        await until(lambda: len(h.upstream.calls) == 3)  # prefill, decode, the continuation's prefill
+        leave.set()
+
+    hanger = asyncio.create_task(hang_up())
+    await asyncio.wait_for(h.send(body, leave=leave), 5)
+    await hanger
+    assert held.closed  # the continuation's prefill leg is dropped: the engine aborts it
+    assert migrations(h, "abandoned") == 1
+    finished = [e for k, e in h.recorder.events if k == "finished"]
+    assert [(f.status, f.continuation) for f in finished] == [(499, False), (499, True)]
+    settled(h)
+
+
+async def test_migration_off_relays_every_answer_untouched(tokenizer_dir, tok):
+    h = make(tokenizer_dir, routing={"decider": {"name": "token_threshold", "threshold": 64},
+                                     "migration": {"enabled": False}})
+    try:
+        body = {"model": "tiny", "prompt": "Write a handler.", "max_tokens": 30, "stream": True}
+        prompt = prompt_ids(h, body, "completion")
+        gen = tok.encode(TEXT, add_special_tokens=False).ids[:30]
+        h.upstream.on("decode", breaking(tok, prompt, gen, "completion", after=5, ids=False))
+        r = await h.send(body)
+        assert b'"error"' in r.body and h.upstream.calls[0][2] == body
+        assert sample(h.metrics.render().decode(), "pdgate_migrations_skipped_total", why="disabled") == 1
+        settled(h)
+    finally:
+        h.close()

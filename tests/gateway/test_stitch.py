@@ -1,0 +1,129 @@
+"""Reading a migratable request's engine events (gateway/stitch.py): what the client receives must
+be what the engine would have sent it. The streams in ``vllm_streams/`` are a real vLLM 0.32
+engine's (the tiny test model, greedy), once with ``return_token_ids`` and once without."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from gateway.stitch import Answer, Broken, Events
+
+STREAMS = Path(__file__).parent / "vllm_streams"  # captured from vLLM 0.32.0 (see its README)
+
+CHAT_WITH_IDS = (STREAMS / "chat-token-ids.sse").read_bytes()
+CHAT_WITHOUT = (STREAMS / "chat.sse").read_bytes()
+COMPLETION_WITH_IDS = (STREAMS / "completion-token-ids.sse").read_bytes()
+COMPLETION_WITHOUT = (STREAMS / "completion.sse").read_bytes()
+# The chat request answered whole by the engine (no stream).
+CHAT_WHOLE = orjson.loads((STREAMS / "chat-whole.json").read_bytes())
+CHAT_PROMPT = [1, 31, 95, 1516, 95, 33, 202, 285, 79, 337, 1418, 2, 202, 31, 95, 68, 323, 638, 857, 95, 33, 202]
+
+
+def answer(kind: str = "chat", *, stream: bool = True, wants_ids: bool = False, prompt=CHAT_PROMPT,
+           limit: int = 1 << 20) -> Answer:
+    return Answer(kind, stream=stream, wants_ids=wants_ids, usage=True, continuous=False,  # type: ignore[arg-type]
+                  prompt=prompt, max_event_bytes=limit)
+
+
+def reads(raw: bytes, size: int) -> list[bytes]:
+    return [raw[i:i + size] for i in range(0, len(raw), size)]
+
+
+def _id(stream: bytes) -> bytes:
+    return orjson.loads(stream.split(b"\n\n")[0][6:])["id"].encode()
+
+
+@pytest.mark.parametrize("size", [7, 100, 100_000])  # events split across reads, several per read, all in one
+@pytest.mark.parametrize(("kind", "with_ids", "without", "prompt"), [
+    ("chat", CHAT_WITH_IDS, CHAT_WITHOUT, CHAT_PROMPT),
+    ("completion", COMPLETION_WITH_IDS, COMPLETION_WITHOUT, [285, 79, 337, 1418]),
+])
+def test_the_client_gets_the_bytes_the_engine_sends_without_token_ids(size, kind, with_ids, without, prompt):
+    a = answer(kind, prompt=prompt)
+    sent = b"".join(a.feed(chunk) for chunk in reads(with_ids, size))
+    a.ended()
+    assert sent == without.replace(_id(without), _id(with_ids))
+    assert a.done and a.output_tokens == 4 and not a.prompt_mismatch and a.prompt_confirmed
+
+
+def test_a_client_that_asked_for_token_ids_gets_the_engines_bytes():
+    a = answer(wants_ids=True)
+    assert b"".join(a.feed(c) for c in reads(CHAT_WITH_IDS, 64)) == CHAT_WITH_IDS
+
+
+def test_a_whole_answer_is_the_one_the_engine_would_have_sent():
+    a = answer(stream=False)
+    assert a.feed(CHAT_WITH_IDS) == b""
+    a.ended()
+    first = orjson.loads(CHAT_WITH_IDS.split(b"\n\n")[0][6:])
+    assert orjson.loads(a.whole()) == {**CHAT_WHOLE, "id": first["id"], "created": first["created"]}
+
+
+def test_the_engines_prompt_ids_are_checked_against_the_gateways():
+    a = answer(prompt=[1, 2, 3])
+    a.feed(CHAT_WITH_IDS)
+    assert a.prompt_mismatch and list(a.prompt()) == CHAT_PROMPT  # the continuation uses the engine's
+
+
+def test_tokens_without_ids_cannot_be_continued():
+    a = answer("completion", prompt=[285, 79, 337, 1418])
+    a.feed(COMPLETION_WITHOUT.split(b"\n\n")[0] + b"\n\n")
+    assert a.unresumable == "no_token_ids"
+
+
+def test_reasoning_deltas_cannot_be_continued_and_go_into_the_whole_answer():
+    a = answer(stream=False)
+    a.feed(b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"tiny","choices":[{"index":0,'
+           b'"delta":{"reasoning":"hm","content":null},"logprobs":null,"finish_reason":null,"token_ids":[5]}]}\n\n')
+    assert a.unresumable == "parsed_output"
+
+
+@pytest.mark.parametrize(("raw", "cause"), [
+    (b'data: {"error": {"message": "Internal server error", "type": "InternalServerError", "code": 500}}\n\n',
+     "error_event"),
+    (b"data: {not json\n\n", "bad_event"),
+    (b"data: [1, 2]\n\n", "bad_event"),
+])
+def test_a_stream_that_fails_is_broken(raw, cause):
+    a = answer()
+    a.feed(CHAT_WITH_IDS.split(b"\n\n")[0] + b"\n\n")
+    with pytest.raises(Broken) as err:
+        a.feed(raw)
+    assert err.value.cause == cause
+
+
+def test_a_stream_that_ends_before_done_is_broken():
+    a = answer()
+    a.feed(b"\n\n".join(CHAT_WITH_IDS.split(b"\n\n")[:3]) + b"\n\n")
+    with pytest.raises(Broken) as err:
+        a.ended()
+    assert err.value.cause == "ended"
+
+
+def test_an_event_is_bounded():
+    events = Events(limit=100)
+    assert events.feed(b"data: {}\n\ndata: {") == [b"data: {}"]
+    with pytest.raises(Broken):
+        events.feed(b"x" * 200)
+
+
+def test_a_continuation_reads_as_the_client_answer():
+    """A completions stream (the continuation) becomes chat deltas with the first part's id and
+    creation time, usage for the original prompt and both parts, and without the text the client
+    has already."""
+    a = answer()
+    events = CHAT_WITH_IDS.split(b"\n\n")
+    a.feed(b"\n\n".join(events[:3]) + b"\n\n")  # role, " IPv", "****************"
+    a.resume(1, "****************")  # kept " IPv"; the next token's text came before and comes again
+    out = a.feed(COMPLETION_WITH_IDS.replace(b'"text":"thon"', b'"text":"****************"'))
+    a.ended()
+    sent = [orjson.loads(e[6:]) for e in out.split(b"\n\n") if e.startswith(b"data: {")]
+    assert [e["id"] for e in sent] == [_id(CHAT_WITH_IDS).decode()] * 3  # the reproduced text's event is dropped
+    assert [c["delta"]["content"] for e in sent for c in e["choices"]] == ["open", "open", "open"]
+    assert sent[-1]["choices"][0] == {"index": 0, "delta": {"content": "open"}, "logprobs": None,
+                                      "finish_reason": "length", "stop_reason": None, "token_ids": None}
+    assert sent[-1]["system_fingerprint"] == "vllm-0.32.0-747d385c"
+    assert a.output_tokens == 5 and list(a.ids) == [1337, 747, 1217, 1217, 1217]
