@@ -1,14 +1,21 @@
-"""Engines die under load; does every request still end cleanly?
+"""Engines die under load; does every request still end cleanly, and do answers survive?
 
 A bounded load test on loopback: 2 prefill + 2 decode simulated engines behind the gateway, a
 fixed number of chat requests (mixed short/long prompts, streaming and not) at a fixed
 concurrency, and halfway through one prefill and one decode engine are killed (``POST
-/sim/crash``: the process exits at once, connections cut). Each request is classified:
+/sim/crash``: the process exits at once, connections cut). Every tenth request asks for JSON
+output (``response_format``), which mid-stream migration does not continue. Each request is
+classified:
 
-- ``ok``: HTTP 200 and a whole answer (a JSON body, or a stream ending with ``[DONE]``);
-- ``error``: a clear error: an OpenAI error body, or a stream ending with an error event;
-- ``unclear``: anything else (a cut stream, a non-JSON body): must be 0;
+- ``ok``: HTTP 200 and the whole answer: a JSON body, or a stream ending with ``[DONE]`` and no
+  error event, with a finish reason and as many tokens as asked for (the usage says);
+- ``error``: a clear error: an OpenAI error body, or a stream with an error event (then ``[DONE]``);
+- ``unclear``: anything else (a cut stream, a non-JSON body, a short answer): must be 0;
 - ``hung``: no end within ``--timeout``: must be 0.
+
+By default the run is done twice with the same seed-free workload: mid-stream migration off
+(``routing.migration.enabled: false``: an answer whose decode engine dies ends with the error
+event), then on (the default): the report gives both, split into migratable requests and the rest.
 
 Afterwards the gateway's in-flight gauges must read 0, and its resident memory is sampled along
 the run (flat: no growth between the second quarter and the end).
@@ -20,7 +27,8 @@ head a byte every half second, ``--stalled`` clients sending a request head and 
 The report adds the legitimate requests' latency (p50/p99 of the ``ok`` ones) and what the
 attackers got back.
 
-    python -m bench.chaos [--requests 2000] [--concurrency 64] [--attacks] [--redis] [--out FILE]
+    python -m bench.chaos [--requests 2000] [--concurrency 64] [--migration both|on|off] [--attacks]
+                          [--redis] [--out FILE]
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from tests.procs import ProcGroup, free_port
 
 MODEL = "chaos"
 LONG = "Incident review. " + "An engine failed while the gateway kept serving its clients. " * 40
+MAX_TOKENS = 32
 
 
 @dataclass
@@ -62,6 +71,9 @@ class Report:
     latency_ms: dict[str, float] = field(default_factory=dict)  # of the ok requests
     attacks: dict[str, int] = field(default_factory=dict)  # what the attackers got: answers by status, cuts
     redis_killed: bool = False
+    migration: bool = True
+    by_kind: dict[str, dict[str, int]] = field(default_factory=dict)  # migratable | guided -> outcomes
+    migrations: dict[str, int] = field(default_factory=dict)  # the gateway's pdgate_migrations_total by result
 
     @property
     def clean(self) -> bool:
@@ -117,37 +129,59 @@ async def _attack(kind: str, port: int, seen: Counter[str], stop: asyncio.Event)
         writer.close()
 
 
+def _classify(raw: bytes, status: int, stream: bool) -> str:
+    """ok (the whole answer), error (a clear one) or unclear; see the module docstring."""
+    if status != 200:
+        err = json.loads(raw).get("error") if raw.startswith(b"{") else None
+        return "error" if isinstance(err, dict) and err.get("message") else "unclear"
+    if not stream:
+        body = json.loads(raw)
+        choice = (body.get("choices") or [{}])[0]
+        whole = choice.get("finish_reason") and body.get("usage", {}).get("completion_tokens") == MAX_TOKENS
+        return "ok" if whole else "unclear"
+    events = [e[6:] for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
+    if not events or events[-1] != b"[DONE]":
+        return "unclear"
+    chunks = [json.loads(e) for e in events[:-1]]
+    if any("error" in c for c in chunks):
+        return "error"
+    finished = [c for e in chunks for c in e.get("choices") or [] if c.get("finish_reason")]
+    usage = chunks[-1].get("usage") if chunks else None
+    return "ok" if len(finished) == 1 and usage and usage.get("completion_tokens") == MAX_TOKENS else "unclear"
+
+
 async def _one(session: aiohttp.ClientSession, url: str, i: int, timeout: float) -> tuple[str, str, str]:
     stream = i % 2 == 0
     content = (f"Case {i}. " + LONG) if i % 3 == 0 else f"Short question {i}?"
-    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 16, "stream": stream}
+    body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": content}],
+                            "max_tokens": MAX_TOKENS, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if _guided(i):
+        body["response_format"] = {"type": "json_object"}
     try:
         async with asyncio.timeout(timeout):
             async with session.post(url, json=body) as resp:
                 raw = await resp.read()
                 path = resp.headers.get("x-pdgate-path", "none")
                 failover = resp.headers.get("x-pdgate-failover", "")
-                if resp.status != 200:
-                    err = json.loads(raw).get("error") if raw.startswith(b"{") else None
-                    return ("error" if isinstance(err, dict) and err.get("message") else "unclear"), path, failover
-                if not stream:
-                    return ("ok" if json.loads(raw).get("choices") else "unclear"), path, failover
-                events = [e for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
-                if events and events[-1] == b"data: [DONE]":
-                    return "ok", path, failover
-                if events and b'"error"' in events[-1]:
-                    return "error", path, failover
-                return "unclear", path, failover
+                return _classify(raw, resp.status, stream), path, failover
     except TimeoutError:
         return "hung", "none", ""
     except (aiohttp.ClientError, json.JSONDecodeError):
         return "unclear", "none", ""
 
 
+def _guided(i: int) -> bool:
+    """Every tenth request asks for JSON output: migration does not continue those."""
+    return i % 10 == 5
+
+
 async def _load(gateway: str, sims: dict[str, list[str]], n: int, concurrency: int, timeout: float,
                 gateway_pid: int, attackers: dict[str, int], redis: Any = None) -> Report:
     url = gateway + "/v1/chat/completions"
     outcomes: Counter[str] = Counter()
+    by_kind: dict[str, Counter[str]] = {"migratable": Counter(), "guided": Counter()}
     paths: Counter[str] = Counter()
     failovers: Counter[str] = Counter()
     killed: list[str] = []
@@ -169,6 +203,7 @@ async def _load(gateway: str, sims: dict[str, list[str]], n: int, concurrency: i
                 if outcome == "ok":
                     latencies.append(time.perf_counter() - t0)
                 outcomes[outcome] += 1
+                by_kind["guided" if _guided(i) else "migratable"][outcome] += 1
                 paths[path] += 1
                 for event in filter(None, failover.split(",")):
                     failovers[event] += 1
@@ -195,15 +230,21 @@ async def _load(gateway: str, sims: dict[str, list[str]], n: int, concurrency: i
             metrics = await resp.text()
     in_flight = sum(int(float(line.rsplit(" ", 1)[1])) for line in metrics.splitlines()
                     if line.startswith("pdgate_endpoint_in_flight_requests{"))
+    migrations: Counter[str] = Counter()
+    for line in metrics.splitlines():
+        if line.startswith("pdgate_migrations_total{"):
+            result = line.split('result="', 1)[1].split('"', 1)[0]
+            migrations[result] += int(float(line.rsplit(" ", 1)[1]))
     latencies.sort()
     pct = {f"p{q}": round(latencies[min(len(latencies) - 1, int(q / 100 * len(latencies)))] * 1000, 1)
            for q in (50, 99)} if latencies else {}
     return Report(n, concurrency, killed, dict(outcomes), dict(paths), dict(failovers), in_flight, rss,
-                  round(seconds, 1), pct, dict(seen), redis is not None)
+                  round(seconds, 1), pct, dict(seen), redis is not None,
+                  by_kind={k: dict(v) for k, v in by_kind.items()}, migrations=dict(migrations))
 
 
 def run(n: int, concurrency: int, timeout: float, logs: Path, attackers: dict[str, int] | None = None,
-        redis: bool = False) -> Report:
+        redis: bool = False, migration: bool = True) -> Report:
     tokenizer = build_tokenizer(cache_dir() / "demo-tokenizer")
     group = ProcGroup(logs)
     try:
@@ -228,7 +269,8 @@ def run(n: int, concurrency: int, timeout: float, logs: Path, attackers: dict[st
         cfg = {
             "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": 4096}],
             "pools": {"prefill": {"endpoints": sims["prefill"]}, "decode": {"endpoints": sims["decode"]}},
-            "routing": {"decider": {"name": "token_threshold", "threshold": 200}},
+            "routing": {"decider": {"name": "token_threshold", "threshold": 200},
+                        "migration": {"enabled": migration}},
             "health": {"interval_s": 0.5, "timeout_s": 0.5},
             "timeouts": {"connect_s": 1, "prefill_s": 10, "decode_first_byte_s": 10, "decode_idle_s": 5},
             "server": {"host": "127.0.0.1", "port": port, "head_timeout_s": 2, "body_idle_timeout_s": 2, "workers": 1},
@@ -237,8 +279,10 @@ def run(n: int, concurrency: int, timeout: float, logs: Path, attackers: dict[st
         (logs / "gateway.yaml").write_text(yaml.safe_dump(cfg))
         gw = group.start("gateway", [sys.executable, "-m", "gateway", "serve", "--config", str(logs / "gateway.yaml")])
         gw.wait_http(f"http://127.0.0.1:{port}/ready", timeout=60)
-        return asyncio.run(_load(f"http://127.0.0.1:{port}", sims, n, concurrency, timeout, gw.pid,
-                                 attackers or {}, redis_proc))
+        report = asyncio.run(_load(f"http://127.0.0.1:{port}", sims, n, concurrency, timeout, gw.pid,
+                                   attackers or {}, redis_proc))
+        report.migration = migration
+        return report
     finally:
         group.stop_all()
 
@@ -248,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=60.0, help="a request not over by then counts as hung")
+    ap.add_argument("--migration", choices=("both", "on", "off"), default="both",
+                    help="mid-stream migration: a run without it, then one with it (both), or one run")
     ap.add_argument("--attacks", action="store_true", help="hostile clients alongside (see above)")
     ap.add_argument("--slowloris", type=int, default=20, help="with --attacks: trickling connections")
     ap.add_argument("--stalled", type=int, default=8, help="with --attacks: clients stalling their bodies")
@@ -255,14 +301,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     attackers = {"endless_header": 1, "slowloris": args.slowloris, "stalled_body": args.stalled} if args.attacks else {}
-    with tempfile.TemporaryDirectory(prefix="pdgate-chaos-") as logs:
-        report = run(args.requests, args.concurrency, args.timeout, Path(logs), attackers, args.redis)
-    data = {**asdict(report), "clean": report.clean}
-    print(json.dumps(data, indent=2))
+    runs = {"both": (False, True), "on": (True,), "off": (False,)}[args.migration]
+    reports = []
+    for migration in runs:
+        with tempfile.TemporaryDirectory(prefix="pdgate-chaos-") as logs:
+            report = run(args.requests, args.concurrency, args.timeout, Path(logs), attackers, args.redis, migration)
+        reports.append({**asdict(report), "clean": report.clean})
+        print(json.dumps(reports[-1], indent=2))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
+        data = reports[0] if len(reports) == 1 else {"migration_off": reports[0], "migration_on": reports[1]}
         args.out.write_text(json.dumps(data, indent=2) + "\n")
-    return 0 if report.clean else 1
+    return 0 if all(r["clean"] for r in reports) else 1
 
 
 if __name__ == "__main__":

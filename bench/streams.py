@@ -5,7 +5,9 @@ on one timer heap; it holds thousands of streams where the simulator's per-reque
 answers every chat request with ``--tokens`` SSE chunks at ``--rate`` tokens/s, each stream on its
 own phase. Lean clients (``--clients`` processes of raw asyncio connections, counting ``data:``
 events per read) open ``N`` streams over ``--ramp-s`` seconds against each target in turn: the
-backend directly, pdgate with 1 and 2 workers, and vllm-router (PyPI, Rust), all on this machine.
+backend directly, pdgate with 1 and 2 workers (``pdgate-nomig``: 1 worker, mid-stream migration off,
+so every event is relayed unread; with it on, the backend sends token ids as vLLM does and pdgate
+reads every event), and vllm-router (PyPI, Rust), all on this machine.
 
 Reported per target and stream count: errors, first-chunk p50/p99 (request sent to first event),
 inter-chunk gap p50/p99 (events in one read count from that read), and stream duration p50 against
@@ -42,6 +44,9 @@ _CHUNK = (b'data: {"id":"chatcmpl-b","object":"chat.completion.chunk","created":
           b'"choices":[{"index":0,"delta":{"content":" tok"},"finish_reason":null}]}\n\n')
 _LAST = (b'data: {"id":"chatcmpl-b","object":"chat.completion.chunk","created":0,"model":"bench",'
          b'"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\ndata: [DONE]\n\n')
+# Asked for return_token_ids (a migratable request through pdgate), as vLLM 0.32 sends them.
+_CHUNK_IDS = _CHUNK.replace(b'"finish_reason":null}', b'"finish_reason":null,"token_ids":[1337]}')
+_LAST_IDS = _LAST.replace(b'"finish_reason":"length"}', b'"finish_reason":"length","stop_reason":null,"token_ids":[7]}')
 
 _WHOLE = orjson.dumps({
     "id": "chatcmpl-b", "object": "chat.completion", "created": 0, "model": MODEL,
@@ -100,7 +105,8 @@ class _Backend(asyncio.Protocol):
             assert self.transport is not None
             self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                                  b"transfer-encoding: chunked\r\n\r\n")
-            heapq.heappush(self._streams, (time.monotonic() + self._interval, id(self), self, tokens))
+            chunks = (_CHUNK_IDS, _LAST_IDS) if req.get("return_token_ids") else (_CHUNK, _LAST)
+            heapq.heappush(self._streams, (time.monotonic() + self._interval, id(self), self, tokens, chunks))
         else:
             self._reply(b"404 Not Found", b'{"error":{"message":"not found"}}')
 
@@ -110,15 +116,15 @@ async def _tick(streams: list[Any], interval: float) -> None:
     while True:
         now = time.monotonic()
         while streams and streams[0][0] <= now:
-            due, key, conn, left = heapq.heappop(streams)
+            due, key, conn, left, chunks = heapq.heappop(streams)
             t = conn.transport
             if t is None or t.is_closing():
                 continue
             if left <= 1:
-                t.write(_chunked(_LAST) + b"0\r\n\r\n")
+                t.write(_chunked(chunks[1]) + b"0\r\n\r\n")
             else:
-                t.write(_chunked(_CHUNK))
-                heapq.heappush(streams, (due + interval, key, conn, left - 1))
+                t.write(_chunked(chunks[0]))
+                heapq.heappush(streams, (due + interval, key, conn, left - 1, chunks))
         await asyncio.sleep(min(0.001, max(0.0, streams[0][0] - time.monotonic())) if streams else 0.001)
 
 
@@ -308,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
                        "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": 8192}],
                        "pools": {"prefill": {"endpoints": []}, "decode": {"endpoints": [backend_url]}},
                        "telemetry": {"access_log": False},
-                       "admission": {"max_loop_lag_ms": args.max_loop_lag_ms}}
+                       "admission": {"max_loop_lag_ms": args.max_loop_lag_ms},
+                       # pdgate-nomig: mid-stream migration off, every event relayed unread
+                       "routing": {"migration": {"enabled": name != "pdgate-nomig"}}}
                 (logs / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
                 proc = group.start(name, [sys.executable, "-m", "gateway", "serve", "--config",
                                           str(logs / f"{name}.yaml")])

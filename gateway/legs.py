@@ -151,16 +151,39 @@ def _timed_out() -> EngineError:
 
 
 async def _read_head(resp: Response, stream: bool) -> bytes:
-    """The whole body (not streaming) or the first chunk of the stream. A stream that ends at
-    once, or opens with an error event (vLLM 0.32 reports a failed KV load so), has failed before
-    its first token: the caller may still retry it."""
+    """The whole body (not streaming) or the stream up to its first token. A stream that ends at
+    once, or whose first event after the chat role chunk is an error (vLLM 0.32 reports a failed
+    KV load so), has failed before its first token: the caller may still retry it."""
     if not stream:
         return await resp.read()
     head = await resp.read_some()
-    if not head or head.lstrip().startswith(b'data: {"error"'):
+    while head and _role_only(head):  # vLLM sends the role chunk just before the first token
+        more = await resp.read_some()
+        if not more:
+            break
+        head += more
+    if not head or _error_first(head):
         raise LegFailed(EngineError(502, "The decode engine failed before its first token.", code="engine_error"),
                         reached=True)
     return head
+
+
+def _events(head: bytes) -> list[bytes]:
+    return [e for e in (part.strip() for part in head.split(b"\n\n")) if e]
+
+
+def _role_only(head: bytes) -> bool:
+    """Only whole chat role chunks so far (``"delta":{"role":...,"content":""}``, no token)."""
+    return head.endswith(b"\n\n") and all(b'"delta":{"role"' in e for e in _events(head))
+
+
+def _error_first(head: bytes) -> bool:
+    for event in _events(head):
+        if event.startswith(b'data: {"error"'):
+            return True
+        if b'"delta":{"role"' not in event:
+            return False
+    return False
 
 
 class KVReleaser:

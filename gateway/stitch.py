@@ -62,6 +62,11 @@ class Events:
             raise Broken("bad_event", f"an engine stream event is over {self._limit} bytes")
         return [p for p in parts if p.strip()]
 
+    def rest(self) -> bytes:
+        """What is held of an incomplete event, given up (the reader stops splitting)."""
+        rest, self._buf = self._buf, b""
+        return rest
+
 
 def _payload(event: bytes) -> bytes:
     return event[6:] if event.startswith(b"data: ") else event.removeprefix(b"data:").strip()
@@ -107,13 +112,24 @@ class Answer:
         self._skip_text = ""  # text the current part must reproduce first (the client has it)
         self._skip_ids: list[int] = []  # ... and token ids, for a client that asked for them
         self._events = Events(max_event_bytes)
-        self.events_sent = 0
+        self._raw = False
+        self._last = b""  # relayed raw: the last bytes, where [DONE] shows
 
     # -- reading the engine ---------------------------------------------------------------------------
 
     def feed(self, data: bytes) -> bytes:
+        if self._raw:  # nothing left to read or rewrite: the engine's bytes as they come
+            self._last = (self._last + data)[-len(DONE):]
+            self.done = self._last == DONE
+            return data
         out = [sent for event in self._events.feed(data) if (sent := self._event(_payload(event)))]
-        self.events_sent += len(out)
+        if self.unresumable == "no_token_ids" and self.stream and not self.part:
+            # An engine that sends no token ids (vLLM before 0.10.2): this answer cannot be
+            # continued, so the rest is relayed as it comes, at no cost per event.
+            self._raw = True
+            rest = self._events.rest()
+            self._last = rest[-len(DONE):]
+            out.append(rest)
         return out[0] if len(out) == 1 else b"".join(out)
 
     def ended(self) -> None:

@@ -16,7 +16,7 @@ from policies.base import LegOutcome, Path
 from tests.promtext import sample
 from tests.waiting import until
 
-from .exchange_harness import D2, KV, D, P, answer, completion, make, stream, unreachable
+from .exchange_harness import D2, KV, D, FakeResponse, P, answer, completion, make, stream, unreachable
 
 LONG = "def handler(request):\n    return request.body\n" * 40  # well over the threshold (64 tokens)
 
@@ -313,3 +313,23 @@ async def test_loop_lag_is_measured_on_the_running_loop():
         assert lag.over(100) and lag.peak_s >= 0.15
     finally:
         await lag.stop()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_chat_stream_failing_right_after_its_role_chunk_is_retried(h, stream):
+    """vLLM's chat streams send the role chunk before anything else, a failed KV load too (then the
+    error event): that is a failure before the first token, retried on another engine."""
+    role = b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant",' \
+           b'"content":""},"logprobs":null,"finish_reason":null}]}\n\n'
+    error = b'data: {"error": {"message": "Internal server error", "code": 500}}\n\n'
+    failed = FakeResponse([role, error, b"data: [DONE]\n\n"], content_type=b"text/event-stream")
+    ok = FakeResponse([role, b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"hi"},'
+                       b'"finish_reason":"length","token_ids":[5]}]}\n\n', b"data: [DONE]\n\n"],
+                      content_type=b"text/event-stream")
+    h.upstream.on("decode", failed, ok)
+    r = await h.send({"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "stream": stream},
+                     kind="chat")
+    assert r.status == 200 and r.headers["x-pdgate-failover"] == "decode_retried"
+    assert b'"error"' not in r.body and ok.released
+    assert [leg.outcome for leg in h.recorder.legs()] == [LegOutcome.FAILED, LegOutcome.OK]
+    settled(h)

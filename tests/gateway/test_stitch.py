@@ -68,10 +68,14 @@ def test_the_engines_prompt_ids_are_checked_against_the_gateways():
     assert a.prompt_mismatch and list(a.prompt()) == CHAT_PROMPT  # the continuation uses the engine's
 
 
-def test_tokens_without_ids_cannot_be_continued():
+@pytest.mark.parametrize("size", [7, 100, 100_000])
+def test_tokens_without_ids_cannot_be_continued_and_go_through_untouched(size):
+    """An engine that sends no token ids (vLLM before 0.10.2): nothing to continue from, so its
+    bytes go to the client as they come, unread after the first token."""
     a = answer("completion", prompt=[285, 79, 337, 1418])
-    a.feed(COMPLETION_WITHOUT.split(b"\n\n")[0] + b"\n\n")
-    assert a.unresumable == "no_token_ids"
+    assert b"".join(a.feed(c) for c in reads(COMPLETION_WITHOUT, size)) == COMPLETION_WITHOUT
+    a.ended()
+    assert a.unresumable == "no_token_ids" and a.done
 
 
 def test_reasoning_deltas_cannot_be_continued_and_go_into_the_whole_answer():
