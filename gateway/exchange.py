@@ -154,6 +154,8 @@ class Exchange:
         self._deadline = 0.0  # admission and engine capacity are waited for until then
         self._failed_decode: set[str] = set()  # decode engines whose leg broke off mid-answer
 
+    # -- the request path -----------------------------------------------------------------------------
+
     async def run(self, client: ClientWire) -> None:
         """Serve the request; returns once the client has its answer (or is gone). Never raises
         but for cancellation (the client left, or the server is stopping)."""

@@ -32,8 +32,9 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
 FAILOVER_EVENTS = ("prefill_retried", "prefill_fallback_direct", "decode_retried")
 FAILOVER_CAUSES = ("engine_unreachable", "engine_timeout", "engine_error")
 # A decode leg that fails after its first token: why (the connection broke, the engine went silent,
-# it sent an error event or an unreadable one, its stream ended early) and what became of the answer.
-MIGRATION_REASONS = ("disconnected", "timeout", "error_event", "bad_event", "ended")
+# it sent an error event or an unreadable one, its stream ended early, a continuation did not
+# reproduce the text sent) and what became of the answer.
+MIGRATION_REASONS = ("disconnected", "timeout", "error_event", "bad_event", "ended", "diverged")
 MIGRATION_RESULTS = ("ok", "failed", "skipped", "abandoned")
 _STEP_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 # How far off a wrong belief was, in cached prompt tokens (a block is 16-128 tokens on vLLM).
@@ -124,9 +125,9 @@ class GatewayMetrics:
         # Mid-stream migration (docs/operations.md, "Mid-stream migration").
         self.migrations = Counter(
             "pdgate_migrations", "Decode legs that failed after their first token, by reason (disconnected, timeout, "
-            "error_event, bad_event, ended) and result (ok: the answer went on on another engine to its end; failed: "
-            "the continuation failed too; skipped: not migrated, see pdgate_migrations_skipped_total; abandoned: "
-            "the client left first)",
+            "error_event, bad_event, ended, diverged) and result (ok: the answer went on on another engine to its "
+            "end; failed: the continuation failed too; skipped: not migrated, see pdgate_migrations_skipped_total; "
+            "abandoned: the client left first)",
             ["reason", "result"], registry=r)
         self.migrations_skipped = Counter(
             "pdgate_migrations_skipped", "Answers cut mid-way that were not migrated, by why (disabled; the request: "

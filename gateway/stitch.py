@@ -173,18 +173,9 @@ class Answer:
                 text = c.get("text") or ""
                 if c.get("prompt_token_ids") is not None:  # completions: the first token chunk carries it
                     changed |= self._engine_prompt(c, c)
-            ids = c.get("token_ids")
-            fr = c.get("finish_reason")
-            if isinstance(ids, list):
-                self.ids.extend(ids)
-                if not self.wants_ids:
-                    c["token_ids"] = None
-                    changed = True
-            elif text or fr is not None:
-                self.unresumable = self.unresumable or "no_token_ids"
-            self._sent(text)
-            if fr is not None:
-                self.finish = (fr, c.get("stop_reason"))
+            if self._took(c, text) and not self.wants_ids:
+                c["token_ids"] = None
+                changed = True
         self._observe(obj)
         if not self.stream:
             return b""
@@ -206,17 +197,9 @@ class Answer:
                     out[key] = obj[key]
             return _sse(out)
         c = choices[0]
-        ids = c.get("token_ids")
         fr = c.get("finish_reason")
         text = self._reproduced(c.get("text") or "")
-        if isinstance(ids, list):
-            self.ids.extend(ids)
-            ids = self._reproduced_ids(ids)
-        elif text or fr is not None:
-            self.unresumable = self.unresumable or "no_token_ids"
-        self._sent(text)
-        if fr is not None:
-            self.finish = (fr, c.get("stop_reason"))
+        ids = self._reproduced_ids(c["token_ids"]) if self._took(c, text) else None
         self._observe(obj)
         if not self.stream or (not text and fr is None and not (self.wants_ids and ids) and "usage" not in obj):
             return b""
@@ -236,6 +219,18 @@ class Answer:
         if "system_fingerprint" in obj:
             out["system_fingerprint"] = obj["system_fingerprint"]
         return _sse(out)
+
+    def _took(self, choice: dict[str, Any], text: str) -> bool:
+        """A token event: its ids (True when it has them), the text it sends, its finish."""
+        ids, fr = choice.get("token_ids"), choice.get("finish_reason")
+        if isinstance(ids, list):
+            self.ids.extend(ids)
+        elif text or fr is not None:
+            self.unresumable = self.unresumable or "no_token_ids"
+        self._sent(text)
+        if fr is not None:
+            self.finish = (fr, choice.get("stop_reason"))
+        return isinstance(ids, list)
 
     # -- what the client has ---------------------------------------------------------------------------
 

@@ -19,6 +19,8 @@ def test_engines_killed_under_load(tmp_path):
     assert report.outcomes.get("unclear", 0) == 0, report
     assert report.in_flight_after == 0, report
     assert report.outcomes["ok"] >= 250, report  # the survivors carry the load: failures stay rare
+    # Answers cut mid-way by the killed decode engine went on on the other one.
+    assert report.migrations.get("ok", 0) >= 1 and report.migrations.get("failed", 0) == 0, report
 
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server (.ci/run installs it)")

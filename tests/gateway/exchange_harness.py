@@ -174,6 +174,7 @@ class Harness:
     tokenizers: Tokenizers
     upstream: FakeUpstream = field(default_factory=FakeUpstream)
     recorder: Recorder = field(default_factory=Recorder)
+    spans: Any = None  # an OpenTelemetry span exporter: traces on (the SDK's in-memory one, say)
 
     def __post_init__(self) -> None:
         self.pools = Pools(self.cfg.pools.prefill.urls, self.cfg.pools.decode.urls)
@@ -189,7 +190,8 @@ class Harness:
         hooks = Hooks([("recorder", self.recorder), ("prefix_beliefs", self.beliefs),
                        ("engine_estimates", self.estimates)], lambda *a: self.hook_errors.append(a))
         runtime = Runtime(self.cfg, "test", router, self.upstream, self.tokenizers, hooks)  # type: ignore[arg-type]
-        services = Services(self.pools, self.metrics, Tracing(TracingConfig()), AccessLog(enabled=False), self.gate,
+        services = Services(self.pools, self.metrics, Tracing(TracingConfig(), self.spans), AccessLog(enabled=False),
+                            self.gate,
                             KVReleaser(self.upstream))  # type: ignore[arg-type]
         self.gateway = Gateway(runtime, services)
 
@@ -226,8 +228,9 @@ class Harness:
         self.tokenizers.close()
 
 
-def make(tokenizer_dir: Path, **overrides: Any) -> Harness:
-    """A harness with one prefill engine and two decode engines; ``overrides`` replace config sections."""
+def make(tokenizer_dir: Path, spans: Any = None, **overrides: Any) -> Harness:
+    """A harness with one prefill engine and two decode engines; ``overrides`` replace config sections;
+    ``spans``: a span exporter (tracing on)."""
     data: dict[str, Any] = {
         "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 4096}],
         "pools": {"prefill": {"endpoints": [P]}, "decode": {"endpoints": [D, D2]}},
@@ -238,4 +241,4 @@ def make(tokenizer_dir: Path, **overrides: Any) -> Harness:
     data.update(overrides)
     cfg = parse_config(data)
     tok = ModelTokenizer.load(ModelConfig.model_validate(data["models"][0]))
-    return Harness(cfg, Tokenizers([tok], TokenizerConfig()))
+    return Harness(cfg, Tokenizers([tok], TokenizerConfig()), spans=spans)

@@ -220,3 +220,31 @@ async def test_migration_off_relays_every_answer_untouched(tokenizer_dir, tok):
         settled(h)
     finally:
         h.close()
+
+
+async def test_the_migration_is_a_span_holding_the_continuations_legs(tokenizer_dir, tok):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    spans = InMemorySpanExporter()
+    h = make(tokenizer_dir, spans=spans)
+    try:
+        body = {"model": "tiny", "prompt": LONG, "max_tokens": 40, "stream": True}
+        prompt = prompt_ids(h, body, "completion")
+        gen = tok.encode(TEXT, add_special_tokens=False).ids[:40]
+        h.upstream.on(P, answer(completion("x", kv=KV)), answer(completion("x", kv=KV)))
+        h.upstream.on("decode", breaking(tok, prompt, gen, "completion", after=6), greedy(tok, prompt, gen))
+        assert (await h.send(body)).status == 200
+        finished = {s.name: s for s in spans.get_finished_spans() if s.name != "decode"}
+        decodes = [s for s in spans.get_finished_spans() if s.name == "decode"]
+        server, migration = finished["POST /v1/completions"], finished["migration"]
+        assert migration.parent.span_id == server.context.span_id
+        attrs = migration.attributes
+        assert attrs["pdgate.migration.reason"] == "disconnected" and attrs["pdgate.migration.path"] == "pd"
+        assert attrs["pdgate.migration.to"] != attrs["pdgate.migration.from"]
+        assert 0 < attrs["pdgate.migration.kept_tokens"] < 40
+        first, second = sorted(decodes, key=lambda s: s.start_time)
+        assert first.parent.span_id == server.context.span_id and not first.status.is_ok
+        assert second.parent.span_id == migration.context.span_id  # the continuation's legs are inside
+        assert server.attributes["pdgate.migrations"] == 1
+    finally:
+        h.close()

@@ -1,16 +1,19 @@
 """Mid-stream migration on real vLLM engines (issue 18): one prefill engine and two decode engines
-(the package's pair plus a second decode engine started here). The decode engine serving a long
-stream is killed (SIGKILL) in the middle of it; the stream finishes on the other decode engine,
-and the engines' own counters say how the continuation got its context:
+(the package's pair plus a second decode engine started here, which serves the first part of each
+answer directly and is then killed). The decode engine serving a stream is killed (SIGKILL) in
+the middle of it; the stream finishes on the other decode engine, and the engines' own counters
+say how the continuation got its context (the original prompt plus the tokens kept):
 
-- on the P/D path, the surviving decode engine pulled the whole continuation prompt (the original
-  prompt plus the tokens kept) over NIXL and computed none of it, and the prefill engine found the
-  original prompt in its prefix cache and computed little more than the generated tokens;
-- on the direct path, the surviving decode engine computed it (no NIXL transfer).
+- when that context is long (over the P/D threshold), the prefill engine computed it and the
+  surviving decode engine pulled all of it over NIXL, computing none of it;
+- when it is short, the surviving decode engine computed it (no NIXL transfer).
 
 Greedy decoding: the text the client reads equals an uninterrupted run's text, token for token
 count. And a whole (non-streamed) answer the gateway assembles from the engine's stream equals the
 engine's own non-streamed answer.
+
+The second decode engine runs without the NixlConnector: it never pulls KV here, and three NIXL
+progress threads busy-spinning on two cores starved transfers past vLLM's 30 s KV lease (seen).
 """
 
 from __future__ import annotations
@@ -29,18 +32,19 @@ from .test_real_vllm import chat_messages
 
 pytestmark = [pytest.mark.realvllm, pytest.mark.e2e]
 
-MAX_TOKENS = 160
+MAX_TOKENS = 1400  # long enough that the engine dies mid-answer however late the gateway reads
 KILL_AFTER = 40  # content events the client reads before the decode engine dies
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_tokens": MAX_TOKENS}
 
 
 @pytest.fixture(scope="module")
 def second_decode(vllm_pair: Pair) -> Iterator[E.Engine]:
-    """Another decode engine, on the prefill engine's core (the pair's decode engine keeps its own)."""
+    """Another decode engine (no KV connector), on the prefill engine's core (the pair's decode
+    engine keeps its own)."""
     venv, _ = E.venv_and_model()
     work = vllm_pair.group.log_dir
     eng = E.start_engine(vllm_pair.group, "decode-2", venv, vllm_pair.model_dir, work, vllm_pair.prefill.core,
-                         extra_args=["--enable-prompt-tokens-details"])
+                         nixl=False, extra_args=["--enable-prompt-tokens-details"])
     try:
         E.wait_ready([eng])
         E.pin_engine(eng)
@@ -87,7 +91,7 @@ def access_line(gw: Gateway, rid: str) -> dict:
     return found[0]
 
 
-def stream_and_kill(gw: Gateway, messages: list[dict], rid: str, victim: E.Engine, on_kill=None) -> list:
+def stream_and_kill(gw: Gateway, messages: list[dict], rid: str, victim: E.Engine) -> list:
     body = {"model": E.MODEL_NAME, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
             **GREEDY}
     events: list = []
@@ -100,8 +104,6 @@ def stream_and_kill(gw: Gateway, messages: list[dict], rid: str, victim: E.Engin
             events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
             content = [e for e in events if isinstance(e, dict) and e.get("choices")]
             if len(content) == KILL_AFTER and victim.proc.popen.poll() is None:
-                if on_kill is not None:
-                    on_kill()
                 E.kill(victim)
     return events
 
@@ -141,37 +143,35 @@ def test_a_whole_answer_is_the_engines_own(vllm_pair: Pair, second_decode: E.Eng
         eng = second_decode if served == second_decode.url else vllm_pair.decode
         own = uninterrupted(eng, messages)
         got = r.json()
-        for body in (got, own):  # the second run hits the engine's prefix cache; the rest must agree
-            body["usage"]["prompt_tokens_details"]["cached_tokens"] = None
+        for body in (got, own):  # the second run hits what the first cached; the rest must agree
+            body["usage"]["prompt_tokens_details"].update(cached_tokens=None, created_cache_tokens=None)
         assert got == {**own, "id": "chatcmpl-whole-1", "created": got["created"]}
     finally:
         gw.proc.stop()
 
 
-def test_a_long_stream_continues_on_the_other_decode_engine_over_nixl(vllm_pair: Pair, second_decode: E.Engine):
+def test_a_continuation_with_a_long_context_is_pulled_over_nixl(vllm_pair: Pair, second_decode: E.Engine):
+    """The prompt (500 tokens) goes direct; with the tokens kept, the continuation's context is over
+    the threshold (512): the prefill engine computes it and the survivor pulls it."""
     gw = gateway(vllm_pair, second_decode, "gateway-migration-pd", threshold=512)
     try:
-        messages = chat_messages(vllm_pair, 1100)  # P/D
+        messages = chat_messages(vllm_pair, 500)
         survivor, prefill = vllm_pair.decode, vllm_pair.prefill
-        before: dict[str, dict[str, float]] = {}
-
-        def snapshot() -> None:  # part one's prefill is done: what follows is the continuation's
-            before.update(decode=by_source(survivor), prefill=by_source(prefill))
-
-        events = stream_and_kill(gw, messages, "migrate-pd", second_decode, on_kill=snapshot)
-        [m] = access_line(gw, "migrate-pd")["migrations"]
+        # The first part runs on the second decode engine alone: these counters move for the continuation.
+        before = {"decode": by_source(survivor), "prefill": by_source(prefill)}
+        events = stream_and_kill(gw, messages, "migrate-pd", second_decode)
+        line = access_line(gw, "migrate-pd")
+        [m] = line["migrations"]
+        assert line["path"] == "direct"  # the request's own path
         assert (m["result"], m["from"], m["to"], m["path"]) == ("ok", second_decode.url, survivor.url, "pd"), m
         kept = m["tokens"]
         assert KILL_AFTER - 2 <= kept < MAX_TOKENS
-        context = 1100 + kept
-        # The survivor pulled the whole continuation prompt's KV and computed none of it.
-        d = {}
+        context = 500 + kept
+        d: dict[str, float] = {}
         assert E.wait_until(lambda: (d.update(delta(by_source(survivor), before["decode"])) or d)["xfers"] == 1), d
         assert (d["external_kv_transfer"], d["local_compute"], d["failed"]) == (context, 0, 0), d
-        # The prefill engine held the original prompt: it computed little more than the kept tokens.
         p = delta(by_source(prefill), before["prefill"])
-        assert p["local_cache_hit"] + p["local_compute"] == context
-        assert p["local_cache_hit"] >= 1100 - 128 and p["local_compute"] <= kept + 128, p
+        assert p["local_compute"] + p["local_cache_hit"] == context, p  # the prefill engine did it
         check_whole_stream(events, uninterrupted(survivor, messages), "migrate-pd")
     finally:
         gw.proc.stop()
@@ -184,9 +184,8 @@ def test_a_stream_on_the_direct_path_continues_computed_by_the_other_engine(vllm
     try:
         messages = chat_messages(vllm_pair, 300)
         survivor = vllm_pair.decode
-        before: dict[str, float] = {}
-        events = stream_and_kill(gw, messages, "migrate-direct", second_decode,
-                                 on_kill=lambda: before.update(by_source(survivor)))
+        before = by_source(survivor)
+        events = stream_and_kill(gw, messages, "migrate-direct", second_decode)
         [m] = access_line(gw, "migrate-direct")["migrations"]
         assert (m["result"], m["to"], m["path"]) == ("ok", survivor.url, "direct"), m
         d: dict[str, float] = {}
