@@ -74,6 +74,10 @@ class Report:
     migration: bool = True
     by_kind: dict[str, dict[str, int]] = field(default_factory=dict)  # migratable | guided -> outcomes
     migrations: dict[str, int] = field(default_factory=dict)  # the gateway's pdgate_migrations_total by result
+    # From the access log: the gap each migration left (failure to the continuation's first token),
+    # p50 / p99 / max in ms, and the generated tokens the continuations kept.
+    migration_ms: dict[str, float] = field(default_factory=dict)
+    migrated_tokens: int = 0
 
     @property
     def clean(self) -> bool:
@@ -243,6 +247,23 @@ async def _load(gateway: str, sims: dict[str, list[str]], n: int, concurrency: i
                   by_kind={k: dict(v) for k, v in by_kind.items()}, migrations=dict(migrations))
 
 
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q / 100 * len(xs)))], 1)
+
+
+def _migrations(log: Path) -> tuple[list[float], int]:
+    """The migrations the gateway's access log records: their gaps (ms) and the tokens kept."""
+    gaps, kept = [], 0
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("{") and '"migrations"' in line:
+            for m in json.loads(line)["migrations"]:
+                if m.get("result") == "ok":
+                    gaps.append(m["ms"])
+                    kept += m["tokens"]
+    return gaps, kept
+
+
 def run(n: int, concurrency: int, timeout: float, logs: Path, attackers: dict[str, int] | None = None,
         redis: bool = False, migration: bool = True) -> Report:
     tokenizer = build_tokenizer(cache_dir() / "demo-tokenizer")
@@ -282,6 +303,10 @@ def run(n: int, concurrency: int, timeout: float, logs: Path, attackers: dict[st
         report = asyncio.run(_load(f"http://127.0.0.1:{port}", sims, n, concurrency, timeout, gw.pid,
                                    attackers or {}, redis_proc))
         report.migration = migration
+        gaps, kept = _migrations(gw.log_path)
+        report.migrated_tokens = kept
+        if gaps:
+            report.migration_ms = {"p50": _pct(gaps, 50), "p99": _pct(gaps, 99), "max": round(max(gaps), 1)}
         return report
     finally:
         group.stop_all()

@@ -430,6 +430,9 @@ class MigrationConfig(_Strict):
                                  "client gets the error event")
     deadline_s: float = Field(600.0, ge=0, description="a request older than this is not migrated any more "
                               "(0: no limit)")
+    non_streaming: bool = Field(True, description="non-streamed requests migrate too: their decode leg streams "
+                                "and the gateway assembles the answer (costs gateway CPU per token); false: sent "
+                                "as the client sent them, a failure mid-answer is retried from the start")
 
 
 class RoutingConfig(_Strict):

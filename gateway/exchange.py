@@ -321,6 +321,8 @@ class Exchange:
         body, stream = req.body, req.stream
         migration = self.rt.cfg.routing.migration
         why = unmigratable(req, self.prompts.approximate_reason) if migration.enabled else "disabled"
+        if why is None and not (stream or migration.non_streaming):
+            why = "non_streaming"
         if why is None and migration.max_per_request > 0:
             opts = body.get("stream_options") or {}
             max_model_len = self.rt.tokenizers.get(req.model).cfg.max_model_len  # type: ignore[union-attr]
@@ -414,6 +416,11 @@ class Exchange:
                     log.warning("request %s: decode leg on %s failed (%s)", part.request_id, ep.url,
                                 failed.err.message)
                     other = self._other(part, "decode", tried) if attempt < retries else None
+                    if other is None and handle is not None and failed.reached and attempt < retries \
+                            and ep.healthy and not ep.ejected:
+                        # No other decode engine: what failed may be the KV's source (a prefill
+                        # engine gone mid-pull), so this one computes the prompt itself.
+                        other = ep
                     if other is None:
                         raise failed.err from None
                     self._failover("decode_retried", failed.err, ep)

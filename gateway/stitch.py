@@ -68,10 +68,6 @@ class Events:
         return rest
 
 
-def _payload(event: bytes) -> bytes:
-    return event[6:] if event.startswith(b"data: ") else event.removeprefix(b"data:").strip()
-
-
 class Answer:
     """What the client of one migratable request has been sent, and the rewriting of the engine
     events that make it.
@@ -96,8 +92,8 @@ class Answer:
         self.prompt_confirmed = False  # the engine said which prompt ids it ran
         self.ids = array("I")  # the generated token ids behind the text sent
         self.text_len = 0  # characters of text sent
-        self._tail = ""  # their last TAIL_CHARS (streaming clients)
-        self._pieces: list[str] = []  # all of it (non-streaming clients)
+        self._pieces: list[str] = []  # all of it (non-streaming clients), its end (streaming ones)
+        self._kept = 0  # characters in _pieces (streaming clients)
         self._reasoning: list[str] = []
         self.role = "assistant"
         self._head: dict[str, Any] | None = None  # id, object, created, model of the first event
@@ -122,22 +118,24 @@ class Answer:
             self._last = (self._last + data)[-len(DONE):]
             self.done = self._last == DONE
             return data
-        out = [sent for event in self._events.feed(data) if (sent := self._event(_payload(event)))]
+        events = self._events.feed(data)
+        out = self._event(events[0]) if len(events) == 1 else b"".join([self._event(e) for e in events])
         if self.unresumable == "no_token_ids" and self.stream and not self.part:
             # An engine that sends no token ids (vLLM before 0.10.2): this answer cannot be
             # continued, so the rest is relayed as it comes, at no cost per event.
             self._raw = True
             rest = self._events.rest()
             self._last = rest[-len(DONE):]
-            out.append(rest)
-        return out[0] if len(out) == 1 else b"".join(out)
+            out += rest
+        return out
 
     def ended(self) -> None:
         """The engine's body ended: whole only after [DONE]."""
         if not self.done:
             raise Broken("ended", "the decode engine's stream ended before the answer was complete")
 
-    def _event(self, payload: bytes) -> bytes:
+    def _event(self, event: bytes) -> bytes:
+        payload = event[6:] if event.startswith(b"data: ") else event.removeprefix(b"data:").strip()
         if payload == b"[DONE]":
             self.done = True
             return DONE if self.stream else b""
@@ -168,7 +166,8 @@ class Answer:
             if self.kind == "chat":
                 delta = c.get("delta") or {}
                 text = delta.get("content") or ""
-                self._parsed(delta)
+                if len(delta) != 1 or "content" not in delta:  # the role chunk, or parsers' fields
+                    self._parsed(delta)
             else:
                 text = c.get("text") or ""
                 if c.get("prompt_token_ids") is not None:  # completions: the first token chunk carries it
@@ -176,7 +175,8 @@ class Answer:
             if self._took(c, text) and not self.wants_ids:
                 c["token_ids"] = None
                 changed = True
-        self._observe(obj)
+        if len(obj) > 5:  # beyond id, object, created, model, choices: usage and the like
+            self._observe(obj)
         if not self.stream:
             return b""
         return b"data: " + (orjson.dumps(obj) if changed else raw) + b"\n\n"
@@ -223,31 +223,31 @@ class Answer:
     def _took(self, choice: dict[str, Any], text: str) -> bool:
         """A token event: its ids (True when it has them), the text it sends, its finish."""
         ids, fr = choice.get("token_ids"), choice.get("finish_reason")
-        if isinstance(ids, list):
-            self.ids.extend(ids)
+        has_ids = ids.__class__ is list
+        if has_ids:
+            self.ids.extend(ids)  # type: ignore[arg-type]
         elif text or fr is not None:
             self.unresumable = self.unresumable or "no_token_ids"
-        self._sent(text)
+        if text:
+            self._sent(text)
         if fr is not None:
             self.finish = (fr, choice.get("stop_reason"))
-        return isinstance(ids, list)
+        return has_ids
 
     # -- what the client has ---------------------------------------------------------------------------
 
     def _sent(self, text: str) -> None:
-        if not text:
-            return
         self.text_len += len(text)
-        if self.stream:
-            tail = self._tail + text
-            self._tail = tail[-TAIL_CHARS:] if len(tail) > TAIL_CHARS else tail
-        else:
-            self._pieces.append(text)
+        self._pieces.append(text)
+        if self.stream:  # a stream keeps only its last TAIL_CHARS or so (trimmed now and then)
+            self._kept += len(text)
+            if self._kept > 2 * TAIL_CHARS:
+                self._pieces = ["".join(self._pieces)[-TAIL_CHARS:]]
+                self._kept = TAIL_CHARS
 
     def tail(self, chars: int) -> str:
         """The last ``chars`` characters of the text sent (at most TAIL_CHARS for a stream)."""
-        text = self._tail if self.stream else "".join(self._pieces)
-        return text[-chars:] if chars else ""
+        return "".join(self._pieces)[-chars:] if chars else ""
 
     @property
     def tail_chars(self) -> int:

@@ -333,3 +333,19 @@ async def test_a_chat_stream_failing_right_after_its_role_chunk_is_retried(h, st
     assert b'"error"' not in r.body and ok.released
     assert [leg.outcome for leg in h.recorder.legs()] == [LegOutcome.FAILED, LegOutcome.OK]
     settled(h)
+
+
+async def test_a_pd_decode_leg_failing_with_no_other_engine_left_is_retried_there_direct(h):
+    """The other decode engine is down; the first one's P/D leg fails before its first token (its
+    KV source, the prefill engine, may be what died): the same engine computes the prompt itself."""
+    next(ep for ep in h.pools.decode if ep.url == D2).mark_down("connect failed")
+    h.upstream.on(P, answer(completion("x", kv=KV)))
+    h.upstream.on(D, EngineError(502, "The decode engine failed (HTTP 500).", code="engine_error"),
+                  answer(completion("served")))
+    r = await h.send({"model": "tiny", "prompt": LONG})
+    assert r.status == 200 and r.json()["choices"][0]["text"] == "served"
+    assert r.headers["x-pdgate-failover"] == "decode_retried" and r.headers["x-pdgate-path"] == "direct"
+    first, second = [c for c in h.upstream.calls if c[1] == "decode"]
+    assert first[0] == second[0] == D
+    assert "kv_transfer_params" in first[2] and "kv_transfer_params" not in second[2]
+    settled(h)

@@ -248,3 +248,20 @@ async def test_the_migration_is_a_span_holding_the_continuations_legs(tokenizer_
         assert server.attributes["pdgate.migrations"] == 1
     finally:
         h.close()
+
+
+async def test_whole_answers_can_keep_their_engines_whole_answer(tokenizer_dir, tok):
+    """routing.migration.non_streaming: false: a non-streamed request goes as sent (cheaper); its
+    decode leg failing mid-answer is retried from the start on the other engine."""
+    h = make(tokenizer_dir, routing={"decider": {"name": "token_threshold", "threshold": 64},
+                                     "migration": {"non_streaming": False}})
+    try:
+        body = {"model": "tiny", "prompt": "Write a handler.", "max_tokens": 30}
+        h.upstream.on("decode", FakeResponse([b'{"choices": [{"text": "ha'], break_after=1),
+                      answer(completion("served whole")))
+        r = await h.send(body)
+        assert r.status == 200 and r.json()["choices"][0]["text"] == "served whole"
+        assert [c[2] for c in h.upstream.calls] == [body, body] and r.headers["x-pdgate-failover"] == "decode_retried"
+        settled(h)
+    finally:
+        h.close()
