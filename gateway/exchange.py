@@ -33,6 +33,7 @@ import math
 import random
 import re
 import time
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -282,27 +283,7 @@ class Exchange:
         salt = req.body.get("cache_salt")  # vLLM mixes it into the first block's hash
         prep = self.prep = await rt.router.prepare(req.model, rec.request_id, self.prompts[0], req.local_only(),
                                                    self.request.headers, salt if isinstance(salt, str) else None)
-        adm = rt.cfg.admission
-        retry_after = {"Retry-After": str(math.ceil(adm.retry_after_s))}
-        waited = 0.0
-        while True:
-            try:
-                route = rt.router.route(prep, explain=explain, max_decode=adm.max_per_decode_endpoint,
-                                        max_prefill=adm.max_per_prefill_endpoint)
-                break
-            except NotServed:
-                raise APIError(503, f"No decode engine serves the model `{req.model}` right now (see /ready).",
-                               code="model_not_served", headers=retry_after) from None
-            except NoEndpointError:
-                raise APIError(503, "No decode engine is available right now.", code="no_healthy_endpoint",
-                               type_="server_error", headers=retry_after) from None
-            except Saturated:
-                left = self._deadline - time.monotonic()
-                if explain or left <= 0:
-                    raise too_busy(adm, "every decode engine is at its limit") from None
-                w0 = time.perf_counter()
-                await self.svc.pools.wait_release(left)
-                waited += time.perf_counter() - w0
+        route, waited = await self._pick(prep, self._deadline, explain=explain)
         t2 = time.perf_counter_ns()
         rec.route_s = (t2 - t1) / 1e9 - waited
         rec.queue_s += waited
@@ -329,7 +310,9 @@ class Exchange:
             self.answer = Answer(req.kind, stream=req.stream, wants_ids=bool(body.get("return_token_ids")),
                                  usage=bool(opts.get("include_usage")),
                                  continuous=bool(opts.get("include_usage") and opts.get("continuous_usage_stats")),
-                                 prompt=self.prompts[0], max_event_bytes=(1 << 16) + 12 * max_model_len)
+                                 prompt=self.prompts[0],
+                                 # the role chunk: the prompt's ids, and its text if asked for (escaped)
+                                 max_event_bytes=(1 << 16) + 12 * max_model_len + 6 * req.raw_size)
             body = {**body, "return_token_ids": True}
             if not stream:
                 body.update(stream=True, stream_options={"include_usage": True})
@@ -339,6 +322,31 @@ class Exchange:
         part = _Part(0, self.path, body, stream, self.prep, self.rec.request_id, self.rec.trace, decision)
         self.parts.append(part)
         return part
+
+    async def _pick(self, prep: Prepared, deadline: float, *, explain: bool = False,
+                    exclude: Collection[str] = ()) -> tuple[Route, float]:
+        """The route, waiting for engine capacity until ``deadline``; and how long it waited."""
+        adm = self.rt.cfg.admission
+        retry_after = {"Retry-After": str(math.ceil(adm.retry_after_s))}
+        waited = 0.0
+        while True:
+            try:
+                route = self.rt.router.route(prep, explain=explain, max_decode=adm.max_per_decode_endpoint,
+                                             max_prefill=adm.max_per_prefill_endpoint, exclude=exclude)
+                return route, waited
+            except NotServed:
+                raise APIError(503, f"No decode engine serves the model `{prep.ctx.model}` right now (see /ready).",
+                               code="model_not_served", headers=retry_after) from None
+            except NoEndpointError:
+                raise APIError(503, "No decode engine is available right now.", code="no_healthy_endpoint",
+                               type_="server_error", headers=retry_after) from None
+            except Saturated:
+                left = deadline - time.monotonic()
+                if explain or left <= 0:
+                    raise too_busy(adm, "every decode engine is at its limit") from None
+                w0 = time.perf_counter()
+                await self.svc.pools.wait_release(left)
+                waited += time.perf_counter() - w0
 
     # -- the engine legs --------------------------------------------------------------------------------
 
@@ -450,8 +458,9 @@ class Exchange:
         rec.decode = ep.url
         ep.acquire()
         try:
+            until = self.answer.max_event_bytes if self.answer is not None else 0
             stream = await legs.open_decode(self.rt.upstream, ep, part.path, body, part.request_id, part.stream,
-                                            span.headers)
+                                            span.headers, until_token=until)
         except BaseException as err:
             ep.release()
             outcome = _failed(err) if isinstance(err, LegFailed) else LegOutcome.ABANDONED
@@ -479,10 +488,13 @@ class Exchange:
         rec, resp = self.rec, leg.stream.resp
         rec.path = leg.path.value
         headers = self._headers(path=leg.path)
-        headers.append((b"content-type", resp.header(b"content-type") or b"application/json"))
-        if self.answer is not None and _is_stream(resp.header(b"content-type")):
+        content_type = resp.header(b"content-type") or b"application/json"
+        if self.answer is not None and _is_stream(content_type):
+            # a stream for a streaming client; assembled into JSON for one that did not ask to stream
+            headers.append((b"content-type", content_type if req.stream else b"application/json"))
             await self._relay_answer(client, req, leg, headers, self.answer)
             return
+        headers.append((b"content-type", content_type))
         outcome, clean = LegOutcome.CUT, False
         try:
             if not req.stream:
@@ -533,6 +545,12 @@ class Exchange:
             cut = await self._relay_part(client, leg, answer)
             if cut is None:
                 break
+            if answer.finish is not None:  # all there but its end: the usage chunk, [DONE]
+                log.info("request %s: the decode engine's stream broke after its finish reason (%s); "
+                         "the gateway ends it", self.rec.request_id, cut.reason)
+                if req.stream:
+                    await client.send(answer.close())
+                break
             opened = await self._migrate(req, leg, cut, answer)
             if opened is None:
                 self._outcome(cut.err.status, cut.err.message)
@@ -564,6 +582,7 @@ class Exchange:
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                     rec.sent_chunk(out)
+                answer.check()
                 if answer.done:  # whatever happens to the connection now
                     outcome = LegOutcome.OK
                     self._answered = answer.stream  # [DONE] is out: a hang-up now changes nothing
@@ -630,12 +649,13 @@ class Exchange:
                 return None
             log.warning("request %s: decode leg on %s failed mid-answer (%s); continuing after %d tokens",
                         self.rec.request_id, failed.ep.url, cut.reason, kept)
-            route = self.rt.router.route(part.prep, exclude=self._failed_decode)
+            deadline = time.monotonic() + self.rt.cfg.admission.queue_timeout_s
+            route, _ = await self._pick(part.prep, deadline, exclude=self._failed_decode)
             decision = part.decision = route.decision
             asyncio.get_running_loop().call_soon(self._routed, part)
             handle = await self._prefill(part, decision) if decision.path is Path.PD else None
             leg = await self._decode(part, decision, handle)
-        except (APIError, NoEndpointError, NotServed) as err:
+        except APIError as err:
             log.warning("request %s: migration failed: %s", self.rec.request_id, err)
             record["result"] = "failed"
             self.svc.metrics.migration(cut.reason, "failed")
@@ -691,7 +711,8 @@ class Exchange:
                         len(self.prompts[0]) if self.prompts else 0)
         answer.resume(point.tokens, point.overlap)
         ids = [*prompt, *answer.ids]
-        body = continuation_body(req, ids, point.tokens, continuous=answer.continuous)
+        body = continuation_body(req, ids, point.tokens, max_model_len=tok.cfg.max_model_len,
+                                 continuous=answer.continuous)
         number = len(self.parts)
         request_id = f"{self.rec.request_id}-m{number}"
         salt = req.body.get("cache_salt")

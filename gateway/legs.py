@@ -124,9 +124,12 @@ class DecodeStream:
 
 
 async def open_decode(upstream: Upstream, ep: Endpoint, path: str, body: dict[str, Any], request_id: str,
-                      stream: bool, headers: dict[str, str]) -> DecodeStream:
+                      stream: bool, headers: dict[str, str], *, until_token: int = 0) -> DecodeStream:
     """Step 3 up to the first token (a stream) or the whole answer; raises LegFailed before that.
-    ``timeouts.decode_first_byte_s`` bounds this: the transport's first-byte timer, ended here."""
+    ``timeouts.decode_first_byte_s`` bounds this: the transport's first-byte timer, ended here.
+    ``until_token``: read a stream up to its first whole event after the chat role chunk, at most
+    this many bytes (a stream whose engine sends every token's ids sends that event at once; 0:
+    the first bytes are enough)."""
     try:
         resp = await upstream.post(ep, path, body, request_id, leg="decode", headers=headers)
     except EngineError as err:
@@ -134,7 +137,7 @@ async def open_decode(upstream: Upstream, ep: Endpoint, path: str, body: dict[st
     except TimeoutError:
         raise LegFailed(_timed_out(), reached=True) from None
     try:
-        head = await _read_head(resp, stream)
+        head = await _read_head(resp, stream, until_token)
     except BaseException as err:
         resp.close()
         if isinstance(err, TimeoutError):
@@ -150,14 +153,17 @@ def _timed_out() -> EngineError:
     return EngineError(504, "The decode engine did not answer in time.", code="engine_timeout")
 
 
-async def _read_head(resp: Response, stream: bool) -> bytes:
-    """The whole body (not streaming) or the stream up to its first token. A stream that ends at
-    once, or whose first event after the chat role chunk is an error (vLLM 0.32 reports a failed
-    KV load so), has failed before its first token: the caller may still retry it."""
+async def _read_head(resp: Response, stream: bool, until_token: int = 0) -> bytes:
+    """The whole body (not streaming) or the start of the stream (see ``open_decode``). A stream
+    that ends at once, or whose first event after the chat role chunk is an error (vLLM 0.32
+    reports a failed KV load so), has failed before its first token: the caller may still retry."""
     if not stream:
         return await resp.read()
     head = await resp.read_some()
-    while head and _role_only(head):  # vLLM sends the role chunk just before the first token
+    while until_token and head and _before_token(head):  # vLLM sends the role chunk just before
+        if len(head) > until_token:
+            raise LegFailed(EngineError(502, "The decode engine sent an oversized event.", code="engine_error"),
+                            reached=True)
         more = await resp.read_some()
         if not more:
             break
@@ -172,9 +178,11 @@ def _events(head: bytes) -> list[bytes]:
     return [e for e in (part.strip() for part in head.split(b"\n\n")) if e]
 
 
-def _role_only(head: bytes) -> bool:
-    """Only whole chat role chunks so far (``"delta":{"role":...,"content":""}``, no token)."""
-    return head.endswith(b"\n\n") and all(b'"delta":{"role"' in e for e in _events(head))
+def _before_token(head: bytes) -> bool:
+    """No whole event yet but chat role chunks (``"delta":{"role":...}``): the first token (or a
+    failure) is still to come."""
+    whole = head.split(b"\n\n")[:-1]  # the last piece is an event still arriving, or nothing
+    return all(b'"delta":{"role"' in e for e in whole if e.strip())
 
 
 def _error_first(head: bytes) -> bool:

@@ -78,12 +78,15 @@ def unmigratable(req: ParsedRequest, approximate: str | None) -> str | None:
 
 
 def output_budget(req: ParsedRequest) -> int | None:
-    """The output tokens the request asked for (None: the context's room), as vLLM reads them."""
+    """The output tokens the request asked for, as vLLM 0.32 reads them (None, chat only: the
+    context's room). A completions request's absent or null ``max_tokens`` is 16
+    (``CompletionRequest.normalize_null_max_tokens``)."""
     body = req.body
     if req.kind == "chat":
         value = body.get("max_completion_tokens")
         return value if value is not None else body.get("max_tokens")
-    return body.get("max_tokens") if "max_tokens" in body else COMPLETION_DEFAULT_MAX_TOKENS
+    value = body.get("max_tokens")
+    return COMPLETION_DEFAULT_MAX_TOKENS if value is None else int(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,14 +146,17 @@ def _replay(tokenizer: Tokenizer, prompt: Sequence[int], generated: Sequence[int
     return offsets, clean, "".join(pieces)
 
 
-def continuation_body(req: ParsedRequest, prompt: Sequence[int], kept: int, *, continuous: bool) -> dict[str, Any]:
+def continuation_body(req: ParsedRequest, prompt: Sequence[int], kept: int, *, max_model_len: int,
+                      continuous: bool) -> dict[str, Any]:
     """The ``/v1/completions`` request that continues ``req`` after ``kept`` generated tokens:
     ``prompt`` (the original prompt's ids and those tokens), the same sampling parameters, the
     output budget less what is kept, streamed with its token ids."""
     body = {k: v for k, v in req.body.items() if k not in _NOT_CARRIED}
     budget = output_budget(req)
     body["prompt"] = list(prompt)
-    body["max_tokens"] = None if budget is None else budget - kept  # None: the context's room, as before
+    # A chat request without a budget runs to the context's end; a completions request must say so
+    # (its null means 16).
+    body["max_tokens"] = max_model_len - len(prompt) if budget is None else budget - kept
     min_tokens = req.body.get("min_tokens") or 0
     if min_tokens > kept:
         body["min_tokens"] = min_tokens - kept

@@ -329,5 +329,5 @@ def check_output_limit(req: ParsedRequest, limits: LimitsConfig, max_model_len: 
         if req.kind == "chat":
             body["max_completion_tokens"] = share
         else:
-            # Absent, vLLM's default applies (a null asks for the context's room): keep it, bounded.
-            body["max_tokens"] = share if "max_tokens" in body else min(COMPLETION_DEFAULT_MAX_TOKENS, share)
+            # Absent or null, vLLM's default applies (vLLM 0.32 turns a null into it too): keep it, bounded.
+            body["max_tokens"] = min(COMPLETION_DEFAULT_MAX_TOKENS, share)

@@ -107,19 +107,38 @@ class Answer:
         self._base = 0  # generated tokens of earlier parts, in the current part's prompt
         self._skip_text = ""  # text the current part must reproduce first (the client has it)
         self._skip_ids: list[int] = []  # ... and token ids, for a client that asked for them
+        self.max_event_bytes = max_event_bytes
         self._events = Events(max_event_bytes)
         self._raw = False
         self._last = b""  # relayed raw: the last bytes, where [DONE] shows
+        self.failure: Broken | Diverged | None = None  # what ended the last feed (see ``check``)
 
     # -- reading the engine ---------------------------------------------------------------------------
 
     def feed(self, data: bytes) -> bytes:
+        """What to send the client for ``data``. When an event fails (``Broken``, ``Diverged``),
+        what the events before it make is still returned, and ``failure`` holds the error: the
+        caller sends the bytes, then raises it (``check``), so nothing recorded as sent is lost."""
         if self._raw:  # nothing left to read or rewrite: the engine's bytes as they come
             self._last = (self._last + data)[-len(DONE):]
             self.done = self._last == DONE
             return data
         events = self._events.feed(data)
-        out = self._event(events[0]) if len(events) == 1 else b"".join([self._event(e) for e in events])
+        if len(events) == 1:  # the usual read
+            try:
+                out = self._event(events[0])
+            except (Broken, Diverged) as err:
+                self.failure = err
+                return b""
+        else:
+            parts = []
+            for event in events:
+                try:
+                    parts.append(self._event(event))
+                except (Broken, Diverged) as err:
+                    self.failure = err
+                    return b"".join(parts)
+            out = b"".join(parts)
         if self.unresumable == "no_token_ids" and self.stream and not self.part:
             # An engine that sends no token ids (vLLM before 0.10.2): this answer cannot be
             # continued, so the rest is relayed as it comes, at no cost per event.
@@ -128,6 +147,12 @@ class Answer:
             self._last = rest[-len(DONE):]
             out += rest
         return out
+
+    def check(self) -> None:
+        """Raise what failed in the last ``feed``, if anything did."""
+        if self.failure is not None:
+            failure, self.failure = self.failure, None
+            raise failure
 
     def ended(self) -> None:
         """The engine's body ended: whole only after [DONE]."""
@@ -200,6 +225,8 @@ class Answer:
         fr = c.get("finish_reason")
         text = self._reproduced(c.get("text") or "")
         ids = self._reproduced_ids(c["token_ids"]) if self._took(c, text) else None
+        if fr is not None and (self._skip_text or self._skip_ids):
+            raise Diverged("the continuation ended before it reproduced what the client has")
         self._observe(obj)
         if not self.stream or (not text and fr is None and not (self.wants_ids and ids) and "usage" not in obj):
             return b""
@@ -327,10 +354,15 @@ class Answer:
         del self.ids[tokens:]
         self.part += 1
         self._base = tokens
-        self._skip_text = overlap
-        self._skip_ids = dropped if self.wants_ids else []
+        if self.stream:
+            self._skip_text = overlap
+            self._skip_ids = dropped if self.wants_ids else []
+        elif overlap:  # nothing went out yet: the continuation's text takes its place, unchecked
+            text = "".join(self._pieces)
+            self._pieces = [text[:len(text) - len(overlap)]]
+            self.text_len -= len(overlap)
         self.finish = None
-        self._events = Events(self._events._limit)
+        self._events = Events(self.max_event_bytes)
         self._usage_seen = None
 
     def _reproduced(self, text: str) -> str:
@@ -352,6 +384,20 @@ class Answer:
             raise Diverged("the continuation's token ids differ from those the client has")
         self._skip_ids = skip[n:]
         return ids[n:]
+
+    def close(self) -> bytes:
+        """The end of a streamed answer whose engine broke off after its finish reason: the usage
+        chunk if the client asked for it and it did not come, then [DONE]."""
+        self.done = True
+        if not self.usage or self._usage_seen is not None:
+            return DONE
+        completion = len(self.ids)
+        usage = {"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens + completion,
+                 "completion_tokens": completion}
+        out = {**(self._head or {}), "choices": [], "usage": usage}
+        if self._fingerprint is not None:
+            out["system_fingerprint"] = self._fingerprint
+        return _sse(out) + DONE
 
     # -- a whole answer ---------------------------------------------------------------------------------
 

@@ -322,7 +322,8 @@ async def test_a_chat_stream_failing_right_after_its_role_chunk_is_retried(h, st
     role = b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant",' \
            b'"content":""},"logprobs":null,"finish_reason":null}]}\n\n'
     error = b'data: {"error": {"message": "Internal server error", "code": 500}}\n\n'
-    failed = FakeResponse([role, error, b"data: [DONE]\n\n"], content_type=b"text/event-stream")
+    # the role chunk arrives in two reads (a long prompt's ids make it large), the error with the second
+    failed = FakeResponse([role[:40], role[40:] + error, b"data: [DONE]\n\n"], content_type=b"text/event-stream")
     ok = FakeResponse([role, b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"hi"},'
                        b'"finish_reason":"length","token_ids":[5]}]}\n\n', b"data: [DONE]\n\n"],
                       content_type=b"text/event-stream")

@@ -76,6 +76,7 @@ async def test_a_decode_leg_broken_mid_answer_goes_on_on_the_other_engine(h, tok
     h.upstream.on("decode", breaking(tok, prompt, gen, kind, after=12), greedy(tok, prompt, gen, usage=True))
     r = await h.send(body, kind=kind)
     assert r.status == 200 and r.headers["x-pdgate-path"] == "direct"
+    assert r.headers["content-type"] == ("text/event-stream" if stream else "application/json")
     if stream:
         assert client_text(r.body, kind) == full_text(tok, prompt, gen)
         assert r.body.endswith(b"data: [DONE]\n\n") and b'"error"' not in r.body
@@ -262,6 +263,57 @@ async def test_whole_answers_can_keep_their_engines_whole_answer(tokenizer_dir, 
         r = await h.send(body)
         assert r.status == 200 and r.json()["choices"][0]["text"] == "served whole"
         assert [c[2] for c in h.upstream.calls] == [body, body] and r.headers["x-pdgate-failover"] == "decode_retried"
+        settled(h)
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_stream_broken_after_its_finish_reason_is_ended_by_the_gateway(h, tok, stream):
+    """The engine died after the last token's event: nothing to migrate; the client gets the usage
+    it asked for and [DONE] (or its whole answer), never a second finish."""
+    body = {"model": "tiny", "prompt": "Write a handler.", "max_tokens": 20, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    prompt = prompt_ids(h, body, "completion")
+    gen = tok.encode(TEXT, add_special_tokens=False).ids[:20]
+    h.upstream.on("decode", breaking(tok, prompt, gen, "completion", after=20, usage=True))  # before usage, [DONE]
+    r = await h.send(body)
+    assert r.status == 200 and len(h.upstream.calls) == 1
+    if stream:
+        sent = [orjson.loads(e[6:]) for e in r.body.split(b"\n\n") if e.startswith(b"data: {")]
+        assert [c["finish_reason"] for e in sent for c in e["choices"] if c["finish_reason"]] == ["length"]
+        assert sent[-1]["usage"] == {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + 20,
+                                     "completion_tokens": 20}
+        assert r.body.endswith(b"data: [DONE]\n\n") and b'"error"' not in r.body
+    else:
+        assert r.json()["choices"][0]["text"] == full_text(tok, prompt, gen)
+    assert migrations(h, "ok") == migrations(h, "skipped") == 0
+    settled(h)
+
+
+async def test_a_continuation_waits_for_room_on_an_engine_at_its_limit(tokenizer_dir, tok):
+    """admission.max_per_decode_endpoint: 1. The other decode engine is busy with another request:
+    the continuation waits for it to finish rather than pile onto it."""
+    h = make(tokenizer_dir, admission={"max_per_decode_endpoint": 1})
+    try:
+        body = {"model": "tiny", "prompt": "Write a handler.", "max_tokens": 30, "stream": True}
+        prompt = prompt_ids(h, body, "completion")
+        gen = tok.encode(TEXT, add_special_tokens=False).ids[:30]
+        other = FakeResponse(events(tok, prompt, gen, kind="completion"), content_type=b"text/event-stream",
+                             hold_after=2)
+        h.upstream.on("decode", other, breaking(tok, prompt, gen, "completion", after=6), greedy(tok, prompt, gen))
+        busy = asyncio.create_task(h.send(body))  # holds one decode engine
+        await until(lambda: len(h.upstream.calls) == 1)
+        migrated = asyncio.create_task(h.send(body))
+        await until(lambda: migrations(h, "ok") == 0 and len(h.upstream.calls) == 2)
+        await asyncio.sleep(0.1)
+        assert len(h.upstream.calls) == 2  # the continuation waits: the only other engine is full
+        other.held.set()
+        r1, r2 = await asyncio.wait_for(asyncio.gather(busy, migrated), 5)
+        assert r1.status == r2.status == 200 and len(h.upstream.calls) == 3
+        assert client_text(r2.body, "completion") == full_text(tok, prompt, gen)
+        assert h.upstream.calls[2][0] == h.upstream.calls[0][0]  # on the engine the first request left
         settled(h)
     finally:
         h.close()

@@ -78,7 +78,7 @@ def test_a_chat_continues_as_a_completion_of_its_prompt_and_output():
                stream=True, stream_options={"include_usage": True}, tools=[], tool_choice="none",
                chat_template_kwargs={"x": 1}, skip_special_tokens=False, priority=3, cache_salt="s",
                vllm_xargs={"k": 1}, logprobs=False, return_token_ids=False)
-    body = continuation_body(chat, [1, 2, 3, 9, 9], 2, continuous=False)
+    body = continuation_body(chat, [1, 2, 3, 9, 9], 2, max_model_len=4096, continuous=False)
     assert body == {"model": "tiny", "temperature": 0, "seed": 7, "stop": ["END"], "skip_special_tokens": False,
                     "priority": 3, "cache_salt": "s", "vllm_xargs": {"k": 1},
                     "prompt": [1, 2, 3, 9, 9], "max_tokens": 98, "min_tokens": 28, "stream": True,
@@ -88,13 +88,15 @@ def test_a_chat_continues_as_a_completion_of_its_prompt_and_output():
 
 @pytest.mark.parametrize(("kind", "body", "budget"), [
     ("chat", {}, None), ("chat", {"max_tokens": 9}, 9), ("chat", {"max_tokens": 9, "max_completion_tokens": 5}, 5),
-    ("completion", {}, 16), ("completion", {"max_tokens": None}, None), ("completion", {"max_tokens": 40}, 40),
+    # vLLM 0.32: a completions request's null max_tokens is its default, 16 (normalize_null_max_tokens)
+    ("completion", {}, 16), ("completion", {"max_tokens": None}, 16), ("completion", {"max_tokens": 40}, 40),
 ])
 def test_the_output_budget_is_vllms(kind, body, budget):
     r = req(kind, **body)
     assert output_budget(r) == budget
-    out = continuation_body(r, [1, 2], 4, continuous=True)
-    assert out["max_tokens"] == (None if budget is None else budget - 4)  # None: the context's room, as before
+    out = continuation_body(r, [1, 2, 3], 4, max_model_len=100, continuous=True)
+    # a chat request without a budget runs to the context's end: the continuation must say so
+    assert out["max_tokens"] == (100 - 3 if budget is None else budget - 4)
     assert "min_tokens" not in out and out["stream_options"]["continuous_usage_stats"] is True
 
 
@@ -167,13 +169,20 @@ def test_priming_with_the_prompts_end_is_priming_with_all_of_it(name, request):
 # -- the whole round trip, as a client sees it --------------------------------------------------------
 
 
+def feed(answer: Answer, data: bytes) -> bytes:
+    """As the relay does: what the events make goes out, then a failure is raised."""
+    out = answer.feed(data)
+    answer.check()
+    return out
+
+
 def _cut_and_continue(tok, prompt, gen, cut, kind, stop_buffer, stream, wants_ids=False):
     """The client's answer when the engine dies after ``cut`` events and another engine continues
     greedily (so it regenerates the same tokens) from the resume point."""
     answer = Answer(kind, stream=stream, wants_ids=wants_ids, usage=stream, continuous=False, prompt=prompt,
                     max_event_bytes=1 << 20)
     first = events(tok, prompt, gen, kind=kind, stop_buffer=stop_buffer, usage=True)
-    out = b"".join(answer.feed(e) for e in first[:cut])
+    out = b"".join(feed(answer, e) for e in first[:cut])
     assert not answer.done
     point = resume_point(tok, prompt, answer.ids, answer.text_len, answer.tail(answer.tail_chars),
                          max_tokens=len(gen))
@@ -183,7 +192,7 @@ def _cut_and_continue(tok, prompt, gen, cut, kind, stop_buffer, stream, wants_id
     rest = events(tok, [*prompt, *kept], gen[len(kept):], kind="completion", rid="r1-m1", created=2000,
                   stop_buffer=stop_buffer, usage=True)
     for e in rest:
-        out += answer.feed(e)
+        out += feed(answer, e)
     answer.ended()
     return answer, out
 
@@ -250,12 +259,43 @@ def test_a_continuation_that_does_not_reproduce_the_text_sent_is_refused(tiny):
     other = tiny.encode(" zzzz yyyy", add_special_tokens=False).ids  # sampling went elsewhere
     with pytest.raises(Diverged):
         for e in events(tiny, [*prompt, *answer.ids], other, kind="completion"):
-            answer.feed(e)
+            feed(answer, e)
 
 
 def test_an_engine_error_event_breaks_the_stream(tiny):
     answer = Answer("chat", stream=True, wants_ids=False, usage=False, continuous=False, prompt=[1],
                     max_event_bytes=1 << 20)
     with pytest.raises(Broken) as err:
-        answer.feed(b'data: {"error": {"message": "Internal server error", "code": 500}}\n\ndata: [DONE]\n\n')
+        feed(answer, b'data: {"error": {"message": "Internal server error", "code": 500}}\n\ndata: [DONE]\n\n')
     assert err.value.cause == "error_event"
+
+
+def test_a_whole_answers_overlap_need_not_be_reproduced(tiny):
+    """Nothing of a non-streamed answer went out: the continuation's text replaces the overlap,
+    whatever sampling chose."""
+    prompt = tiny.encode("Go:").ids
+    gen = tiny.encode("alpha beta gamma delta", add_special_tokens=False).ids
+    answer = Answer("completion", stream=False, wants_ids=False, usage=False, continuous=False, prompt=prompt,
+                    max_event_bytes=1 << 20)
+    for e in events(tiny, prompt, gen, kind="completion", stop_buffer=4)[:3]:
+        feed(answer, e)
+    point = resume_point(tiny, prompt, answer.ids, answer.text_len, answer.tail(answer.tail_chars))
+    assert point is not None and point.overlap
+    answer.resume(point.tokens, point.overlap)
+    other = tiny.encode(" zzzz yyyy", add_special_tokens=False).ids
+    for e in events(tiny, [*prompt, *answer.ids], other, kind="completion"):
+        feed(answer, e)
+    text = orjson.loads(answer.whole())["choices"][0]["text"]
+    assert text == full_text(tiny, prompt, gen[:point.tokens]) + full_text(tiny, [*prompt, *gen[:point.tokens]], other)
+
+
+def test_a_continuation_ending_before_it_reproduced_the_overlap_diverged(tiny):
+    from gateway.stitch import Diverged
+
+    answer = Answer("completion", stream=True, wants_ids=False, usage=False, continuous=False, prompt=[1],
+                    max_event_bytes=1 << 20)
+    feed(answer, events(tiny, [1], [300], kind="completion")[0])
+    answer.resume(0, "and more text")
+    with pytest.raises(Diverged):
+        for e in events(tiny, [1], [300], kind="completion", finish="stop"):
+            feed(answer, e)

@@ -94,9 +94,23 @@ def test_reasoning_deltas_cannot_be_continued_and_go_into_the_whole_answer():
 def test_a_stream_that_fails_is_broken(raw, cause):
     a = answer()
     a.feed(CHAT_WITH_IDS.split(b"\n\n")[0] + b"\n\n")
+    assert a.feed(raw) == b""
     with pytest.raises(Broken) as err:
-        a.feed(raw)
+        a.check()
     assert err.value.cause == cause
+
+
+def test_events_before_a_failing_one_in_the_same_read_still_go_out():
+    """A token event and an error event in one read: the token's text is the client's (and counted
+    as sent), then the failure."""
+    a = answer()
+    events = CHAT_WITH_IDS.split(b"\n\n")
+    error = b'data: {"error": {"message": "Internal server error", "code": 500}}'
+    out = a.feed(b"\n\n".join([*events[:2], error, b"data: [DONE]"]) + b"\n\n")
+    assert out.count(b"data: ") == 2 and b" IPv" in out and a.text_len == len(" IPv")
+    with pytest.raises(Broken):
+        a.check()
+    a.check()  # raised once
 
 
 def test_a_stream_that_ends_before_done_is_broken():
