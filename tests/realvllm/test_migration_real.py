@@ -18,7 +18,10 @@ progress threads busy-spinning on two cores starved transfers past vLLM's 30 s K
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -34,8 +37,8 @@ from .test_real_vllm import chat_messages
 
 pytestmark = [pytest.mark.realvllm, pytest.mark.e2e]
 
-MAX_TOKENS = 1400  # long enough that the engine dies mid-answer however late the gateway reads
-KILL_AFTER_S = 1.0  # from the first token the client reads to the decode engine's death
+MAX_TOKENS = 300  # several seconds of the slowed engine's answer: it dies mid-answer
+KILL_AFTER = 20  # events the client reads before the (slowed) decode engine dies
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_tokens": MAX_TOKENS}
 
 
@@ -93,33 +96,46 @@ def access_line(gw: Gateway, rid: str) -> dict:
     return found[0]
 
 
-def stream_and_kill(gw: Gateway, messages: list[dict], rid: str, victim: E.Engine) -> list:
-    """Stream the request and SIGKILL its engine a second after the first token reached the client:
-    mid-answer, whenever the client reads (a gateway starved of CPU by the engines reads in bursts,
-    and counting the client's events let the engine finish first), since the answer takes the
-    engine several seconds here (MAX_TOKENS at 100-300 tokens/s)."""
+def throttle(eng: E.Engine, stop: threading.Event, run_s: float = 0.01, pause_s: float = 0.04) -> None:
+    """A slow engine, deterministically: its processes are paused (SIGSTOP) ``pause_s`` out of every
+    ``run_s + pause_s`` until ``stop`` is set."""
+    while not stop.is_set():
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(eng.proc.pid, signal.SIGSTOP)
+        time.sleep(pause_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(eng.proc.pid, signal.SIGCONT)
+        time.sleep(run_s)
+
+
+def stream_and_kill(gw: Gateway, messages: list[dict], rid: str, victim: E.Engine) -> tuple[list, dict]:
+    """The engine's own uninterrupted answer (greedy); then the same request through the gateway,
+    the engine slowed down (paused 80% of the time) and SIGKILLed once the client has read
+    KILL_AFTER events: in the middle of its answer, whatever this machine's load. (Unslowed, the
+    engine could be done long before a gateway starved of CPU by the engines had relayed much.)"""
+    reference = uninterrupted(victim, messages)
     body = {"model": E.MODEL_NAME, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
             **GREEDY}
     events: list = []
-    started = threading.Event()
-
-    def kill_mid_answer() -> None:
-        if started.wait(E.REQUEST_TIMEOUT_S):
-            time.sleep(KILL_AFTER_S)
-            E.kill(victim)
-
-    killer = threading.Thread(target=kill_mid_answer, daemon=True)
-    killer.start()
-    with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, headers={"x-request-id": rid},
-                      timeout=E.REQUEST_TIMEOUT_S) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
-                started.set()
-    killer.join(timeout=10)
+    stop = threading.Event()
+    slow = threading.Thread(target=throttle, args=(victim, stop), daemon=True)
+    slow.start()
+    try:
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, headers={"x-request-id": rid},
+                          timeout=E.REQUEST_TIMEOUT_S) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+                    if len(events) == KILL_AFTER:
+                        stop.set()
+                        slow.join()
+                        E.kill(victim)
+    finally:
+        stop.set()
+        slow.join(timeout=10)
     assert victim.proc.popen.poll() is not None, "the engine was not killed"
-    return events
+    return events, reference
 
 
 def text_of(events: list) -> str:
@@ -138,7 +154,11 @@ def check_whole_stream(events: list, reference: dict, rid: str) -> None:
     chunks = [e for e in events if isinstance(e, dict)]
     assert not any("error" in e for e in chunks), chunks[-3:]
     assert {e["id"] for e in chunks} == {f"chatcmpl-{rid}"}
-    assert text_of(chunks) == reference["choices"][0]["message"]["content"]  # joined without a gap
+    got, want = text_of(chunks), reference["choices"][0]["message"]["content"]
+    at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+    cut = len(text_of(chunks[:KILL_AFTER]))  # about where the first part ended
+    assert got == want, (f"joined text differs at char {at} (the cut near {cut}): "
+                         f"{got[max(0, at - 20):at + 20]!r} != {want[max(0, at - 20):at + 20]!r}")
     usage = chunks[-1]["usage"]
     assert usage["completion_tokens"] == MAX_TOKENS
     assert usage["prompt_tokens"] == reference["usage"]["prompt_tokens"]
@@ -173,7 +193,7 @@ def test_a_continuation_with_a_long_context_is_pulled_over_nixl(vllm_pair: Pair,
         survivor, prefill = vllm_pair.decode, vllm_pair.prefill
         # The first part runs on the second decode engine alone: these counters move for the continuation.
         before = {"decode": by_source(survivor), "prefill": by_source(prefill)}
-        events = stream_and_kill(gw, messages, "migrate-pd", second_decode)
+        events, reference = stream_and_kill(gw, messages, "migrate-pd", second_decode)
         line = access_line(gw, "migrate-pd")
         [m] = line["migrations"]
         assert line["path"] == "direct"  # the request's own path
@@ -186,7 +206,7 @@ def test_a_continuation_with_a_long_context_is_pulled_over_nixl(vllm_pair: Pair,
         assert (d["external_kv_transfer"], d["local_compute"], d["failed"]) == (context, 0, 0), d
         p = delta(by_source(prefill), before["prefill"])
         assert p["local_compute"] + p["local_cache_hit"] == context, p  # the prefill engine did it
-        check_whole_stream(events, uninterrupted(survivor, messages), "migrate-pd")
+        check_whole_stream(events, reference, "migrate-pd")
     finally:
         gw.proc.stop()
         E.restart(second_decode)  # for the next test, on the same port
@@ -199,13 +219,13 @@ def test_a_stream_on_the_direct_path_continues_computed_by_the_other_engine(vllm
         messages = chat_messages(vllm_pair, 300)
         survivor = vllm_pair.decode
         before = by_source(survivor)
-        events = stream_and_kill(gw, messages, "migrate-direct", second_decode)
+        events, reference = stream_and_kill(gw, messages, "migrate-direct", second_decode)
         [m] = access_line(gw, "migrate-direct")["migrations"]
         assert (m["result"], m["to"], m["path"]) == ("ok", survivor.url, "direct"), m
         d: dict[str, float] = {}
         assert E.wait_until(lambda: (d.update(delta(by_source(survivor), before)) or d)["local_compute"] > 0), d
         assert d["local_compute"] + d["local_cache_hit"] == 300 + m["tokens"]
         assert (d["xfers"], d["external_kv_transfer"]) == (0, 0), d  # no KV moved
-        check_whole_stream(events, uninterrupted(survivor, messages), "migrate-direct")
+        check_whole_stream(events, reference, "migrate-direct")
     finally:
         gw.proc.stop()
