@@ -458,9 +458,9 @@ class Exchange:
         rec.decode = ep.url
         ep.acquire()
         try:
-            until = self.answer.max_event_bytes if self.answer is not None else 0
+            head_bytes = self.answer.max_event_bytes if self.answer is not None else 0
             stream = await legs.open_decode(self.rt.upstream, ep, part.path, body, part.request_id, part.stream,
-                                            span.headers, until_token=until)
+                                            span.headers, max_head_bytes=head_bytes)
         except BaseException as err:
             ep.release()
             outcome = _failed(err) if isinstance(err, LegFailed) else LegOutcome.ABANDONED

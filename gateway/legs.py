@@ -124,12 +124,11 @@ class DecodeStream:
 
 
 async def open_decode(upstream: Upstream, ep: Endpoint, path: str, body: dict[str, Any], request_id: str,
-                      stream: bool, headers: dict[str, str], *, until_token: int = 0) -> DecodeStream:
+                      stream: bool, headers: dict[str, str], *, max_head_bytes: int = 0) -> DecodeStream:
     """Step 3 up to the first token (a stream) or the whole answer; raises LegFailed before that.
     ``timeouts.decode_first_byte_s`` bounds this: the transport's first-byte timer, ended here.
-    ``until_token``: read a stream up to its first whole event after the chat role chunk, at most
-    this many bytes (a stream whose engine sends every token's ids sends that event at once; 0:
-    the first bytes are enough)."""
+    ``max_head_bytes``: read a stream up to its first whole event after the chat role chunk (a
+    migratable answer's first token), failing past this many bytes; 0: the first bytes are enough."""
     try:
         resp = await upstream.post(ep, path, body, request_id, leg="decode", headers=headers)
     except EngineError as err:
@@ -137,7 +136,7 @@ async def open_decode(upstream: Upstream, ep: Endpoint, path: str, body: dict[st
     except TimeoutError:
         raise LegFailed(_timed_out(), reached=True) from None
     try:
-        head = await _read_head(resp, stream, until_token)
+        head = await _read_head(resp, stream, max_head_bytes)
     except BaseException as err:
         resp.close()
         if isinstance(err, TimeoutError):
@@ -153,15 +152,15 @@ def _timed_out() -> EngineError:
     return EngineError(504, "The decode engine did not answer in time.", code="engine_timeout")
 
 
-async def _read_head(resp: Response, stream: bool, until_token: int = 0) -> bytes:
+async def _read_head(resp: Response, stream: bool, max_head_bytes: int = 0) -> bytes:
     """The whole body (not streaming) or the start of the stream (see ``open_decode``). A stream
     that ends at once, or whose first event after the chat role chunk is an error (vLLM 0.32
     reports a failed KV load so), has failed before its first token: the caller may still retry."""
     if not stream:
         return await resp.read()
     head = await resp.read_some()
-    while until_token and head and _before_token(head):  # vLLM sends the role chunk just before
-        if len(head) > until_token:
+    while max_head_bytes and head and _before_token(head):  # vLLM sends the role chunk just before
+        if len(head) > max_head_bytes:
             raise LegFailed(EngineError(502, "The decode engine sent an oversized event.", code="engine_error"),
                             reached=True)
         more = await resp.read_some()

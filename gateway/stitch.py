@@ -123,22 +123,14 @@ class Answer:
             self._last = (self._last + data)[-len(DONE):]
             self.done = self._last == DONE
             return data
-        events = self._events.feed(data)
-        if len(events) == 1:  # the usual read
+        parts = []
+        for event in self._events.feed(data):
             try:
-                out = self._event(events[0])
+                parts.append(self._event(event))
             except (Broken, Diverged) as err:
                 self.failure = err
-                return b""
-        else:
-            parts = []
-            for event in events:
-                try:
-                    parts.append(self._event(event))
-                except (Broken, Diverged) as err:
-                    self.failure = err
-                    return b"".join(parts)
-            out = b"".join(parts)
+                return b"".join(parts)
+        out = parts[0] if len(parts) == 1 else b"".join(parts)
         if self.unresumable == "no_token_ids" and self.stream and not self.part:
             # An engine that sends no token ids (vLLM before 0.10.2): this answer cannot be
             # continued, so the rest is relayed as it comes, at no cost per event.
@@ -334,6 +326,12 @@ class Answer:
                                             "cached_tokens": min(details["cached_tokens"], self.prompt_tokens)}
         return out
 
+    def _counted_usage(self) -> dict[str, Any]:
+        """Usage from what was read, for an answer whose engine sent none."""
+        completion = len(self.ids)
+        return {"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens + completion,
+                "completion_tokens": completion}
+
     @property
     def output_tokens(self) -> int:
         return len(self.ids)
@@ -391,10 +389,7 @@ class Answer:
         self.done = True
         if not self.usage or self._usage_seen is not None:
             return DONE
-        completion = len(self.ids)
-        usage = {"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens + completion,
-                 "completion_tokens": completion}
-        out = {**(self._head or {}), "choices": [], "usage": usage}
+        out = {**(self._head or {}), "choices": [], "usage": self._counted_usage()}
         if self._fingerprint is not None:
             out["system_fingerprint"] = self._fingerprint
         return _sse(out) + DONE
@@ -436,9 +431,7 @@ class Answer:
     def _whole_usage(self) -> dict[str, Any]:
         seen = self._usage_seen
         if seen is None:
-            completion = len(self.ids)
-            seen = {"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens + completion,
-                    "completion_tokens": completion}
+            seen = self._counted_usage()
         elif self.part:
             seen = self._usage(seen)
         details = seen.get("prompt_tokens_details")

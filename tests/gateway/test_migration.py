@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 
 from gateway.migration import continuation_body, output_budget, resume_point, unmigratable
 from gateway.protocol import parse_body
-from gateway.stitch import Answer, Broken
+from gateway.stitch import Answer, Broken, Diverged
 
 from .vllm_events import client_text, events, full_text, texts
 
@@ -245,8 +245,6 @@ def test_a_whole_answer_cut_mid_way_is_the_uninterrupted_answer(tiny, kind):
 
 
 def test_a_continuation_that_does_not_reproduce_the_text_sent_is_refused(tiny):
-    from gateway.stitch import Diverged
-
     prompt = tiny.encode("Go:").ids
     gen = tiny.encode("alpha beta gamma delta", add_special_tokens=False).ids
     answer = Answer("completion", stream=True, wants_ids=False, usage=False, continuous=False, prompt=prompt,
@@ -290,8 +288,6 @@ def test_a_whole_answers_overlap_need_not_be_reproduced(tiny):
 
 
 def test_a_continuation_ending_before_it_reproduced_the_overlap_diverged(tiny):
-    from gateway.stitch import Diverged
-
     answer = Answer("completion", stream=True, wants_ids=False, usage=False, continuous=False, prompt=[1],
                     max_event_bytes=1 << 20)
     feed(answer, events(tiny, [1], [300], kind="completion")[0])
