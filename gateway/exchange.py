@@ -420,7 +420,9 @@ class Exchange:
                 except LegFailed as failed:
                     if not legs.retryable(failed.err):
                         raise failed.err from None
-                    ep.record(False)
+                    source = part.prefilled_on if handle is not None else None
+                    if source is None or (source.healthy and not source.ejected):
+                        ep.record(False)  # else the KV's source is gone: not this engine's failure
                     log.warning("request %s: decode leg on %s failed (%s)", part.request_id, ep.url,
                                 failed.err.message)
                     other = self._other(part, "decode", tried) if attempt < retries else None

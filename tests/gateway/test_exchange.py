@@ -336,6 +336,25 @@ async def test_a_chat_stream_failing_right_after_its_role_chunk_is_retried(h, st
     settled(h)
 
 
+async def test_a_decode_engine_is_not_charged_when_its_kv_source_died(h):
+    """The prefill engine dies while the decode engine pulls its KV: the leg's failure is not the
+    decode engine's, so failures like it (every P/D leg pulling from that engine) do not eject it."""
+    prefill = next(ep for ep in h.pools.prefill if ep.url == P)
+    decode = next(ep for ep in h.pools.decode if ep.url == D)
+
+    def source_gone(_body: dict) -> EngineError:
+        prefill.mark_down("connect failed")
+        return EngineError(504, "The decode engine did not answer in time.", code="engine_timeout")
+
+    h.upstream.on(P, answer(completion("x", kv=KV)))
+    h.upstream.on(D, source_gone)
+    h.upstream.on(D2, answer(completion("served")))  # the retry, direct
+    r = await h.send({"model": "tiny", "prompt": LONG})
+    assert r.status == 200 and r.headers["x-pdgate-failover"] == "decode_retried"
+    assert not decode.outcomes or all(decode.outcomes), list(decode.outcomes)  # no failure charged to it
+    settled(h)
+
+
 async def test_a_pd_decode_leg_failing_with_no_other_engine_left_is_retried_there_direct(h):
     """The other decode engine is down; the first one's P/D leg fails before its first token (its
     KV source, the prefill engine, may be what died): the same engine computes the prompt itself."""

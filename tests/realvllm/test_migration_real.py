@@ -37,7 +37,7 @@ from .test_real_vllm import chat_messages
 
 pytestmark = [pytest.mark.realvllm, pytest.mark.e2e]
 
-MAX_TOKENS = 300  # several seconds of the slowed engine's answer: it dies mid-answer
+MAX_TOKENS = 1400  # over ten seconds of the slowed engine's answer: it dies mid-answer
 KILL_AFTER = 20  # events the client reads before the (slowed) decode engine dies
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_tokens": MAX_TOKENS}
 
@@ -96,7 +96,7 @@ def access_line(gw: Gateway, rid: str) -> dict:
     return found[0]
 
 
-def throttle(eng: E.Engine, stop: threading.Event, run_s: float = 0.01, pause_s: float = 0.04) -> None:
+def throttle(eng: E.Engine, stop: threading.Event, run_s: float = 0.01, pause_s: float = 0.09) -> None:
     """A slow engine, deterministically: its processes are paused (SIGSTOP) ``pause_s`` out of every
     ``run_s + pause_s`` until ``stop`` is set."""
     while not stop.is_set():
@@ -110,7 +110,7 @@ def throttle(eng: E.Engine, stop: threading.Event, run_s: float = 0.01, pause_s:
 
 def stream_and_kill(gw: Gateway, messages: list[dict], rid: str, victim: E.Engine) -> tuple[list, dict]:
     """The engine's own uninterrupted answer (greedy); then the same request through the gateway,
-    the engine slowed down (paused 80% of the time) and SIGKILLed once the client has read
+    the engine slowed down (paused 90% of the time) and SIGKILLed once the client has read
     KILL_AFTER events: in the middle of its answer, whatever this machine's load. (Unslowed, the
     engine could be done long before a gateway starved of CPU by the engines had relayed much.)"""
     reference = uninterrupted(victim, messages)
