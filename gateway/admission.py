@@ -3,7 +3,7 @@
 Two bounds, both optional (0 = none):
 
 - requests in flight through the gateway overall (``max_in_flight``): a request beyond it waits
-  in a FIFO queue for a slot;
+  in a queue for a slot (FIFO, or by priority and tenant: gateway/fairqueue.py);
 - requests in flight per engine (``max_per_decode_endpoint``, ``max_per_prefill_endpoint``,
   counting other replicas' requests when state is shared): a saturated engine is not chosen; with
   every healthy decode engine saturated the request waits for one to free up. A saturated prefill
@@ -15,13 +15,14 @@ A request waits at most ``queue_timeout_s`` in all, then gets 429 with ``Retry-A
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import math
 from typing import Protocol
 
 from .config import AdmissionConfig
 from .errors import APIError
+from .fairqueue import FairQueue
+from .tenants import Identity, Usage
 
 
 def too_busy(cfg: AdmissionConfig, what: str) -> APIError:
@@ -32,13 +33,14 @@ def too_busy(cfg: AdmissionConfig, what: str) -> APIError:
 
 
 class Gate:
-    """A FIFO semaphore with a bounded wait; ``limit`` 0 admits everyone. Slots are counted here
-    (``_take``/``_give_back``); ``SharedGate`` counts them for several worker processes."""
+    """A semaphore with a bounded wait; ``limit`` 0 admits everyone. Waiters are served in the
+    ``queue``'s order (FIFO, or fair across tenants). Slots are counted here (``_take``/``_give_back``);
+    ``SharedGate`` counts them for several worker processes."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, queue: FairQueue | None = None) -> None:
         self.limit = limit
         self._held = 0
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._waiters = queue if queue is not None else FairQueue("gateway", Usage())
 
     @property
     def in_flight(self) -> int:
@@ -47,6 +49,10 @@ class Gate:
     @property
     def queued(self) -> int:
         return len(self._waiters)
+
+    @property
+    def queue(self) -> FairQueue:
+        return self._waiters
 
     def _take(self) -> bool:
         if self.limit and self._held >= self.limit:
@@ -60,36 +66,29 @@ class Gate:
     def _queued(self) -> None:
         """A request joined the queue (``SharedGate`` starts looking for other workers' slots)."""
 
-    async def enter(self, timeout: float) -> bool:
-        """True once admitted; False if no slot came within ``timeout`` seconds."""
+    async def enter(self, timeout: float, who: Identity | None = None) -> bool:
+        """True once admitted; False if no slot came within ``timeout`` seconds. Raises QueueFull."""
         if (not self.limit or not self._waiters) and self._take():
             return True
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        w = self._waiters.join(who)
         self._queued()
         try:
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow the client's cancel
-            async with asyncio.timeout(timeout):
-                await asyncio.shield(fut)
-            return True  # leave() handed its slot over: in_flight already counts us
-        except TimeoutError:
-            return fut.done()  # a slot that arrived as the wait ended is kept
+            return await self._waiters.wait(w, timeout)  # True: leave() handed its slot over
         except asyncio.CancelledError:  # the client left while queued
-            if fut.done() and not fut.cancelled():
+            if w.fut.done() and not w.fut.cancelled():
                 self.leave()  # pass on the slot it was handed
             raise
         finally:
-            if not fut.done():
-                fut.cancel()
-            if fut in self._waiters:
-                self._waiters.remove(fut)
+            if not w.fut.done():
+                w.fut.cancel()
+            self._waiters.remove(w)
 
     def leave(self) -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)  # the slot passes on; in_flight stays
-                return
+        w = self._waiters.pop_best()
+        if w is not None:
+            w.fut.set_result(None)  # the slot passes on; in_flight stays
+            return
         self._give_back()
 
     def close(self) -> None:
@@ -119,8 +118,9 @@ class SharedGate(Gate):
     contended for long); its own queue stays FIFO, and while requests wait it looks for a slot
     another worker freed every ``poll_s`` (workers do not wake each other)."""
 
-    def __init__(self, limit: int, slots: Slots, lock: Lock, worker: int, poll_s: float = 0.002) -> None:
-        super().__init__(limit)
+    def __init__(self, limit: int, slots: Slots, lock: Lock, worker: int, poll_s: float = 0.002,
+                 queue: FairQueue | None = None) -> None:
+        super().__init__(limit, queue)
         self._slots, self._lock, self._me = slots, lock, worker
         self._poll_s = poll_s
         self._poller: asyncio.Task[None] | None = None
@@ -162,11 +162,11 @@ class SharedGate(Gate):
         while self._waiters:
             await asyncio.sleep(self._poll_s)
             while self._waiters and self._take():
-                fut = self._waiters.popleft()
-                if fut.done():
+                w = self._waiters.pop_best()
+                if w is None:
                     self._give_back()
                 else:
-                    fut.set_result(None)
+                    w.fut.set_result(None)
 
     def close(self) -> None:
         if self._poller is not None:

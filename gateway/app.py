@@ -36,6 +36,7 @@ from .demand import Demand, DemandPlanner
 from .discovery import Discovery
 from .enginestats import StatsScraper
 from .errors import APIError, error_response
+from .fairqueue import FairQueue
 from .gcpolicy import Collector
 from .httpserver import Connections
 from .kvevents import KVEventSubscriber
@@ -52,6 +53,7 @@ from .runtime import Runtime, Services
 from .service import Gateway
 from .state import RedisState
 from .tasks import STOP_BOUND_S
+from .tenants import Tenancy, Usage
 from .tokenizer import ModelTokenizer, Tokenizers
 from .tracing import Tracing
 from .transport import EngineTransport
@@ -81,7 +83,7 @@ def validate(cfg: GatewayConfig) -> None:
     build_pipeline(cfg.routing)
     Router(cfg.routing, Pools([], []), PrefixIndex())  # the prefix hashing settings
     admin_token(cfg.admin)
-    cfg.auth.api_keys()
+    Tenancy(cfg.fairness, cfg.auth.key_entries())  # the keys' tenants and classes
     if cfg.state.backend == "redis":
         cfg.state.redis_url()
 
@@ -157,7 +159,8 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
                       outlier=cfg.health.outlier, prefill_speed=estimates.prefill_s_per_token, on_restart=restarted)
         index = PrefixIndex(max_approx_entries=cfg.routing.prefix.max_learned_blocks,
                             approx_ttl_s=cfg.routing.prefix.learned_ttl_s)
-        shared = (RedisState(cfg.state, cfg.routing.prefix.learned_ttl_s, pools)
+        usage = Usage(cfg.fairness.prefill_half_life_s, cfg.fairness.max_tenants)
+        shared = (RedisState(cfg.state, cfg.routing.prefix.learned_ttl_s, pools, usage=usage)
                   if cfg.state.backend == "redis" else None)
         bus = (WorkerBus(worker.bus, worker.index, worker.count, pools, index, share_routing=shared is None)
                if worker and worker.count > 1 else None)
@@ -185,11 +188,14 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
                         Learners(beliefs, estimates, BeliefAudit(metrics), Demand()), metrics)
         services = Services(pools, metrics, Tracing(cfg.telemetry.tracing, span_exporter),
                             AccessLog(cfg.telemetry.access_log, access_sink),
-                            SharedGate(cfg.admission.max_in_flight, worker.slots, worker.lock, worker.index)
-                            if worker and bus else Gate(cfg.admission.max_in_flight),
-                            KVReleaser(Upstream(engines, cfg.timeouts)), LoopLag(connections=connections))
+                            SharedGate(cfg.admission.max_in_flight, worker.slots, worker.lock, worker.index,
+                                       queue=FairQueue("gateway", usage))
+                            if worker and bus else Gate(cfg.admission.max_in_flight, FairQueue("gateway", usage)),
+                            KVReleaser(Upstream(engines, cfg.timeouts)), LoopLag(connections=connections), usage)
+        pools.release_listeners.append(services.released)
         scraper = StatsScraper(pools, session, cfg.signals)
         metrics.watch_admission(services.gate, connections, services.lag)
+        metrics.watch_tenants(usage, services.tenant_labels)
 
         async def engine_up(ep: Endpoint, recovering: bool) -> None:
             """Before routing sees an engine (again): the same run? what does it serve?"""
@@ -215,6 +221,7 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         watcher = ConfigWatcher(config_path, version, apply, reload_result) if config_path else None
         gw = Gateway(_runtime(cfg, version, res, toks, admin_token(cfg.admin)), services, watcher=watcher,
                      feeds=res.subs.all, shared=shared, discovery=discovery, models=models, bus=bus)
+        services.configure(cfg.fairness, gw.runtime.tenancy.names)
         def prefill_pool_configured() -> bool:  # not "has endpoints now": a pool scaled to 0 still counts
             prefill = gw.runtime.cfg.pools.prefill
             return bool(prefill.urls or prefill.discovery)
@@ -422,8 +429,9 @@ def _runtime(cfg: GatewayConfig, version: str, res: Resources, tokenizers: Token
     learners = res.learners
     router = Router(cfg.routing, res.pools, res.index, res.shared, learners.beliefs.in_flight, learners.estimates)
     hooks = Hooks([*learners.subscribers(), *policy_hooks(router.pipeline.members())], res.metrics.hook_failed)
+    keys = cfg.auth.key_entries()
     return Runtime(cfg, version, router, Upstream(res.engines, cfg.timeouts), tokenizers, hooks,
-                   tuple(k.encode() for k in cfg.auth.api_keys()), admin)
+                   tuple(k.key.encode() for k in keys), admin, Tenancy(cfg.fairness, keys))
 
 
 def _shown(value: Any) -> str:
@@ -474,6 +482,7 @@ async def _apply(gw: Gateway, new: GatewayConfig, version: str, res: Resources) 
         res.learners.forget(url)
     gw.runtime = runtime
     gw.services.gate.limit = new.admission.max_in_flight
+    gw.services.configure(new.fairness, runtime.tenancy.names)
     res.models.configure([m.name for m in new.models], new.health.timeout_s)
     await res.subs.update(eff)
     if res.discovery:

@@ -8,7 +8,9 @@ errors, so a typo fails loudly instead of being ignored). ``load_config`` turns 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -558,13 +560,57 @@ class LimitsConfig(_Strict):
     max_headers: int = Field(100, gt=0, description="requests with more headers get 431")
 
 
+_NAME = r"[A-Za-z0-9._:-]{1,64}"  # tenant and priority class names: also metric label values
+_KEY_ATTRS = ("tenant", "weight", "priority", "allow")
+
+
+@dataclass(frozen=True, slots=True)
+class KeyEntry:
+    """One client API key and what its line says about its requests (all optional):
+    ``<key> tenant=acme weight=2 priority=interactive allow=interactive,batch``."""
+
+    key: str
+    tenant: str | None = None
+    weight: float | None = None
+    priority: str | None = None  # the key's default class
+    allow: tuple[str, ...] = ()  # classes its x-pdgate-priority header may ask for
+
+
+def _key_entry(line: str, where: str) -> KeyEntry:
+    key, *attrs = line.split()
+    fields: dict[str, Any] = {}
+    for attr in attrs:
+        name, eq, value = attr.partition("=")
+        if not eq or name not in _KEY_ATTRS or not value or name in fields:
+            raise ValueError(f"{where}: a key's line may add {', '.join(n + '=' for n in _KEY_ATTRS)} once each")
+        if name == "weight":
+            try:
+                fields[name] = float(value)
+            except ValueError:
+                fields[name] = -1.0
+            if not 0 < fields[name] <= 1000:
+                raise ValueError(f"{where}: weight must be a number in (0, 1000]")
+        elif name == "allow":
+            fields[name] = tuple(value.split(","))
+        else:
+            fields[name] = value
+    for value in (fields.get("tenant"), fields.get("priority"), *fields.get("allow", ())):
+        if value is not None and not re.fullmatch(_NAME, value):
+            raise ValueError(f"{where}: tenant and class names are 1-64 of A-Z a-z 0-9 . _ : -")
+    return KeyEntry(key, **fields)
+
+
 class AuthConfig(_Strict):
-    """Client API keys (one per line in the file, or comma-separated in the variable); none: open."""
+    """Client API keys (one per line in the file, or comma-separated in the variable); none: open.
+    A key's line may name its tenant, weight and priority classes (``KeyEntry``)."""
 
     api_keys_file: str | None = None
     api_keys_env: str | None = None
 
     def api_keys(self) -> list[str]:
+        return [e.key for e in self.key_entries()]
+
+    def key_entries(self) -> list[KeyEntry]:
         raw: list[str] = []
         if self.api_keys_file:
             try:
@@ -576,10 +622,70 @@ class AuthConfig(_Strict):
             if value is None:
                 raise ValueError(f"auth.api_keys_env: environment variable {self.api_keys_env} is not set")
             raw += value.split(",")
-        keys = [k.strip() for k in raw if k.strip() and not k.strip().startswith("#")]
+        keys = [_key_entry(k.strip(), "auth") for k in raw if k.strip() and not k.strip().startswith("#")]
         if (self.api_keys_file or self.api_keys_env) and not keys:
             raise ValueError("auth: API keys are configured but none was found")
+        if len({e.key for e in keys}) != len(keys):
+            raise ValueError("auth: a key is listed twice")
         return keys
+
+
+class PriorityClass(_Strict):
+    """A class of requests: lower ``priority`` goes first (vLLM's convention, and the value sent
+    to engines run with ``--scheduling-policy priority``)."""
+
+    priority: int = Field(0, ge=-1000, le=1000)
+    ttft_slo_s: float | None = Field(None, gt=0, le=3600, description="its TTFT objective (None: none)")
+    sheddable: bool = Field(False, description="past its objective: 429 at once, instead of waiting")
+
+
+class TenantConfig(_Strict):
+    weight: float = Field(1.0, gt=0, le=1000, description="its share of each pool, relative to the others'")
+    priority: str | None = Field(None, description="its default class (else fairness.default_priority)")
+    allow: list[str] = Field(default_factory=list, description="classes its x-pdgate-priority header may ask for")
+
+
+def _default_classes() -> dict[str, PriorityClass]:
+    return {"interactive": PriorityClass(priority=-10), "standard": PriorityClass(priority=0),
+            "batch": PriorityClass(priority=10, sheddable=True)}
+
+
+class FairnessConfig(_Strict):
+    """Who waits first when the gateway must queue (gateway/fairqueue.py): by priority class, then
+    by each tenant's weighted use of the pool it waits for (prefill tokens sent to the prefill
+    pool, decode occupancy on the decode pool), then in arrival order. Off: one FIFO queue."""
+
+    enabled: bool = False
+    classes: dict[str, PriorityClass] = Field(default_factory=_default_classes)
+    default_priority: str = "standard"
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict, description="weights and classes by name")
+    tenant_header: str | None = Field("x-pdgate-tenant", description="the tenant's name when API keys are off "
+                                      "(None: one tenant, 'default')")
+    priority_header: str = "x-pdgate-priority"
+    ttft_header: str = Field("x-pdgate-ttft-ms", description="a request's own TTFT objective, milliseconds")
+    engine_priority: bool = Field(False, description="send the class's priority to the engines (they must run "
+                                  "--scheduling-policy priority: vLLM rejects a non-zero priority otherwise)")
+    wait_for_prefill: bool = Field(True, description="a P/D request waits for room in the prefill pool instead "
+                                   "of going direct (its long prefill would stall the decode engines' streams)")
+    default_output_tokens: int = Field(256, ge=1, description="decode occupancy of a request without max_tokens")
+    prefill_half_life_s: float = Field(10.0, gt=0, le=3600, description="prefill use fades by half in this time")
+    max_queued: int = Field(1024, ge=1, le=100_000, description="requests waiting per pool")
+    max_queued_per_tenant: int = Field(256, ge=1, le=100_000, description="one tenant's share of that")
+    max_tenants: int = Field(10_000, ge=1, le=1_000_000, description="tenants tracked; others share 'other'")
+    metrics_top_tenants: int = Field(20, ge=0, le=1000, description="tenants with their own metric labels")
+
+    @model_validator(mode="after")
+    def _names(self) -> FairnessConfig:
+        for name in [*self.classes, *self.tenants]:
+            if not re.fullmatch(_NAME, name) or name == "other":
+                raise ValueError(f"fairness: {name!r} is not a usable name (1-64 of A-Z a-z 0-9 . _ : -, not 'other')")
+        if self.default_priority not in self.classes:
+            raise ValueError(f"fairness.default_priority: {self.default_priority!r} is not a class")
+        for name, t in self.tenants.items():
+            for c in [t.priority, *t.allow]:
+                if c is not None and c not in self.classes:
+                    raise ValueError(f"fairness.tenants.{name}: {c!r} is not a class")
+        return self
 
 
 class AdminConfig(_Strict):
@@ -679,6 +785,7 @@ class GatewayConfig(_Strict):
     limits: LimitsConfig = LimitsConfig()
     planner: PlannerConfig = PlannerConfig()
     auth: AuthConfig = AuthConfig()
+    fairness: FairnessConfig = FairnessConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
 
     @model_validator(mode="after")

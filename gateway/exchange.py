@@ -40,12 +40,14 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 
 from policies.base import Decision, EndpointView, Finished, LegOutcome, LegReport, Path, RequestContext
+from policies.cost_model import CostModel
 from policies.pipeline import NoEndpointError, Route
 
 from . import legs
 from .admission import too_busy
 from .auth import authorize
 from .errors import APIError, clip
+from .fairqueue import FairQueue, QueueFull, Waiter
 from .legs import DecodeStream, LegFailed, PrefillAnswer
 from .migration import continuation_body, output_budget, resume_point, unmigratable
 from .pools import Endpoint
@@ -54,7 +56,9 @@ from .relay import DONE, ClientWire
 from .requestlog import RequestRecord
 from .router import NotServed, Prepared, Saturated
 from .runtime import Runtime, Services
+from .slo import Verdict, decision_ttft, engine_ttft, model_of, queue_wait, verdict
 from .stitch import Answer, Broken, Diverged
+from .tenants import Identity
 from .tokenizer import PromptIds
 from .tracing import RequestTrace
 from .transport import ClientError
@@ -73,6 +77,7 @@ _TOKENS, _TOKENS_APPROXIMATE = TOKENS_HEADER.encode(), (TOKENS_HEADER + "-approx
 _ROUTE, _FAILOVER = ROUTE_HEADER.encode(), FAILOVER_HEADER.encode()
 _PATH = {p: (PATH_HEADER.encode(), p.value.encode()) for p in Path}
 _SHUTTING_DOWN = APIError(503, "The gateway is shutting down; the answer was cut short.", code="shutting_down")
+_QUEUE_SLICE_S = 0.25  # a queued request looks again this often (room other replicas freed is not signalled)
 
 
 def request_id(client_id: str | None) -> str:
@@ -120,6 +125,7 @@ class _OpenDecode:
     tokens: int  # the gateway's belief: uncached prompt tokens on this engine
     prefill_url: str | None
     span: Any
+    occupancy: tuple[str, float] | None = None  # (tenant key, expected output tokens) in its decode use
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +160,9 @@ class Exchange:
         self._answered = False  # the client has the whole answer (an SSE stream through [DONE])
         self._deadline = 0.0  # admission and engine capacity are waited for until then
         self._failed_decode: set[str] = set()  # decode engines whose leg broke off mid-answer
+        self.who: Identity | None = None  # tenant, class, objective
+        self._tenant_key: str | None = None  # its request counted in the tenant's gateway use
+        self.verdict: Verdict | None = None  # the TTFT objective's last check
 
     # -- the request path -----------------------------------------------------------------------------
 
@@ -187,7 +196,10 @@ class Exchange:
 
     async def _serve(self, client: ClientWire) -> None:
         rt = self.rt
-        authorize(self.request, rt.api_keys, rt.cfg.limits.max_header_bytes)
+        key = authorize(self.request, rt.api_keys, rt.cfg.limits.max_header_bytes)
+        self.who = rt.tenancy.identify(self.request.headers, key)
+        self.rec.tenant, self.rec.priority = self.who.tenant, self.who.cls
+        self.rec.tenant_label = self.svc.tenant_labels(self.who.tenant)
         body = await self._read_body()
         client.watch()  # from here on a client hang-up cancels this exchange, engine legs included
         await self._admit()
@@ -244,10 +256,18 @@ class Exchange:
             raise too_busy(adm, f"overloaded: requests wait {lag.behind_s * 1000:.0f} ms before it reads them")
         self._deadline = time.monotonic() + adm.queue_timeout_s
         waited_from = time.perf_counter()
-        if not await self.svc.gate.enter(adm.queue_timeout_s):
+        try:
+            admitted = await self.svc.gate.enter(adm.queue_timeout_s, self.who)
+        except QueueFull as full:
+            self.svc.metrics.rejected(full.why)
+            whose = " for this tenant" if "tenant" in full.why else ""
+            raise too_busy(adm, f"too many requests waiting{whose}") from None
+        if not admitted:
             self.svc.metrics.rejected("queue_timeout")
             raise too_busy(adm, "too many requests in flight")
         self._admitted = self.rec.admitted = True
+        if self.who is not None:
+            self._tenant_key = self.svc.usage.request_started(self.who.tenant)
         self.rec.queue_s = time.perf_counter() - waited_from
 
     async def _understand(self, body: bytes) -> ParsedRequest:
@@ -261,6 +281,9 @@ class Exchange:
                            code="model_not_found")
         rec.model, rec.stream = req.model, req.stream
         check_output_limit(req, rt.cfg.limits, tok.cfg.max_model_len)
+        fair = rt.cfg.fairness
+        if fair.enabled and fair.engine_priority and self.who is not None and self.who.priority:
+            req.body["priority"] = self.who.priority  # continuations copy it
         prompts = self.prompts = await rt.tokenizers.prompt_ids(tok, req)
         t1 = time.perf_counter_ns()
         rec.tokenize_s = (t1 - t0) / 1e9
@@ -324,29 +347,118 @@ class Exchange:
         return part
 
     async def _pick(self, prep: Prepared, deadline: float, *, explain: bool = False,
-                    exclude: Collection[str] = ()) -> tuple[Route, float]:
-        """The route, waiting for engine capacity until ``deadline``; and how long it waited."""
-        adm = self.rt.cfg.admission
+                    exclude: Collection[str] = (), sheddable: bool = True) -> tuple[Route, float]:
+        """The route, waiting for engine capacity until ``deadline``; and how long it waited.
+
+        A request that finds no room waits in the queue of the pool it needs (prefill or decode),
+        served in the queue's order; a new request does not pass one that waits before it. A
+        sheddable request whose TTFT objective cannot be met leaves with 429 as soon as that is known
+        (not a continuation: ``sheddable`` False)."""
+        adm, fair = self.rt.cfg.admission, self.rt.cfg.fairness
         retry_after = {"Retry-After": str(math.ceil(adm.retry_after_s))}
         waited = 0.0
-        while True:
-            try:
-                route = self.rt.router.route(prep, explain=explain, max_decode=adm.max_per_decode_endpoint,
-                                             max_prefill=adm.max_per_prefill_endpoint, exclude=exclude)
-                return route, waited
-            except NotServed:
-                raise APIError(503, f"No decode engine serves the model `{prep.ctx.model}` right now (see /ready).",
-                               code="model_not_served", headers=retry_after) from None
-            except NoEndpointError:
-                raise APIError(503, "No decode engine is available right now.", code="no_healthy_endpoint",
-                               type_="server_error", headers=retry_after) from None
-            except Saturated:
+        w: Waiter | None = None
+        queue: FairQueue | None = None
+        try:
+            while True:
+                phase = ""
+                if w is None and not explain and self._queue("decode").before(self.who):
+                    phase = "decode"  # room there is for those who wait first
+                else:
+                    try:
+                        route = self.rt.router.route(
+                            prep, explain=explain, max_decode=adm.max_per_decode_endpoint,
+                            max_prefill=adm.max_per_prefill_endpoint, exclude=exclude,
+                            wait_for_prefill=fair.enabled and fair.wait_for_prefill and not explain)
+                    except NotServed:
+                        raise APIError(503, f"No decode engine serves the model `{prep.ctx.model}` right now "
+                                       "(see /ready).", code="model_not_served", headers=retry_after) from None
+                    except NoEndpointError:
+                        raise APIError(503, "No decode engine is available right now.", code="no_healthy_endpoint",
+                                       type_="server_error", headers=retry_after) from None
+                    except Saturated as sat:
+                        if explain:
+                            raise too_busy(adm, f"every {sat.phase} engine is at its limit") from None
+                        phase = sat.phase
+                    else:
+                        d = route.decision
+                        if w is None and not explain and d.prefill is not None and \
+                                self._queue("prefill").before(self.who):
+                            phase = "prefill"
+                        else:
+                            if sheddable:
+                                self._check_objective(prep, decision_ttft(self._model(), prep.ctx, d), waited,
+                                                      explain=explain)
+                            return route, waited
                 left = deadline - time.monotonic()
-                if explain or left <= 0:
-                    raise too_busy(adm, "every decode engine is at its limit") from None
-                w0 = time.perf_counter()
-                await self.svc.pools.wait_release(left)
-                waited += time.perf_counter() - w0
+                if left <= 0:
+                    raise too_busy(adm, f"every {phase} engine is at its limit")
+                q = self._queue(phase)
+                if w is None or queue is not q:
+                    if w is not None and queue is not None:
+                        queue.remove(w)
+                    try:
+                        w = q.join(self.who, _uncached(prep.ctx) if phase == "prefill" else 0)
+                    except QueueFull as full:
+                        self.svc.metrics.rejected(full.why)
+                        raise too_busy(adm, f"too many requests waiting for the {phase} pool") from None
+                    queue = q
+                elif w.fut.done():  # it was served, but the room went to someone else: first in line again
+                    q.requeue(w)
+                shed_in = self._check_objective(prep, None, waited, queue=q, waiter=w, exclude=exclude) \
+                    if sheddable else math.inf
+                while True:
+                    w0 = time.perf_counter()
+                    woken = await q.wait(w, min(left, _QUEUE_SLICE_S, shed_in))
+                    waited += time.perf_counter() - w0
+                    left = deadline - time.monotonic()
+                    shed_in -= time.perf_counter() - w0
+                    if woken or left <= 0 or shed_in <= 0 or q.best() is w:
+                        break
+        finally:
+            if w is not None and queue is not None:
+                queue.remove(w)
+                if w.fut.done() and not w.fut.cancelled():
+                    queue.wake()  # it was served: the next one may find room too
+
+    def _queue(self, phase: str) -> FairQueue:
+        return self.svc.queue(phase, self.prep.ctx.model if self.prep else "")
+
+    def _model(self) -> CostModel:
+        """What predicts TTFT for the objectives."""
+        return model_of(self.rt.router.pipeline.decider)
+
+    def _check_objective(self, prep: Prepared, engine: tuple[float, str] | None, waited: float, *,
+                         explain: bool = False, queue: FairQueue | None = None, waiter: Waiter | None = None,
+                         exclude: Collection[str] = ()) -> float:
+        """Sheds a sheddable request that cannot meet its TTFT objective (429 with Retry-After);
+        returns how long it may wait before that is so (inf: it has no objective, or may not be shed)."""
+        who, fair = self.who, self.rt.cfg.fairness
+        if who is None or who.ttft_slo_s is None or not fair.enabled:
+            return math.inf
+        model = self._model()
+        queued_s = 0.0
+        if engine is None:  # queued: the engines' side without limits, and the prefill work ahead
+            try:
+                route = self.rt.router.route(prep, exclude=exclude)
+            except (NotServed, NoEndpointError, Saturated):
+                return math.inf
+            d = route.decision
+            engine = engine_ttft(model, prep.ctx, d.decode, d.prefill)
+            if queue is not None and waiter is not None and queue.phase == "prefill":
+                queued_s = queue_wait(model, queue.ahead(waiter)[1], list(self.svc.pools.snapshot().prefill))
+        since = self.rec.since_start()
+        v = self.verdict = verdict(who.ttft_slo_s, since, queued_s, engine)
+        if v.met or not who.sheddable:
+            return max(0.0, v.objective_s - v.predicted_s) if who.sheddable else math.inf
+        if explain:
+            return 0.0
+        self.svc.metrics.decided("shed", "ttft_objective")
+        self.svc.metrics.tenant_shed(self.svc.tenant_labels(who.tenant), who.cls)
+        self.rec.reason = "ttft_objective"
+        late = math.ceil(max(self.rt.cfg.admission.retry_after_s, v.predicted_s - v.objective_s))
+        raise APIError(429, f"This request's TTFT objective cannot be met: {v.describe()}; retry after {late} s.",
+                       code="ttft_objective_unattainable", headers={"Retry-After": str(late)})
 
     # -- the engine legs --------------------------------------------------------------------------------
 
@@ -384,6 +496,9 @@ class Exchange:
         rec = self.rec
         tokens = part.ctx.uncached(ep.url)
         ticket = ep.start_prefill(tokens)
+        if self.who is not None:  # the tenant's prefill use: the tokens it sends the prefill pool
+            self.svc.usage.prefill_sent(self.who.tenant, tokens)
+            self.svc.metrics.tenant_prefill(self.svc.tenant_labels(self.who.tenant), self.who.cls, tokens)
         span = part.trace.leg("prefill", ep.url)
         span.set("pdgate.uncached_tokens", tokens)
         started = time.perf_counter()
@@ -458,12 +573,14 @@ class Exchange:
         ticket = ep.start_prefill(tokens if handle is None and part.stream else 0)
         started = time.perf_counter()
         rec.decode = ep.url
+        occupancy = self._occupy(part)
         ep.acquire()
         try:
             head_bytes = self.answer.max_event_bytes if self.answer is not None else 0
             stream = await legs.open_decode(self.rt.upstream, ep, part.path, body, part.request_id, part.stream,
                                             span.headers, max_head_bytes=head_bytes)
         except BaseException as err:
+            self._vacate(occupancy)
             ep.release()
             outcome = _failed(err) if isinstance(err, LegFailed) else LegOutcome.ABANDONED
             span.end(outcome.value)
@@ -480,7 +597,21 @@ class Exchange:
             if rec.stream and part.number == 0:  # what the client's stream waited for
                 rec.decode_first_token_s = first
                 rec.itl = self.svc.metrics.itl_for(rec.model, path.value)
-        return _OpenDecode(part, stream, ep, path, started, first, tokens, prefill_url, span)
+        return _OpenDecode(part, stream, ep, path, started, first, tokens, prefill_url, span, occupancy)
+
+    def _occupy(self, part: _Part) -> tuple[str, float] | None:
+        """The decode leg in its tenant's decode use: one running sequence x its expected output."""
+        if self.who is None:
+            return None
+        body = part.body
+        expected = body.get("max_completion_tokens") or body.get("max_tokens")
+        if not isinstance(expected, int) or expected <= 0:
+            expected = self.rt.cfg.fairness.default_output_tokens
+        return self.svc.usage.decode_started(self.who.tenant, expected), expected
+
+    def _vacate(self, occupancy: tuple[str, float] | None) -> None:
+        if occupancy is not None:
+            self.svc.usage.decode_ended(*occupancy)
 
     # -- the answer -------------------------------------------------------------------------------------
 
@@ -608,6 +739,7 @@ class Exchange:
     def _leg_end(self, leg: _OpenDecode, outcome: LegOutcome, clean: bool, status: int, cached: int | None) -> None:
         """``cached``: the engine's own count of prompt tokens its cache served (its usage)."""
         leg.stream.close(reuse=clean)
+        self._vacate(leg.occupancy)
         leg.ep.release()
         leg.span.end(None if clean or outcome is LegOutcome.OK else "decode stream cut short")
         self._leg_done(leg.part, LegReport(
@@ -652,7 +784,7 @@ class Exchange:
             log.warning("request %s: decode leg on %s failed mid-answer (%s); continuing after %d tokens",
                         self.rec.request_id, failed.ep.url, cut.reason, kept)
             deadline = time.monotonic() + self.rt.cfg.admission.queue_timeout_s
-            route, _ = await self._pick(part.prep, deadline, exclude=self._failed_decode)
+            route, _ = await self._pick(part.prep, deadline, exclude=self._failed_decode, sheddable=False)
             decision = part.decision = route.decision
             asyncio.get_running_loop().call_soon(self._routed, part)
             handle = await self._prefill(part, decision) if decision.path is Path.PD else None
@@ -773,6 +905,8 @@ class Exchange:
     def _finish(self) -> None:
         """The one place a request ends: its slot freed, its outcome recorded and told."""
         rec = self.rec
+        if self._tenant_key is not None:  # before the slot passes on: the next in line is chosen by use
+            self.svc.usage.request_ended(self._tenant_key)
         if self._admitted:
             self.svc.gate.leave()
         if self.decision is None:
@@ -802,10 +936,20 @@ class Exchange:
                                   continuation=True)
             call_soon(self.rt.hooks.finished, part.ctx, part.decision, result)
 
+    def _admission_view(self) -> dict[str, Any]:
+        who = self.who
+        if who is None:
+            return {}
+        return {"tenant": who.tenant, "priority": who.cls, "priority_value": who.priority,
+                "ttft_objective_s": who.ttft_slo_s, "sheddable": who.sheddable,
+                "fairness": self.rt.cfg.fairness.enabled,
+                **_verdict_view(self.verdict if self.rt.cfg.fairness.enabled else None, who.sheddable)}
+
     # -- POST /debug/route ------------------------------------------------------------------------------
 
     async def plan(self) -> dict[str, Any]:
         """What the gateway would do with this body, without sending it or learning from it."""
+        self.who = self.rt.tenancy.identify(self.request.headers, None, admin=True)
         body = await self._read_body()
         if self.request.query_params.get("kind") is None:  # a chat body has messages, a completion a prompt
             self.kind = "chat" if b'"messages"' in body else "completion"
@@ -829,10 +973,24 @@ class Exchange:
             "predicted_ttft_s": dict(d.predicted_ttft),
             "local_only": ctx.local_only,
             "config_version": self.rt.version,
+            "admission": self._admission_view(),
             "trace": route.trace,
             "endpoints": [{k: sorted(v) if isinstance(v, frozenset) else v for k, v in asdict(e).items()}
                           for pool in (snap.prefill, snap.decode) for e in pool],
         }
+
+
+def _verdict_view(v: Verdict | None, sheddable: bool) -> dict[str, Any]:
+    if v is None:
+        return {"predicted_ttft_s": None, "verdict": "admit", "reason": "no TTFT objective"}
+    if v.met:
+        verdict_, reason = "admit", "objective met"
+    else:
+        verdict_, reason = ("shed", "objective cannot be met") if sheddable else ("wait", "objective cannot be met; "
+                                                                                     "not sheddable")
+    return {"predicted_ttft_s": round(v.predicted_s, 6), "engine_ttft_s": round(v.engine_s, 6),
+            "queue_s": round(v.queue_s, 6), "waited_s": round(v.waited_s, 6), "best_path": v.path,
+            "verdict": verdict_, "reason": f"{reason}: {v.describe()}"}
 
 
 def _failed(failed: LegFailed) -> LegOutcome:
@@ -854,6 +1012,11 @@ def _route_attributes(rec: RequestRecord, d: Decision, prep: Prepared, waited: f
     for path, seconds in d.predicted_ttft:  # when the decider predicts (the cost model)
         attrs[f"pdgate.predicted_ttft_{path}_s"] = seconds
     return attrs
+
+
+def _uncached(ctx: RequestContext) -> int:
+    """The prompt tokens a prefill engine will compute, at best (for the estimate of a queue's work)."""
+    return ctx.prompt_tokens - max(ctx.cached_tokens.values(), default=0)
 
 
 def _is_stream(content_type: bytes | None) -> bool:

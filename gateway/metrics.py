@@ -18,6 +18,7 @@ from .kvevents import KVEventSubscriber
 from .pools import Pools
 from .requestlog import RequestRecord
 from .state import RedisState
+from .tenants import Usage
 
 if TYPE_CHECKING:
     from .admission import Gate, LoopLag
@@ -140,10 +141,19 @@ class GatewayMetrics:
             "pdgate_migration_duration_seconds", "From a decode leg's failure to its continuation's first token, by "
             "the continuation's path: the gap a migrated stream shows", ["model", "path"], buckets=_TTFT_BUCKETS,
             registry=r)
+        # Fairness, per tenant (the top N by first sight, the rest "other") and priority class.
+        self.tenant_requests = Counter(
+            "pdgate_tenant_requests", "Requests by tenant, priority class and outcome (admitted: sent to an engine; "
+            "shed: 429, its TTFT objective could not be met; rejected: 429, no room in time; error: any other)",
+            ["tenant", "priority", "outcome"], registry=r)
+        self.tenant_queue = Histogram("pdgate_tenant_queue_seconds", "Time admitted requests waited for room",
+                                      ["tenant", "priority"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.tenant_prefill_tokens = Counter("pdgate_tenant_prefill_tokens", "Uncached prompt tokens sent to "
+                                             "the prefill pool", ["tenant", "priority"], registry=r)
         # Known label values start at 0, so rate() and alerts see the series before the first event.
         for result in ("ok", "rejected"):
             self.reloads.labels(result)
-        for reason in ("queue_timeout", "overloaded"):
+        for reason in ("queue_timeout", "overloaded", "queue_full", "tenant_queue_full"):
             self.rejections.labels(reason)
         for event in FAILOVER_EVENTS:
             for cause in FAILOVER_CAUSES:
@@ -171,6 +181,14 @@ class GatewayMetrics:
         self._child(self.duration, model, path).observe(rec.e2e_s)
         if rec.admitted:
             self.queue_wait.observe(rec.queue_s)
+        if rec.tenant_label:
+            status = rec.status
+            outcome = "admitted" if rec.path != "none" else "shed" if rec.reason == "ttft_objective" else \
+                "rejected" if status == 429 else "error"
+            if outcome != "shed":  # counted when shed (tenant_shed)
+                self._child(self.tenant_requests, rec.tenant_label, rec.priority, outcome).inc()
+            if rec.admitted and rec.path != "none":
+                self._child(self.tenant_queue, rec.tenant_label, rec.priority).observe(rec.queue_s)
         if rec.tokenize_s is not None:
             self._child(self.tokenize, model).observe(rec.tokenize_s)
         if rec.route_s is not None:
@@ -207,6 +225,15 @@ class GatewayMetrics:
         """A continuation's first token arrived, ``seconds`` after the failure, ``tokens`` carried."""
         self._child(self.migrated_tokens, model).inc(tokens)
         self._child(self.migration_time, model, path).observe(seconds)
+
+    def tenant_shed(self, tenant: str, priority: str) -> None:
+        self._child(self.tenant_requests, tenant, priority, "shed").inc()
+
+    def tenant_prefill(self, tenant: str, priority: str, tokens: int) -> None:
+        self._child(self.tenant_prefill_tokens, tenant, priority).inc(tokens)
+
+    def watch_tenants(self, usage: Usage, labels: Callable[[str], str]) -> None:
+        self.registry.register(_TenantCollector(usage, labels))
 
     def decided(self, path: str, reason: str) -> None:
         self._child(self.decisions, path, reason).inc()
@@ -501,3 +528,31 @@ class _FastTokenizerCollector:
         for model, count in sorted(fasttok.mismatches().items()):
             family.add_metric([model], count)
         yield family
+
+
+class _TenantCollector:
+    """Each tenant's use of the pools, as fair queueing sees it (this replica's and the others')."""
+
+    def __init__(self, usage: Usage, labels: Callable[[str], str]) -> None:
+        self._usage, self._labels = usage, labels
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        decode = GaugeMetricFamily("pdgate_tenant_decode_occupancy", "Expected output tokens of the tenant's "
+                                   "running decode legs (running sequences x expected output), all replicas",
+                                   labels=["tenant"])
+        prefill = GaugeMetricFamily("pdgate_tenant_prefill_use", "Prefill tokens the tenant sent recently "
+                                    "(fading by half every fairness.prefill_half_life_s), all replicas",
+                                    labels=["tenant"])
+        sums: dict[str, list[float]] = {}
+        for tenant in self._usage.tenants():
+            row = sums.setdefault(self._labels(tenant), [0.0, 0.0])
+            row[0] += self._usage.of("decode", tenant)
+            row[1] += self._usage.of("prefill", tenant)
+        for label, (d, p) in sorted(sums.items()):
+            decode.add_metric([label], d)
+            prefill.add_metric([label], p)
+        yield decode
+        yield prefill

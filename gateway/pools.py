@@ -59,7 +59,7 @@ class Endpoint:
     stats: EngineStats | None = None
     # Uncached prompt tokens sent to the engine whose prefill has not visibly finished.
     backlog_tokens: int = 0
-    on_release: Callable[[], None] | None = None  # the pools' "capacity freed" signal
+    on_release: Callable[[str], None] | None = None  # the pools' "capacity freed" signal (with its pool)
     # The model names the engine's /v1/models lists (None: not known yet).
     served_models: frozenset[str] | None = None
     was_up: bool = False  # it passed a health check at some point (a later down-and-up is a recovery)
@@ -123,7 +123,7 @@ class Endpoint:
     def release(self) -> None:
         self.in_flight -= 1
         if self.on_release is not None:
-            self.on_release()
+            self.on_release(self.pool)
 
     def start_prefill(self, tokens: int) -> PrefillTicket:
         """``tokens`` uncached prompt tokens are on their way here (the engine's prefill queue)."""
@@ -168,6 +168,7 @@ class Pools:
         # Requests other gateway replicas have in flight per endpoint url (shared state), if any.
         self.others: Mapping[str, int] = {}
         self._release_waiters: list[asyncio.Future[None]] = []
+        self.release_listeners: list[Callable[[str], None]] = []  # told the pool of every freed slot
         self.outlier = outlier or OutlierConfig()
         self._not_serving: dict[str, frozenset[tuple[str, str]]] = {}  # not_serving's answers, per model
         self.update(prefill, decode, topology)
@@ -243,7 +244,9 @@ class Pools:
         for e in self.all():
             e.outlier = outlier
 
-    def _released(self) -> None:
+    def _released(self, pool: str) -> None:
+        for listener in self.release_listeners:
+            listener(pool)
         waiters, self._release_waiters = self._release_waiters, []
         for fut in waiters:
             if not fut.done():

@@ -138,6 +138,12 @@ def parse_body(raw: bytes, kind: Kind) -> ParsedRequest:
         for name in RESERVED_XARGS:
             xargs.pop(name, None)
 
+    # The gateway owns the engines' priority field (from the API key's class): a client's own
+    # would let it jump every queue on engines that run priority scheduling.
+    if body.pop("priority", None) not in (None, 0):
+        raise bad_request("`priority` is set by the gateway from the API key's priority class; ask for "
+                          "another class with the x-pdgate-priority header.", param="priority",
+                          code="priority_not_allowed")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("`model` is required and must be a non-empty string.", param="model")

@@ -48,6 +48,9 @@ class RequestRecord:
     output_tokens: int | None = None
     cached_tokens: int | None = None  # the decode engine's usage.prompt_tokens_details.cached_tokens
     queue_s: float = 0.0
+    tenant: str = ""  # fairness: who the request is for, its class, its tenant's metric label
+    priority: str = ""
+    tenant_label: str = ""
     tokenize_s: float | None = None
     route_s: float | None = None
     prefill_legs: list[tuple[str, float]] = field(default_factory=list)  # (outcome, seconds) per attempt
@@ -121,6 +124,8 @@ class RequestRecord:
             "prefill_ms": _ms(self.prefill_s), "decode_first_token_ms": _ms(self.decode_first_token_s),
             "ttft_ms": _ms(self.ttft_s), "total_ms": _ms(self.e2e_s),
         }
+        if self.tenant:
+            line["tenant"], line["priority"] = self.tenant, self.priority
         if self.failover:
             line["failover"] = self.failover
         if self.migrations:

@@ -53,7 +53,11 @@ def build_pipeline(cfg: RoutingConfig) -> RoutingPipeline:
 
 
 class Saturated(RuntimeError):
-    """Every healthy decode engine is at its in-flight limit."""
+    """Every healthy engine of a pool the request needs (``phase``) is at its in-flight limit."""
+
+    def __init__(self, phase: str = "decode") -> None:
+        super().__init__(f"every healthy {phase} engine is at its in-flight limit")
+        self.phase = phase
 
 
 class NotServed(RuntimeError):
@@ -79,7 +83,7 @@ def _with_capacity(snap: PoolSnapshot, max_prefill: int, max_decode: int) -> Poo
 
     decode = room(snap.decode, max_decode)
     if not any(v.healthy for v in decode) and any(v.healthy for v in snap.decode):
-        raise Saturated("every healthy decode engine is at its in-flight limit")
+        raise Saturated("decode")
     return PoolSnapshot(room(snap.prefill, max_prefill), decode)
 
 
@@ -144,17 +148,23 @@ class Router:
         return Prepared(ctx, hashes, spec.block_size if spec else 0)
 
     def route(self, prep: Prepared, *, explain: bool = False, max_decode: int = 0, max_prefill: int = 0,
-              exclude: Collection[str] = ()) -> Route:
+              exclude: Collection[str] = (), wait_for_prefill: bool = False) -> Route:
         """Raises NoEndpointError (no healthy decode engine), NotServed (none serving the model) or
-        Saturated (all at ``max_decode``). ``exclude``: decode engines this request must not use
-        (a migration's continuation leaves out the engines that failed it)."""
+        Saturated (all at ``max_decode``; with ``wait_for_prefill``, a P/D request whose prefill
+        engines are all at ``max_prefill``, instead of sending it direct). ``exclude``: decode
+        engines this request must not use (a migration's continuation leaves out those that failed it)."""
         model = prep.ctx.model
         snap = _serving(self._pools.snapshot(), self._pools.not_serving(model), model)
         if exclude:
             snap = PoolSnapshot(snap.prefill, tuple(v for v in snap.decode if v.url not in exclude))
+        full = snap
         if max_decode or max_prefill:
             snap = _with_capacity(snap, max_prefill, max_decode)
-        return self.pipeline.route(prep.ctx, snap, explain=explain)
+        route = self.pipeline.route(prep.ctx, snap, explain=explain)
+        if wait_for_prefill and route.decision.reason == "no_prefill_endpoint" and \
+                any(v.healthy and v not in snap.prefill for v in full.prefill):  # at its limit
+            raise Saturated("prefill")
+        return route
 
     def other(self, prep: Prepared, pool: str, exclude: set[str], paired: EndpointView | None = None
               ) -> Endpoint | None:

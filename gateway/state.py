@@ -11,6 +11,8 @@ What is shared, and how:
 - **forgotten engines**: an engine that restarted (or whose answers showed blocks gone) has its
   entries learned up to some time voided: ``{prefix}:resets`` -> ``{endpoint url: unix time}``,
   applied by every replica's lookups (read back on each sync).
+- **tenant use** (fair queueing, gateway/tenants.py): published and read with the in-flight counts,
+  ``{prefix}:tenants:<replica id>`` -> ``{phase|tenant: use}``, summed over the other replicas.
 - **in-flight requests per endpoint**: each replica publishes its own counts every
   ``sync_interval_s`` in ``{prefix}:inflight:<replica id>`` (expiring after a few intervals, so a
   dead replica's counts vanish) and reads the others'. A replica's routing sees its own counts
@@ -41,6 +43,7 @@ from policies.blockhash import BlockHash
 from .config import StateConfig
 from .pools import Pools
 from .tasks import STOP_BOUND_S, cancel_checkpoint, stop_task, stop_tasks
+from .tenants import Usage
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +90,12 @@ class StateStatus:
 
 class RedisState:
     def __init__(self, cfg: StateConfig, learned_ttl_s: float, pools: Pools,
-                 client: aioredis.Redis | None = None) -> None:
+                 client: aioredis.Redis | None = None, usage: Usage | None = None) -> None:
         self.cfg = cfg
         self.learned_ttl_s = learned_ttl_s
         self.replica = uuid.uuid4().hex[:12]
         self._pools = pools  # its ``others`` get the other replicas' in-flight counts
+        self._usage = usage  # its ``others`` get the other replicas' tenant use
         # Redis.from_url: what redis.asyncio.from_url calls, and annotated (that wrapper is not)
         self._redis: aioredis.Redis = client or aioredis.Redis.from_url(
             cfg.redis_url(), socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s,
@@ -116,6 +120,8 @@ class RedisState:
             self.status = StateStatus("redis", healthy=False, last_error=why)
         self._down_until = time.monotonic() + self.cfg.retry_s
         self._pools.others = {}  # stale counts would steer traffic for nothing
+        if self._usage is not None:  # fairness goes on with this replica's own view
+            self._usage.others = {p: {} for p in Usage.PHASES}
 
     def _ok(self) -> None:
         if not self.status.healthy:
@@ -193,6 +199,9 @@ class RedisState:
         counts: dict[str, int] = {}
         for ep in self._pools.all():
             counts[ep.url] = counts.get(ep.url, 0) + ep.in_flight
+        mine_usage = f"{self._p}:tenants:{self.replica}"
+        usage = {f"{phase[0]}|{tenant}": str(round(v, 3)) for phase, row in self._usage.snapshot().items()
+                 for tenant, v in row.items() if v} if self._usage is not None else {}
         try:
             async with asyncio.timeout(max(self.cfg.timeout_s, 0.5)):
                 pipe = self._redis.pipeline(transaction=False)
@@ -200,6 +209,11 @@ class RedisState:
                 if counts:
                     pipe.hset(mine, mapping={u: str(n) for u, n in counts.items()})
                     pipe.pexpire(mine, ttl_ms)
+                if self._usage is not None:
+                    pipe.delete(mine_usage)
+                    if usage:
+                        pipe.hset(mine_usage, mapping=usage)
+                        pipe.pexpire(mine_usage, ttl_ms)
                 pipe.zadd(f"{self._p}:replicas", {self.replica: time.time()})
                 pipe.zremrangebyscore(f"{self._p}:replicas", 0, time.time() - self.cfg.sync_interval_s * 4)
                 pipe.zrange(f"{self._p}:replicas", 0, -1)
@@ -209,6 +223,8 @@ class RedisState:
                 pipe = self._redis.pipeline(transaction=False)
                 for r in others:
                     pipe.hgetall(f"{self._p}:inflight:{r}")
+                    if self._usage is not None:
+                        pipe.hgetall(f"{self._p}:tenants:{r}")
                 rows = await pipe.execute() if others else []
         except (RedisError, OSError, TimeoutError) as err:
             self._failed(err)
@@ -217,11 +233,22 @@ class RedisState:
         for url, until in resets.items():
             if float(until) > self._resets.get(url, 0.0):
                 self._resets[url] = float(until)
+        step = 2 if self._usage is not None else 1
         total: dict[str, int] = {}
-        for row in rows:
+        for row in rows[::step]:
             for url, n in row.items():
                 total[url] = total.get(url, 0) + int(n)
         self._pools.others = total
+        if self._usage is not None:
+            phases = {p[0]: p for p in Usage.PHASES}
+            theirs: dict[str, dict[str, float]] = {p: {} for p in Usage.PHASES}
+            for row in rows[1::2]:
+                for name, v in row.items():
+                    phase, _, tenant = name.partition("|")
+                    if phase in phases:
+                        t = theirs[phases[phase]]
+                        t[tenant] = t.get(tenant, 0.0) + float(v)
+            self._usage.others = theirs
 
     async def _syncer(self) -> None:
         while True:
@@ -254,7 +281,7 @@ class RedisState:
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             async with asyncio.timeout(_CLEANUP_S / 2):
                 pipe = self._redis.pipeline(transaction=False)
-                pipe.delete(f"{self._p}:inflight:{self.replica}")
+                pipe.delete(f"{self._p}:inflight:{self.replica}", f"{self._p}:tenants:{self.replica}")
                 pipe.zrem(f"{self._p}:replicas", self.replica)
                 await pipe.execute()
         await self._redis.aclose()

@@ -76,8 +76,9 @@ def test_a_prompt_with_media_may_not_migrate():
 def test_a_chat_continues_as_a_completion_of_its_prompt_and_output():
     chat = req("chat", max_completion_tokens=100, min_tokens=30, temperature=0, seed=7, stop=["END"],
                stream=True, stream_options={"include_usage": True}, tools=[], tool_choice="none",
-               chat_template_kwargs={"x": 1}, skip_special_tokens=False, priority=3, cache_salt="s",
+               chat_template_kwargs={"x": 1}, skip_special_tokens=False, cache_salt="s",
                vllm_xargs={"k": 1}, logprobs=False, return_token_ids=False)
+    chat.body["priority"] = 3  # the gateway's, from the key's class: the continuation keeps it
     body = continuation_body(chat, [1, 2, 3, 9, 9], 2, max_model_len=4096, continuous=False)
     assert body == {"model": "tiny", "temperature": 0, "seed": 7, "stop": ["END"], "skip_special_tokens": False,
                     "priority": 3, "cache_salt": "s", "vllm_xargs": {"k": 1},

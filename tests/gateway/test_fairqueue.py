@@ -1,0 +1,156 @@
+"""The fair queue: who is served first, by priority, weighted per-phase use, then arrival; bounds."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.fairqueue import FairQueue, QueueFull
+from gateway.tenants import Identity, Usage
+
+
+def who(tenant: str, priority: int = 0, weight: float = 1.0) -> Identity:
+    return Identity(tenant, weight, "c", priority, None, False)
+
+
+def order(q: FairQueue) -> list[str]:
+    out = []
+    while (w := q.pop_best()) is not None:
+        out.append(w.who.tenant)
+    return out
+
+
+async def test_unfair_is_fifo() -> None:
+    usage = Usage()
+    usage.decode_started("a", 10_000)
+    q = FairQueue("decode", usage)
+    for t in ["a", "b", "a", "c"]:
+        q.join(who(t))
+    assert order(q) == ["a", "b", "a", "c"]
+
+
+async def test_priority_first_then_the_tenant_that_uses_the_pool_least() -> None:
+    usage = Usage()
+    usage.decode_started("flood", 5000)
+    usage.decode_started("steady", 300)
+    q = FairQueue("decode", usage, fair=True)
+    for t in ["flood", "flood", "steady", "flood", "steady"]:
+        q.join(who(t))
+    q.join(who("batch", priority=10))
+    q.join(who("urgent", priority=-10))
+    # urgent by class; then steady's waiters before any of flood's; batch last whatever its use
+    assert order(q) == ["urgent", "steady", "steady", "flood", "flood", "flood", "batch"]
+
+
+async def test_use_is_per_phase() -> None:
+    """A tenant heavy on prefill is not held back in the decode queue, and the reverse."""
+    usage = Usage()
+    usage.prefill_sent("long", 100_000)
+    usage.decode_started("chatty", 4000)
+    prefill, decode = FairQueue("prefill", usage, fair=True), FairQueue("decode", usage, fair=True)
+    for q in (prefill, decode):
+        q.join(who("long"))
+        q.join(who("chatty"))
+    assert order(prefill) == ["chatty", "long"]
+    assert order(decode) == ["long", "chatty"]
+
+
+async def test_weights_scale_use() -> None:
+    usage = Usage()
+    usage.decode_started("big", 3000)  # weight 4: 750 per unit of share
+    usage.decode_started("small", 1000)  # weight 1: 1000
+    q = FairQueue("decode", usage, fair=True)
+    q.join(who("small"))
+    q.join(who("big", weight=4))
+    assert order(q) == ["big", "small"]
+
+
+async def test_the_order_follows_use_as_it_changes() -> None:
+    usage = Usage()
+    q = FairQueue("decode", usage, fair=True)
+    for t in ["a", "a", "b", "b"]:
+        q.join(who(t))
+    served = []
+    for _ in range(4):  # each served request occupies the decode pool
+        w = q.pop_best()
+        assert w is not None
+        served.append(w.who.tenant)
+        usage.decode_started(w.who.tenant, 100)
+    assert served == ["a", "b", "a", "b"]  # round robin between equals
+
+
+async def test_prefill_use_fades() -> None:
+    now = [0.0]
+    usage = Usage(half_life_s=10, clock=lambda: now[0])
+    usage.prefill_sent("a", 8000)
+    now[0] = 30.0
+    assert usage.of("prefill", "a") == pytest.approx(1000)
+    now[0] = 1000.0
+    assert usage.snapshot()["prefill"] == {}  # faded out: forgotten
+
+
+async def test_decode_use_ends_with_the_leg() -> None:
+    usage = Usage()
+    k1 = usage.decode_started("a", 100)
+    k2 = usage.decode_started("a", 50)
+    usage.decode_ended(k1, 100)
+    assert usage.of("decode", "a") == 50
+    usage.decode_ended(k2, 50)
+    assert usage.snapshot()["decode"] == {}
+
+
+async def test_bounds() -> None:
+    q = FairQueue("decode", Usage(), fair=True, max_queued=4, max_per_tenant=2)
+    q.join(who("a"))
+    q.join(who("a"))
+    with pytest.raises(QueueFull) as full:
+        q.join(who("a"))
+    assert full.value.why == "tenant_queue_full"
+    q.join(who("b"))
+    q.join(who("c"))
+    with pytest.raises(QueueFull) as full:
+        q.join(who("d"))
+    assert full.value.why == "queue_full"
+    assert len(q) == 4
+
+
+async def test_tenants_tracked_are_bounded() -> None:
+    usage = Usage(max_tenants=2)
+    usage.decode_started("a", 1)
+    usage.decode_started("b", 1)
+    assert usage.decode_started("c", 1) == "other"
+    assert usage.key("a") == "a"
+    assert usage.of("decode", "other") == 1
+
+
+async def test_others_replicas_use_counts() -> None:
+    usage = Usage()
+    usage.decode_started("a", 100)
+    usage.others["decode"] = {"b": 500}
+    q = FairQueue("decode", usage, fair=True)
+    q.join(who("b"))
+    q.join(who("a"))
+    assert order(q) == ["a", "b"]
+
+
+async def test_wait_wake_requeue_and_before() -> None:
+    usage = Usage()
+    usage.decode_started("flood", 1000)
+    q = FairQueue("decode", usage, fair=True)
+    f = q.join(who("flood"))
+    assert q.before(who("flood")) is True  # equal use, earlier arrival
+    assert q.before(who("new")) is False  # a tenant using nothing would go first
+    waiting = asyncio.create_task(q.wait(f, 5))
+    await asyncio.sleep(0)
+    assert q.wake() is True
+    assert await waiting is True
+    assert len(q) == 0 and q.wake() is False
+    q.requeue(f)  # served but no room after all: first in line again
+    g = q.join(who("flood"))
+    assert q.best() is f
+    assert q.ahead(g) == (1, 0)
+    assert await q.wait(g, 0.01) is False
+    q.remove(f)
+    q.remove(g)
+    assert len(q) == 0 and q.best() is None
