@@ -159,7 +159,7 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
                       outlier=cfg.health.outlier, prefill_speed=estimates.prefill_s_per_token, on_restart=restarted)
         index = PrefixIndex(max_approx_entries=cfg.routing.prefix.max_learned_blocks,
                             approx_ttl_s=cfg.routing.prefix.learned_ttl_s)
-        usage = Usage(cfg.fairness.prefill_half_life_s, cfg.fairness.max_tenants)
+        usage = Usage(cfg.fairness.half_life_s, cfg.fairness.max_tenants)
         shared = (RedisState(cfg.state, cfg.routing.prefix.learned_ttl_s, pools, usage=usage)
                   if cfg.state.backend == "redis" else None)
         bus = (WorkerBus(worker.bus, worker.index, worker.count, pools, index, share_routing=shared is None)
@@ -195,7 +195,8 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         pools.release_listeners.append(services.released)
         scraper = StatsScraper(pools, session, cfg.signals)
         metrics.watch_admission(services.gate, connections, services.lag)
-        metrics.watch_tenants(usage, services.tenant_labels)
+        metrics.watch_tenants(usage, services.tenant_labels,
+                              lambda: [(pool, len(q)) for (pool, _), q in list(services.queues.items())])
 
         async def engine_up(ep: Endpoint, recovering: bool) -> None:
             """Before routing sees an engine (again): the same run? what does it serve?"""

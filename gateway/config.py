@@ -668,7 +668,7 @@ class FairnessConfig(_Strict):
     wait_for_prefill: bool = Field(True, description="a P/D request waits for room in the prefill pool instead "
                                    "of going direct (its long prefill would stall the decode engines' streams)")
     default_output_tokens: int = Field(256, ge=1, description="decode occupancy of a request without max_tokens")
-    prefill_half_life_s: float = Field(10.0, gt=0, le=3600, description="prefill use fades by half in this time")
+    half_life_s: float = Field(10.0, gt=0, le=3600, description="a tenant's use fades by half in this time")
     max_queued: int = Field(1024, ge=1, le=100_000, description="requests waiting per pool")
     max_queued_per_tenant: int = Field(256, ge=1, le=100_000, description="one tenant's share of that")
     max_tenants: int = Field(10_000, ge=1, le=1_000_000, description="tenants tracked; others share 'other'")

@@ -232,8 +232,9 @@ class GatewayMetrics:
     def tenant_prefill(self, tenant: str, priority: str, tokens: int) -> None:
         self._child(self.tenant_prefill_tokens, tenant, priority).inc(tokens)
 
-    def watch_tenants(self, usage: Usage, labels: Callable[[str], str]) -> None:
-        self.registry.register(_TenantCollector(usage, labels))
+    def watch_tenants(self, usage: Usage, labels: Callable[[str], str],
+                      queues: Callable[[], Iterable[tuple[str, int]]] = tuple) -> None:
+        self.registry.register(_TenantCollector(usage, labels, queues))
 
     def decided(self, path: str, reason: str) -> None:
         self._child(self.decisions, path, reason).inc()
@@ -533,8 +534,9 @@ class _FastTokenizerCollector:
 class _TenantCollector:
     """Each tenant's use of the pools, as fair queueing sees it (this replica's and the others')."""
 
-    def __init__(self, usage: Usage, labels: Callable[[str], str]) -> None:
-        self._usage, self._labels = usage, labels
+    def __init__(self, usage: Usage, labels: Callable[[str], str],
+                 queues: Callable[[], Iterable[tuple[str, int]]]) -> None:
+        self._usage, self._labels, self._queues = usage, labels, queues
 
     def describe(self) -> list[Metric]:
         return []
@@ -544,15 +546,29 @@ class _TenantCollector:
                                    "running decode legs (running sequences x expected output), all replicas",
                                    labels=["tenant"])
         prefill = GaugeMetricFamily("pdgate_tenant_prefill_use", "Prefill tokens the tenant sent recently "
-                                    "(fading by half every fairness.prefill_half_life_s), all replicas",
-                                    labels=["tenant"])
+                                    "(fading by half every fairness.half_life_s), all replicas: fair queueing's "
+                                    "order for the prefill pool", labels=["tenant"])
+        taken = GaugeMetricFamily("pdgate_tenant_decode_use", "Decode occupancy the tenant took recently (expected "
+                                  "output tokens per leg started, fading likewise), all replicas: the decode "
+                                  "pool's order", labels=["tenant"])
         sums: dict[str, list[float]] = {}
         for tenant in self._usage.tenants():
-            row = sums.setdefault(self._labels(tenant), [0.0, 0.0])
-            row[0] += self._usage.of("decode", tenant)
+            row = sums.setdefault(self._labels(tenant), [0.0, 0.0, 0.0])
+            row[0] += self._usage.of("occupancy", tenant)
             row[1] += self._usage.of("prefill", tenant)
-        for label, (d, p) in sorted(sums.items()):
+            row[2] += self._usage.of("decode", tenant)
+        for label, (d, p, t) in sorted(sums.items()):
             decode.add_metric([label], d)
             prefill.add_metric([label], p)
+            taken.add_metric([label], t)
         yield decode
         yield prefill
+        yield taken
+        queued = GaugeMetricFamily("pdgate_pool_queued_requests", "Requests waiting for room in a pool (its engines "
+                                   "at their admission limits)", labels=["pool"])
+        counts = {"prefill": 0, "decode": 0}
+        for pool, n in self._queues():
+            counts[pool] = counts.get(pool, 0) + n
+        for pool, n in counts.items():
+            queued.add_metric([pool], n)
+        yield queued

@@ -71,7 +71,7 @@ class Services:
     def configure(self, f: FairnessConfig, tenants: list[str]) -> None:
         """A config (re)load: every queue takes the new order and bounds at once."""
         self.fairness[0] = f
-        self.usage.configure(f.prefill_half_life_s, f.max_tenants)
+        self.usage.configure(f.half_life_s, f.max_tenants)
         self.tenant_labels.configure(f.metrics_top_tenants, tenants)
         for q in [*self.queues.values(), self.gate.queue]:
             q.configure(f.enabled, f.max_queued, f.max_queued_per_tenant)

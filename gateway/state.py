@@ -240,7 +240,7 @@ class RedisState:
                 total[url] = total.get(url, 0) + int(n)
         self._pools.others = total
         if self._usage is not None:
-            phases = {p[0]: p for p in Usage.PHASES}
+            phases = {p[0]: p for p in Usage.PHASES}  # first letters: p, d, g, o
             theirs: dict[str, dict[str, float]] = {p: {} for p in Usage.PHASES}
             for row in rows[1::2]:
                 for name, v in row.items():

@@ -127,13 +127,16 @@ class _Fading:
 
 
 class Usage:
-    """Per tenant and phase, what it holds of the pools: ``prefill`` tokens sent to the prefill
-    pool (fading with ``half_life_s``), ``decode`` occupancy (expected output tokens of its running
-    decode legs), ``gateway`` requests in flight. Other replicas' figures come from shared state
-    (``others``, replaced each sync; empty when Redis is down: local use only). At most
-    ``max_tenants`` are tracked; the rest are counted together as ``other``."""
+    """Per tenant and phase, what it has taken of the pools lately, the order of fair queueing:
+    ``prefill`` tokens sent to the prefill pool; ``decode`` occupancy taken on the decode pool (a
+    running sequence x its expected output tokens, per decode leg started); both as sums fading by
+    half every ``half_life_s``, so a tenant that just had the pool waits behind one that did not,
+    and a burst is forgiven in a few half-lives. ``gateway``: its requests in flight (the gateway's
+    own slots); ``occupancy``: the expected output of its decode legs running now (a gauge). Other
+    replicas' figures come from shared state (``others``, replaced each sync; empty when Redis is
+    down: local use only). At most ``max_tenants`` are tracked; the rest count as ``other``."""
 
-    PHASES = ("prefill", "decode", "gateway")
+    PHASES = ("prefill", "decode", "gateway", "occupancy")
 
     def __init__(self, half_life_s: float = 10.0, max_tenants: int = 10_000,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -141,6 +144,7 @@ class Usage:
         self.max_tenants = max_tenants
         self._clock = clock
         self._prefill: dict[str, _Fading] = {}
+        self._decode_taken: dict[str, _Fading] = {}
         self._decode: dict[str, float] = {}
         self._gateway: dict[str, int] = {}
         self.others: dict[str, dict[str, float]] = {p: {} for p in self.PHASES}
@@ -150,9 +154,10 @@ class Usage:
 
     def key(self, tenant: str) -> str:
         """The name ``tenant`` is tracked under (bounded memory whatever names clients send)."""
-        if tenant in self._prefill or tenant in self._decode or tenant in self._gateway:
+        tables = (self._prefill, self._decode_taken, self._decode, self._gateway)
+        if any(tenant in t for t in tables):
             return tenant
-        tracked = len(self._prefill.keys() | self._decode.keys() | self._gateway.keys())
+        tracked = len(set().union(*tables))
         return tenant if tracked < self.max_tenants else OTHER
 
     def prefill_sent(self, tenant: str, tokens: int) -> None:
@@ -163,6 +168,7 @@ class Usage:
         """Returns the key to end it with."""
         k = self.key(tenant)
         self._decode[k] = self._decode.get(k, 0.0) + tokens
+        self._decode_taken.setdefault(k, _Fading()).add(tokens, self._clock(), self.half_life_s)
         return k
 
     def decode_ended(self, key: str, tokens: float) -> None:
@@ -185,10 +191,10 @@ class Usage:
             self._gateway.pop(key, None)
 
     def local(self, phase: str, tenant: str) -> float:
-        if phase == "prefill":
-            f = self._prefill.get(tenant)
+        if phase in ("prefill", "decode"):
+            f = (self._prefill if phase == "prefill" else self._decode_taken).get(tenant)
             return f.read(self._clock(), self.half_life_s) if f is not None else 0.0
-        return float((self._decode if phase == "decode" else self._gateway).get(tenant, 0))
+        return float((self._decode if phase == "occupancy" else self._gateway).get(tenant, 0))
 
     def of(self, phase: str, tenant: str) -> float:
         """This replica's and the others' use, in the phase's unit."""
@@ -197,13 +203,15 @@ class Usage:
     def snapshot(self) -> dict[str, dict[str, float]]:
         """This replica's use per phase and tenant (faded-out tenants dropped): for shared state."""
         now, h = self._clock(), self.half_life_s
-        for name in [n for n, f in self._prefill.items() if f.read(now, h) < 1.0]:
-            del self._prefill[name]
+        for fading in (self._prefill, self._decode_taken):
+            for name in [n for n, f in fading.items() if f.read(now, h) < 1.0]:
+                del fading[name]
         return {"prefill": {n: f.read(now, h) for n, f in self._prefill.items()},
-                "decode": dict(self._decode), "gateway": {n: float(c) for n, c in self._gateway.items()}}
+                "decode": {n: f.read(now, h) for n, f in self._decode_taken.items()},
+                "gateway": {n: float(c) for n, c in self._gateway.items()}, "occupancy": dict(self._decode)}
 
     def tenants(self) -> set[str]:
-        return set(self._prefill) | set(self._decode) | set(self._gateway) | \
+        return set(self._prefill) | set(self._decode_taken) | set(self._decode) | set(self._gateway) | \
             {t for phase in self.others.values() for t in phase}
 
 

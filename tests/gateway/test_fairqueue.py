@@ -66,6 +66,16 @@ async def test_weights_scale_use() -> None:
     assert order(q) == ["big", "small"]
 
 
+async def test_a_tenant_whose_leg_just_ended_still_waits_behind_one_that_had_none() -> None:
+    usage = Usage()
+    k = usage.decode_started("flood", 50)
+    q = FairQueue("decode", usage, fair=True)
+    q.join(who("flood"))
+    q.join(who("calm"))
+    usage.decode_ended(k, 50)  # its slot frees: the next is chosen
+    assert order(q) == ["calm", "flood"]
+
+
 async def test_the_order_follows_use_as_it_changes() -> None:
     usage = Usage()
     q = FairQueue("decode", usage, fair=True)
@@ -90,14 +100,19 @@ async def test_prefill_use_fades() -> None:
     assert usage.snapshot()["prefill"] == {}  # faded out: forgotten
 
 
-async def test_decode_use_ends_with_the_leg() -> None:
-    usage = Usage()
+async def test_decode_occupancy_ends_with_the_leg_its_use_fades() -> None:
+    now = [0.0]
+    usage = Usage(half_life_s=10, clock=lambda: now[0])
     k1 = usage.decode_started("a", 100)
     k2 = usage.decode_started("a", 50)
     usage.decode_ended(k1, 100)
-    assert usage.of("decode", "a") == 50
+    assert usage.of("occupancy", "a") == 50
     usage.decode_ended(k2, 50)
-    assert usage.snapshot()["decode"] == {}
+    assert usage.snapshot()["occupancy"] == {}
+    # what it took is remembered: a tenant that just had the pool waits behind one that did not
+    assert usage.of("decode", "a") == 150
+    now[0] = 10.0
+    assert usage.of("decode", "a") == pytest.approx(75)
 
 
 async def test_bounds() -> None:
@@ -121,7 +136,7 @@ async def test_tenants_tracked_are_bounded() -> None:
     usage.decode_started("b", 1)
     assert usage.decode_started("c", 1) == "other"
     assert usage.key("a") == "a"
-    assert usage.of("decode", "other") == 1
+    assert usage.of("occupancy", "other") == 1
 
 
 async def test_others_replicas_use_counts() -> None:

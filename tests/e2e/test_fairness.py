@@ -1,0 +1,163 @@
+"""End to end: tenants from API keys, fair queueing across them, priorities to the engine, and
+sheddable requests past their TTFT objective (simulated engines, real processes on loopback)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import httpx
+import pytest
+import yaml
+
+from tests.procs import ProcGroup, wait_for
+from tests.promtext import sample
+
+from .cluster import Cluster
+
+pytestmark = pytest.mark.e2e
+ADMIN = "admin-token-f"
+KEYS = {"flood": "sk-flood", "calm": "sk-calm", "batch": "sk-batch", "vip": "sk-vip"}
+FAIRNESS = {
+    "enabled": True, "engine_priority": True,
+    "classes": {"interactive": {"priority": -10}, "standard": {"priority": 0},
+                "batch": {"priority": 10, "ttft_slo_s": 0.5, "sheddable": True}},
+}
+
+
+@pytest.fixture(scope="module")
+def cluster(tokenizer_dir, tmp_path_factory):
+    group = ProcGroup(tmp_path_factory.mktemp("logs"))
+    c = Cluster(group, tokenizer_dir)
+    (group.log_dir / "keys").write_text(
+        "sk-flood tenant=flood\nsk-calm tenant=calm\nsk-batch tenant=batchy priority=batch\n"
+        "sk-vip tenant=vip allow=interactive\n")
+    (group.log_dir / "admin").write_text(ADMIN)
+    try:
+        c.decode.append(c.start_sim("decode", "--decode-time-per-token", "0.02"))
+        c.start_gateway(10_000, auth={"api_keys_file": str(group.log_dir / "keys")},
+                        admin={"token_file": str(group.log_dir / "admin")},
+                        admission={"max_per_decode_endpoint": 1, "queue_timeout_s": 30},
+                        fairness=FAIRNESS)
+        yield c
+    finally:
+        group.stop_all()
+
+
+@pytest.fixture(autouse=True)
+def clean(cluster):
+    if cluster.config["fairness"] != FAIRNESS:
+        reconfigure(cluster, fairness=FAIRNESS)
+    cluster.decode[0].clear()
+
+
+def admin_config(cluster) -> dict:
+    return httpx.get(cluster.url + "/admin/config", headers={"authorization": f"Bearer {ADMIN}"}).json()["config"]
+
+
+def reconfigure(cluster, **changes) -> None:
+    cfg = copy.deepcopy(cluster.config)
+    cfg.update(changes)
+    cluster.config_path.write_text(yaml.safe_dump(cfg))
+    cluster.config = cfg
+    assert wait_for(lambda: admin_config(cluster)["fairness"]["enabled"] == cfg["fairness"]["enabled"], timeout=15)
+
+
+def chat(cluster, tenant: str, rid: str | None = None, content: str = "hi", max_tokens: int = 2,
+         **headers: str) -> httpx.Response:
+    headers["authorization"] = f"Bearer {KEYS[tenant]}"
+    if rid:
+        headers["x-request-id"] = rid
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "ignore_eos": True}
+    return httpx.post(cluster.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+
+
+def in_background(fn, *args, **kw) -> tuple[threading.Thread, list]:
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(fn(*args, **kw)), daemon=True)
+    t.start()
+    return t, out
+
+
+def engine_order(cluster) -> list[str]:
+    return [q["request_id"] for q in sorted(cluster.decode[0].requests(), key=lambda q: q["received_at"])]
+
+
+@pytest.mark.parametrize("fair", [True, False], ids=["fair", "fifo"])
+def test_a_flooding_key_cannot_starve_another(cluster, fair):
+    reconfigure(cluster, fairness={**FAIRNESS, "enabled": fair})
+    hold, _ = in_background(chat, cluster, "flood", "hold", max_tokens=50)  # the engine's one slot: 1 s
+    assert wait_for(lambda: cluster.decode[0].requests(), timeout=10)
+    threads = []
+    for i in range(4):  # the flood queues up first
+        threads.append(in_background(chat, cluster, "flood", f"flood-{i}", max_tokens=5))
+        time.sleep(0.1)
+    threads.append(in_background(chat, cluster, "calm", "calm"))
+    for t, out in [(hold, None), *threads]:
+        t.join(timeout=60)
+        assert out is None or out[0].status_code == 200
+    order = engine_order(cluster)
+    assert order[0] == "hold"
+    if fair:  # the flood holds the decode pool: the calm tenant goes first when the slot frees
+        assert order[1] == "calm", order
+    else:  # FIFO: behind every flood request
+        assert order[-1] == "calm", order
+
+
+def test_priorities_reach_the_engine(cluster):
+    assert chat(cluster, "vip", "v1", **{"x-pdgate-priority": "interactive"}).status_code == 200
+    assert chat(cluster, "calm", "c1").status_code == 200
+    bodies = {q["request_id"]: q["body"] for q in cluster.decode[0].requests()}
+    assert bodies["v1"]["priority"] == -10
+    assert "priority" not in bodies["c1"]  # the default class's 0 is vLLM's default: not sent
+    # the key may not use a class it was not given; a client's own priority field is refused
+    r = chat(cluster, "calm", "c2", **{"x-pdgate-priority": "interactive"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "priority_not_allowed"
+    r = httpx.post(cluster.url + "/v1/chat/completions", headers={"authorization": "Bearer sk-calm"}, timeout=30,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "priority": -100})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+    assert set(bodies) == {"v1", "c1"}  # the refused ones never reached an engine
+
+
+def test_a_sheddable_request_past_its_objective_gets_429_at_once(cluster):
+    before = sample(httpx.get(cluster.url + "/metrics").text, "pdgate_route_decisions_total",
+                    path="shed", reason="ttft_objective") or 0
+    # an objective no engine can meet (1 ms for a few hundred prompt tokens): refused without waiting
+    t0 = time.monotonic()
+    r = chat(cluster, "batch", "b1", content="many words here " * 40, **{"x-pdgate-ttft-ms": "1"})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "ttft_objective_unattainable", r.text
+    assert int(r.headers["retry-after"]) >= 1
+    assert "predicted TTFT" in r.json()["error"]["message"]
+    # the same objective for a request that may not be shed: it waits and is served
+    assert chat(cluster, "calm", "c1", content="many words here " * 40, **{"x-pdgate-ttft-ms": "1"}
+                ).status_code == 200
+    # queued behind a long request: the batch class's 0.5 s objective passes while it waits
+    hold, _ = in_background(chat, cluster, "flood", "hold", max_tokens=150)  # 3 s
+    assert wait_for(lambda: cluster.decode[0].requests()[-1]["request_id"] == "hold", timeout=10)
+    r = chat(cluster, "batch", "b2")
+    waited = time.monotonic() - t0
+    assert r.status_code == 429 and r.json()["error"]["code"] == "ttft_objective_unattainable", r.text
+    assert waited < 3  # not the 30 s queue timeout, nor the hold's end
+    hold.join(timeout=30)
+    ids = [q["request_id"] for q in cluster.decode[0].requests()]
+    assert "b1" not in ids and "b2" not in ids
+    text = httpx.get(cluster.url + "/metrics").text
+    assert sample(text, "pdgate_route_decisions_total", path="shed", reason="ttft_objective") == before + 2
+    assert sample(text, "pdgate_tenant_requests_total", tenant="batchy", priority="batch", outcome="shed") >= 2
+    assert sample(text, "pdgate_tenant_requests_total", tenant="calm", priority="standard", outcome="admitted") >= 1
+
+
+def test_debug_route_shows_the_prediction_and_verdict(cluster):
+    def plan(**headers: str) -> dict:
+        headers["authorization"] = f"Bearer {ADMIN}"
+        return httpx.post(cluster.url + "/debug/route", headers=headers, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "many words here " * 40}]}).json()
+
+    shed = plan(**{"x-pdgate-tenant": "batchy", "x-pdgate-priority": "batch", "x-pdgate-ttft-ms": "1"})["admission"]
+    assert shed["verdict"] == "shed" and shed["tenant"] == "batchy" and shed["priority"] == "batch"
+    assert shed["predicted_ttft_s"] > 0.001 and "objective" in shed["reason"]
+    ok = plan(**{"x-pdgate-priority": "batch", "x-pdgate-ttft-ms": "60000"})["admission"]
+    assert ok["verdict"] == "admit" and ok["predicted_ttft_s"] < 60
+    assert plan()["admission"]["reason"] == "no TTFT objective"
