@@ -162,7 +162,8 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         usage = Usage(cfg.fairness.half_life_s, cfg.fairness.max_tenants)
         shared = (RedisState(cfg.state, cfg.routing.prefix.learned_ttl_s, pools, usage=usage)
                   if cfg.state.backend == "redis" else None)
-        bus = (WorkerBus(worker.bus, worker.index, worker.count, pools, index, share_routing=shared is None)
+        bus = (WorkerBus(worker.bus, worker.index, worker.count, pools, index, share_routing=shared is None,
+                         usage=usage)
                if worker and worker.count > 1 else None)
         beliefs = PrefixBeliefs(index, InFlightPrefixes(), shared or (bus if bus and bus.share_routing else None),
                                 caching_off=pools.caching_off)

@@ -387,7 +387,7 @@ class Exchange:
                             phase = "prefill"
                         else:
                             if sheddable:
-                                self._check_objective(prep, decision_ttft(self._model(), prep.ctx, d), waited,
+                                self._check_objective(prep, decision_ttft(self._model(), prep.ctx, d),
                                                       explain=explain)
                             return route, waited
                 left = deadline - time.monotonic()
@@ -396,7 +396,7 @@ class Exchange:
                 q = self._queue(phase)
                 if w is None or queue is not q:
                     if w is not None and queue is not None:
-                        queue.remove(w)
+                        _leave(queue, w)  # now it needs the other pool
                     try:
                         w = q.join(self.who, _uncached(prep.ctx) if phase == "prefill" else 0)
                     except QueueFull as full:
@@ -405,7 +405,7 @@ class Exchange:
                     queue = q
                 elif w.fut.done():  # it was served, but the room went to someone else: first in line again
                     q.requeue(w)
-                shed_in = self._check_objective(prep, None, waited, queue=q, waiter=w, exclude=exclude) \
+                shed_in = self._check_objective(prep, None, queue=q, waiter=w, exclude=exclude) \
                     if sheddable else math.inf
                 while True:
                     w0 = time.perf_counter()
@@ -417,9 +417,7 @@ class Exchange:
                         break
         finally:
             if w is not None and queue is not None:
-                queue.remove(w)
-                if w.fut.done() and not w.fut.cancelled():
-                    queue.wake()  # it was served: the next one may find room too
+                _leave(queue, w)
 
     def _queue(self, phase: str) -> FairQueue:
         return self.svc.queue(phase, self.prep.ctx.model if self.prep else "")
@@ -428,7 +426,7 @@ class Exchange:
         """What predicts TTFT for the objectives."""
         return model_of(self.rt.router.pipeline.decider)
 
-    def _check_objective(self, prep: Prepared, engine: tuple[float, str] | None, waited: float, *,
+    def _check_objective(self, prep: Prepared, engine: tuple[float, str] | None, *,
                          explain: bool = False, queue: FairQueue | None = None, waiter: Waiter | None = None,
                          exclude: Collection[str] = ()) -> float:
         """Sheds a sheddable request that cannot meet its TTFT objective (429 with Retry-After);
@@ -1012,6 +1010,14 @@ def _route_attributes(rec: RequestRecord, d: Decision, prep: Prepared, waited: f
     for path, seconds in d.predicted_ttft:  # when the decider predicts (the cost model)
         attrs[f"pdgate.predicted_ttft_{path}_s"] = seconds
     return attrs
+
+
+def _leave(queue: FairQueue, w: Waiter) -> None:
+    """Out of the queue; a waiter that was served passes its turn on (the room it found, or did not
+    use, may be the next one's)."""
+    queue.remove(w)
+    if w.fut.done() and not w.fut.cancelled():
+        queue.wake()
 
 
 def _uncached(ctx: RequestContext) -> int:

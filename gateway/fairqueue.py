@@ -51,6 +51,7 @@ class FairQueue:
         self._groups: dict[tuple[int, str], collections.deque[Waiter]] = {}
         self._count = 0
         self._seq = itertools.count()
+        self._woken: set[Waiter] = set()  # served, not yet gone or back in line: still first
 
     def configure(self, fair: bool, max_queued: int, max_per_tenant: int) -> None:
         self.fair, self.max_queued, self.max_per_tenant = fair, max_queued, max_per_tenant
@@ -76,11 +77,13 @@ class FairQueue:
 
     def requeue(self, w: Waiter) -> None:
         """A waiter that was served but found no room after all: first in its group again."""
+        self._woken.discard(w)
         w.fut = asyncio.get_running_loop().create_future()
         self._groups.setdefault(w.group, collections.deque()).appendleft(w)
         self._count += 1
 
     def remove(self, w: Waiter) -> None:
+        self._woken.discard(w)
         group = self._groups.get(w.group)
         if group is not None and w in group:
             group.remove(w)
@@ -101,14 +104,15 @@ class FairQueue:
         return self._groups[group][0]
 
     def before(self, who: Identity | None) -> bool:
-        """Whether a waiter would be served before a newcomer ``who`` (FIFO: anyone waiting)."""
-        best = self.best()
-        if best is None or not self.fair:
-            return best is not None
+        """Whether a waiter would be served before a newcomer ``who`` (FIFO: anyone waiting, or
+        served and about to take its room)."""
+        firsts = [w for w in (self.best(), *self._woken) if w is not None]
+        if not firsts or not self.fair:
+            return bool(firsts)
         who = who or _NOBODY
         key = self._usage.key(who.tenant)
         mine = (who.priority, self._usage.of(self.phase, key) / who.weight, float("inf"))
-        return self._rank(best.group, best) < mine
+        return any(self._rank(w.group, w) < mine for w in firsts)
 
     def pop_best(self) -> Waiter | None:
         """The next waiter to serve, out of the queue (waiters whose wait ended are dropped)."""
@@ -129,6 +133,7 @@ class FairQueue:
         if w is None:
             return False
         w.fut.set_result(None)
+        self._woken.add(w)
         return True
 
     async def wait(self, w: Waiter, timeout: float) -> bool:

@@ -34,6 +34,8 @@ _SAME_IN_EVERY_WORKER = frozenset({
     "pdgate_kv_events", "pdgate_kv_events_gaps", "pdgate_config_reloads", "pdgate_config_info",
     "pdgate_endpoint_restarts", "pdgate_event_loop_lag_seconds", "pdgate_event_loop_lag_max_seconds",
     "pdgate_planner_compute_seconds", "pdgate_planner_unmet",
+    # every worker's figure already adds the other workers' and replicas' (shared tenant use)
+    "pdgate_tenant_decode_occupancy", "pdgate_tenant_prefill_use", "pdgate_tenant_decode_use",
     "python_info", "process_max_fds",
 })
 _ALL_MUST_HOLD = frozenset({"pdgate_kv_events_connected", "pdgate_shared_state_up", "process_start_time_seconds"})
@@ -43,6 +45,7 @@ SUMMED_GAUGES = frozenset({
     "pdgate_endpoint_backlog_tokens", "pdgate_admission_in_flight", "pdgate_admission_queued",
     "pdgate_http_connections", "process_resident_memory_bytes", "process_virtual_memory_bytes", "process_open_fds",
     "pdgate_pool_desired_engines", "pdgate_planner_window_requests", "pdgate_planner_unservable_requests",
+    "pdgate_pool_queued_requests",
 })
 DECLARED = _SAME_IN_EVERY_WORKER | _ALL_MUST_HOLD | SUMMED_GAUGES  # a new gauge must be placed in one (tested)
 

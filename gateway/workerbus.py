@@ -11,6 +11,8 @@ messages on the other (``WorkerBus``). What travels:
 - **in-flight requests per engine** (without Redis): each worker publishes its counts every
   ``SYNC_S``; routing and the per-engine admission limits count the others' (at most one interval
   old, as replicas on Redis do).
+- **tenant use** (fair queueing, gateway/tenants.py), with the in-flight counts (without Redis):
+  each worker orders its queues by every worker's use.
 - **metrics**: ``/metrics`` on any worker asks the others for their exposition and merges it
   (gateway/metricsmerge.py), so a scrape sees the whole gateway.
 
@@ -41,6 +43,7 @@ from policies.prefix_index import PrefixIndex
 
 from .pools import Pools
 from .tasks import cancel_checkpoint, stop_tasks
+from .tenants import Usage
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +133,13 @@ class WorkerBus:
 
     def __init__(self, address: BusAddress, worker: int, workers: int, pools: Pools, index: PrefixIndex, *,
                  share_routing: bool, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, usage: Usage | None = None) -> None:
         self.worker, self.workers = worker, workers
         self.share_routing = share_routing
         self._address = address
         self._pools, self._index = pools, index
+        self._usage = usage
+        self._uses: dict[int, tuple[float, dict[str, dict[str, float]]]] = {}  # worker -> (when heard, use)
         self._clock, self._wall = clock, wall
         self._ctx = zmq.asyncio.Context()
         self._pub: zmq.asyncio.Socket | None = None
@@ -240,7 +245,7 @@ class WorkerBus:
             for ep in self._pools.all():
                 if ep.in_flight:
                     counts[ep.url] = counts.get(ep.url, 0) + ep.in_flight
-            self._send(["inflight", counts])
+            self._send(["inflight", counts, self._usage.snapshot() if self._usage is not None else {}])
             self._update_others()
             cancel_checkpoint()
             await asyncio.sleep(SYNC_S)
@@ -253,6 +258,16 @@ class WorkerBus:
                 for url, n in counts.items():
                     total[url] = total.get(url, 0) + n
         self._pools.others = total
+        if self._usage is not None:
+            theirs: dict[str, dict[str, float]] = {p: {} for p in Usage.PHASES}
+            for at, use in self._uses.values():
+                if at >= oldest:
+                    for phase, row in use.items():
+                        if phase in theirs:
+                            t = theirs[phase]
+                            for tenant, v in row.items():
+                                t[tenant] = t.get(tenant, 0.0) + v
+            self._usage.others = theirs
 
     async def _receive(self) -> None:
         assert self._sub is not None
@@ -274,6 +289,9 @@ class WorkerBus:
             self._index.forget_learned_until(url, self._clock() - (self._wall() - until))
         elif kind == "inflight":
             self._counts[sender] = (self._clock(), {str(u): int(n) for u, n in msg[1].items()})
+            if len(msg) > 2 and isinstance(msg[2], dict):
+                self._uses[sender] = (self._clock(), {str(p): {str(t): float(v) for t, v in row.items()}
+                                                      for p, row in msg[2].items()})
         elif kind == "metrics?":
             self._send(["metrics!", sender, msg[1], self._metrics_text()], to=sender)
         elif kind == "metrics!":

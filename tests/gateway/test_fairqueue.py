@@ -169,3 +169,22 @@ async def test_wait_wake_requeue_and_before() -> None:
     q.remove(f)
     q.remove(g)
     assert len(q) == 0 and q.best() is None
+
+
+async def test_a_served_waiter_keeps_its_turn_until_it_takes_its_room() -> None:
+    """Between its wake-up and its turn on the event loop, a newcomer must not take its room."""
+    fifo = FairQueue("decode", Usage())
+    w = fifo.join(who("a"))
+    assert fifo.wake() and len(fifo) == 0
+    assert fifo.before(who("b")) is True
+    fifo.remove(w)
+    assert fifo.before(who("b")) is False
+    usage = Usage()
+    usage.decode_started("flood", 100)
+    fair = FairQueue("decode", usage, fair=True)
+    f = fair.join(who("flood"))
+    assert fair.wake()
+    assert fair.before(who("calm")) is False  # a newcomer that used nothing still goes first
+    assert fair.before(who("flood")) is True
+    fair.requeue(f)
+    assert fair.best() is f

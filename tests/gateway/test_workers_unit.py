@@ -115,12 +115,14 @@ def hub():
     h.stop()
 
 
-async def buses(hub: Hub, share_routing: bool = True) -> list[tuple[WorkerBus, Pools, PrefixIndex]]:
+async def buses(hub: Hub, share_routing: bool = True, usages: list | None = None
+                ) -> list[tuple[WorkerBus, Pools, PrefixIndex]]:
     made = []
     for w in range(2):
         pools = Pools([], ["http://d1", "http://d2"])
         index = PrefixIndex()
-        bus = WorkerBus(hub.address, w, 2, pools, index, share_routing=share_routing)
+        bus = WorkerBus(hub.address, w, 2, pools, index, share_routing=share_routing,
+                        usage=usages[w] if usages else None)
         await bus.start(lambda w=w: exposition(w + 1, 1, 0, 1, 0))
         made.append((bus, pools, index))
     await asyncio.sleep(0.3)  # subscriptions reach the hub (ZMQ's slow joiner)
@@ -159,6 +161,24 @@ async def test_each_worker_counts_the_others_in_flight_requests(hub) -> None:
         pa.decode[0].in_flight = 0
         assert await until(lambda: pb.others.get("http://d1", 0) == 0)
         assert pa.others.get("http://d1", 0) == 0  # not its own
+    finally:
+        await asyncio.gather(a.stop(), b.stop())
+
+
+async def test_each_worker_orders_its_queues_by_every_workers_tenant_use(hub) -> None:
+    from gateway.tenants import Usage
+
+    ua, ub = Usage(), Usage()
+    (a, _, _), (b, _, _) = await buses(hub, usages=[ua, ub])
+    try:
+        key = ua.decode_started("flood", 300)
+        ua.prefill_sent("flood", 5000)
+        assert await until(lambda: ub.of("decode", "flood") == pytest.approx(300, rel=0.05)
+                           and ub.of("occupancy", "flood") == 300)
+        assert ub.of("prefill", "flood") == pytest.approx(5000, rel=0.05)
+        assert ua.others["decode"] == {}  # not its own
+        ua.decode_ended(key, 300)
+        assert await until(lambda: ub.of("occupancy", "flood") == 0)
     finally:
         await asyncio.gather(a.stop(), b.stop())
 
@@ -212,10 +232,15 @@ def test_every_gauge_the_gateway_exports_has_a_declared_merge_rule() -> None:
     from gateway.httpserver import Connections
     from gateway.metrics import GatewayMetrics
     from gateway.metricsmerge import DECLARED
+    from gateway.tenants import Usage
 
     pools = Pools(["http://p1"], ["http://d1"])
     metrics = GatewayMetrics(pools, PrefixIndex())
     metrics.watch_admission(Gate(0), Connections(0), LoopLag())
+    usage = Usage()
+    usage.decode_started("t", 1)
+    usage.prefill_sent("t", 1)
+    metrics.watch_tenants(usage, str, lambda: [("decode", 1)])
     gauges = {f.name for f in text_string_to_metric_families(metrics.render().decode())
               if f.type == "gauge" and not f.name.endswith("_created")}
     assert "pdgate_pool_healthy_endpoints" in gauges and "pdgate_admission_in_flight" in gauges
