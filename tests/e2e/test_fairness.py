@@ -35,6 +35,7 @@ def cluster(tokenizer_dir, tmp_path_factory):
         "sk-vip tenant=vip allow=interactive\n")
     (group.log_dir / "admin").write_text(ADMIN)
     try:
+        c.prefill.append(c.start_sim("prefill", "--prefill-time-per-token", "0.0005"))  # 1,000 tokens: 0.5 s
         c.decode.append(c.start_sim("decode", "--decode-time-per-token", "0.02"))
         c.start_gateway(10_000, auth={"api_keys_file": str(group.log_dir / "keys")},
                         admin={"token_file": str(group.log_dir / "admin")},
@@ -45,11 +46,16 @@ def cluster(tokenizer_dir, tmp_path_factory):
         group.stop_all()
 
 
+BASE = {"fairness": FAIRNESS, "admission": {"max_per_decode_endpoint": 1, "queue_timeout_s": 30},
+        "routing": {"decider": {"name": "token_threshold", "threshold": 10_000}}}
+
+
 @pytest.fixture(autouse=True)
 def clean(cluster):
-    if cluster.config["fairness"] != FAIRNESS:
-        reconfigure(cluster, fairness=FAIRNESS)
-    cluster.decode[0].clear()
+    if any(cluster.config[k] != v for k, v in BASE.items()):
+        reconfigure(cluster, **BASE)
+    for sim in (*cluster.prefill, *cluster.decode):
+        sim.clear()
 
 
 def admin_config(cluster) -> dict:
@@ -61,7 +67,14 @@ def reconfigure(cluster, **changes) -> None:
     cfg.update(changes)
     cluster.config_path.write_text(yaml.safe_dump(cfg))
     cluster.config = cfg
-    assert wait_for(lambda: admin_config(cluster)["fairness"]["enabled"] == cfg["fairness"]["enabled"], timeout=15)
+    assert wait_for(lambda: all(_within(v, admin_config(cluster)[k]) for k, v in changes.items()), timeout=15)
+
+
+def _within(want, got) -> bool:
+    """``want``'s keys hold ``got``'s values (the served config also has the defaults)."""
+    if isinstance(want, dict):
+        return isinstance(got, dict) and all(k in got and _within(v, got[k]) for k, v in want.items())
+    return want == got
 
 
 def chat(cluster, tenant: str, rid: str | None = None, content: str = "hi", max_tokens: int = 2,
@@ -104,6 +117,28 @@ def test_a_flooding_key_cannot_starve_another(cluster, fair):
         assert order[1] == "calm", order
     else:  # FIFO: behind every flood request
         assert order[-1] == "calm", order
+
+
+def test_a_flood_of_long_prompts_waits_behind_another_tenants_in_the_prefill_pool(cluster):
+    reconfigure(cluster, admission={"max_per_prefill_endpoint": 1, "max_per_decode_endpoint": 8, "queue_timeout_s": 30},
+                routing={"decider": {"name": "token_threshold", "threshold": 500}})
+    long = "many words here " * 300  # ~1,000 tokens: P/D, 0.5 s on the prefill engine
+    hold, _ = in_background(chat, cluster, "flood", "hold", content="hold " + long)
+    assert wait_for(lambda: cluster.prefill[0].requests(), timeout=10)
+    threads = []
+    for i in range(3):
+        threads.append(in_background(chat, cluster, "flood", f"flood-{i}", content=f"{i} " + long))
+        time.sleep(0.1)
+    threads.append(in_background(chat, cluster, "calm", "calm", content="calm " + long))
+    for t, out in [(hold, None), *threads]:
+        t.join(timeout=60)
+        assert out is None or (out[0].status_code == 200 and out[0].headers["x-pdgate-path"] == "pd"), out
+    order = [q["request_id"] for q in sorted(cluster.prefill[0].requests(), key=lambda q: q["received_at"])]
+    # waiting for the prefill pool (not sent direct), the calm tenant's prompt before the flood's
+    assert order[:2] == ["hold", "calm"] and len(order) == 5, order
+    text = httpx.get(cluster.url + "/metrics").text
+    assert sample(text, "pdgate_tenant_prefill_tokens_total", tenant="flood", priority="standard") > \
+        sample(text, "pdgate_tenant_prefill_tokens_total", tenant="calm", priority="standard") > 900
 
 
 def test_priorities_reach_the_engine(cluster):
