@@ -15,6 +15,7 @@ from policies.base import (
     Filter,
     Measured,
     NoPairing,
+    Path,
     Picker,
     PoolSnapshot,
     RequestContext,
@@ -163,7 +164,12 @@ class Router:
         route = self.pipeline.route(prep.ctx, snap, explain=explain)
         if wait_for_prefill and route.decision.reason == "no_prefill_endpoint" and \
                 any(v.healthy and v not in snap.prefill for v in full.prefill):  # at its limit
-            raise Saturated("prefill")
+            # What the decider would choose with room in the prefill pool: a decider that weighs
+            # both paths (the cost model) cannot without a prefill engine to price.
+            roomy = self.pipeline.route(prep.ctx, PoolSnapshot(full.prefill, snap.decode), explain=explain)
+            if roomy.decision.path is Path.PD:
+                raise Saturated("prefill")
+            return roomy
         return route
 
     def other(self, prep: Prepared, pool: str, exclude: set[str], paired: EndpointView | None = None

@@ -83,3 +83,31 @@ async def test_prefix_disabled():
     router = Router(RoutingConfig.model_validate({"prefix": {"enabled": False}}), pools, PrefixIndex())
     prep = await router.prepare("m", "r", list(range(100)), None, {})
     assert prep.hashes == () and prep.block_size == 0
+
+
+async def test_waiting_for_the_prefill_pool_only_when_the_decider_wants_it():
+    """With the prefill pool at its limit, a request waits for it (``wait_for_prefill``) only when
+    the decider would send it P/D with room there: the cost model, which prices both paths, must
+    not make a short prompt wait for prefill because it could not price P/D."""
+    from gateway.router import Saturated
+
+    pools = Pools(["http://p0"], ["http://d0"])
+    for ep in pools.all():
+        ep.healthy = True
+    cfg = RoutingConfig.model_validate({"decider": {"name": "cost_model", "itl_budget_s": 0}})
+    router = Router(cfg, pools, PrefixIndex())
+    short = await router.prepare("m", "s", list(range(20)), None, {})
+    long = await router.prepare("m", "l", list(range(20_000)), None, {})
+    pools.prefill[0].backlog_tokens = 0
+    pools.decode[0].backlog_tokens = 200_000  # a busy decode engine: P/D is faster for the long prompt
+    assert router.route(long).decision.path is Path.PD
+    pools.prefill[0].in_flight = 1  # the prefill pool at its limit of 1
+    assert router.route(long, max_prefill=1).decision.reason == "no_prefill_endpoint"  # today: direct
+    try:
+        router.route(long, max_prefill=1, wait_for_prefill=True)
+        raise AssertionError("the long prompt should wait for the prefill pool")
+    except Saturated as sat:
+        assert sat.phase == "prefill"
+    pools.decode[0].backlog_tokens = 0
+    d = router.route(short, max_prefill=1, wait_for_prefill=True).decision
+    assert (d.path, d.reason) == (Path.DIRECT, "direct_faster")
