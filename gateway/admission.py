@@ -115,7 +115,7 @@ class Lock(Protocol):
 class SharedGate(Gate):
     """``Gate`` for a gateway of several worker processes: ``limit`` bounds the sum of every
     worker's slots. A worker takes a slot under the shared lock (a few microseconds, never
-    contended for long); its own queue stays FIFO, and while requests wait it looks for a slot
+    contended for long); its own queue keeps its order, and while requests wait it looks for a slot
     another worker freed every ``poll_s`` (workers do not wake each other)."""
 
     def __init__(self, limit: int, slots: Slots, lock: Lock, worker: int, poll_s: float = 0.002,

@@ -193,11 +193,10 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
                                        queue=FairQueue("gateway", usage))
                             if worker and bus else Gate(cfg.admission.max_in_flight, FairQueue("gateway", usage)),
                             KVReleaser(Upstream(engines, cfg.timeouts)), LoopLag(connections=connections), usage)
-        pools.release_listeners.append(services.released)
+        pools.release_listeners.append(services.queues.released)
         scraper = StatsScraper(pools, session, cfg.signals)
         metrics.watch_admission(services.gate, connections, services.lag)
-        metrics.watch_tenants(usage, services.tenant_labels,
-                              lambda: [(pool, len(q)) for (pool, _), q in list(services.queues.items())])
+        metrics.watch_tenants(usage, services.tenant_labels, services.queues.queued)
 
         async def engine_up(ep: Endpoint, recovering: bool) -> None:
             """Before routing sees an engine (again): the same run? what does it serve?"""

@@ -595,8 +595,8 @@ def _key_entry(line: str, where: str) -> KeyEntry:
         else:
             fields[name] = value
     for value in (fields.get("tenant"), fields.get("priority"), *fields.get("allow", ())):
-        if value is not None and not re.fullmatch(_NAME, value):
-            raise ValueError(f"{where}: tenant and class names are 1-64 of A-Z a-z 0-9 . _ : -")
+        if value is not None and (not re.fullmatch(_NAME, value) or value == "other"):
+            raise ValueError(f"{where}: tenant and class names are 1-64 of A-Z a-z 0-9 . _ : -, not 'other'")
     return KeyEntry(key, **fields)
 
 
@@ -669,7 +669,8 @@ class FairnessConfig(_Strict):
                                    "of going direct (its long prefill would stall the decode engines' streams)")
     default_output_tokens: int = Field(256, ge=1, description="decode occupancy of a request without max_tokens")
     half_life_s: float = Field(10.0, gt=0, le=3600, description="a tenant's use fades by half in this time")
-    max_queued: int = Field(1024, ge=1, le=100_000, description="requests waiting per pool")
+    max_queued: int = Field(1024, ge=1, le=100_000, description="requests waiting per queue (the gateway's "
+                            "slots; each engine pool, per model), fairness on or off")
     max_queued_per_tenant: int = Field(256, ge=1, le=100_000, description="one tenant's share of that")
     max_tenants: int = Field(10_000, ge=1, le=1_000_000, description="tenants tracked; others share 'other'")
     metrics_top_tenants: int = Field(20, ge=0, le=1000, description="tenants with their own metric labels")

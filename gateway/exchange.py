@@ -354,70 +354,81 @@ class Exchange:
         served in the queue's order; a new request does not pass one that waits before it. A
         sheddable request whose TTFT objective cannot be met leaves with 429 as soon as that is known
         (not a continuation: ``sheddable`` False)."""
-        adm, fair = self.rt.cfg.admission, self.rt.cfg.fairness
-        retry_after = {"Retry-After": str(math.ceil(adm.retry_after_s))}
+        adm = self.rt.cfg.admission
         waited = 0.0
         w: Waiter | None = None
         queue: FairQueue | None = None
+        routed = False
         try:
             while True:
-                phase = ""
-                if w is None and not explain and self._queue("decode").before(self.who):
-                    phase = "decode"  # room there is for those who wait first
-                else:
-                    try:
-                        route = self.rt.router.route(
-                            prep, explain=explain, max_decode=adm.max_per_decode_endpoint,
-                            max_prefill=adm.max_per_prefill_endpoint, exclude=exclude,
-                            wait_for_prefill=fair.enabled and fair.wait_for_prefill and not explain)
-                    except NotServed:
-                        raise APIError(503, f"No decode engine serves the model `{prep.ctx.model}` right now "
-                                       "(see /ready).", code="model_not_served", headers=retry_after) from None
-                    except NoEndpointError:
-                        raise APIError(503, "No decode engine is available right now.", code="no_healthy_endpoint",
-                                       type_="server_error", headers=retry_after) from None
-                    except Saturated as sat:
-                        if explain:
-                            raise too_busy(adm, f"every {sat.phase} engine is at its limit") from None
-                        phase = sat.phase
-                    else:
-                        d = route.decision
-                        if w is None and not explain and d.prefill is not None and \
-                                self._queue("prefill").before(self.who):
-                            phase = "prefill"
-                        else:
-                            if sheddable:
-                                self._check_objective(prep, decision_ttft(self._model(), prep.ctx, d),
-                                                      explain=explain)
-                            return route, waited
+                route, phase = self._route_or_wait(prep, explain, exclude, first=w is None)
+                if route is not None:
+                    if sheddable:
+                        self._check_objective(prep, decision_ttft(self._model(), prep.ctx, route.decision),
+                                              explain=explain)
+                    routed = True
+                    return route, waited
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise too_busy(adm, f"every {phase} engine is at its limit")
                 q = self._queue(phase)
                 if w is None or queue is not q:
                     if w is not None and queue is not None:
-                        _leave(queue, w)  # now it needs the other pool
+                        _leave(queue, w, routed=False)  # now it needs the other pool
+                        w = queue = None
                     try:
                         w = q.join(self.who, _uncached(prep.ctx) if phase == "prefill" else 0)
                     except QueueFull as full:
                         self.svc.metrics.rejected(full.why)
                         raise too_busy(adm, f"too many requests waiting for the {phase} pool") from None
                     queue = q
-                elif w.fut.done():  # it was served, but the room went to someone else: first in line again
+                elif w.fut.done():  # it was served, but found no room: first in line again
+                    if exclude:  # the room may be on an engine it must not use: the next one looks
+                        q.wake()
                     q.requeue(w)
                 shed_in = self._check_objective(prep, None, queue=q, waiter=w, exclude=exclude) \
                     if sheddable else math.inf
-                while True:
-                    w0 = time.perf_counter()
-                    woken = await q.wait(w, min(left, _QUEUE_SLICE_S, shed_in))
-                    waited += time.perf_counter() - w0
-                    left = deadline - time.monotonic()
-                    shed_in -= time.perf_counter() - w0
-                    if woken or left <= 0 or shed_in <= 0 or q.best() is w:
-                        break
+                waited += await self._wait_for_room(q, w, min(left, shed_in))
         finally:
             if w is not None and queue is not None:
-                _leave(queue, w)
+                _leave(queue, w, routed)
+
+    def _route_or_wait(self, prep: Prepared, explain: bool, exclude: Collection[str], *, first: bool
+                       ) -> tuple[Route | None, str]:
+        """The route, or the pool to wait for: a pool at its limits, or (``first`` try) one where
+        someone waits who goes first."""
+        adm, fair = self.rt.cfg.admission, self.rt.cfg.fairness
+        if first and not explain and self._queue("decode").before(self.who):
+            return None, "decode"  # room there is for those who wait first
+        retry_after = {"Retry-After": str(math.ceil(adm.retry_after_s))}
+        try:
+            route = self.rt.router.route(
+                prep, explain=explain, max_decode=adm.max_per_decode_endpoint, max_prefill=adm.max_per_prefill_endpoint,
+                exclude=exclude, wait_for_prefill=fair.enabled and fair.wait_for_prefill and not explain)
+        except NotServed:
+            raise APIError(503, f"No decode engine serves the model `{prep.ctx.model}` right now (see /ready).",
+                           code="model_not_served", headers=retry_after) from None
+        except NoEndpointError:
+            raise APIError(503, "No decode engine is available right now.", code="no_healthy_endpoint",
+                           type_="server_error", headers=retry_after) from None
+        except Saturated as sat:
+            if explain:
+                raise too_busy(adm, f"every {sat.phase} engine is at its limit") from None
+            return None, sat.phase
+        if first and not explain and route.decision.prefill is not None and self._queue("prefill").before(self.who):
+            return None, "prefill"
+        return route, ""
+
+    async def _wait_for_room(self, q: FairQueue, w: Waiter, limit_s: float) -> float:
+        """Until woken (room freed), ``limit_s`` passes, or it is first in line at a look (room
+        other replicas free is not signalled); the time waited."""
+        waited = 0.0
+        while True:
+            w0 = time.perf_counter()
+            woken = await q.wait(w, min(limit_s - waited, _QUEUE_SLICE_S))
+            waited += time.perf_counter() - w0
+            if woken or waited >= limit_s or q.best() is w:
+                return waited
 
     def _queue(self, phase: str) -> FairQueue:
         return self.svc.queue(phase, self.prep.ctx.model if self.prep else "")
@@ -455,7 +466,9 @@ class Exchange:
         self.svc.metrics.tenant_shed(self.svc.tenant_labels(who.tenant), who.cls)
         self.rec.reason = "ttft_objective"
         late = math.ceil(max(self.rt.cfg.admission.retry_after_s, v.predicted_s - v.objective_s))
-        raise APIError(429, f"This request's TTFT objective cannot be met: {v.describe()}; retry after {late} s.",
+        hint = (f"retry after {late} s" if v.engine_s <= v.objective_s else
+                "its prompt alone is predicted to take longer than the objective: a retry will not meet it either")
+        raise APIError(429, f"This request's TTFT objective cannot be met: {v.describe()}; {hint}.",
                        code="ttft_objective_unattainable", headers={"Retry-After": str(late)})
 
     # -- the engine legs --------------------------------------------------------------------------------
@@ -671,7 +684,11 @@ class Exchange:
         fails mid-way is continued on another engine, as often as the config allows."""
         if req.stream:
             self._outcome(200)
-            await client.start(200, headers)
+            try:
+                await client.start(200, headers)
+            except BaseException:  # the client left: the leg ends here (its slot, its tenant's use)
+                self._leg_end(leg, LegOutcome.CUT, False, leg.stream.resp.status, None)
+                raise
         while True:
             cut = await self._relay_part(client, leg, answer)
             if cut is None:
@@ -1012,11 +1029,11 @@ def _route_attributes(rec: RequestRecord, d: Decision, prep: Prepared, waited: f
     return attrs
 
 
-def _leave(queue: FairQueue, w: Waiter) -> None:
-    """Out of the queue; a waiter that was served passes its turn on (the room it found, or did not
-    use, may be the next one's)."""
+def _leave(queue: FairQueue, w: Waiter, routed: bool) -> None:
+    """Out of the queue. One that found room, or was served and leaves without using it, passes
+    the turn on: there may be room for the next one too (or the room it did not take)."""
     queue.remove(w)
-    if w.fut.done() and not w.fut.cancelled():
+    if routed or (w.fut.done() and not w.fut.cancelled()):
         queue.wake()
 
 

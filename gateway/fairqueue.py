@@ -18,6 +18,7 @@ import collections
 import itertools
 from dataclasses import dataclass, field
 
+from .config import FairnessConfig
 from .tenants import Identity, Usage
 
 _NOBODY = Identity("default", 1.0, "", 0, None, False)
@@ -155,3 +156,39 @@ class FairQueue:
                     n += 1
                     tokens += other.tokens
         return n, tokens
+
+
+class PoolQueues:
+    """The engine pools' queues: one per pool and model (room on one model's engines says nothing
+    about another's), all in one order (``configure``)."""
+
+    def __init__(self, usage: Usage, cfg: FairnessConfig | None = None) -> None:
+        self._usage = usage
+        self._cfg = cfg or FairnessConfig()
+        self._queues: dict[tuple[str, str], FairQueue] = {}
+
+    def get(self, pool: str, model: str) -> FairQueue:
+        q = self._queues.get((pool, model))
+        if q is None:
+            f = self._cfg
+            q = self._queues[(pool, model)] = FairQueue(pool, self._usage, fair=f.enabled, max_queued=f.max_queued,
+                                                        max_per_tenant=f.max_queued_per_tenant)
+        return q
+
+    def released(self, pool: str) -> None:
+        """A slot in ``pool`` is free: the best waiter of each model's queue looks."""
+        for (p, _), q in self._queues.items():
+            if p == pool and q:
+                q.wake()
+
+    def configure(self, cfg: FairnessConfig) -> None:
+        """A reload: every queue takes the new order and bounds, and its first waiters look again
+        (a raised limit frees room nobody signals)."""
+        self._cfg = cfg
+        for q in self._queues.values():
+            q.configure(cfg.enabled, cfg.max_queued, cfg.max_queued_per_tenant)
+            if q:
+                q.wake()
+
+    def queued(self) -> list[tuple[str, int]]:
+        return [(pool, len(q)) for (pool, _), q in list(self._queues.items())]

@@ -8,7 +8,7 @@ from policies.hooks import Hooks
 
 from .admission import Gate, LoopLag
 from .config import FairnessConfig, GatewayConfig
-from .fairqueue import FairQueue
+from .fairqueue import FairQueue, PoolQueues
 from .legs import KVReleaser
 from .metrics import GatewayMetrics
 from .pools import Pools
@@ -48,30 +48,18 @@ class Services:
     releaser: KVReleaser  # frees KV a departed client's prefill left behind
     lag: LoopLag = field(default_factory=LoopLag)  # how late the event loop runs (admission sheds past a bound)
     usage: Usage = field(default_factory=Usage)  # each tenant's use of each pool (fair queueing's order)
-    queues: dict[tuple[str, str], FairQueue] = field(default_factory=dict)  # (pool, model) -> who waits for room
     tenant_labels: Labels = field(default_factory=lambda: Labels(20))
-    fairness: list[FairnessConfig] = field(default_factory=lambda: [FairnessConfig()])  # the one in force
+    queues: PoolQueues = field(init=False)  # who waits for room in the engine pools, ordered by ``usage``
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "queues", PoolQueues(self.usage))  # (frozen: set once, here)
 
     def queue(self, pool: str, model: str) -> FairQueue:
-        """Requests of ``model`` waiting for room in ``pool`` ("prefill", "decode"); one queue per
-        model, as room on one model's engines says nothing about another's."""
-        q = self.queues.get((pool, model))
-        if q is None:
-            f = self.fairness[0]
-            q = self.queues[(pool, model)] = FairQueue(pool, self.usage, fair=f.enabled, max_queued=f.max_queued,
-                                                       max_per_tenant=f.max_queued_per_tenant)
-        return q
-
-    def released(self, pool: str) -> None:
-        """A slot in ``pool`` is free: the best waiter of each model's queue looks (one per model)."""
-        for (p, _), q in self.queues.items():
-            if p == pool and q:
-                q.wake()
+        return self.queues.get(pool, model)
 
     def configure(self, f: FairnessConfig, tenants: list[str]) -> None:
         """A config (re)load: every queue takes the new order and bounds at once."""
-        self.fairness[0] = f
         self.usage.configure(f.half_life_s, f.max_tenants)
         self.tenant_labels.configure(f.metrics_top_tenants, tenants)
-        for q in [*self.queues.values(), self.gate.queue]:
-            q.configure(f.enabled, f.max_queued, f.max_queued_per_tenant)
+        self.gate.queue.configure(f.enabled, f.max_queued, f.max_queued_per_tenant)
+        self.queues.configure(f)

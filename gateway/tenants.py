@@ -22,6 +22,8 @@ from .errors import APIError
 OTHER = "other"  # tenants past fairness.max_tenants, and in metrics past the top N
 _NAME = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 _MAX_TTFT_MS = 3_600_000
+_MS = re.compile(r"[0-9]{1,7}")  # ASCII digits only (str.isdigit also takes '²', which int() refuses)
+_PRUNE_EVERY_S = 1.0  # a full tenant table is swept of faded tenants at most this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +106,7 @@ class Tenancy:
         slo = cls.ttft_slo_s
         given = headers.get(cfg.ttft_header)
         if given is not None:
-            if not given.isdigit() or not 0 < int(given) <= _MAX_TTFT_MS:
+            if not _MS.fullmatch(given) or not 0 < int(given) <= _MAX_TTFT_MS:
                 raise APIError(400, f"The {cfg.ttft_header} header must be whole milliseconds, 1 to "
                                f"{_MAX_TTFT_MS}.", code="invalid_ttft_objective")
             slo = int(given) / 1000
@@ -147,18 +149,32 @@ class Usage:
         self._decode_taken: dict[str, _Fading] = {}
         self._decode: dict[str, float] = {}
         self._gateway: dict[str, int] = {}
+        self._names: set[str] = set()  # every tenant in the tables above
+        self._next_prune = 0.0
         self.others: dict[str, dict[str, float]] = {p: {} for p in self.PHASES}
 
     def configure(self, half_life_s: float, max_tenants: int) -> None:
         self.half_life_s, self.max_tenants = half_life_s, max_tenants
 
     def key(self, tenant: str) -> str:
-        """The name ``tenant`` is tracked under (bounded memory whatever names clients send)."""
-        tables = (self._prefill, self._decode_taken, self._decode, self._gateway)
-        if any(tenant in t for t in tables):
+        """The name ``tenant`` is tracked under (bounded memory whatever names clients send): a
+        full table is swept of tenants whose use has faded, at most every ``_PRUNE_EVERY_S``."""
+        if tenant in self._names:
             return tenant
-        tracked = len(set().union(*tables))
-        return tenant if tracked < self.max_tenants else OTHER
+        if len(self._names) >= self.max_tenants and self._clock() >= self._next_prune:
+            self._prune()
+        if len(self._names) >= self.max_tenants:
+            return OTHER
+        self._names.add(tenant)
+        return tenant
+
+    def _prune(self) -> None:
+        now, h = self._clock(), self.half_life_s
+        self._next_prune = now + _PRUNE_EVERY_S
+        for fading in (self._prefill, self._decode_taken):
+            for name in [n for n, f in fading.items() if f.read(now, h) < 1.0]:
+                del fading[name]
+        self._names = (set(self._prefill) | set(self._decode_taken) | set(self._decode) | set(self._gateway)) - {OTHER}
 
     def prefill_sent(self, tenant: str, tokens: int) -> None:
         if tokens > 0:
@@ -202,10 +218,8 @@ class Usage:
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """This replica's use per phase and tenant (faded-out tenants dropped): for shared state."""
+        self._prune()
         now, h = self._clock(), self.half_life_s
-        for fading in (self._prefill, self._decode_taken):
-            for name in [n for n, f in fading.items() if f.read(now, h) < 1.0]:
-                del fading[name]
         return {"prefill": {n: f.read(now, h) for n, f in self._prefill.items()},
                 "decode": {n: f.read(now, h) for n, f in self._decode_taken.items()},
                 "gateway": {n: float(c) for n, c in self._gateway.items()}, "occupancy": dict(self._decode)}

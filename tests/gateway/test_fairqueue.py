@@ -130,13 +130,18 @@ async def test_bounds() -> None:
     assert len(q) == 4
 
 
-async def test_tenants_tracked_are_bounded() -> None:
-    usage = Usage(max_tenants=2)
+async def test_tenants_tracked_are_bounded_and_faded_ones_make_room() -> None:
+    now = [0.0]
+    usage = Usage(half_life_s=1, max_tenants=2, clock=lambda: now[0])
     usage.decode_started("a", 1)
-    usage.decode_started("b", 1)
+    kb = usage.decode_started("b", 1)
     assert usage.decode_started("c", 1) == "other"
     assert usage.key("a") == "a"
     assert usage.of("occupancy", "other") == 1
+    usage.decode_ended(kb, 1)  # b's leg ended, and its use fades out
+    now[0] = 60.0
+    assert usage.key("d") == "d"  # the full table was swept: room for a new tenant
+    assert usage.key("e") == "other"
 
 
 async def test_others_replicas_use_counts() -> None:

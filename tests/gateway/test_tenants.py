@@ -30,7 +30,8 @@ def test_a_keys_line_names_tenant_weight_and_classes(tmp_path) -> None:
     assert AuthConfig(api_keys_file=str(tmp_path / "keys")).api_keys() == ["sk-a", "sk-b"]
 
 
-@pytest.mark.parametrize("line", ["sk x=1", "sk weight=0", "sk weight=abc", "sk tenant=a/b", "sk tenant=a tenant=b"])
+@pytest.mark.parametrize("line", ["sk x=1", "sk weight=0", "sk weight=abc", "sk tenant=a/b", "sk tenant=a tenant=b",
+                                  "sk tenant=other"])
 def test_bad_key_lines_are_config_errors(tmp_path, line) -> None:
     with pytest.raises(ValueError):
         keys(tmp_path, line)
@@ -73,7 +74,7 @@ def test_objectives_from_class_or_header() -> None:
     t = Tenancy(FairnessConfig(classes={"standard": {"ttft_slo_s": 2}, "batch": {"priority": 5, "sheddable": True}}))
     assert t.identify({}, None).ttft_slo_s == 2
     assert t.identify({"x-pdgate-ttft-ms": "350"}, None).ttft_slo_s == 0.35
-    for bad in ["0", "-1", "1.5", "abc", "3600001"]:
+    for bad in ["0", "-1", "1.5", "abc", "3600001", "\u00b2", "1" * 5000, " 5"]:
         with pytest.raises(APIError):
             t.identify({"x-pdgate-ttft-ms": bad}, None)
 
