@@ -58,11 +58,10 @@ from typing import Any
 
 import aiohttp
 import httpx
-import orjson
 import yaml
 
-from bench.goodput import MODEL, Cluster, Progress, pct, pdgate_config, start_engines
-from bench.workloads import _arrival_times, _ids
+from bench.goodput import Cluster, Progress, pct, pdgate_config, send, start_engines
+from bench.workloads import Request, _arrival_times, _ids
 from gateway.demo import cache_dir
 from sim.config import SimConfig
 from sim.profile import engine_settings
@@ -266,50 +265,14 @@ async def _send(
     scale: float,
     progress: Progress,
 ) -> Outcome:
-    body = orjson.dumps(
-        {"model": MODEL, "prompt": req.prompt, "max_tokens": req.max_tokens, "ignore_eos": True, "stream": True}
-    )
+    """bench.goodput's request, with the tenant's key and TTFT objective."""
     headers = {
-        "Content-Type": "application/json",
         "Authorization": f"Bearer sk-{req.tenant}",
         "x-pdgate-ttft-ms": str(max(1, round(spec.ttft_slo_s * scale * 1000))),  # the gateway's clock is wall
     }
-    delay = t0 + req.arrival_s * scale - time.perf_counter()
-    if delay > 0:
-        await asyncio.sleep(delay)
-    start = time.perf_counter()
-    res = Outcome()
-    last = 0.0
-    try:
-        async with session.post(url, data=body, headers=headers) as resp:
-            res.status = resp.status
-            res.path = resp.headers.get("x-pdgate-path")
-            if resp.status != 200:
-                res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                return res
-            async for line in resp.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                now = time.perf_counter()
-                if b'"error"' in line[:20] or b'"object":"error"' in line:
-                    res.error = line[6:206].decode(errors="replace")
-                    return res
-                if b'"choices":[]' in line:
-                    continue
-                if res.tokens == 0:
-                    res.ttft_s = (now - start) / scale
-                else:
-                    res.itls_s.append((now - last) / scale)
-                last = now
-                res.tokens += 1
-        res.ok = res.tokens > 0
-        if not res.ok:
-            res.error = "no tokens"
-    except (TimeoutError, aiohttp.ClientError) as e:
-        res.error = f"{type(e).__name__}: {e}"
-    finally:
-        progress.tick(res.ok)
-    return res
+    r = await send(session, url, Request(0, req.arrival_s, req.prompt, req.max_tokens, req.tenant), t0, scale,
+                   progress, headers)
+    return Outcome(r.status, r.ok, r.ttft_s, r.itls_s, r.tokens, r.path, r.error)
 
 
 async def replay(

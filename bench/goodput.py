@@ -261,6 +261,7 @@ class Result:
     finished_s: float = 0.0  # simulated, since the run's start
     path: str | None = None
     error: str | None = None
+    status: int = 0  # HTTP
 
 
 class Progress:
@@ -292,9 +293,11 @@ class Progress:
             print(line, file=sys.stderr, flush=True)
 
 
-async def _send(
-    session: aiohttp.ClientSession, url: str, req: Request, t0: float, scale: float, progress: Progress
+async def send(
+    session: aiohttp.ClientSession, url: str, req: Request, t0: float, scale: float, progress: Progress,
+    headers: dict[str, str] | None = None,
 ) -> Result:
+    """One streamed completion at its arrival time: its TTFT and inter-token gaps (simulated)."""
     body = orjson.dumps(
         {
             "model": MODEL,
@@ -311,7 +314,9 @@ async def _send(
     res = Result(req.klass, False)
     last = 0.0
     try:
-        async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+        async with session.post(url, data=body, headers={"Content-Type": "application/json", **(headers or {})}
+                                ) as resp:
+            res.status = resp.status
             res.path = resp.headers.get("x-pdgate-path")
             if resp.status != 200:
                 res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
@@ -347,7 +352,7 @@ async def run_point(url: str, reqs: list[Request], scale: float, progress: Progr
     timeout = aiohttp.ClientTimeout(total=None, sock_read=900)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
         t0 = time.perf_counter() + 0.2
-        return await asyncio.gather(*(_send(session, url, r, t0, scale, progress) for r in reqs))
+        return await asyncio.gather(*(send(session, url, r, t0, scale, progress) for r in reqs))
 
 
 # ---------------------------------------------------------------------------- metrics
