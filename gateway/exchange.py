@@ -77,7 +77,6 @@ _PATH = {p: (PATH_HEADER.encode(), p.value.encode()) for p in Path}
 _SHUTTING_DOWN = APIError(503, "The gateway is shutting down; the answer was cut short.", code="shutting_down")
 
 
-
 def request_id(client_id: str | None) -> str:
     """The client's X-Request-Id when it is a sane token (vLLM builds its response ids from it and
     suffixes its internal ids, so reuse cannot collide inside an engine), else a fresh one."""
@@ -389,7 +388,7 @@ class Exchange:
         ticket = ep.start_prefill(tokens)
         if self.who is not None:  # the tenant's prefill use: the tokens it sends the prefill pool
             self.svc.usage.prefill_sent(self.who.tenant, tokens)
-            self.svc.metrics.tenant_prefill(self.svc.tenant_labels(self.who.tenant), self.who.cls, tokens)
+            self.svc.metrics.tenant_prefill(self.rec.tenant_label, self.who.cls, tokens)
         span = part.trace.leg("prefill", ep.url)
         span.set("pdgate.uncached_tokens", tokens)
         started = time.perf_counter()

@@ -167,7 +167,6 @@ class Pools:
         self._on_restart = on_restart  # what forgets what was learned about an engine
         # Requests other gateway replicas have in flight per endpoint url (shared state), if any.
         self.others: Mapping[str, int] = {}
-        self._release_waiters: list[asyncio.Future[None]] = []
         self.release_listeners: list[Callable[[str], None]] = []  # told the pool of every freed slot
         self.outlier = outlier or OutlierConfig()
         self._not_serving: dict[str, frozenset[tuple[str, str]]] = {}  # not_serving's answers, per model
@@ -247,24 +246,6 @@ class Pools:
     def _released(self, pool: str) -> None:
         for listener in self.release_listeners:
             listener(pool)
-        waiters, self._release_waiters = self._release_waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
-
-    async def wait_release(self, timeout: float) -> None:
-        """Return when any endpoint's in-flight count drops, or after ``timeout`` seconds."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._release_waiters.append(fut)
-        try:
-            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow the request's own cancel
-            async with asyncio.timeout(timeout):
-                await fut
-        except TimeoutError:
-            pass
-        finally:
-            if fut in self._release_waiters:
-                self._release_waiters.remove(fut)
 
     def ready(self) -> bool:
         return any(e.healthy and not e.ejected for e in self.decode)

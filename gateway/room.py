@@ -15,7 +15,7 @@ import time
 from collections.abc import Collection
 from typing import Any
 
-from policies.base import RequestContext
+from policies.base import Decision, RequestContext
 from policies.cost_model import CostModel
 from policies.pipeline import NoEndpointError, Route
 
@@ -57,8 +57,7 @@ class Room:
                 route, phase = self._route_or_wait(prep, explain, exclude, first=w is None)
                 if route is not None:
                     if sheddable:
-                        self._check_objective(prep, decision_ttft(self._model(), prep.ctx, route.decision),
-                                              explain=explain)
+                        self._check_objective(prep, route.decision, explain=explain)
                     routed = True
                     return route, waited
                 left = deadline - time.monotonic()
@@ -131,17 +130,20 @@ class Room:
         """What predicts TTFT for the objectives."""
         return model_of(self.rt.router.pipeline.decider)
 
-    def _check_objective(self, prep: Prepared, engine: tuple[float, str] | None, *,
+    def _check_objective(self, prep: Prepared, decision: Decision | None, *,
                          explain: bool = False, queue: FairQueue | None = None, waiter: Waiter | None = None,
                          exclude: Collection[str] = ()) -> float:
         """Sheds a sheddable request that cannot meet its TTFT objective (429 with Retry-After);
-        returns how long it may wait before that is so (inf: it has no objective, or may not be shed)."""
+        returns how long it may wait before that is so (inf: it has no objective, or may not be shed).
+        ``decision``: the route found; None: queued."""
         who, fair = self.who, self.rt.cfg.fairness
         if who is None or who.ttft_slo_s is None or not fair.enabled:
             return math.inf
         model = self._model()
         queued_s = 0.0
-        if engine is None:  # queued: the engines' side without limits, and the prefill work ahead
+        if decision is not None:
+            engine = decision_ttft(model, prep.ctx, decision)
+        else:  # queued: the engines' side without limits, and the prefill work ahead
             try:
                 route = self.rt.router.route(prep, exclude=exclude)
             except (NotServed, NoEndpointError, Saturated):
@@ -157,7 +159,7 @@ class Room:
         if explain:
             return 0.0
         self.svc.metrics.decided("shed", "ttft_objective")
-        self.svc.metrics.tenant_shed(self.svc.tenant_labels(who.tenant), who.cls)
+        self.svc.metrics.tenant_shed(self.rec.tenant_label, who.cls)
         self.rec.reason = "ttft_objective"
         late = math.ceil(max(self.rt.cfg.admission.retry_after_s, v.predicted_s - v.objective_s))
         hint = (f"retry after {late} s" if v.engine_s <= v.objective_s else

@@ -4,6 +4,7 @@ it. A sheddable request that cannot is answered 429 at once, rather than left to
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from policies.base import Decision, EndpointView, RequestContext
@@ -32,7 +33,12 @@ class Verdict:
 def model_of(decider: object) -> CostModel:
     """The routing's own cost model when it uses one (its learned speeds and hand-over), else the
     defaults: the engines' measured speeds still apply, through the endpoint views."""
-    return decider if isinstance(decider, CostModel) else CostModel()
+    return decider if isinstance(decider, CostModel) else _default_model()
+
+
+@functools.cache
+def _default_model() -> CostModel:
+    return CostModel()  # immutable; validating its fields costs ~11 us, once
 
 
 def engine_ttft(model: CostModel, ctx: RequestContext, decode: EndpointView,
