@@ -28,7 +28,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -227,6 +227,25 @@ def start_engine(
     unpin(proc)
     http = httpx.Client(timeout=REQUEST_TIMEOUT_S, limits=CLIENT_LIMITS)
     return Engine(role, proc, port, side, core, http, group, argv, env, str(work))
+
+
+def slowable(work: Path, role: str) -> tuple[list[str], dict[str, str]]:
+    """The flags and environment of an engine that ``slowed`` can slow down (enginesite/slowsteps.py)."""
+    return (["--logits-processors", "slowsteps:SlowSteps"],
+            {"PDGATE_TEST_SLOW_FILE": str(work / f"slow-{role}")})
+
+
+@contextlib.contextmanager
+def slowed(eng: Engine, step_s: float) -> Iterator[None]:
+    """While inside, each sampling step of a ``slowable`` engine first sleeps ``step_s`` (the
+    engine slows itself: a late test process cannot let it run fast)."""
+    assert eng.env is not None and "PDGATE_TEST_SLOW_FILE" in eng.env, f"{eng.role} was not started slowable"
+    flag = Path(eng.env["PDGATE_TEST_SLOW_FILE"])
+    flag.write_text(str(step_s))
+    try:
+        yield
+    finally:
+        flag.unlink(missing_ok=True)
 
 
 def unpin(proc: Proc) -> None:

@@ -18,12 +18,7 @@ progress threads busy-spinning on two cores starved transfers past vLLM's 30 s K
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -37,8 +32,9 @@ from .test_real_vllm import chat_messages
 
 pytestmark = [pytest.mark.realvllm, pytest.mark.e2e]
 
-MAX_TOKENS = 1400  # over ten seconds of the slowed engine's answer: it dies mid-answer
+MAX_TOKENS = 1400  # the slowed engine's answer takes over 40 s: it dies mid-answer
 KILL_AFTER = 20  # events the client reads before the (slowed) decode engine dies
+STEP_S = 0.03  # what the victim's every step takes longer (enginesite/slowsteps.py)
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_tokens": MAX_TOKENS}
 
 
@@ -48,8 +44,9 @@ def second_decode(vllm_pair: Pair) -> Iterator[E.Engine]:
     engine keeps its own)."""
     venv, _ = E.venv_and_model()
     work = vllm_pair.group.log_dir
+    slow_args, slow_env = E.slowable(work, "decode-2")
     eng = E.start_engine(vllm_pair.group, "decode-2", venv, vllm_pair.model_dir, work, vllm_pair.prefill.core,
-                         nixl=False, extra_args=["--enable-prompt-tokens-details"])
+                         nixl=False, extra_args=["--enable-prompt-tokens-details", *slow_args], extra_env=slow_env)
     try:
         E.wait_ready([eng])
         E.pin_engine(eng)
@@ -96,44 +93,23 @@ def access_line(gw: Gateway, rid: str) -> dict:
     return found[0]
 
 
-def throttle(eng: E.Engine, stop: threading.Event, run_s: float = 0.01, pause_s: float = 0.09) -> None:
-    """A slow engine, deterministically: its processes are paused (SIGSTOP) ``pause_s`` out of every
-    ``run_s + pause_s`` until ``stop`` is set."""
-    while not stop.is_set():
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(eng.proc.pid, signal.SIGSTOP)
-        time.sleep(pause_s)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(eng.proc.pid, signal.SIGCONT)
-        time.sleep(run_s)
-
-
 def stream_and_kill(gw: Gateway, messages: list[dict], rid: str, victim: E.Engine) -> tuple[list, dict]:
     """The engine's own uninterrupted answer (greedy); then the same request through the gateway,
-    the engine slowed down (paused 90% of the time) and SIGKILLed once the client has read
+    the engine slowed down (each step STEP_S longer) and SIGKILLed once the client has read
     KILL_AFTER events: in the middle of its answer, whatever this machine's load. (Unslowed, the
     engine could be done long before a gateway starved of CPU by the engines had relayed much.)"""
     reference = uninterrupted(victim, messages)
     body = {"model": E.MODEL_NAME, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
             **GREEDY}
     events: list = []
-    stop = threading.Event()
-    slow = threading.Thread(target=throttle, args=(victim, stop), daemon=True)
-    slow.start()
-    try:
-        with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, headers={"x-request-id": rid},
-                          timeout=E.REQUEST_TIMEOUT_S) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
-                    if len(events) == KILL_AFTER:
-                        stop.set()
-                        slow.join()
-                        E.kill(victim)
-    finally:
-        stop.set()
-        slow.join(timeout=10)
+    with E.slowed(victim, STEP_S), httpx.stream("POST", gw.url + "/v1/chat/completions", json=body,
+                                                  headers={"x-request-id": rid}, timeout=E.REQUEST_TIMEOUT_S) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+                if len(events) == KILL_AFTER:
+                    E.kill(victim)
     assert victim.proc.popen.poll() is not None, "the engine was not killed"
     return events, reference
 
