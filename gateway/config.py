@@ -667,7 +667,8 @@ class FairnessConfig(_Strict):
                                   "--scheduling-policy priority: vLLM rejects a non-zero priority otherwise)")
     wait_for_prefill: bool = Field(True, description="a P/D request waits for room in the prefill pool instead "
                                    "of going direct (its long prefill would stall the decode engines' streams)")
-    default_output_tokens: int = Field(256, ge=1, description="decode occupancy of a request without max_tokens")
+    default_output_tokens: int = Field(256, ge=1, description="decode occupancy of a request without max_tokens "
+                                       "while it runs (its use is settled to its output at its end)")
     half_life_s: float = Field(10.0, gt=0, le=3600, description="a tenant's use fades by half in this time")
     max_queued: int = Field(1024, ge=1, le=100_000, description="requests waiting per queue (the gateway's "
                             "slots; each engine pool, per model), fairness on or off")

@@ -159,6 +159,7 @@ class Exchange:
         self._failed_decode: set[str] = set()  # decode engines whose leg broke off mid-answer
         self.who: Identity | None = None  # tenant, class, objective
         self._tenant_key: str | None = None  # its request counted in the tenant's gateway use
+        self._decode_charged: tuple[str, float, float] | None = None  # key, expected output charged, since
         self.room: Room | None = None  # its wait for room on the engines (and TTFT objective's check)
 
     # -- the request path -----------------------------------------------------------------------------
@@ -497,7 +498,10 @@ class Exchange:
         expected = body.get("max_completion_tokens") or body.get("max_tokens")
         if not isinstance(expected, int) or expected <= 0:
             expected = self.rt.cfg.fairness.default_output_tokens
-        return self.svc.usage.decode_started(self.who.tenant, expected), expected
+        key = self.svc.usage.decode_started(self.who.tenant, expected)
+        _, charged, since = self._decode_charged or (key, 0.0, self.svc.usage.now())
+        self._decode_charged = (key, charged + expected, since)  # a continuation's: from the first leg's start
+        return key, expected
 
     def _vacate(self, occupancy: tuple[str, float] | None) -> None:
         if occupancy is not None:
@@ -810,6 +814,10 @@ class Exchange:
                 m["result"] = "abandoned"
                 self.svc.metrics.migration(m["reason"], "abandoned")
         rec.finish(self.status, self.error)
+        if self._decode_charged is not None and rec.output_tokens is not None:
+            # the decode use charged up front was the expected output: now the tenant pays what it took
+            key, charged, since = self._decode_charged
+            self.svc.usage.decode_settled(key, charged, rec.output_tokens, since)
         if rec.trace.span is not None:
             rec.trace.set({"pdgate.path": rec.path})
             if rec.output_tokens is not None:

@@ -131,7 +131,8 @@ class _Fading:
 class Usage:
     """Per tenant and phase, what it has taken of the pools lately, the order of fair queueing:
     ``prefill`` tokens sent to the prefill pool; ``decode`` occupancy taken on the decode pool (a
-    running sequence x its expected output tokens, per decode leg started); both as sums fading by
+    running sequence x its expected output tokens, per decode leg started, corrected to the tokens
+    it produced when the request ends); both as sums fading by
     half every ``half_life_s``, so a tenant that just had the pool waits behind one that did not,
     and a burst is forgiven in a few half-lives. ``gateway``: its requests in flight (the gateway's
     own slots); ``occupancy``: the expected output of its decode legs running now (a gauge). Other
@@ -193,6 +194,23 @@ class Usage:
             self._decode[key] = left
         else:
             self._decode.pop(key, None)
+
+    def now(self) -> float:
+        return self._clock()
+
+    def decode_settled(self, key: str, charged: float, produced: int, since: float) -> None:
+        """A request's decode use, charged at ``since`` as its legs' expected output (``max_tokens``,
+        or the default when it sent none), corrected to the tokens it produced, as if they had been
+        charged evenly as they came: a client that omits ``max_tokens`` pays for a long answer, and
+        one that asks for too many is not overcharged."""
+        fading = self._decode_taken.get(key)
+        if fading is None:
+            return
+        now, h = self._clock(), self.half_life_s
+        rate = max(0.0, now - since) * math.log(2) / h
+        left = math.exp(-rate)  # what remains now of a use taken at ``since``
+        spread = produced * (-math.expm1(-rate) / rate if rate > 0 else 1.0)  # of one taken evenly since
+        fading.add(max(spread - charged * left, -fading.read(now, h)), now, h)
 
     def request_started(self, tenant: str) -> str:
         k = self.key(tenant)

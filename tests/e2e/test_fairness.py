@@ -156,6 +156,22 @@ def test_priorities_reach_the_engine(cluster):
     assert set(bodies) == {"v1", "c1"}  # the refused ones never reached an engine
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_decode_use_is_what_the_answer_took_not_what_was_guessed(cluster, stream):
+    """A request without max_tokens is charged fairness.default_output_tokens (256) while it runs;
+    at its end, the tokens it produced (the engine's default here: 16)."""
+    def use() -> float:
+        return sample(httpx.get(cluster.url + "/metrics").text, "pdgate_tenant_decode_use", tenant="vip")
+
+    before = use()
+    r = httpx.post(cluster.url + "/v1/chat/completions", headers={"authorization": "Bearer sk-vip"}, timeout=30,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": stream,
+                         "ignore_eos": True})
+    assert r.status_code == 200
+    assert r.text.count("data: ") == 16 + 2 if stream else r.json()["usage"]["completion_tokens"] == 16
+    assert use() - before == pytest.approx(16, abs=2)  # the vip tenant's earlier use fades meanwhile
+
+
 def test_a_sheddable_request_past_its_objective_gets_429_at_once(cluster):
     before = sample(httpx.get(cluster.url + "/metrics").text, "pdgate_route_decisions_total",
                     path="shed", reason="ttft_objective") or 0

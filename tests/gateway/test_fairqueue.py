@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
@@ -113,6 +114,43 @@ async def test_decode_occupancy_ends_with_the_leg_its_use_fades() -> None:
     assert usage.of("decode", "a") == 150
     now[0] = 10.0
     assert usage.of("decode", "a") == pytest.approx(75)
+
+
+async def test_decode_use_is_settled_to_the_tokens_produced() -> None:
+    """Charged up front at the expected output, a request's decode use is corrected at its end: a
+    tenant that sent no max_tokens (charged the default) and got a long answer now waits behind one
+    whose max_tokens was large but whose answer was short."""
+    usage = Usage(half_life_s=10, clock=lambda: 0.0)
+    greedy = usage.decode_started("greedy", 256)  # no max_tokens: the default
+    modest = usage.decode_started("modest", 4000)  # asked many, stopped early
+    assert order_of(usage, "greedy", "modest") == ["greedy", "modest"]
+    usage.decode_settled(greedy, 256, 3000, since=0.0)
+    usage.decode_settled(modest, 4000, 20, since=0.0)
+    assert (usage.of("decode", "greedy"), usage.of("decode", "modest")) == (3000, 20)
+    assert order_of(usage, "greedy", "modest") == ["modest", "greedy"]
+    usage.decode_settled(modest, 5000, 0, since=0.0)  # never below nothing
+    assert usage.of("decode", "modest") == 0
+    usage.decode_settled("unknown", 10, 99, since=0.0)  # a tenant no longer tracked: nothing to settle
+    assert "unknown" not in usage.snapshot()["decode"]
+
+
+async def test_a_long_answers_decode_use_is_settled_as_if_taken_as_it_came() -> None:
+    """Charged 256 at the start, 1,000 tokens produced over one half-life: what remains is what
+    1,000 tokens taken evenly over that time leave (1000 x (1 - 1/2) / ln 2), not 1,000 - 256."""
+    now = [0.0]
+    usage = Usage(half_life_s=10, clock=lambda: now[0])
+    k = usage.decode_started("a", 256)
+    now[0] = 10.0
+    assert usage.of("decode", "a") == pytest.approx(128)
+    usage.decode_settled(k, 256, 1000, since=0.0)
+    assert usage.of("decode", "a") == pytest.approx(1000 * 0.5 / math.log(2))
+
+
+def order_of(usage: Usage, *tenants: str) -> list[str]:
+    q = FairQueue("decode", usage, fair=True)
+    for t in tenants:
+        q.join(who(t))
+    return order(q)
 
 
 async def test_bounds() -> None:
