@@ -3,9 +3,13 @@ sheddable requests past their TTFT objective (simulated engines, real processes 
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
+import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -98,41 +102,70 @@ def engine_order(cluster) -> list[str]:
     return [q["request_id"] for q in sorted(cluster.decode[0].requests(), key=lambda q: q["received_at"])]
 
 
+@contextlib.contextmanager
+def holding(gateway_port: int, sim, on: str, key: str, rid: str = "hold", content: str = "hi",
+            max_tokens: int = 5) -> Iterator[None]:
+    """A request (API key ``key``) that holds one of ``sim``'s admission slots until the block ends
+    (the engine never answers it: a ``hang`` fault on its ``on`` legs); its client then hangs up,
+    which frees the slot. What follows is ordered by the gateway's queue, whatever this process's pace."""
+    def hung() -> int:
+        return httpx.get(sim.url + "/sim/faults", timeout=10).json()["injected"].get("hang", 0)
+
+    before = hung()
+    httpx.put(sim.url + "/sim/faults", json={"hang": {"on": [on], "count": 1}}, timeout=10).raise_for_status()
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": content}],
+                       "max_tokens": max_tokens}).encode()
+    sock = socket.create_connection(("127.0.0.1", gateway_port), timeout=10)
+    try:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                     b"authorization: Bearer " + key.encode() + b"\r\nx-request-id: " + rid.encode() + b"\r\n"
+                     b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert wait_for(lambda: hung() > before, timeout=10), f"{rid} never reached the engine"
+        yield
+    finally:
+        sock.close()
+        httpx.delete(sim.url + "/sim/faults", timeout=10)
+
+
+def queue_up(cluster, pool: str, sends: list[tuple]) -> list:
+    """Each request sent once the one before is seen waiting in ``pool``'s queue (the gateway's
+    gauge): their arrival order is the list's."""
+    threads = []
+    for n, (args, kw) in enumerate(sends, start=1):
+        threads.append(in_background(chat, cluster, *args, **kw))
+        assert wait_for(lambda n=n: sample(httpx.get(cluster.url + "/metrics").text, "pdgate_pool_queued_requests",
+                                           pool=pool) == n, timeout=15), f"request {n} never queued for {pool}"
+    return threads
+
+
 @pytest.mark.parametrize("fair", [True, False], ids=["fair", "fifo"])
 def test_a_flooding_key_cannot_starve_another(cluster, fair):
     reconfigure(cluster, fairness={**FAIRNESS, "enabled": fair})
-    hold, _ = in_background(chat, cluster, "flood", "hold", max_tokens=50)  # the engine's one slot: 1 s
-    assert wait_for(lambda: cluster.decode[0].requests(), timeout=10)
-    threads = []
-    for i in range(4):  # the flood queues up first
-        threads.append(in_background(chat, cluster, "flood", f"flood-{i}", max_tokens=5))
-        time.sleep(0.1)
-    threads.append(in_background(chat, cluster, "calm", "calm"))
-    for t, out in [(hold, None), *threads]:
+    # the flood holds the engine's one slot
+    with holding(cluster.gateway_port, cluster.decode[0], "direct", KEYS["flood"]):
+        threads = queue_up(cluster, "decode", [(("flood", f"flood-{i}"), {"max_tokens": 5}) for i in range(4)] +
+                           [(("calm", "calm"), {})])  # the flood queues up first
+    for t, out in threads:
         t.join(timeout=60)
-        assert out is None or out[0].status_code == 200
+        assert out[0].status_code == 200
     order = engine_order(cluster)
-    assert order[0] == "hold"
+    assert order[0] == "hold"  # the engine saw it (and never answered)
     if fair:  # the flood holds the decode pool: the calm tenant goes first when the slot frees
         assert order[1] == "calm", order
     else:  # FIFO: behind every flood request
-        assert order[-1] == "calm", order
+        assert order[1:] == ["flood-0", "flood-1", "flood-2", "flood-3", "calm"], order
 
 
 def test_a_flood_of_long_prompts_waits_behind_another_tenants_in_the_prefill_pool(cluster):
     reconfigure(cluster, admission={"max_per_prefill_endpoint": 1, "max_per_decode_endpoint": 8, "queue_timeout_s": 30},
                 routing={"decider": {"name": "token_threshold", "threshold": 500}})
     long = "many words here " * 300  # ~1,000 tokens: P/D, 0.5 s on the prefill engine
-    hold, _ = in_background(chat, cluster, "flood", "hold", content="hold " + long)
-    assert wait_for(lambda: cluster.prefill[0].requests(), timeout=10)
-    threads = []
-    for i in range(3):
-        threads.append(in_background(chat, cluster, "flood", f"flood-{i}", content=f"{i} " + long))
-        time.sleep(0.1)
-    threads.append(in_background(chat, cluster, "calm", "calm", content="calm " + long))
-    for t, out in [(hold, None), *threads]:
+    with holding(cluster.gateway_port, cluster.prefill[0], "prefill", KEYS["flood"], content="hold " + long):
+        floods = [(("flood", f"flood-{i}"), {"content": f"{i} " + long}) for i in range(3)]
+        threads = queue_up(cluster, "prefill", [*floods, (("calm", "calm"), {"content": "calm " + long})])
+    for t, out in threads:
         t.join(timeout=60)
-        assert out is None or (out[0].status_code == 200 and out[0].headers["x-pdgate-path"] == "pd"), out
+        assert out[0].status_code == 200 and out[0].headers["x-pdgate-path"] == "pd", out
     order = [q["request_id"] for q in sorted(cluster.prefill[0].requests(), key=lambda q: q["received_at"])]
     # waiting for the prefill pool (not sent direct), the calm tenant's prompt before the flood's
     assert order[:2] == ["hold", "calm"] and len(order) == 5, order

@@ -12,7 +12,7 @@ from tests.procs import ProcGroup, free_port, wait_for
 from tests.promtext import sample
 
 from .cluster import Cluster
-from .test_fairness import engine_order, in_background
+from .test_fairness import engine_order, holding, in_background
 from .test_shared_state import start_redis
 
 pytestmark = [
@@ -55,21 +55,28 @@ def chat(url: str, key: str, rid: str, max_tokens: int = 2) -> httpx.Response:
 
 def test_a_tenant_flooding_one_replica_waits_behind_others_on_another(replicas):
     cluster, (a, b) = replicas
-    # The flood holds the decode engine's two slots through replica A (1 s and 3 s).
-    holds = [in_background(chat, a, "sk-flood", "hold-1", 50), in_background(chat, a, "sk-flood", "hold-2", 150)]
+    sim, a_port = cluster.decode[0], int(a.rsplit(":", 1)[1])
 
     def flood_use_seen_by_b() -> float:
         return sample(httpx.get(b + "/metrics").text, "pdgate_tenant_decode_use", tenant="flood") or 0
 
-    # B served nothing for flood: only Redis can tell it about A's requests (their use and, in the
-    # same sync, their in-flight counts)
-    assert wait_for(lambda: flood_use_seen_by_b() > 150 and len(cluster.decode[0].requests()) == 2, timeout=10)
-    # On B, a flood request queues first, then a calm one; when A's first hold ends, calm goes first.
-    flood = in_background(chat, b, "sk-flood", "b-flood")
-    assert wait_for(lambda: sample(httpx.get(b + "/metrics").text, "pdgate_pool_queued_requests", pool="decode") == 1,
-                    timeout=5)
-    calm = in_background(chat, b, "sk-calm", "b-calm")
-    for t, out in [*holds, flood, calm]:
+    def queued_on_b() -> float:
+        return sample(httpx.get(b + "/metrics").text, "pdgate_pool_queued_requests", pool="decode")
+
+    # The flood holds the decode engine's two slots through replica A until it hangs up.
+    with holding(a_port, sim, "direct", "sk-flood", "hold-1", max_tokens=100):
+        with holding(a_port, sim, "direct", "sk-flood", "hold-2", max_tokens=100):
+            # B served nothing for flood: only Redis can tell it about A's requests (their use and,
+            # in the same sync, their in-flight counts)
+            assert wait_for(lambda: flood_use_seen_by_b() > 150, timeout=10)
+            # On B, a flood request queues first, then a calm one.
+            flood = in_background(chat, b, "sk-flood", "b-flood")
+            assert wait_for(lambda: queued_on_b() == 1, timeout=10)
+            calm = in_background(chat, b, "sk-calm", "b-calm")
+            assert wait_for(lambda: queued_on_b() == 2, timeout=10)
+        # one slot frees (A's hold-2 hangs up): B gives it to the calm tenant first
+        assert wait_for(lambda: "b-calm" in engine_order(cluster), timeout=10)
+    for t, out in [flood, calm]:
         t.join(timeout=60)
         assert out and out[0].status_code == 200, out
     order = engine_order(cluster)
