@@ -549,9 +549,8 @@ class _TenantCollector:
                                     "(fading by half every fairness.half_life_s), all replicas: fair queueing's "
                                     "order for the prefill pool", labels=["tenant"])
         taken = GaugeMetricFamily("pdgate_tenant_decode_use", "Decode occupancy the tenant took recently (expected "
-                                  "output tokens per leg started, settled to the tokens produced at the request's end; "
-                                  "fading likewise), all replicas: the decode "
-                                  "pool's order", labels=["tenant"])
+                                  "output tokens per leg started, settled to the tokens produced at the request's "
+                                  "end; fading likewise), all replicas: the decode pool's order", labels=["tenant"])
         sums: dict[str, list[float]] = {}
         for tenant in self._usage.tenants():
             row = sums.setdefault(self._labels(tenant), [0.0, 0.0, 0.0])

@@ -201,7 +201,10 @@ def test_decode_use_is_what_the_answer_took_not_what_was_guessed(cluster, stream
                    json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": stream,
                          "ignore_eos": True})
     assert r.status_code == 200
-    assert r.text.count("data: ") == 16 + 2 if stream else r.json()["usage"]["completion_tokens"] == 16
+    if stream:  # a token per event, and [DONE] and the opening role chunk
+        assert r.text.count("data: ") == 16 + 2
+    else:
+        assert r.json()["usage"]["completion_tokens"] == 16
     assert use() - before == pytest.approx(16, abs=2)  # the vip tenant's earlier use fades meanwhile
 
 
