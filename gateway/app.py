@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from policies.prefix_learning import InFlightPrefixes, PrefixBeliefs
 
 from .admission import Gate, LoopLag, SharedGate
 from .auth import authorize, authorize_admin
-from .config import AdminConfig, GatewayConfig
+from .config import GatewayConfig, PinnedFiles, access_switched_off
 from .demand import Demand, DemandPlanner
 from .discovery import Discovery
 from .enginestats import StatsScraper
@@ -40,8 +39,9 @@ from .fairqueue import FairQueue
 from .gcpolicy import Collector
 from .httpserver import Connections
 from .kvevents import KVEventSubscriber
+from .kvwire import FeedLimits
 from .legs import KVReleaser
-from .metrics import BeliefAudit, GatewayMetrics
+from .metrics import BeliefAudit, GatewayMetrics, authorize_scrape
 from .modelcheck import ServedModels
 from .pools import Endpoint, HealthChecker, Pools
 from .protocol import Kind
@@ -53,7 +53,7 @@ from .runtime import Runtime, Services
 from .service import Gateway
 from .state import RedisState
 from .tasks import STOP_BOUND_S
-from .tenants import Tenancy, Usage
+from .tenants import Tenancy, Usage, label_secret
 from .tokenizer import ModelTokenizer, Tokenizers
 from .tracing import Tracing
 from .transport import EngineTransport
@@ -64,26 +64,13 @@ from .workers import WorkerContext
 log = logging.getLogger(__name__)
 
 
-def admin_token(cfg: AdminConfig) -> str | None:
-    """The admin bearer token, or None: admin and debug endpoints are off."""
-    if cfg.token_file:
-        try:
-            token = Path(cfg.token_file).read_text().strip()
-        except OSError as err:
-            raise ValueError(f"admin.token_file: cannot read ({err.strerror})") from None
-        return token or None
-    if cfg.token_env:
-        return os.environ.get(cfg.token_env, "").strip() or None
-    return None
-
-
 def validate(cfg: GatewayConfig) -> None:
     """Everything about a config that can be checked without engines or tokenizers (used by
     ``pdgate check-config``, at startup and before a reload takes effect)."""
     build_pipeline(cfg.routing)
     Router(cfg.routing, Pools([], []), PrefixIndex())  # the prefix hashing settings
-    admin_token(cfg.admin)
-    Tenancy(cfg.fairness, cfg.auth.key_entries())  # the keys' tenants and classes
+    cfg.admin_token()
+    Tenancy(cfg.fairness, cfg.key_entries(), label_secret(cfg.admin))  # the keys' tenants and classes
     if cfg.state.backend == "redis":
         cfg.state.redis_url()
 
@@ -93,8 +80,8 @@ class Subscriptions:
 
     def __init__(self, index: PrefixIndex) -> None:
         self._index = index
-        # (url, kv_events, kv_events_replay, kv_events_topic, hash spec): a change to any starts a new one
-        self._subs: dict[tuple[str, str | None, str | None, str, HashSpec], KVEventSubscriber] = {}
+        # (url, kv_events, kv_events_replay, kv_events_topic, hash spec, bounds): a change to any starts a new one
+        self._subs: dict[tuple[str, str | None, str | None, str, HashSpec, FeedLimits, int], KVEventSubscriber] = {}
         self._lock = asyncio.Lock()  # a reload and a discovery change may update at once
 
     async def update(self, cfg: GatewayConfig) -> None:
@@ -104,15 +91,18 @@ class Subscriptions:
     async def _update(self, cfg: GatewayConfig) -> None:
         p = cfg.routing.prefix
         spec = HashSpec(block_size=p.block_size or DEFAULT_BLOCK_SIZE, algo=p.hash_algo, seed=p.hash_seed)
+        limits = FeedLimits(p.max_event_message_bytes, p.max_event_batch_blocks)
+        self._index.max_precise_per_url = p.max_event_blocks  # applies from the next stored batch
         wanted = {
-            (e.url, e.kv_events, e.kv_events_replay, e.kv_events_topic, spec): e
+            (e.url, e.kv_events, e.kv_events_replay, e.kv_events_topic, spec, limits, p.max_event_blocks): e
             for pool in (cfg.pools.prefill, cfg.pools.decode) for e in pool.endpoints if e.kv_events and p.enabled
         }
         for key in [k for k in self._subs if k not in wanted]:
             await self._subs.pop(key).stop()
         for key in wanted.keys() - self._subs.keys():
-            url, addr, replay, topic, _ = key
-            sub = KVEventSubscriber(url, addr, index=self._index, replay_endpoint=replay, topic=topic, spec=spec)
+            url, addr, replay, topic, _, _, max_blocks = key
+            sub = KVEventSubscriber(url, addr, index=self._index, replay_endpoint=replay, topic=topic, spec=spec,
+                                    limits=limits, max_translations=max_blocks)
             await sub.start()
             self._subs[key] = sub
 
@@ -137,6 +127,8 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
     ``collector`` (the process owner's) freezes what startup and each reload leave alive;
     ``worker``: this app is one of several worker processes of one gateway (gateway/workers.py)."""
     created = int(time.time())
+    if cfg.pinned is None:  # what it means is fixed now: its keys, token and templates as read here
+        cfg = cfg.pin(PinnedFiles.read(cfg.named_files()))
     validate(cfg)  # a bad policy name fails before the server binds its port
     version = config_version or version_of(orjson.dumps(cfg.model_dump(mode="json")))
 
@@ -144,7 +136,8 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Gateway]]:
         toks = tokenizers
         if toks is None:
-            loaded = await asyncio.gather(*(asyncio.to_thread(ModelTokenizer.load, m) for m in cfg.models))
+            loaded = await asyncio.gather(*(asyncio.to_thread(ModelTokenizer.load, cfg.tokenizer_model(m))
+                                           for m in cfg.models))
             toks = Tokenizers(loaded, cfg.tokenizer)
         estimates = EngineEstimates()
 
@@ -208,7 +201,7 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         metrics.config_loaded(version)
 
         async def apply(new: GatewayConfig, new_version: str) -> None:
-            await _apply(gw, new, new_version, res)
+            await _apply(gw, new, new_version, res, worker.applied if worker is not None else None)
             health.configure(new.health)
             scraper.configure(new.signals)
             if collector:
@@ -220,7 +213,7 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
                 metrics.config_loaded(message)
 
         watcher = ConfigWatcher(config_path, version, apply, reload_result) if config_path else None
-        gw = Gateway(_runtime(cfg, version, res, toks, admin_token(cfg.admin)), services, watcher=watcher,
+        gw = Gateway(_runtime(cfg, version, res, toks, cfg.admin_token()), services, watcher=watcher,
                      feeds=res.subs.all, shared=shared, discovery=discovery, models=models, bus=bus)
         services.configure(cfg.fairness, gw.runtime.tenancy.names)
         def prefill_pool_configured() -> bool:  # not "has endpoints now": a pool scaled to 0 still counts
@@ -230,6 +223,7 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         planner = DemandPlanner(res.learners.demand, lambda: gw.runtime.cfg, prefill_pool_configured)
         metrics.watch_planner(planner.exported)
         if bus:
+            metrics.watch_bus(bus)
             await bus.start(metrics.render)
         await res.subs.update(cfg)
         if shared:
@@ -291,6 +285,10 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
 
     async def metrics_route(request: Request) -> Response:
         gw: Gateway = request.state.gw
+        try:
+            authorize_scrape(request, gw.runtime.cfg.admin.protect_metrics, gw.runtime.admin_token)
+        except APIError as err:
+            return error_response(err)
         return Response(await gw.metrics(), media_type=gw.services.metrics.content_type)
 
     def admin(handler: Callable[[Gateway, Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
@@ -430,9 +428,9 @@ def _runtime(cfg: GatewayConfig, version: str, res: Resources, tokenizers: Token
     learners = res.learners
     router = Router(cfg.routing, res.pools, res.index, res.shared, learners.beliefs.in_flight, learners.estimates)
     hooks = Hooks([*learners.subscribers(), *policy_hooks(router.pipeline.members())], res.metrics.hook_failed)
-    keys = cfg.auth.key_entries()
+    keys = cfg.key_entries()
     return Runtime(cfg, version, router, Upstream(res.engines, cfg.timeouts), tokenizers, hooks,
-                   tuple(k.key.encode() for k in keys), admin, Tenancy(cfg.fairness, keys))
+                   tuple(k.key.encode() for k in keys), admin, Tenancy(cfg.fairness, keys, label_secret(cfg.admin)))
 
 
 def _shown(value: Any) -> str:
@@ -446,30 +444,43 @@ def _shown(value: Any) -> str:
 RESTART_ONLY = ("server", "state", "telemetry", "engines")
 
 
-async def _apply(gw: Gateway, new: GatewayConfig, version: str, res: Resources) -> None:
-    """Validate everything first, then swap: a reload that fails at any step changes nothing."""
+async def _apply(gw: Gateway, new: GatewayConfig, version: str, res: Resources,
+                 applied: Callable[[GatewayConfig, str], None] | None = None) -> None:
+    """Validate everything first, then swap: a reload that fails at any step changes nothing.
+    ``applied`` hears of the swap at once (a worker's supervisor: a worker it starts from then on
+    starts from this config)."""
     old = gw.runtime
     pools = res.pools
     validate(new)
-    token = admin_token(new.admin)
+    token = new.admin_token()
+    switched_off = access_switched_off(old.cfg, new)  # raises for what an edit would switch off unsaid
+    keys = tuple(k.key.encode() for k in new.key_entries())
     for section in ("auth", "admin"):  # who may call the gateway: never changed quietly
         before, after = getattr(old.cfg, section), getattr(new, section)
-        if before != after:
-            changed = {k: (getattr(before, k), getattr(after, k)) for k in type(after).model_fields
-                       if getattr(before, k) != getattr(after, k)}
-            log.warning("config reload changes %s: %s%s", section, ", ".join(
-                f"{k}: {_shown(a)} -> {_shown(b)}" for k, (a, b) in changed.items()),
-                " (access is now open)" if section == "auth" and not new.auth.api_keys() else "")
+        changed = [f"{k}: {_shown(getattr(before, k))} -> {_shown(getattr(after, k))}"
+                   for k in type(after).model_fields if getattr(before, k) != getattr(after, k)]
+        if section == "auth" and keys != old.api_keys:  # the keys file's content too (names only, never keys)
+            changed.append(f"API keys: {len(old.api_keys)} -> {len(keys)} ({len(set(old.api_keys) - set(keys))} "
+                           f"removed, {len(set(keys) - set(old.api_keys))} added)")
+        if section == "admin" and token != old.admin_token and not changed:
+            changed.append("the admin token (its file's content)")
+        if changed:
+            log.warning("config reload changes %s: %s", section, ", ".join(changed))
+    if switched_off:  # said on purpose (auth.disabled / admin.disabled); still, loudly
+        log.error("config reload switches authentication OFF on purpose: %s no longer apply%s", " and ".join(
+            switched_off), " (access is now open: anyone who reaches the port may call the API)"
+            if not keys else "")
     for section in RESTART_ONLY:
         if getattr(new, section) != getattr(old.cfg, section):
             log.warning("config reload: the %s section changed; it takes effect at the next restart", section)
             new = new.model_copy(update={section: getattr(old.cfg, section)})
     tokenizers = old.tokenizers
-    if new.models != old.cfg.models or new.tokenizer != old.cfg.tokenizer:
+    if (new.models != old.cfg.models or new.tokenizer != old.cfg.tokenizer  # or a template file's text:
+            or list(map(new.tokenizer_model, new.models)) != list(map(old.cfg.tokenizer_model, old.cfg.models))):
         try:
             loaded = await asyncio.gather(*(
                 asyncio.to_thread(ModelTokenizer.load, m) if (t := old.tokenizers.get(m.name)) is None or t.cfg != m
-                else asyncio.sleep(0, t) for m in new.models
+                else asyncio.sleep(0, t) for m in map(new.tokenizer_model, new.models)  # a template file's text
             ))
         except Exception as err:  # a missing or broken tokenizer: keep serving the old config
             raise ValueError(f"models: cannot load a tokenizer ({type(err).__name__}: {err})") from None
@@ -482,6 +493,8 @@ async def _apply(gw: Gateway, new: GatewayConfig, version: str, res: Resources) 
     for url in {ep.url for ep in removed} - {ep.url for ep in pools.all()}:
         res.learners.forget(url)
     gw.runtime = runtime
+    if applied is not None:
+        applied(new, version)
     gw.services.gate.limit = new.admission.max_in_flight
     gw.services.configure(new.fairness, runtime.tenancy.names)
     res.models.configure([m.name for m in new.models], new.health.timeout_s)

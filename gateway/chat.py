@@ -438,14 +438,97 @@ def normalize_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] 
 
 # -- template kwargs (params.py ChatParams, online_renderer.py preprocess_chat) --------------------
 
-# apply_chat_template's own parameters in the transformers vLLM 0.32 ships (5.19): a request may set
-# them through chat_template_kwargs even when the template does not read them.
-_HF_PARAMS = frozenset({
-    "add_generation_prompt", "continue_final_message", "conversation", "documents", "max_length", "padding",
-    "return_assistant_tokens_mask", "return_dict", "return_tensors", "self", "tokenizer_kwargs", "truncation",
+# apply_chat_template's parameters that configure its own tokenizer call, not the template. vLLM
+# forwards them (``tokenize`` binds to its safe_apply_chat_template parameter, the rest are
+# transformers' base parameters), so a 146-byte request could make the tokenizer pad to ten million
+# ids (issue 27). A request may only repeat their defaults; any other value is refused (400), not
+# dropped: the body goes upstream unchanged, so a gateway that dropped them would count another
+# prompt than the engine's and hand the engine the same allocation. ``truncate_prompt_tokens`` and
+# ``truncation_side`` are the request's own fields for truncation.
+TOKENIZER_CALL_KWARGS = frozenset({
+    "max_length", "padding", "return_assistant_tokens_mask", "return_dict", "return_tensors", "tokenize",
+    "tokenizer_kwargs", "truncation",
 })
-# Arguments apply_chat_template only uses when it tokenizes.
-TOKENIZER_ARGS = frozenset({"truncation", "max_length", "padding", "tokenizer_kwargs"})
+# The call's own arguments, filled from the request itself; as kwargs they only fail the call.
+_CALL_ARGUMENTS = frozenset({"conversation", "messages", "self"})
+# Parameters of apply_chat_template that reach the template (or transformers' handling of its output)
+# whether or not the template reads them; vLLM sets them from the request's own fields.
+TEMPLATE_CALL_KWARGS = frozenset({"add_generation_prompt", "continue_final_message", "documents"})
+_DEFAULTS = (None, False, "auto")  # what a tokenizer-call kwarg may say: unset, off, or vLLM's "unset"
+
+
+@dataclass(frozen=True, slots=True)
+class KwargsLimits:
+    """Bounds on a request's chat_template_kwargs, checked before any other work on it."""
+
+    max_keys: int = 32
+    max_depth: int = 16  # the object itself is 1
+    max_bytes: int = 256 * 1024  # its compact JSON text
+
+
+def _json_size(value: Any, max_depth: int, budget: int) -> tuple[int, int]:
+    """(size of ``value``'s compact JSON text, its nesting depth), each counted only up to just
+    past its bound: the walk stops there, so it costs at most ``budget`` steps whatever was sent.
+    Strings count their characters (bytes for ASCII), escapes aside."""
+    size, deepest = 0, 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            if depth > max_depth:
+                return size, deepest
+            size += 1 + max(len(item), 1)  # brackets and separators
+            members = item.items() if isinstance(item, dict) else ((None, v) for v in item)
+            for key, member in members:
+                if key is not None:
+                    size += len(key) + 3  # quotes and colon
+                stack.append((member, depth + 1))
+                if size > budget:
+                    return size, deepest
+        elif isinstance(item, str):
+            size += len(item) + 2
+        elif item is None or isinstance(item, bool):
+            size += 5 if item is False else 4
+        else:  # a number (orjson reads integers past 64 bits as floats)
+            size += len(str(item))
+        if size > budget:
+            return size, deepest
+    return size, deepest
+
+
+def check_template_kwargs(kwargs: Any, limits: KwargsLimits) -> None:
+    """Refuse a request's chat_template_kwargs that are too big, or that try to configure the
+    tokenizer call rather than the template (``TOKENIZER_CALL_KWARGS``). Runs before anything is
+    merged, rendered or tokenized; the walk is bounded by the limits, not by what was sent."""
+    if not kwargs:
+        return
+    if not isinstance(kwargs, dict):
+        raise ChatTemplateError("`chat_template_kwargs` must be an object.", param="chat_template_kwargs")
+    if len(kwargs) > limits.max_keys:
+        raise ChatTemplateError(
+            f"`chat_template_kwargs` has {len(kwargs)} keys; this gateway accepts at most {limits.max_keys} "
+            "(models[].chat_template_kwargs_max_keys).", param="chat_template_kwargs")
+    size, depth = _json_size(kwargs, limits.max_depth, limits.max_bytes)
+    if depth > limits.max_depth:
+        raise ChatTemplateError(
+            f"`chat_template_kwargs` is nested deeper than {limits.max_depth} levels "
+            "(models[].chat_template_kwargs_max_depth).", param="chat_template_kwargs")
+    if size > limits.max_bytes:
+        raise ChatTemplateError(
+            f"`chat_template_kwargs` is larger than {limits.max_bytes} bytes "
+            "(models[].chat_template_kwargs_max_bytes).", param="chat_template_kwargs")
+    tokenizing = sorted(k for k in TOKENIZER_CALL_KWARGS & kwargs.keys() if kwargs[k] not in _DEFAULTS)
+    if tokenizing:
+        raise ChatTemplateError(
+            f"`chat_template_kwargs` may not set {', '.join(tokenizing)}: they configure the tokenizer, not the "
+            "chat template. Use `truncate_prompt_tokens` and `truncation_side` to truncate a prompt.",
+            param="chat_template_kwargs")
+    arguments = sorted(_CALL_ARGUMENTS & kwargs.keys())
+    if arguments:
+        raise ChatTemplateError(
+            f"`chat_template_kwargs` may not set {', '.join(arguments)}: the request's messages fill it.",
+            param="chat_template_kwargs")
 
 
 def _merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -478,24 +561,23 @@ def merged_kwargs(
 
 @dataclass(frozen=True)
 class RenderArgs:
-    """How to call apply_chat_template for one request."""
+    """How to call apply_chat_template (never tokenizing) for one request."""
 
     tools: Any
-    tokenize: bool  # the kwargs asked the template call itself to tokenize
-    kwargs: dict[str, Any]  # the rest, filtered as vLLM filters them
-
-    @property
-    def tokenizer_args(self) -> bool:
-        """Tokenizing options that only the tokenizing template call honours (truncation, ...)."""
-        return self.tokenize and not TOKENIZER_ARGS.isdisjoint(self.kwargs)
+    kwargs: dict[str, Any]  # the rest: only what the template reads, or the call passes to it
 
 
 def render_args(merged: Mapping[str, Any], template: str) -> RenderArgs:
-    """Split the merged kwargs; keep only what the template reads or apply_chat_template takes."""
-    accepted = (template_variables(template) | _HF_PARAMS) - {"chat_template", "tokenize", "tools"}
+    """Keep only the kwargs the template reads (its undeclared variables, as vLLM finds them) or
+    apply_chat_template hands to it (``TEMPLATE_CALL_KWARGS``); like vLLM, the others are dropped
+    silently (clients send e.g. enable_thinking to every model). Tokenizer-call kwargs never pass,
+    whatever the template reads: a request's were refused by ``check_template_kwargs``, the server
+    defaults' do nothing in vLLM (its ``tokenize`` is always False)."""
+    accepted = template_variables(template) | TEMPLATE_CALL_KWARGS
+    accepted -= TOKENIZER_CALL_KWARGS | _CALL_ARGUMENTS | {"chat_template", "tools"}
     kwargs = {k: v for k, v in merged.items() if k in accepted}
     kwargs["return_dict"] = False
-    return RenderArgs(tools=merged.get("tools"), tokenize=bool(merged.get("tokenize")), kwargs=kwargs)
+    return RenderArgs(tools=merged.get("tools"), kwargs=kwargs)
 
 
 def template_error_reason(err: BaseException) -> str:

@@ -7,10 +7,9 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import ConfigError, GatewayConfig, PoolConfig, load_config
+from .config import ConfigError, GatewayConfig, PoolConfig, access_switched_off
 
 if TYPE_CHECKING:
     from .tokenizer import Tokenizers
@@ -24,7 +23,7 @@ def load_tokenizers(cfg: GatewayConfig) -> Tokenizers:
     loaded = []
     for i, model in enumerate(cfg.models):
         try:
-            loaded.append(ModelTokenizer.load(model))
+            loaded.append(ModelTokenizer.load(cfg.tokenizer_model(model)))  # a template file as pinned
         except Exception as err:  # whatever transformers raises for a missing or broken tokenizer
             cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ValueError(f"models[{i}].tokenizer: cannot load {model.tokenizer!r} "
@@ -36,13 +35,13 @@ def _serve(args: argparse.Namespace) -> int:
     from .app import create_app, validate
     from .gcpolicy import Collector
     from .httpserver import make_server
-    from .reload import version_of
+    from .reload import read_snapshot
     from .workers import serve as serve_workers
     from .workers import worker_count
 
-    try:
-        raw = Path(args.config).read_bytes()
-        cfg = load_config(args.config, text=raw.decode("utf-8", "replace"))
+    try:  # the config and the files it names, read once: every worker starts from this version
+        snapshot = read_snapshot(args.config)
+        cfg = snapshot.load(args.config)
     except OSError as err:
         print(f"{args.config}: cannot read ({err.strerror})", file=sys.stderr)
         return 2
@@ -61,12 +60,12 @@ def _serve(args: argparse.Namespace) -> int:
         except ValueError as err:
             print(f"{args.config}: {err}", file=sys.stderr)
             return 2
-        return serve_workers(cfg, args.config, raw.decode("utf-8", "replace"), host, port, workers)
+        return serve_workers(cfg, args.config, snapshot.text, host, port, workers)
     try:
         tokenizers = load_tokenizers(cfg)  # here, not at startup: a missing tokenizer is one line, not a traceback
         server = make_server(
             cfg, lambda connections: create_app(cfg, tokenizers, config_path=args.config,
-                                                config_version=version_of(raw), connections=connections,
+                                                config_version=snapshot.version, connections=connections,
                                                 collector=Collector(cfg.server.gc_young_threshold)),
             host=host, port=port, log_level=cfg.server.log_level.lower())
     except ValueError as err:  # e.g. an unknown policy name, a tokenizer that cannot load
@@ -78,12 +77,26 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load(path: str) -> GatewayConfig:
+    """The config at ``path`` with the files it names, as serve and a reload read them."""
+    from .reload import read_snapshot
+
+    try:
+        return read_snapshot(path).load(path)
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read ({err.strerror})") from None
+
+
 def _check(args: argparse.Namespace) -> int:
     from .app import validate
 
+    switched_off: list[str] = []
     try:
-        cfg = load_config(args.config)
+        cfg = _load(args.config)
         validate(cfg)
+        if args.previous:  # the change from the running config, as a reload would judge it
+            previous = _load(args.previous)
+            switched_off = access_switched_off(previous, cfg)
         if not args.no_tokenizers:
             load_tokenizers(cfg).close()
     except ConfigError as err:
@@ -92,13 +105,16 @@ def _check(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"{args.config}: {err}", file=sys.stderr)
         return 1
+    for what in switched_off:  # said on purpose (auth.disabled, admin.disabled), still worth a look
+        print(f"{args.config}: warning: switches off {what} (said on purpose)", file=sys.stderr)
 
     def pool(p: PoolConfig) -> str:
         found = f" + discovery ({p.discovery.label_selector})" if p.discovery else ""
         return f"{len(p.endpoints)}{found}"
 
+    keys = "" if cfg.auth.configured else "; no API keys: every client may call it"
     print(f"{args.config}: OK ({len(cfg.models)} model(s), {pool(cfg.pools.prefill)} prefill and "
-          f"{pool(cfg.pools.decode)} decode endpoint(s))")
+          f"{pool(cfg.pools.decode)} decode endpoint(s){keys})")
     return 0
 
 
@@ -149,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
 
     check = sub.add_parser("check-config", help="validate a config file (and load its models' tokenizers) and exit")
     check.add_argument("config")
+    check.add_argument("--previous", metavar="FILE",
+                       help="the config running now: also check the change, as a reload would (switching API keys "
+                       "or the admin token off must be said: auth.disabled / admin.disabled)")
     check.add_argument("--no-tokenizers", action="store_true",
                        help="skip loading the tokenizers (e.g. hub names where the hub is unreachable)")
     check.set_defaults(func=_check)

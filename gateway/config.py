@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from policies import registry
@@ -40,6 +40,8 @@ class ServerConfig(_Strict):
     body_timeout_s: float = Field(60.0, gt=0, description="a request body must arrive whole within this; else 408")
     body_idle_timeout_s: float = Field(15.0, gt=0, description="longest wait for the next bytes of a request "
                                        "body; else 408")
+    keep_alive_timeout_s: float = Field(5.0, gt=0, description="an idle connection between requests (its last "
+                                        "answer written, no byte of a next request) is closed after this")
     shutdown_grace_s: float = Field(25.0, ge=0, description="on SIGTERM, how long requests in flight may finish "
                                     "before they are ended (streams with an error event); then background parts "
                                     "stop within 5 s")
@@ -80,6 +82,17 @@ class ModelConfig(_Strict):
         None,
         description="vLLM --default-chat-template-kwargs: template kwargs every request gets unless its "
         "chat_template_kwargs override them (e.g. {enable_thinking: false})",
+    )
+    chat_template_kwargs_max_keys: int = Field(
+        32, ge=0, description="most keys a request's chat_template_kwargs may have; more get 400 before any work",
+    )
+    chat_template_kwargs_max_depth: int = Field(
+        16, ge=1, description="deepest nesting of objects and lists in a request's chat_template_kwargs (the "
+        "object itself is 1); deeper get 400 before any work",
+    )
+    chat_template_kwargs_max_bytes: int = Field(
+        256 * 1024, ge=0, description="largest chat_template_kwargs, counted as its compact JSON text; larger get "
+        "400 before any work",
     )
     exclude_tools_when_tool_choice_none: bool = Field(
         False, description="vLLM --exclude-tools-when-tool-choice-none: tool_choice 'none' hides the tools"
@@ -420,6 +433,19 @@ class PrefixConfig(_Strict):
         600.0, gt=0, description="how long a block learned from routing counts as cached on an engine "
         "without KV events",
     )
+    # KV event feeds are unauthenticated ZMQ: what one may make the gateway hold (gateway/kvevents.py)
+    max_event_blocks: int = Field(
+        262_144, gt=0, description="bound on blocks held per engine from its KV events (~200 bytes each): past "
+        "it the engine's oldest stored blocks are forgotten",
+    )
+    max_event_batch_blocks: int = Field(
+        131_072, gt=0, description="block hashes (and events) one KV event batch may carry, all its events "
+        "together: a larger batch is refused and the engine's entries are dropped",
+    )
+    max_event_message_bytes: int = Field(
+        8 * 1024 * 1024, ge=64 * 1024, description="longest KV event message (ZMQ_MAXMSGSIZE): ZMQ drops the "
+        "connection of a publisher sending a longer one, and the feed reconnects",
+    )
 
 
 class MigrationConfig(_Strict):
@@ -600,21 +626,52 @@ def _key_entry(line: str, where: str) -> KeyEntry:
     return KeyEntry(key, **fields)
 
 
+def read_file(path: str) -> str:
+    """A file the config names, read now (``GatewayConfig.read_text`` prefers the pinned copy)."""
+    return Path(path).read_text(encoding="utf-8")
+
+
+def _not_blank(value: str | None) -> str | None:
+    """A secret's file or variable name: unset, or a name. An empty one would read as "no keys" and
+    switch authentication off without saying so."""
+    if value is not None and not value.strip():
+        raise ValueError("is empty: name the file or variable, or remove the key (and say disabled: true to "
+                         "switch this off on purpose)")
+    return value
+
+
 class AuthConfig(_Strict):
     """Client API keys (one per line in the file, or comma-separated in the variable); none: open.
-    A key's line may name its tenant, weight and priority classes (``KeyEntry``)."""
+    A key's line may name its tenant, weight and priority classes (``KeyEntry``). Turning keys off
+    by a reload needs ``disabled: true`` (``access_switched_off``)."""
 
     api_keys_file: str | None = None
     api_keys_env: str | None = None
+    disabled: bool = Field(False, description="serve without API keys on purpose: needed for a reload that "
+                           "switches keys off, and for an auth section that names no keys")
 
-    def api_keys(self) -> list[str]:
-        return [e.key for e in self.key_entries()]
+    _secret_names = field_validator("api_keys_file", "api_keys_env")(_not_blank)
 
-    def key_entries(self) -> list[KeyEntry]:
+    @model_validator(mode="after")
+    def _one_meaning(self) -> AuthConfig:
+        if self.disabled and (self.api_keys_file or self.api_keys_env):
+            raise ValueError("disabled: true and API keys at once: remove one")
+        return self
+
+    @property
+    def configured(self) -> bool:
+        """API keys are named (their file or variable), whatever they hold."""
+        return bool(self.api_keys_file or self.api_keys_env)
+
+    def api_keys(self, read: Callable[[str], str] = read_file) -> list[str]:
+        return [e.key for e in self.key_entries(read)]
+
+    def key_entries(self, read: Callable[[str], str] = read_file) -> list[KeyEntry]:
+        """The keys, ``read`` reading the keys file (``GatewayConfig.read_text``: as pinned)."""
         raw: list[str] = []
         if self.api_keys_file:
             try:
-                raw += Path(self.api_keys_file).read_text().splitlines()
+                raw += read(self.api_keys_file).splitlines()
             except OSError as err:
                 raise ValueError(f"auth.api_keys_file: cannot read ({err.strerror})") from None
         if self.api_keys_env:
@@ -691,10 +748,44 @@ class FairnessConfig(_Strict):
 
 
 class AdminConfig(_Strict):
-    """GET /admin/config and POST /debug/route: off unless a token is configured."""
+    """GET /admin/config and POST /debug/route: off unless a token is configured. Removing the token
+    by a reload needs ``disabled: true`` (``access_switched_off``)."""
 
     token_env: str | None = Field(None, description="environment variable holding the admin bearer token")
     token_file: str | None = Field(None, description="file holding the admin bearer token")
+    protect_metrics: bool = Field(False, description="GET /metrics needs the admin bearer token too (off: open to "
+                                  "whoever reaches the port, as Prometheus scrapes by default)")
+    tenant_label_secret_env: str | None = Field(
+        None, description="environment variable holding a secret (16+ characters) that names each unnamed API "
+        "key's tenant key-<HMAC-SHA256 of the key>; unset: key-1, key-2, ... in the keys' order")
+    disabled: bool = Field(False, description="admin and debug endpoints off on purpose: needed for a reload "
+                           "that removes the token")
+
+    _secret_names = field_validator("token_env", "token_file")(_not_blank)
+
+    @model_validator(mode="after")
+    def _metrics_token(self) -> AdminConfig:
+        if self.protect_metrics and not (self.token_env or self.token_file):
+            raise ValueError("admin.protect_metrics needs admin.token_env or admin.token_file")
+        return self
+
+    @model_validator(mode="after")
+    def _one_meaning(self) -> AdminConfig:
+        if self.disabled and (self.token_env or self.token_file):
+            raise ValueError("disabled: true and a token at once: remove one")
+        return self
+
+    def token(self, read: Callable[[str], str] = read_file) -> str | None:
+        """The admin bearer token, or None: admin and debug endpoints are off."""
+        if self.token_file:
+            try:
+                token = read(self.token_file).strip()
+            except OSError as err:
+                raise ValueError(f"admin.token_file: cannot read ({err.strerror})") from None
+            return token or None
+        if self.token_env:
+            return os.environ.get(self.token_env, "").strip() or None
+        return None
 
 
 class TimeoutsConfig(_Strict):
@@ -790,6 +881,9 @@ class GatewayConfig(_Strict):
     fairness: FairnessConfig = FairnessConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
 
+    # The files this config names, as read with it (``pin``); None: read them when asked.
+    _pinned: PinnedFiles | None = PrivateAttr(None)
+
     @model_validator(mode="after")
     def _unique_models(self) -> GatewayConfig:
         names = [m.name for m in self.models]
@@ -797,8 +891,144 @@ class GatewayConfig(_Strict):
             raise ValueError("two models share a name")
         return self
 
+    @model_validator(mode="after")
+    def _auth_says_something(self) -> GatewayConfig:
+        """``auth: {}`` (a section emptied by an edit, or the last of two ``auth`` keys) is not read
+        as "no keys": an auth section names keys or says ``disabled`` (a dumped config says
+        ``disabled: false``, and loads as it was)."""
+        said = self.auth.configured or "disabled" in self.auth.model_fields_set
+        if "auth" in self.model_fields_set and not said:
+            _raise("GatewayConfig", [_error(("auth",), {}, "auth_empty", "names no API keys: set api_keys_file "
+                                            "or api_keys_env, or disabled: true to serve without keys")])
+        return self
+
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
+
+    def named_files(self) -> dict[str, str]:
+        """Where this config names a file whose content is part of its meaning (``{path: where}``):
+        the API keys, the admin token, chat templates given as files. A reload reads them with the
+        config file, versions them together and applies them together (gateway/reload.py)."""
+        named: dict[str, str] = {}
+        if self.auth.api_keys_file:
+            named.setdefault(self.auth.api_keys_file, "auth.api_keys_file")
+        if self.admin.token_file:
+            named.setdefault(self.admin.token_file, "admin.token_file")
+        for i, m in enumerate(self.models):
+            if m.chat_template is not None and _names_a_file(m.chat_template):
+                named.setdefault(m.chat_template, f"models[{i}].chat_template")
+        return named
+
+    @property
+    def pinned(self) -> PinnedFiles | None:
+        return self._pinned
+
+    def pin(self, files: PinnedFiles) -> GatewayConfig:
+        """This config, its named files read from ``files`` from now on (never from disk again):
+        what it means stays what was validated, however the files change, until a reload."""
+        pinned = self.model_copy()
+        pinned._pinned = files
+        return pinned
+
+    def read_text(self, path: str) -> str:
+        """A file this config names: its pinned content, else read now. Raises OSError as reading would."""
+        if self._pinned is not None and (text := self._pinned.text(path)) is not None:
+            return text
+        return read_file(path)
+
+    def key_entries(self) -> list[KeyEntry]:
+        """The client API keys (``AuthConfig.key_entries``), from the pinned keys file."""
+        return self.auth.key_entries(self.read_text)
+
+    def admin_token(self) -> str | None:
+        """The admin bearer token (``AdminConfig.token``), from the pinned token file."""
+        return self.admin.token(self.read_text)
+
+    def tokenizer_model(self, m: ModelConfig) -> ModelConfig:
+        """``m`` as its tokenizer is to be loaded: a chat template file given as its pinned text
+        (the tokenizer takes a value with braces or a newline as the template itself)."""
+        if self._pinned is None or m.chat_template is None or m.chat_template not in self._pinned.files:
+            return m
+        try:
+            text = self.read_text(m.chat_template)
+        except OSError as err:  # as gateway/tokenizer.py says it when it reads the file
+            raise ValueError(f"chat_template {m.chat_template!r} looks like a file path, but it cannot be read: "
+                             f"{err}") from None
+        if not any(c in text for c in "{}\n"):  # not a template the tokenizer would take inline: let it read
+            return m
+        return m.model_copy(update={"chat_template": text})
+
+
+def _names_a_file(template: str) -> bool:
+    """As gateway/tokenizer.py's load_template reads ``chat_template``: a file when one is there,
+    else the template itself when it looks like one (braces or a newline), else a missing file."""
+    return os.path.isfile(template) or not any(c in template for c in "{}\n")
+
+
+@dataclass(frozen=True)
+class PinnedFiles:
+    """The files a config names (``GatewayConfig.named_files``) as read together with it: their
+    bytes, or why they could not be read (errno, message), by path."""
+
+    files: dict[str, bytes | tuple[int, str]]
+
+    @classmethod
+    def read(cls, paths: Iterable[str]) -> PinnedFiles:
+        files: dict[str, bytes | tuple[int, str]] = {}
+        for path in paths:
+            try:
+                files[path] = Path(path).read_bytes()
+            except OSError as err:
+                files[path] = (err.errno or 0, err.strerror or type(err).__name__)
+        return cls(files)
+
+    def text(self, path: str) -> str | None:
+        """The pinned file's text (None: not pinned); raises the OSError reading it raised."""
+        if path not in self.files:
+            return None
+        content = self.files[path]
+        if isinstance(content, tuple):
+            raise OSError(*content)
+        return content.decode("utf-8")
+
+    def digest_input(self) -> bytes:
+        """What a config version hashes besides the config file's bytes (gateway/reload.py)."""
+        out = b""
+        for path in sorted(self.files):
+            content = self.files[path]
+            body = content if isinstance(content, bytes) else f"unreadable {content[0]}".encode()
+            out += b"\0%s\0%d\0%s" % (path.encode(), len(body), body)
+        return out
+
+
+def access_switched_off(old: GatewayConfig, new: GatewayConfig) -> list[str]:
+    """What going from ``old`` (the config running) to ``new`` switches off: client API keys, the
+    admin token; each a phrase naming where it came from. Such a change must be said on purpose in
+    ``new`` (``auth.disabled``, ``admin.disabled``): an edit that drops a section, or empties it,
+    never opens the gateway by accident. Raises ValueError for what is switched off unsaid."""
+    off: list[tuple[str, bool]] = []
+    if old.auth.configured and not new.auth.configured:  # (configured keys that hold none do not load)
+        source = _source(old.auth.api_keys_file, "auth.api_keys_file", old.auth.api_keys_env, "auth.api_keys_env")
+        off.append((f"API keys (from {source})", new.auth.disabled))
+    try:
+        had_token = old.admin_token() is not None
+    except ValueError:  # its file gone since: it cannot be what is running
+        had_token = bool(old.admin.token_file or old.admin.token_env)
+    if had_token and new.admin_token() is None:
+        source = _source(old.admin.token_file, "admin.token_file", old.admin.token_env, "admin.token_env")
+        off.append((f"the admin token (from {source})", new.admin.disabled))
+    unsaid = [what for what, said in off if not said]
+    if unsaid:
+        flags = [flag for what, flag in (("API keys", "auth.disabled: true"), ("admin token", "admin.disabled: true"))
+                 if any(what in u for u in unsaid)]
+        raise ValueError(f"this change switches off {' and '.join(unsaid)}; to do that on purpose, the new config "
+                         f"must say {' and '.join(flags)}")
+    return [what for what, _ in off]
+
+
+def _source(file: str | None, file_key: str, env: str | None, env_key: str) -> str:
+    """Where a secret came from, for a log line: the file or variable's name, never its content."""
+    return f"{file_key} {file!r}" if file else f"{env_key} {env!r}"
 
 
 class ConfigError(ValueError):
@@ -838,9 +1068,40 @@ def load_config(path: str | Path, text: str | None = None) -> GatewayConfig:
         except OSError as err:
             raise ConfigError(f"{path}: cannot read ({err.strerror})") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=UniqueKeyLoader)  # a SafeLoader (below)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{path}:{where} YAML syntax error: {getattr(err, 'problem', err)}") from None
+        kind = ":" if isinstance(err, DuplicateKeyError) else " YAML syntax error:"
+        raise ConfigError(f"{path}:{where}{kind} {getattr(err, 'problem', err)}") from None
     return parse_config(data, str(path))
+
+
+class DuplicateKeyError(yaml.constructor.ConstructorError):
+    """A mapping with the same key twice."""
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping, at any depth. YAML leaves
+    it to the loader and PyYAML keeps the last: a second ``auth: {}`` below the real one would
+    silently switch API keys off. Merge keys (``<<: *base``) still override what they merge."""
+
+
+def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> Iterator[dict[Any, Any]]:
+    seen: dict[Any, yaml.Node] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            first = seen.setdefault(key, key_node)
+        except TypeError:  # an unhashable key: the safe loader refuses it itself
+            continue
+        if first is not key_node:
+            raise DuplicateKeyError(
+                None, None, f"key {key!r} appears twice in one mapping (first at line {first.start_mark.line + 1}); "
+                "YAML would keep only the last", key_node.start_mark)
+    yield from loader.construct_yaml_map(node)
+
+
+UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)

@@ -14,6 +14,8 @@ from policies.base import LegReport, RequestContext
 from policies.prefix_index import PrefixStore
 
 from . import fasttok
+from .auth import authorize_admin
+from .errors import APIError
 from .kvevents import KVEventSubscriber
 from .pools import Pools
 from .requestlog import RequestRecord
@@ -21,10 +23,13 @@ from .state import RedisState
 from .tenants import Usage
 
 if TYPE_CHECKING:
+    from starlette.requests import Request
+
     from .admission import Gate, LoopLag
     from .discovery import SliceWatcher
     from .httpserver import Connections
     from .modelcheck import ServedModels
+    from .workerbus import WorkerBus
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
@@ -40,6 +45,17 @@ MIGRATION_RESULTS = ("ok", "failed", "skipped", "abandoned")
 _STEP_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 # How far off a wrong belief was, in cached prompt tokens (a block is 16-128 tokens on vLLM).
 _BELIEF_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536)
+
+
+def authorize_scrape(request: Request, protect: bool, token: str | None) -> None:
+    """``admin.protect_metrics``: a scrape must carry the admin bearer token. Raises 401 without it,
+    and always when no token could be read (an empty file or variable): closed, never open."""
+    if not protect:
+        return
+    if token is None:
+        raise APIError(401, "A valid admin bearer token is required (none is configured).",
+                       type_="authentication_error", code="invalid_admin_token")
+    authorize_admin(request, token)
 
 
 class GatewayMetrics:
@@ -236,6 +252,10 @@ class GatewayMetrics:
                       queues: Callable[[], Iterable[tuple[str, int]]] = tuple) -> None:
         self.registry.register(_TenantCollector(usage, labels, queues))
 
+    def watch_bus(self, bus: WorkerBus) -> None:
+        """Export what the workers' hub dropped (gateway/workerbus.py), read at scrape time."""
+        self.registry.register(_BusCollector(bus))
+
     def decided(self, path: str, reason: str) -> None:
         self._child(self.decisions, path, reason).inc()
 
@@ -383,14 +403,22 @@ class _RoutingStateCollector:
                                      labels=["engine"])
         gaps = CounterMetricFamily("pdgate_kv_events_gaps", "Sequence gaps seen on a KV event feed",
                                    labels=["engine"])
+        invalid = CounterMetricFamily("pdgate_kv_events_invalid", "KV event messages refused: not a KV event "
+                                      "batch, or over routing.prefix.max_event_batch_blocks", labels=["engine"])
+        disconnects = CounterMetricFamily("pdgate_kv_events_disconnects", "KV event feed connections lost (also: "
+                                          "a message over routing.prefix.max_event_message_bytes)", labels=["engine"])
         for feed in self._feeds():
             c = feed.counters
             connected.add_metric([feed.url], 1 if c.connected else 0)
             events.add_metric([feed.url], c.events_applied)
             gaps.add_metric([feed.url], c.gaps)
+            invalid.add_metric([feed.url], c.decode_errors)
+            disconnects.add_metric([feed.url], c.disconnects)
         yield connected
         yield events
         yield gaps
+        yield invalid
+        yield disconnects
         if self._shared is not None:
             up = GaugeMetricFamily("pdgate_shared_state_up",
                                    "1 while the shared state backend (Redis) answers; 0: routing on local state",
@@ -512,6 +540,25 @@ class _AdmissionCollector:
                                           "server.max_connections")
             refused.add_metric([], self._connections.refused)
             yield from (open_, refused)
+
+
+class _BusCollector:
+    """Messages a worker dropped from the hub, by reason: not from this gateway's workers
+    (``forged``), an authentic message seen before (``replayed``), or one that broke the protocol
+    (``invalid``: a bug or two versions side by side)."""
+
+    def __init__(self, bus: WorkerBus) -> None:
+        self._bus = bus
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        dropped = CounterMetricFamily("pdgate_worker_bus_dropped_messages", "Messages from the workers' hub "
+                                      "dropped by reason (forged, replayed, invalid)", labels=["reason"])
+        for reason, n in self._bus.dropped.items():
+            dropped.add_metric([reason], n)
+        yield dropped
 
 
 class _FastTokenizerCollector:

@@ -31,7 +31,8 @@ _SAME_IN_EVERY_WORKER = frozenset({
     "pdgate_pool_kv_usage_ratio", "pdgate_pool_reporting_endpoints", "pdgate_endpoint_healthy",
     "pdgate_endpoint_prefill_seconds_per_token", "pdgate_endpoint_model_missing", "pdgate_prefix_index_blocks",
     "pdgate_discovery_synced", "pdgate_discovery_endpoints", "pdgate_discovery_lists", "pdgate_discovery_errors",
-    "pdgate_kv_events", "pdgate_kv_events_gaps", "pdgate_config_reloads", "pdgate_config_info",
+    "pdgate_kv_events", "pdgate_kv_events_gaps", "pdgate_kv_events_invalid", "pdgate_kv_events_disconnects",
+    "pdgate_config_reloads", "pdgate_config_info",
     "pdgate_endpoint_restarts", "pdgate_event_loop_lag_seconds", "pdgate_event_loop_lag_max_seconds",
     "pdgate_planner_compute_seconds", "pdgate_planner_unmet",
     # every worker's figure already adds the other workers' and replicas' (shared tenant use)

@@ -1,22 +1,25 @@
 """Who a request is for and how urgent it is; how much of each pool every tenant is using.
 
-A tenant is the API key's name (its line in the keys file), else, with keys off, the value of
-``fairness.tenant_header``. A request's class is its key's (or tenant's) default, or the one its
-``x-pdgate-priority`` header asks for when the key may use it; its TTFT objective is the class's,
-or its ``x-pdgate-ttft-ms`` header's. ``Tenancy`` is built per config version; ``Usage`` outlives
+A tenant is the API key's name (its line in the keys file; an unnamed key gets a name that says
+nothing about it, ``key_tenants``), else, with keys off, the value of ``fairness.tenant_header``.
+A request's class is its key's (or tenant's) default, or the one its ``x-pdgate-priority``
+header asks for when the key may use it; its TTFT objective is the class's, or its
+``x-pdgate-ttft-ms`` header's. ``Tenancy`` is built per config version; ``Usage`` outlives
 reloads, since what a tenant used does not change with the config.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import math
+import os
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .config import FairnessConfig, KeyEntry
+from .config import AdminConfig, FairnessConfig, KeyEntry
 from .errors import APIError
 
 OTHER = "other"  # tenants past fairness.max_tenants, and in metrics past the top N
@@ -24,6 +27,7 @@ _NAME = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 _MAX_TTFT_MS = 3_600_000
 _MS = re.compile(r"[0-9]{1,7}")  # ASCII digits only (str.isdigit also takes '²', which int() refuses)
 _PRUNE_EVERY_S = 1.0  # a full tenant table is swept of faded tenants at most this often
+_MIN_SECRET_CHARS = 16  # admin.tenant_label_secret_env: shorter could be guessed with the key
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,24 +50,59 @@ class Identity:
     sheddable: bool
 
 
-def key_tenant(entry: KeyEntry) -> str:
-    """An unnamed key is a tenant of its own, named after its hash (never the key itself)."""
-    return entry.tenant or "key-" + hashlib.sha256(entry.key.encode()).hexdigest()[:10]
+def label_secret(cfg: AdminConfig) -> bytes | None:
+    """The secret unnamed keys' tenants are named with (``admin.tenant_label_secret_env``), or None.
+    Named but unset in the environment, empty or short, or an empty name: a config error (never a
+    quiet fallback)."""
+    name = cfg.tenant_label_secret_env
+    if name is None:
+        return None
+    value = os.environ.get(name, "").strip()
+    if len(value) < _MIN_SECRET_CHARS:
+        raise ValueError(f"admin.tenant_label_secret_env: environment variable {name!r} must hold at least "
+                         f"{_MIN_SECRET_CHARS} characters ({'unset' if name not in os.environ else 'too short'})")
+    return value.encode()
+
+
+def key_tenants(keys: Sequence[KeyEntry], secret: bytes | None = None) -> list[str]:
+    """Each key's tenant: the name its line gives (``tenant=``), else one that says nothing about
+    the key. The name is a metric label on an unauthenticated ``/metrics``, in the access log and in
+    shared state, so a plain hash of the key would let anyone guess a weak key offline. With
+    ``secret``: ``key-`` and 10 hex of HMAC-SHA256(secret, key), the same in every worker and
+    replica given the same secret, whatever the keys' order. Without: ``key-<n>``, its place among
+    the unnamed keys (1-based, file first, then the variable): the same in every process reading
+    the same keys, but it moves when an unnamed key before it is added or removed."""
+    names: list[str] = []
+    unnamed = 0
+    for e in keys:
+        if e.tenant:
+            names.append(e.tenant)
+            continue
+        unnamed += 1
+        names.append(f"key-{unnamed}" if secret is None
+                     else "key-" + hmac.new(secret, e.key.encode(), hashlib.sha256).hexdigest()[:10])
+    return names
 
 
 class Tenancy:
     """One config version's tenants and classes."""
 
-    def __init__(self, cfg: FairnessConfig, keys: Sequence[KeyEntry] = ()) -> None:
+    def __init__(self, cfg: FairnessConfig, keys: Sequence[KeyEntry] = (), label_secret: bytes | None = None) -> None:
         self.cfg = cfg
         self._weights = {name: t.weight for name, t in cfg.tenants.items()}
-        for e in keys:
-            if e.weight is not None and self._weights.setdefault(key_tenant(e), e.weight) != e.weight:
-                raise ValueError(f"auth: tenant {key_tenant(e)!r} is given two weights")
+        names = key_tenants(keys, label_secret)
+        named = {*cfg.tenants, *(e.tenant for e in keys if e.tenant)}
+        for e, name in zip(keys, names, strict=True):
+            # An unnamed key under a configured name would take that tenant's weight and classes.
+            if not e.tenant and name in named:
+                raise ValueError(f"auth: an unnamed key's tenant would be {name!r}, a tenant named in the config: "
+                                 "name that key (tenant=) or rename the tenant")
+            if e.weight is not None and self._weights.setdefault(name, e.weight) != e.weight:
+                raise ValueError(f"auth: tenant {name!r} is given two weights")
             for c in (e.priority, *e.allow):
                 if c is not None and c not in cfg.classes:
                     raise ValueError(f"auth: {c!r} is not a class in fairness.classes")
-        self._by_key = [self._tenant(key_tenant(e), e.priority, e.allow) for e in keys]
+        self._by_key = [self._tenant(name, e.priority, e.allow) for e, name in zip(keys, names, strict=True)]
         self._named = {name: self._tenant(name) for name in cfg.tenants}
         self._default = self._tenant("default")
 

@@ -24,12 +24,10 @@ and the exact tokenizer decides near the context limit.
 from __future__ import annotations
 
 import asyncio
-import copy
 import functools
 import json
 import logging
 import os
-import queue
 import re
 import threading
 from bisect import bisect_right
@@ -605,9 +603,10 @@ class ModelTokenizer:
         # tokenizes; this is the same bound, so the gateway refuses exactly that text.
         self.max_chars_per_token = max((len(t) for t in hf_tokenizer.get_vocab()), default=1)
         self.renderer = renderer
+        self.kwargs_limits = chat.KwargsLimits(cfg.chat_template_kwargs_max_keys, cfg.chat_template_kwargs_max_depth,
+                                               cfg.chat_template_kwargs_max_bytes)
         if not self.segments.enabled and reuse_tokens > 0:
             log.info("model %s: token ids are not reused across requests (%s)", cfg.name, self.segments.reason)
-        self._tokenizing_copies: queue.SimpleQueue[Any] = queue.SimpleQueue()  # see _tokenize_chat
         if renderer is not None:
             log.warning("model %s: vLLM renders its chat prompts with its own %r renderer; the gateway's "
                         "chat token counts for it are approximate", cfg.name, renderer)
@@ -643,12 +642,9 @@ class ModelTokenizer:
         near = self._near_limit(body)
         reason = None
         if req.kind == "chat":
-            rendered, media = self._render_chat(body, near)
-            if isinstance(rendered, str):
-                add_special = bool(body.get("add_special_tokens") or False)
-                prompts = [self._text_ids(rendered, add_special, trunc, near)]
-            else:
-                prompts = [self._truncate(rendered, trunc)]
+            rendered, media = self._render_chat(body)
+            add_special = bool(body.get("add_special_tokens") or False)
+            prompts = [self._text_ids(rendered, add_special, trunc, near)]
             reason = "multimodal" if media else self.renderer
         else:
             add_special = body.get("add_special_tokens") is not False
@@ -666,10 +662,15 @@ class ModelTokenizer:
         return PromptIds(prompts, reason)
 
     # -- chat ---------------------------------------------------------------------------------
-    def _render_chat(self, body: dict[str, Any], near: int) -> tuple[str | list[int], bool]:
-        """The rendered prompt (text to encode, or ids when the template call tokenized), and
-        whether the messages have media parts."""
+    def _render_chat(self, body: dict[str, Any]) -> tuple[str, bool]:
+        """The rendered prompt text, and whether the messages have media parts. The template call
+        never tokenizes: the tokenizer is shared by the tokenizing threads and only ever encodes
+        text (``chat.check_template_kwargs`` refuses kwargs that would configure it)."""
         cfg = self.cfg
+        try:
+            chat.check_template_kwargs(body.get("chat_template_kwargs"), self.kwargs_limits)
+        except chat.ChatTemplateError as err:
+            raise bad_request(str(err), param=err.param, code="invalid_chat_template_kwargs") from None
         self._refuse_untrusted_template(body)
         tools = body.get("tools")
         if tools is not None and body.get("tool_choice") == "none" and cfg.exclude_tools_when_tool_choice_none:
@@ -684,17 +685,13 @@ class ModelTokenizer:
             conversation, media = chat.normalize_messages(body["messages"], fmt)
             conversation = chat.for_template(conversation, template)
             args = chat.render_args(merged, template)
-            if args.tokenizer_args:
-                return self._tokenize_chat(conversation, template, args), media
-            text = self.hf.apply_chat_template(
+            text: str = self.hf.apply_chat_template(
                 conversation, tools=args.tools, chat_template=template, tokenize=False, **args.kwargs
             )
         except chat.ChatTemplateError as err:
             raise bad_request(str(err), param=err.param) from None
         except Exception as err:  # templates raise to reject input (e.g. bad role order); vLLM answers 400
             raise bad_request(chat.template_error_reason(err)) from None
-        if args.tokenize:  # the template call would have encoded without special tokens
-            return self._encode(text, False, near), media
         return text, media
 
     def _refuse_untrusted_template(self, body: dict[str, Any]) -> None:
@@ -707,22 +704,6 @@ class ModelTokenizer:
                 "Refused request with untrusted chat template.",
                 param="chat_template",
             )
-
-    def _tokenize_chat(self, conversation: list[dict[str, Any]], template: str, args: chat.RenderArgs) -> list[int]:
-        """apply_chat_template(tokenize=True) for kwargs only it honours (truncation, max_length,
-        padding, tokenizer_kwargs). The transformers wrapper stores those settings in its Rust
-        tokenizer, so each call borrows a private copy (as vLLM does): the hot path's tokenizer never
-        sees them, and concurrent calls never wait for each other."""
-        try:
-            hf = self._tokenizing_copies.get_nowait()
-        except queue.Empty:
-            hf = copy.deepcopy(self.hf)
-        try:
-            ids = hf.apply_chat_template(conversation, tools=args.tools, chat_template=template, tokenize=True,
-                                         **args.kwargs)
-        finally:
-            self._tokenizing_copies.put(hf)
-        return [int(t) for t in ids]
 
     # -- truncation and length ----------------------------------------------------------------
     def _truncation(self, req: ParsedRequest) -> _Truncation:
@@ -808,12 +789,6 @@ def _max_output(req: ParsedRequest) -> int:
     return value or 0
 
 
-def _tokenizes_in_template(req: ParsedRequest) -> bool:
-    """Requests whose template call tokenizes may first copy the tokenizer: never on the loop."""
-    kwargs = req.body.get("chat_template_kwargs") if req.kind == "chat" else None
-    return isinstance(kwargs, dict) and bool(kwargs.get("tokenize"))
-
-
 class Tokenizers:
     """All configured models' tokenizers plus the pool that runs them off the event loop."""
 
@@ -831,7 +806,7 @@ class Tokenizers:
         The body's size bounds the work: it counts everything that gets rendered or tokenized
         (text, token-id lists, tools, documents), unlike any count of prompt characters.
         """
-        if req.raw_size <= self._cfg.inline_max_bytes and not _tokenizes_in_template(req):
+        if req.raw_size <= self._cfg.inline_max_bytes:
             return tok.prompt_ids(req)
         return await asyncio.get_running_loop().run_in_executor(self._pool, tok.prompt_ids, req)
 

@@ -12,10 +12,14 @@ connection to one of them. What keeps them one gateway:
 Each worker watches the config file, the engines and the KV event feeds itself (a few more
 health probes and event decodes, and no single point whose death stops routing for all).
 
-The supervisor restarts a worker that dies (after a short backoff) and frees what it held. On
-SIGTERM or SIGINT it passes SIGTERM on, waits for the workers' graceful shutdown
-(``server.shutdown_grace_s`` plus the bound on background parts) and kills what is left. A worker
-whose supervisor disappears shuts itself down. A worker that cannot start (exit 3: a tokenizer,
+The supervisor restarts a worker that dies (after a short backoff) and frees what it held. A
+restarted worker starts from the config the workers run now, never the one the gateway started
+with: each worker reports every config version it applies (the validated object, its named files
+pinned: gateway/reload.py) over its own pipe, and the supervisor hands the latest to the next
+worker it starts, which serves nothing before it has it. On SIGTERM or SIGINT the supervisor
+passes SIGTERM on, waits for the workers' graceful shutdown (``server.shutdown_grace_s`` plus the
+bound on background parts) and kills what is left. A worker whose supervisor disappears shuts
+itself down. A worker that cannot start (exit 3: a tokenizer,
 a port) stops the gateway: the cause is the same in every worker.
 """
 
@@ -29,16 +33,21 @@ import math
 import multiprocessing
 import multiprocessing.connection
 import os
+import queue
 import signal
 import socket
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from .config import GatewayConfig
+from .config import GatewayConfig, PinnedFiles
+from .reload import version_of
 from .tasks import STOP_BOUND_S
 from .workerbus import BusAddress, Hub
 
@@ -111,7 +120,8 @@ class WorkerSpec:
     """What a worker process needs to become one worker of this gateway (pickled at spawn)."""
 
     config_path: str
-    config_text: str  # the bytes the supervisor validated; later edits arrive as hot reloads
+    config: GatewayConfig  # the config the workers run now (named files pinned), validated: not re-read
+    version: str  # its version (gateway/reload.py); the worker's watcher applies later edits
     host: str
     port: int
     index: int
@@ -130,6 +140,7 @@ class WorkerContext:
     bus: BusAddress
     slots: Any  # multiprocessing RawArray of admission slots, one cell per worker
     lock: Any  # multiprocessing Lock guarding ``slots``
+    applied: Callable[[GatewayConfig, str], None] | None = None  # tells the supervisor a config was applied
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -153,6 +164,10 @@ class Supervisor:
         self._restarts = [0] * spec.count
         self._started = [0.0] * spec.count
         self._failures = self._mp.SimpleQueue()  # why a worker could not start (one line)
+        # Each worker's pipe for the config versions it applies (its own: a worker killed mid-send
+        # spoils nothing but its own message), and the latest applied: (when, config, version).
+        self._reports: list[Connection | None] = [None] * spec.count
+        self.latest: tuple[float, GatewayConfig, str] = (0.0, spec.config, spec.version)
         self._stopping = False
         self.exit_code = 0
         self.failure: str | None = None
@@ -176,18 +191,48 @@ class Supervisor:
         self._stopping = True
 
     def _start(self, i: int, sock: socket.socket) -> None:
-        spec = WorkerSpec(**{**self._spec.__dict__, "index": i})
-        proc = self._mp.Process(target=run_worker, args=(spec, sock, self._slots, self._lock, self._failures),
+        self._collect_reports()  # what any worker applied until now, the dead one's last included
+        _, cfg, version = self.latest
+        spec = replace(self._spec, index=i, config=cfg, version=version)
+        reader, writer = self._mp.Pipe(duplex=False)
+        proc = self._mp.Process(target=run_worker, args=(spec, sock, self._slots, self._lock, self._failures, writer),
                                 name=f"pdgate-worker-{i}", daemon=False)
         proc.start()
+        writer.close()  # the worker's copy only: its death ends the pipe
+        if (old := self._reports[i]) is not None:
+            old.close()
+        self._reports[i] = reader
         self._procs[i] = proc
         self._started[i] = time.monotonic()
+        if version != self._spec.version:
+            log.info("worker %d starts with config version %s, the latest the workers applied", i, version)
+
+    def _collect_reports(self) -> None:
+        """Read every config version the workers reported; keep the one applied last."""
+        for i, reader in enumerate(self._reports):
+            if reader is None:
+                continue
+            try:
+                while reader.poll(0):
+                    report = reader.recv()
+                    if not (isinstance(report, tuple) and len(report) == 3 and isinstance(report[0], float)
+                            and isinstance(report[1], GatewayConfig) and isinstance(report[2], str)):
+                        log.warning("worker %d sent a config report of the wrong shape: ignored", i)
+                        continue
+                    if report[0] > self.latest[0]:
+                        self.latest = report
+            except Exception as err:  # EOFError: the worker ended (mid-message, maybe); what it sent whole counts
+                if not isinstance(err, EOFError):
+                    log.warning("worker %d: unreadable config report (%s): its pipe is closed", i, type(err).__name__)
+                reader.close()
+                self._reports[i] = None
 
     def _watch(self, sock: socket.socket) -> None:
         due: dict[int, float] = {}  # worker -> when to start it again
         while not self._stopping:
-            live = [p.sentinel for p in self._procs if p is not None]
-            multiprocessing.connection.wait(live, timeout=0.2)
+            live: list[Any] = [p.sentinel for p in self._procs if p is not None]
+            multiprocessing.connection.wait(live + [r for r in self._reports if r is not None], timeout=0.2)
+            self._collect_reports()  # before a dead worker is seen: its last report counts
             for i, proc in enumerate(self._procs):
                 if proc is None or proc.is_alive():
                     continue
@@ -237,6 +282,9 @@ class Supervisor:
         # The workers close their copies as they start draining; with this one open the kernel
         # would still queue new connections nobody accepts. Closed, new clients are refused at once.
         sock.close()
+        for reader in self._reports:
+            if reader is not None:
+                reader.close()
         deadline = time.monotonic() + self._cfg.server.shutdown_grace_s + STOP_BOUND_S + 2.0
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -258,9 +306,12 @@ def serve(cfg: GatewayConfig, config_path: str, config_text: str, host: str, por
             log.error("cannot listen on %s:%d (%s)", host, port, err.strerror)
             return STARTUP_FAILED
     sock.set_inheritable(True)
+    if cfg.pinned is None:  # its named files (keys, token, templates) as read now, for every worker
+        cfg = cfg.pin(PinnedFiles.read(cfg.named_files()))
+    version = version_of(config_text.encode(), cfg.pinned)
     hub = Hub()
     hub.start()
-    spec = WorkerSpec(config_path, config_text, host, port, 0, workers, hub.address, os.getpid(), access_log_path)
+    spec = WorkerSpec(config_path, cfg, version, host, port, 0, workers, hub.address, os.getpid(), access_log_path)
     supervisor = Supervisor(spec, cfg)
     try:
         code = supervisor.run(sock, hub)
@@ -272,23 +323,46 @@ def serve(cfg: GatewayConfig, config_path: str, config_text: str, host: str, por
     return code
 
 
-def run_worker(spec: WorkerSpec, sock: socket.socket, slots: Any, lock: Any, failures: Any) -> None:
+class _Reporter:
+    """Tells the supervisor each config version this worker applied, from a thread: a send that
+    blocks (a large keys file, a busy supervisor) never stalls the event loop, and the thread
+    (a daemon) never holds up the worker's exit."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._queue: queue.SimpleQueue[tuple[float, GatewayConfig, str]] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="pdgate-config-report", daemon=True).start()
+
+    def __call__(self, cfg: GatewayConfig, version: str) -> None:
+        self._queue.put((time.monotonic(), cfg, version))  # when applied: the latest wins, whoever reports first
+
+    def _run(self) -> None:
+        while True:
+            report = self._queue.get()
+            try:
+                self._conn.send(report)
+            except (OSError, ValueError):  # the supervisor is gone: the orphan watch stops this worker
+                return
+
+
+def run_worker(spec: WorkerSpec, sock: socket.socket, slots: Any, lock: Any, failures: Any,
+               reports: Connection | None = None) -> None:
     """A worker process: the whole gateway on the shared socket (exits 3 when it cannot start,
-    having put the cause, one line, in ``failures`` for the supervisor to say)."""
+    having put the cause, one line, in ``failures`` for the supervisor to say), serving
+    ``spec.config`` from its first request and reporting each config it applies on ``reports``."""
     from .app import create_app
     from .cli import load_tokenizers
-    from .config import load_config
     from .gcpolicy import Collector
     from .httpserver import make_server
-    from .reload import version_of
     from .requestlog import LineWriter
 
-    cfg = load_config(spec.config_path, text=spec.config_text)
+    cfg = spec.config
     logging.basicConfig(level=cfg.server.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s [worker {spec.index}] %(name)s: %(message)s")
     logging.getLogger("watchfiles").setLevel(logging.WARNING)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; it sends SIGTERM
-    ctx = WorkerContext(spec.index, spec.count, spec.bus, slots, lock)
+    ctx = WorkerContext(spec.index, spec.count, spec.bus, slots, lock,
+                        applied=_Reporter(reports) if reports is not None else None)
     access = open(spec.access_log_path, "ab") if spec.access_log_path else None  # noqa: SIM115 - closed below
     sink = LineWriter(access) if access else None
     try:
@@ -296,7 +370,7 @@ def run_worker(spec: WorkerSpec, sock: socket.socket, slots: Any, lock: Any, fai
             tokenizers = load_tokenizers(cfg)
             server = make_server(
                 cfg, lambda connections: create_app(cfg, tokenizers, config_path=spec.config_path,
-                                                    config_version=version_of(spec.config_text.encode()),
+                                                    config_version=spec.version,
                                                     connections=connections, access_sink=sink,
                                                     collector=Collector(cfg.server.gc_young_threshold), worker=ctx),
                 host=spec.host, port=spec.port, log_level=cfg.server.log_level.lower(),

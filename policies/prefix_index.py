@@ -27,7 +27,7 @@ routing code depends on, so a shared (Redis-backed) index can replace this in-me
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice, repeat
@@ -115,8 +115,12 @@ class PrefixIndex:
     runs of recent learn calls hold at most twice as many hashes (a list slot each, ~8 bytes, plus
     hashes already evicted from the index).
     Precise entries are bounded by the engines' own cache sizes (a few tens of thousands of
-    blocks each); the per-endpoint cap only guards against a feed that loses its BlockRemoved
-    events, and evicts that endpoint's oldest stored blocks.
+    blocks each); the per-endpoint cap (``max_precise_per_url``, ~200 bytes an entry) guards
+    against a feed that loses its BlockRemoved events or publishes blocks no engine holds, and
+    evicts that endpoint's oldest stored blocks. Each endpoint's entries are one ordered dict and
+    nothing else (``match`` asks each endpoint with entries for the first block): a clear drops the
+    dict whole, and eviction and removal run as one C loop each (``_drain``), so even a full
+    endpoint costs milliseconds, not a Python step per entry.
     """
 
     RUNS_PER_KEY = 8  # runs kept per (endpoint, first block): conversations sharing a system prompt
@@ -127,7 +131,7 @@ class PrefixIndex:
         max_approx_entries: int = 200_000,
         approx_ttl_s: float = 600.0,
         young_s: float = 5.0,
-        max_precise_per_url: int = 1_000_000,
+        max_precise_per_url: int = 262_144,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_approx_entries <= 0 or max_precise_per_url <= 0:
@@ -148,9 +152,8 @@ class PrefixIndex:
         self._runs: OrderedDict[tuple[str, BlockHash], list[_Run]] = OrderedDict()
         self._run_blocks = 0
         self.max_run_blocks = 2 * max_approx_entries  # runs overlap (turns of one conversation)
-        # precise: per endpoint, its blocks in store order (for the safety cap); hash -> holders
+        # precise: per endpoint, its blocks in store order (for the safety cap)
         self._precise: dict[str, OrderedDict[BlockHash, None]] = {}
-        self._precise_by_hash: dict[BlockHash, set[str]] = {}
         self._live: set[str] = set()
         self.precise_evicted = 0  # entries dropped by the safety cap (a feed losing removals)
 
@@ -163,7 +166,7 @@ class PrefixIndex:
             return {}
         now = self._clock()
         first = hashes[0]
-        alive = list(self._precise_by_hash.get(first) or ())
+        alive = [url for url, stored in self._precise.items() if first in stored]
         for url, learned in self._approx_of.items():
             ts = learned.get(first)
             if ts is not None and ts >= now - self._limit(url) and url not in alive:
@@ -313,42 +316,23 @@ class PrefixIndex:
         mine = self._precise.get(url)
         if mine is None:
             mine = self._precise[url] = OrderedDict()
-        by_hash = self._precise_by_hash
         for h in hashes:
             if h in mine:
                 mine.move_to_end(h)
-                continue
-            mine[h] = None
-            holders = by_hash.get(h)
-            if holders is None:
-                by_hash[h] = {url}
             else:
-                holders.add(url)
-        while len(mine) > self.max_precise_per_url:
-            h, _ = mine.popitem(last=False)
-            self._unhold(url, h)
-            self.precise_evicted += 1
+                mine[h] = None
+        over = len(mine) - self.max_precise_per_url
+        if over > 0:  # the oldest stored go first
+            _drain(map(mine.popitem, repeat(False, over)))
+            self.precise_evicted += over
 
     def removed(self, url: str, hashes: Iterable[BlockHash]) -> None:
         mine = self._precise.get(url)
-        if not mine:
-            return
-        for h in hashes:
-            if h in mine:
-                del mine[h]
-                self._unhold(url, h)
-
-    def _unhold(self, url: str, h: BlockHash) -> None:
-        holders = self._precise_by_hash.get(h)
-        if holders is not None:
-            holders.discard(url)
-            if not holders:
-                del self._precise_by_hash[h]
+        if mine:
+            _drain(map(mine.pop, hashes, repeat(None)))
 
     def cleared(self, url: str) -> None:
-        mine = self._precise.pop(url, None)
-        for h in mine or ():
-            self._unhold(url, h)
+        self._precise.pop(url, None)
 
     def set_precise(self, url: str, live: bool) -> None:
         if live:
@@ -377,3 +361,8 @@ class PrefixIndex:
             approximate_by_url={url: len(learned) for url, learned in self._approx_of.items()},
             precise_by_url={url: len(m) for url, m in self._precise.items() if m},
         )
+
+
+def _drain(calls: Iterable[object]) -> None:
+    """Run an iterator of calls to its end in C (a zero-length deque), not a Python step each."""
+    deque(calls, maxlen=0)

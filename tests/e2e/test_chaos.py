@@ -25,12 +25,23 @@ def test_engines_killed_under_load(tmp_path):
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server (.ci/run installs it)")
 def test_legitimate_clients_are_served_through_attacks_and_a_redis_kill(tmp_path):
-    """The same, with hostile clients alongside (an endless header, slowloris, stalled bodies) and
-    the shared-state Redis killed at three quarters: every legitimate request still ends cleanly."""
-    attackers = {"endless_header": 1, "slowloris": 10, "stalled_body": 4}
+    """The same, with hostile clients alongside (an endless header, slowloris, stalled bodies,
+    connections that send a byte after their answer, tokenizer-padding template kwargs, a forged KV
+    event feed) and the shared-state Redis killed at three quarters: every legitimate request still
+    ends cleanly, no attack connection outlives its answer, and the attacks are refused."""
+    attackers = {"endless_header": 1, "slowloris": 10, "stalled_body": 4, "after_answer": 5,
+                 "unauth_after_answer": 5, "template_kwargs": 1}
     report = run(n=300, concurrency=32, timeout=30, logs=tmp_path, attackers=attackers, redis=True)
     assert report.killed[-1] == "redis" and report.redis_killed
     assert report.outcomes.get("hung", 0) == 0 and report.outcomes.get("unclear", 0) == 0, report
     assert report.in_flight_after == 0, report
     assert report.outcomes["ok"] >= 250, report
-    assert sum(report.attacks.values()) > 0, report  # the attackers did run
+    answers = report.attacks["answers"]
+    assert sum(answers.values()) > 0, report  # the attackers did run
+    assert answers.get("unauth_after_answer 401", 0) > 0, report  # auth is on: no key, no answer
+    assert answers.get("template_kwargs 400", 0) > 0 and answers.get("template_kwargs 200", 0) == 0, report
+    assert answers.get("kv_forger big_batch", 0) > 0, report
+    held = report.attacks["held_s"]
+    # Before issue 27 these stayed open for good (the run's end); now each closes as its answer is written.
+    for kind in ("after_answer", "unauth_after_answer"):
+        assert held[kind]["connections"] > 0 and held[kind]["max"] < 10, report

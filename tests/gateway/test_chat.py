@@ -206,8 +206,11 @@ def test_template_kwargs_follow_vllm_merge_rules():
     # null or "auto"; unknown variables are dropped; the server cannot make vLLM tokenize in the template
     assert args.kwargs == {"custom": 1, "add_generation_prompt": True, "continue_final_message": False,
                            "enable_thinking": False, "from_server": "s", "return_dict": False}
-    assert not args.tokenize and args.tools is None
-    assert chat.render_args(chat.merged_kwargs({"chat_template_kwargs": {"tokenize": 1}}, None), "").tokenize
+    assert args.tools is None
+    # tokenizer-call kwargs never reach the template call, even from a template that names them
+    server = {"tokenize": True, "padding": "max_length", "max_length": 10**7, "truncation": True}
+    args = chat.render_args(chat.merged_kwargs({}, None, server), "{{ padding }}{{ max_length }}{{ tokenize }}")
+    assert chat.TOKENIZER_CALL_KWARGS.isdisjoint(set(args.kwargs) - {"return_dict"})
 
 
 def test_server_flags_are_mirrored(hf):
@@ -265,21 +268,37 @@ def test_chat_ids_match_transformers_rendering(tok):
     assert text.endswith("<|assistant|>\n")
 
 
-# -- tokenizing kwargs (F3) -----------------------------------------------------------------------
+# -- tokenizing kwargs (F3, issue 27) ---------------------------------------------------------------
 
-def test_tokenizer_kwargs_apply_when_the_template_call_tokenizes(hf):
+@pytest.mark.parametrize("kwargs", [
+    {"tokenize": True, "padding": "max_length", "max_length": 10_000_000},
+    {"tokenize": True, "truncation": True, "max_length": 5},
+    {"tokenize": True},
+    {"padding": "longest"},
+    {"tokenizer_kwargs": {"padding": "max_length"}},
+    {"return_tensors": "np"},
+], ids=["pad-10M", "truncate", "tokenize", "padding-alone", "tokenizer-kwargs", "tensors"])
+def test_tokenizer_call_kwargs_are_refused(hf, kwargs):
+    """vLLM forwards these to apply_chat_template, whose tokenizer then pads or truncates: 150 bytes
+    padded to 10M ids (~1 GB). The gateway refuses them before any work, naming the parameter."""
+    tok = make(hf)
+    body = {"messages": user("hello there, how are you doing today?"), "chat_template_kwargs": kwargs}
+    with pytest.raises(APIError) as err:
+        tok.prompt_ids(req(body))
+    assert err.value.status == 400 and err.value.param == "chat_template_kwargs"
+    assert err.value.code == "invalid_chat_template_kwargs"
+    assert "configure the tokenizer" in err.value.message
+    assert tok.backend.truncation is None and tok.backend.padding is None  # the shared tokenizer is untouched
+
+
+def test_tokenizer_call_kwargs_at_their_defaults_are_accepted(hf):
     tok = make(hf)
     body = {"messages": user("hello there, how are you doing today?")}
     full = tok.prompt_ids(req(body))[0]
-    kwargs = {"tokenize": True, "truncation": True, "max_length": 5}
-    cut = tok.prompt_ids(req(body | {"chat_template_kwargs": kwargs}))[0]
-    assert cut == full[-5:]  # vLLM loads tokenizers with truncation_side="left"
-    padded = tok.prompt_ids(req(body | {"chat_template_kwargs": {"tokenize": True, "padding": "max_length",
-                                                                 "max_length": len(full) + 3}}))[0]
-    assert padded == full + [hf.pad_token_id] * 3
-    # without tokenize=True vLLM renders text and these kwargs do nothing
-    assert tok.prompt_ids(req(body | {"chat_template_kwargs": {"truncation": True, "max_length": 5}}))[0] == full
-    assert tok.backend.truncation is None and tok.backend.padding is None  # the hot path's tokenizer is untouched
+    defaults = {"tokenize": False, "padding": False, "truncation": None, "max_length": None, "return_dict": "auto"}
+    assert tok.prompt_ids(req(body | {"chat_template_kwargs": defaults}))[0] == full
+    # truncation is the request's own field
+    assert tok.prompt_ids(req(body | {"truncate_prompt_tokens": 5}))[0] == full[-5:]
 
 
 # -- media and model-specific renderers (F12) -----------------------------------------------------
@@ -431,10 +450,7 @@ async def test_large_bodies_are_tokenized_on_a_worker_thread(tok):
         # token ids count 0 characters but still cost work: the body's size decides
         large = req({"prompt": [1000] * 60}, "completion")
         assert small.raw_size <= 256 < large.raw_size
-        # a template call that tokenizes may copy the tokenizer first: never on the loop
-        copies = req({"messages": user("hi"), "chat_template_kwargs": {"tokenize": True}})
-        assert copies.raw_size <= 256
-        for r in (small, large, copies):
+        for r in (small, large):
             await toks.prompt_ids(recorder, r)
         assert recorder.threads[0] == loop_thread
         assert loop_thread not in recorder.threads[1:]
@@ -448,12 +464,12 @@ def test_inline_limit_config_is_in_bytes():
 
 
 def test_tokenizers_run_concurrently_without_sharing_state(tok):
-    """The pool's threads share one Rust tokenizer: it is used read-only (F3's settings go to a copy)."""
+    """The pool's threads share one Rust tokenizer: it is used read-only (truncation cuts each call's own
+    encoding; no call configures the tokenizer, issue 27)."""
     async def main():
         toks = Tokenizers([tok], TokenizerConfig(inline_max_bytes=0, workers=2))
         try:
-            bodies = [{"messages": user("word " * 20), "chat_template_kwargs": {"tokenize": True, "truncation": True,
-                                                                               "max_length": 3}},
+            bodies = [{"messages": user("word " * 20), "truncate_prompt_tokens": 3},
                       {"messages": user("word " * 20)}] * 10
             return await asyncio.gather(*(toks.prompt_ids(tok, req(b)) for b in bodies))
         finally:

@@ -124,3 +124,30 @@ def test_serve_with_workers_and_a_secret_not_mounted_says_so_in_one_line(tmp_pat
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith(f"{path}: ") and "PDGATE_TEST_KEYS_UNSET" in err
     assert len(err.splitlines()) == 1
+
+
+def test_a_duplicate_auth_key_and_an_empty_keys_path_are_reported(tmp_path, capsys):
+    """Both once passed check-config and served without keys (issue 27)."""
+    (tmp_path / "keys").write_text("sk-a\n")
+    text = yaml.safe_dump(BASE) + f"auth: {{api_keys_file: {tmp_path / 'keys'}}}\nauth: {{}}\n"
+    code, out = run(tmp_path, text, capsys)
+    assert code == 1 and "'auth' appears twice" in out and "line" in out and "Traceback" not in out
+    code, out = run(tmp_path, {**BASE, "auth": {"api_keys_file": ""}}, capsys)
+    assert code == 1 and "auth.api_keys_file: is empty" in out
+    code, out = run(tmp_path, {**BASE, "auth": {}}, capsys)
+    assert code == 1 and "auth: names no API keys" in out
+
+
+def test_a_change_that_switches_keys_off_must_say_so(tmp_path, capsys):
+    (tmp_path / "keys").write_text("sk-a\n")
+    running = tmp_path / "running.yaml"
+    running.write_text(yaml.safe_dump({**BASE, "auth": {"api_keys_file": str(tmp_path / "keys")}}))
+    new = tmp_path / "new.yaml"
+    new.write_text(yaml.safe_dump(BASE))
+    code = main(["check-config", str(new), "--previous", str(running), "--no-tokenizers"])
+    out = capsys.readouterr()
+    assert code == 1 and "switches off API keys" in out.err and "auth.disabled: true" in out.err
+    new.write_text(yaml.safe_dump({**BASE, "auth": {"disabled": True}}))
+    code = main(["check-config", str(new), "--previous", str(running), "--no-tokenizers"])
+    out = capsys.readouterr()
+    assert code == 0 and "warning: switches off API keys" in out.err and "no API keys" in out.out

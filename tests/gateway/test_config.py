@@ -5,7 +5,15 @@ import re
 import pytest
 from pydantic import BaseModel
 
-from gateway.config import ConfigError, PolicySpec, RoutingConfig, load_config, parse_config
+from gateway.config import (
+    ConfigError,
+    PinnedFiles,
+    PolicySpec,
+    RoutingConfig,
+    access_switched_off,
+    load_config,
+    parse_config,
+)
 from policies import registry
 
 BASE = {
@@ -239,3 +247,102 @@ def test_third_party_policies_get_the_same_checks(third_party):
     assert error.startswith("routing.decode.scorers[0]: policy 'plain': ") and "'p'" in error
     assert routing_errors({"decider": {"name": "plain"}}) == [
         "routing.decider.name: policy 'plain' is a scorer, not a decider"]
+
+
+# -- configs that would turn authentication off without saying so (issue 27) ----------------------
+
+YAML_BASE = """\
+models: [{name: m, tokenizer: /tok, max_model_len: 4096}]
+pools: {decode: {endpoints: ["http://d0:8000"]}}
+"""
+
+
+@pytest.mark.parametrize(
+    ("tail", "key", "line"),
+    [
+        ("auth: {api_keys_file: /etc/keys}\nauth: {}\n", "'auth'", 4),  # the attack: the second wins
+        ("routing:\n  decider: {name: token_threshold}\n  decider: {name: cost_model}\n", "'decider'", 5),
+        ("fairness:\n  tenants:\n    a: {weight: 1}\n    b: {weight: 2, weight: 3}\n", "'weight'", 6),
+        ("health:\n  outlier: [{url: 'http://d1:8000', url: 'http://d2:8000'}]\n", "'url'", 4),  # in a list
+    ],
+)
+def test_a_key_given_twice_in_one_mapping_is_refused_at_any_depth(tmp_path, tail, key, line):
+    path = tmp_path / "c.yaml"
+    path.write_text(YAML_BASE + tail)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert f"{key} appears twice" in str(info.value) and f"line {line}," in str(info.value)
+
+
+def test_a_merge_key_still_overrides_what_it_merges(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(YAML_BASE + "health: &h {interval_s: 1, timeout_s: 0.5}\nsignals:\n  max_age_s: 3\n"
+                    "routing:\n  prefix: {block_size: 16}\n" + "admission:\n  <<: {max_in_flight: 5}\n"
+                    "  max_in_flight: 7\n")
+    assert load_config(path).admission.max_in_flight == 7
+
+
+@pytest.mark.parametrize(
+    ("section", "where"),
+    [
+        ({"auth": {"api_keys_file": ""}}, "auth.api_keys_file"),
+        ({"auth": {"api_keys_env": "  "}}, "auth.api_keys_env"),
+        ({"admin": {"token_file": ""}}, "admin.token_file"),
+        ({"admin": {"token_env": ""}}, "admin.token_env"),
+    ],
+)
+def test_an_empty_secret_path_is_refused(section, where):
+    with pytest.raises(ConfigError) as info:
+        parse_config({**BASE, **section}, "gw.yaml")
+    assert f"  {where}: is empty" in str(info.value)
+
+
+def test_an_auth_section_says_keys_or_disabled():
+    with pytest.raises(ConfigError, match="auth: names no API keys"):
+        parse_config({**BASE, "auth": {}})
+    assert parse_config({**BASE, "auth": {"disabled": True}}).auth.disabled
+    assert not parse_config(BASE).auth.configured  # no section at all: keys off, as before
+    with pytest.raises(ConfigError, match="disabled: true and API keys at once"):
+        parse_config({**BASE, "auth": {"disabled": True, "api_keys_env": "K"}})
+    with pytest.raises(ConfigError, match="disabled: true and a token at once"):
+        parse_config({**BASE, "admin": {"disabled": True, "token_file": "/t"}})
+
+
+def test_switching_keys_or_the_admin_token_off_must_be_said(tmp_path):
+    (tmp_path / "keys").write_text("sk-a\n")
+    (tmp_path / "token").write_text("t\n")
+    on = parse_config({**BASE, "auth": {"api_keys_file": str(tmp_path / "keys")},
+                       "admin": {"token_file": str(tmp_path / "token")}})
+    with pytest.raises(ValueError, match=r"switches off API keys \(from auth.api_keys_file .*keys'\) and the admin "
+                       r"token .* must say auth.disabled: true and admin.disabled: true"):
+        access_switched_off(on, parse_config(BASE))
+    with pytest.raises(ValueError, match=r"must say admin\.disabled: true"):
+        access_switched_off(on, parse_config({**BASE, "auth": {"disabled": True}}))
+    said = parse_config({**BASE, "auth": {"disabled": True}, "admin": {"disabled": True}})
+    assert len(access_switched_off(on, said)) == 2
+    assert access_switched_off(on, on) == [] and access_switched_off(parse_config(BASE), on) == []
+    # the token file emptied: the token is gone as surely as its key
+    emptied = tmp_path / "empty"
+    emptied.write_text("\n")
+    with pytest.raises(ValueError, match="the admin token"):
+        access_switched_off(on, parse_config({**BASE, "auth": on.auth.model_dump(),
+                                              "admin": {"token_file": str(emptied)}}))
+
+
+def test_a_pinned_config_reads_its_files_as_pinned(tmp_path):
+    keys, template = tmp_path / "keys", tmp_path / "t.jinja"
+    keys.write_text("sk-a tenant=x\n")
+    template.write_text("{{ messages }}")
+    cfg = parse_config({**BASE, "auth": {"api_keys_file": str(keys)},
+                        "models": [{**BASE["models"][0], "chat_template": str(template)}]})
+    assert cfg.named_files() == {str(keys): "auth.api_keys_file", str(template): "models[0].chat_template"}
+    pinned = cfg.pin(PinnedFiles.read(cfg.named_files()))
+    keys.write_text("sk-b\n")
+    template.unlink()
+    assert [e.key for e in pinned.key_entries()] == ["sk-a"] and [e.key for e in cfg.key_entries()] == ["sk-b"]
+    assert pinned.tokenizer_model(pinned.models[0]).chat_template == "{{ messages }}"
+    gone = cfg.pin(PinnedFiles.read(cfg.named_files()))  # pinned while the template file is missing
+    with pytest.raises(ValueError, match="cannot be read"):
+        gone.tokenizer_model(gone.models[0])
+    inline = parse_config({**BASE, "models": [{**BASE["models"][0], "chat_template": "{{ messages }}"}]})
+    assert inline.named_files() == {}  # a template given inline names no file

@@ -1,5 +1,6 @@
 """The guard in front of uvicorn's protocol (gateway/httpserver.py): what one client can make the
-server hold before a request reaches the app. A real uvicorn server on loopback, raw sockets."""
+server hold, before a request reaches the app and after. A real uvicorn server on loopback, raw
+sockets."""
 
 from __future__ import annotations
 
@@ -17,24 +18,49 @@ import pytest
 import uvicorn
 
 from gateway.admission import LoopLag
-from gateway.httpserver import SMOOTHING, Connections, Limits, guarded_protocol
+from gateway.httpserver import BODY_GRACE_S, LINGER_S, SMOOTHING, Connections, Limits, guarded_protocol, quiet_upgrades
 
-LIMITS = Limits(max_head_bytes=4096, max_headers=20, head_timeout_s=0.5, max_connections=8)
+LIMITS = Limits(max_head_bytes=4096, max_headers=20, head_timeout_s=0.5, max_connections=8, body_timeout_s=3.0,
+                body_idle_timeout_s=0.5)
+KEEP_ALIVE_S = 1.0
+LATE_S = 2.0  # /hang answers this late: past the guard's body idle bound (0.5 s + the grace), within its linger
+
+
+async def respond(send, status: int, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def app(scope, receive, send) -> None:
+    """``/early``: 200 without reading the body; ``/denied``: 401 without reading it (an auth
+    failure); ``/hang``: neither reads nor answers for ``LATE_S``; ``/slowread``: reads after 2 s;
+    ``/stream``: 20 chunks over 2 s; anything else: reads the body and says its length."""
     if scope["type"] != "http":
         return
+    path = scope["path"]
+    if path == "/early":
+        return await respond(send, 200, b"early")
+    if path == "/denied":
+        return await respond(send, 401, b"no key")
+    if path == "/hang":
+        await asyncio.sleep(LATE_S)
+        return await respond(send, 200, b"late")
+    if path == "/stream":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        for i in range(20):
+            await asyncio.sleep(0.1)
+            await send({"type": "http.response.body", "body": b"chunk %d\n" % i, "more_body": True})
+        return await send({"type": "http.response.body", "body": b""})
+    if path == "/slowread":
+        await asyncio.sleep(2.0)
     body = b""
     while True:
         message = await receive()
         body += message.get("body", b"")
         if not message.get("more_body"):
             break
-    answer = b"ok " + str(len(body)).encode()
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(answer)).encode())]})
-    await send({"type": "http.response.body", "body": answer})
+    await respond(send, 200, b"ok " + str(len(body)).encode())
 
 
 @contextlib.asynccontextmanager
@@ -42,8 +68,10 @@ async def server(limits: Limits = LIMITS) -> AsyncIterator[tuple[int, Connection
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     connections = Connections(limits.max_connections)
+    # as gateway/httpserver.py's make_server: no WebSockets, uvicorn's upgrade warnings dropped
     config = uvicorn.Config(app, http=guarded_protocol(limits, connections), lifespan="off", log_level="warning",
-                            timeout_keep_alive=5)
+                            timeout_keep_alive=KEEP_ALIVE_S, ws="none")
+    quiet_upgrades()
     srv = uvicorn.Server(config)
     task = asyncio.create_task(srv.serve(sockets=[sock]))
     async with asyncio.timeout(10):
@@ -192,3 +220,200 @@ async def test_a_new_connections_wait_before_it_is_read_is_measured():
         for _ in range(10):
             lag.note(0.0)  # ticks with no new connection: the wait fades
         assert not lag.over(50)
+
+
+# -- after the head: the body, the answer, and what comes after it (issue 27) ------------------------
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[bytes, bytes], bytes]:
+    """One response framed by its content-length (the test app's non-streaming ones)."""
+    async with asyncio.timeout(5):
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head[:-4].split(b"\r\n")
+        headers = {k.strip().lower(): v.strip() for k, v in (line.split(b":", 1) for line in lines[1:])}
+        body = await reader.readexactly(int(headers.get(b"content-length", b"0")))
+    return int(lines[0].split(b" ", 2)[1]), headers, body
+
+
+async def closed_by_server(reader: asyncio.StreamReader, within: float = 5.0) -> bool:
+    """Whether the server ends the connection (EOF or reset) within ``within`` seconds."""
+    try:
+        async with asyncio.timeout(within):
+            while await reader.read(65536):
+                pass
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        pass
+    return True
+
+
+async def all_gone(connections: Connections) -> None:
+    async with asyncio.timeout(5):
+        while connections.open:  # noqa: ASYNC110 - the guard closes them on its own time
+            await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("route", ["/early", "/denied"])
+async def test_an_answer_before_the_body_closes_the_connection(route):
+    """Issue 27's attack: a head that declares a body, on a route that answers without reading it;
+    the client reads the answer, sends a byte of the body and stays idle. The byte used to cancel
+    uvicorn's keep-alive timer with no other timer running: the connection was held for good."""
+    async with server() as (port, connections):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST %s HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\nabc" % route.encode())
+        status, headers, _ = await read_response(reader)
+        assert status == (200 if route == "/early" else 401)
+        assert headers[b"connection"] == b"close"  # the client knows not to send its next request here
+        writer.write(b"d")
+        assert await closed_by_server(reader, LINGER_S + 3)
+        await all_gone(connections)
+        writer.close()
+
+
+async def test_a_401_closes_the_connection_even_after_a_whole_request():
+    """Who has no key holds nothing after the answer (no keep-alive)."""
+    async with server() as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /denied HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}")
+        status, headers, _ = await read_response(reader)
+        assert (status, headers[b"connection"]) == (401, b"close")
+        assert await closed_by_server(reader, LINGER_S + 3)
+        writer.close()
+
+
+async def test_a_body_nobody_reads_is_cut_by_the_guard_with_a_408(caplog):
+    """A route that neither reads the body nor answers (yet): the body stalls after one byte; the
+    guard answers 408 past the body idle bound and closes, and the app's late answer is dropped
+    without an error."""
+    async with server() as (port, connections):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        with caplog.at_level(logging.ERROR):
+            writer.write(b"POST /hang HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\n{")
+            started = time.monotonic()
+            raw = await read_all(reader)  # the 408, then the half-close
+            took = time.monotonic() - started
+            status, error = status_and_error(raw)
+            assert (status, error["code"]) == (408, "request_timeout")
+            assert took >= LIMITS.body_idle_timeout_s + BODY_GRACE_S - 0.05  # the bound and its grace, not sooner
+            await all_gone(connections)
+            await asyncio.sleep(LATE_S - took + 0.2)  # the app answers now: nothing to answer on
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        writer.close()
+
+
+async def test_a_body_that_keeps_trickling_is_cut_at_the_whole_deadline():
+    """A byte at a time, each within the idle bound: the whole-body deadline ends it (this app has
+    no read timeouts of its own: the guard's are the only ones)."""
+    async with server() as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 100000\r\n\r\n")  # read as it comes
+
+        async def trickle() -> None:
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                while True:  # each byte within the idle bound: only the whole deadline ends it
+                    await asyncio.sleep(0.2)
+                    writer.write(b"z")
+                    await writer.drain()
+
+        sender = asyncio.create_task(trickle())
+        started = time.monotonic()
+        raw = await read_all(reader)
+        assert not sender.done()  # cut off while still trickling
+        sender.cancel()
+        assert status_and_error(raw)[0] == 408
+        assert time.monotonic() - started >= LIMITS.body_timeout_s + BODY_GRACE_S - 0.05
+        writer.close()
+
+
+async def test_a_slow_upload_within_the_bounds_is_read_whole_and_the_connection_kept():
+    async with server() as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 20\r\n\r\n")
+        for _ in range(5):  # 2 s in all, within the body timeout; 0.4 s gaps, within the idle bound
+            await asyncio.sleep(0.4)
+            writer.write(b"abcd")
+        status, headers, body = await read_response(reader)
+        assert (status, body) == (200, b"ok 20") and b"connection" not in headers
+        writer.write(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")  # the same connection serves the next one
+        assert (await read_response(reader))[2] == b"ok 0"
+        writer.close()
+
+
+async def test_a_body_held_back_by_an_app_that_reads_late_is_not_cut():
+    """uvicorn stops reading past 64 KiB the app has not taken: the client cannot send meanwhile,
+    so that wait is not the body's (here 2 s, past the idle bound)."""
+    async with server() as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        size = 1 << 20
+        writer.write(b"POST /slowread HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % size + b"z" * size)
+        status, _, body = await read_response(reader)
+        assert (status, body) == (200, b"ok %d" % size)
+        writer.close()
+
+
+async def test_a_stream_outlives_every_connection_bound():
+    """20 chunks over 2 s, past the head, body idle and keep-alive bounds: whole, and the
+    connection serves the next request."""
+    async with server() as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /stream HTTP/1.1\r\nHost: a\r\n\r\n")
+        async with asyncio.timeout(10):
+            got = await reader.readuntil(b"\r\n0\r\n\r\n")
+        assert got.startswith(b"HTTP/1.1 200") and got.count(b"chunk ") == 20
+        writer.write(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
+        assert (await read_response(reader))[2] == b"ok 0"
+        writer.close()
+
+
+async def test_an_idle_connection_between_requests_is_closed_after_the_keep_alive_timeout():
+    async with server() as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
+        await read_response(reader)
+        assert await closed_by_server(reader, KEEP_ALIVE_S + 3)
+        writer.close()
+
+
+async def test_pipelined_requests_a_head_and_expect_continue_keep_their_framing():
+    """The guard frames uvicorn's answers to decide when one is whole: a HEAD's answer (a length, no
+    body), a 100 Continue and pipelined answers must not throw it off. The proof: an early answer
+    after them still closes the connection, and the ones before do not."""
+    async with server() as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\nHEAD /x HTTP/1.1\r\nHost: a\r\n\r\n"
+                     b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\n\r\nabc")
+        assert (await read_response(reader))[2] == b"ok 0"
+        async with asyncio.timeout(5):
+            head = await reader.readuntil(b"\r\n\r\n")  # HEAD: a content-length, and no body
+        assert head.startswith(b"HTTP/1.1 200") and b"content-length: 4" in head
+        assert (await read_response(reader))[2] == b"ok 3"
+        writer.write(b"POST /x HTTP/1.1\r\nHost: a\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n")
+        async with asyncio.timeout(5):
+            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 100")
+        writer.write(b"hello")
+        status, headers, body = await read_response(reader)
+        assert (status, body) == (200, b"ok 5") and b"connection" not in headers
+        writer.write(b"POST /early HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\n")
+        status, headers, _ = await read_response(reader)
+        assert (status, headers[b"connection"]) == (200, b"close")
+        assert await closed_by_server(reader, LINGER_S + 3)
+        writer.close()
+
+
+async def test_an_upgrade_request_is_answered_as_http_and_closes_the_connection(caplog):
+    """No WebSockets: uvicorn's upgrade would hand the socket to another protocol behind the
+    guard's back (its connection never left the count). The request is answered as plain HTTP,
+    what the client sends after it is dropped, the connection closes, and nothing is logged."""
+    async with server() as (port, connections):
+        with caplog.at_level(logging.WARNING):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /x HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+                         b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+            status, headers, body = await read_response(reader)
+            assert (status, body, headers[b"connection"]) == (200, b"ok 0", b"close")
+            writer.write(b"\x81\x05hello")  # a WebSocket frame: nobody here reads it
+            assert await closed_by_server(reader, LINGER_S + 3)
+            await all_gone(connections)
+            writer.close()
+        assert not [r for r in caplog.records if r.name.startswith("uvicorn")]

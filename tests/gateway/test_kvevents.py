@@ -1,11 +1,15 @@
 """KVEventSubscriber against a real ZMQ PUB + ROUTER pair on loopback speaking vLLM 0.32's
 KV-event protocol: live events, gaps filled by replay, buffers that no longer reach back, engine
-restarts, reconnects, and hash translation for engines whose hashes cannot be reproduced."""
+restarts, reconnects, and hash translation for engines whose hashes cannot be reproduced. Then
+what a broken or forged feed may make the gateway do (issue 27): bounded messages, batches and
+replays, work in slices, and one log line per interval."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import re
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -16,12 +20,15 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from gateway.kvevents import (
+from gateway import kvevents
+from gateway.kvevents import KVEventSubscriber
+from gateway.kvwire import (
     AllBlocksCleared,
+    BatchDecoder,
     BlockRemoved,
     BlockStored,
     DecodeError,
-    KVEventSubscriber,
+    FeedLimits,
     decode_batch,
 )
 from policies.blockhash import HashSpec, block_hashes
@@ -34,6 +41,7 @@ TOPIC = "kv@engine-1"
 
 
 # -- vLLM 0.32's wire format, written from its field lists -------------------------------------------
+
 
 class _Event(msgspec.Struct, tag=True, omit_defaults=True):
     pass
@@ -67,11 +75,13 @@ class WireBatch(msgspec.Struct, array_like=True, omit_defaults=True):
     data_parallel_rank: int | None = None
 
 
-def stored(hashes: list[Any], tokens: list[int] | None = None, parent: Any = None, bs: int = 4,
-           **kw: Any) -> WireStored:
+def stored(
+    hashes: list[Any], tokens: list[int] | None = None, parent: Any = None, bs: int = 4, **kw: Any
+) -> WireStored:
     kw.setdefault("group_idx", 0)
-    return WireStored(hashes, parent, tokens if tokens is not None else [0] * (bs * len(hashes)), bs, None, "GPU", None,
-                      **kw)
+    return WireStored(
+        hashes, parent, tokens if tokens is not None else [0] * (bs * len(hashes)), bs, None, "GPU", None, **kw
+    )
 
 
 def removed(hashes: list[Any], **kw: Any) -> WireRemoved:
@@ -163,9 +173,16 @@ async def connected_pair(
     engine = FakeEngine(ctx, ports[0], ports[1] if replay else None)
     index = PrefixIndex(young_s=0.0)
     sub = KVEventSubscriber(
-        URL, f"tcp://127.0.0.1:{ports[0]}", index=index,
-        replay_endpoint=f"tcp://127.0.0.1:{ports[1]}" if replay else None, topic=TOPIC,
-        heartbeat_s=0.5, reconnect_ivl_s=0.05, reconnect_ivl_max_s=0.2, replay_timeout_s=2.0, **kw,
+        URL,
+        f"tcp://127.0.0.1:{ports[0]}",
+        index=index,
+        replay_endpoint=f"tcp://127.0.0.1:{ports[1]}" if replay else None,
+        topic=TOPIC,
+        heartbeat_s=0.5,
+        reconnect_ivl_s=0.05,
+        reconnect_ivl_max_s=0.2,
+        replay_timeout_s=2.0,
+        **kw,
     )
     await sub.start()
     await until(lambda: sub.counters.connected)
@@ -174,6 +191,7 @@ async def connected_pair(
 
 
 # -- decoding --------------------------------------------------------------------------------------
+
 
 def test_decode_vllm_batch() -> None:
     enc = msgspec.msgpack.Encoder()
@@ -189,18 +207,33 @@ def test_decode_vllm_batch() -> None:
 
 
 def test_decode_older_array_events_and_unknown_types() -> None:
-    raw = [2.0, [["BlockStored", [b"\x01" * 32], None, [1, 2], 2, None, "GPU"], ["BlockRemoved", [5], "GPU"],
-                 ["AllBlocksCleared"], {"type": "SomethingNew"}]]
+    raw = [
+        2.0,
+        [
+            ["BlockStored", [b"\x01" * 32], None, [1, 2], 2, None, "GPU"],
+            ["BlockRemoved", [5], "GPU"],
+            ["AllBlocksCleared"],
+            {"type": "SomethingNew"},
+        ],
+    ]
     _, events = decode_batch(msgspec.msgpack.encode(raw))
-    assert events == [BlockStored([b"\x01" * 32], None, [1, 2], 2, None, "GPU", None), BlockRemoved([5], "GPU"),
-                      AllBlocksCleared()]
-    for bad in (b"\xc1", msgspec.msgpack.encode({"x": 1}), msgspec.msgpack.encode([1.0, [7]]),
-                msgspec.msgpack.encode([1.0, [{"type": "BlockStored"}]])):
+    assert events == [
+        BlockStored([b"\x01" * 32], None, [1, 2], 2, None, "GPU", None),
+        BlockRemoved([5], "GPU"),
+        AllBlocksCleared(),
+    ]
+    for bad in (
+        b"\xc1",
+        msgspec.msgpack.encode({"x": 1}),
+        msgspec.msgpack.encode([1.0, [7]]),
+        msgspec.msgpack.encode([1.0, [{"type": "BlockStored"}]]),
+    ):
         with pytest.raises(DecodeError):
             decode_batch(bad)
 
 
 # -- the live feed ---------------------------------------------------------------------------------
+
 
 async def test_live_events(ctx: zmq.asyncio.Context, ports: tuple[int, int]) -> None:
     engine, sub, index = await connected_pair(ctx, ports)
@@ -293,8 +326,9 @@ async def test_history_is_replayed_on_connect(ctx: zmq.asyncio.Context, ports: t
         await engine.publish(stored([h]), send=False)  # before the gateway listened
     await engine.publish(removed([2]), send=False)
     index = PrefixIndex()
-    sub = KVEventSubscriber(URL, f"tcp://127.0.0.1:{ports[0]}", index=index,
-                            replay_endpoint=f"tcp://127.0.0.1:{ports[1]}", topic=TOPIC)
+    sub = KVEventSubscriber(
+        URL, f"tcp://127.0.0.1:{ports[0]}", index=index, replay_endpoint=f"tcp://127.0.0.1:{ports[1]}", topic=TOPIC
+    )
     await sub.start()
     try:
         await until(lambda: sub.counters.last_seq == 3)
@@ -383,6 +417,7 @@ async def test_undecodable_batch_is_counted(ctx: zmq.asyncio.Context, ports: tup
 
 # -- translation (engines whose hashes the gateway cannot reproduce) -------------------------------
 
+
 async def test_translation_maps_engine_hashes(ctx: zmq.asyncio.Context, ports: tuple[int, int]) -> None:
     spec = HashSpec(block_size=4, algo="xxhash", seed=None)  # random NONE_HASH in every engine
     assert not spec.reproducible
@@ -427,7 +462,7 @@ async def test_other_tiers_events_leave_the_gpu_view_alone(ctx: zmq.asyncio.Cont
         await engine.close()
 
 
-def test_translations_are_a_bounded_lru() -> None:
+async def test_translations_are_a_bounded_lru() -> None:
     """The engine-hash map is LRU-bounded by ``max_translations``: a parent looked up counts as a
     use, the least recently used translation goes first, and a clear starts a fresh map."""
     spec = HashSpec(block_size=4, algo="xxhash", seed=None)
@@ -436,19 +471,211 @@ def test_translations_are_a_bounded_lru() -> None:
     sub = KVEventSubscriber(URL, "tcp://127.0.0.1:1", index=index, spec=spec, max_translations=3)
     a, b, c, d, e = ([i] * 4 for i in range(1, 6))
 
-    def store(engine_hash: int, tokens: list[int], parent: int | None = None) -> None:
-        sub._stored(BlockStored([engine_hash], parent, tokens, 4))
+    async def store(engine_hash: int, tokens: list[int], parent: int | None = None) -> None:
+        await sub._stored(BlockStored([engine_hash], parent, tokens, 4))
 
-    store(901, a)
-    store(902, b)
-    store(903, c, parent=901)  # 901 used as a parent: now more recent than 902
-    store(904, d)  # past the bound: 902, the least recently used, is dropped
+    await store(901, a)
+    await store(902, b)
+    await store(903, c, parent=901)  # 901 used as a parent: now more recent than 902
+    await store(904, d)  # past the bound: 902, the least recently used, is dropped
     assert set(sub._xlate) == {901, 903, 904}
-    store(905, e, parent=901)  # still translatable
+    await store(905, e, parent=901)  # still translatable
     assert sub.counters.untranslatable == 0
-    store(906, a, parent=902)  # its parent's translation is gone
+    await store(906, a, parent=902)  # its parent's translation is gone
     assert sub.counters.untranslatable == 1
-    sub._removed(BlockRemoved([905]))
+    await sub._removed(BlockRemoved([905]))
     assert index.match(block_hashes(a + e, spec)) == {URL: 1}  # a stays; a+e was removed
     sub._clear()
     assert len(sub._xlate) == 0 and sub._xlate.maxsize == 3
+
+
+# -- a broken or forged feed (issue 27, point 5) ---------------------------------------------------
+
+
+def encode(*events: Any) -> bytes:
+    return msgspec.msgpack.encode(WireBatch(1.0, list(events), 0))
+
+
+def test_a_batch_over_the_block_bound_is_refused_before_its_hashes_are_built() -> None:
+    dec = BatchDecoder(max_blocks=10, tokens_per_block=4)
+    _, events = dec.decode(encode(stored(list(range(6))), removed(list(range(4)))))  # 10: at the bound
+    assert [len(e.block_hashes) for e in events if not isinstance(e, AllBlocksCleared)] == [6, 4]
+    for payload, why in [
+        (encode(stored(list(range(11)), tokens=[])), "block_hashes"),  # one event over it: its list header says so
+        (encode(stored(list(range(6)), tokens=[]), removed(list(range(5)))), "more than 10 block hashes"),  # in all
+        (encode(*[WireCleared()] * 11), "events"),  # events are bounded too
+        (encode(stored(list(range(3)), tokens=list(range(41)))), "token_ids"),  # token ids per block
+        (encode(stored(["a"])), "block_hashes"),  # not hashes
+        (encode(stored([b"x" * 65])), "block_hashes"),  # a hash is a digest, not a megabyte
+        (msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [1], "medium": [0] * 9}]]), "medium"),
+    ]:
+        with pytest.raises(DecodeError, match=why):
+            dec.decode(payload)
+    # A million hashes cost a header read: the error names the bound, nothing was built.
+    with pytest.raises(DecodeError, match="length <= 10"):
+        dec.decode(encode(stored(list(range(1_000_000)), tokens=[])))
+
+
+def test_token_ids_are_decoded_only_for_translation() -> None:
+    payload = encode(stored([1, 2], extra_keys=[["salt"], None]))
+    _, (ev,) = BatchDecoder(tokens_per_block=None).decode(payload)
+    assert isinstance(ev, BlockStored) and ev.token_ids == [] and ev.extra_keys is None
+    _, (ev,) = BatchDecoder(tokens_per_block=4).decode(payload)
+    assert isinstance(ev, BlockStored) and ev.token_ids == [0] * 8 and ev.extra_keys == [["salt"], None]
+
+
+async def test_a_message_over_the_size_bound_drops_the_connection_then_the_feed_comes_back(
+    ctx: zmq.asyncio.Context, ports: tuple[int, int]
+) -> None:
+    """ZMQ_MAXMSGSIZE: ZMQ ends the connection on reading the size, and does not reconnect after
+    such a protocol error by itself: the subscriber does."""
+    limit = 64 * 1024
+    engine, sub, index = await connected_pair(ctx, ports, limits=FeedLimits(max_message_bytes=limit))
+    try:
+        await engine.publish(stored([1, 2]))
+        await until(lambda: index.match([1, 2]) == {URL: 2})
+        await engine.publish(stored(list(range(2**40, 2**40 + limit // 8)), tokens=[]))  # 9 bytes a hash: over it
+        await until(lambda: sub.counters.disconnects == 1)
+        assert not index.is_precise(URL)
+        await engine.subscribed(timeout=10)  # it connected again and subscribed
+        await until(lambda: sub.counters.connects == 2)
+        await engine.publish(stored([7]))
+        await until(lambda: index.match([7]) == {URL: 1})
+        assert index.match([2**40]) == {}  # the large batch never reached the index
+    finally:
+        await sub.stop()
+        await engine.close()
+
+
+async def test_a_refused_batch_drops_the_engines_entries(ctx: zmq.asyncio.Context, ports: tuple[int, int]) -> None:
+    """A batch over the bound took a sequence number: what it held (removals, perhaps) is lost, as
+    with a gap the replay cannot fill."""
+    engine, sub, index = await connected_pair(ctx, ports, limits=FeedLimits(max_batch_blocks=100))
+    try:
+        await engine.publish(stored([1, 2]))
+        await until(lambda: index.match([1, 2]) == {URL: 2})
+        await engine.publish(stored(list(range(1000, 1101))), removed([1]))
+        await until(lambda: sub.counters.decode_errors == 1)
+        assert index.match([1]) == {} and index.stats().precise == 0
+        await engine.publish(stored([3]))
+        await until(lambda: index.match([3]) == {URL: 1})
+        assert sub.counters.gaps == 0  # the refused batch's sequence number counts as seen
+    finally:
+        await sub.stop()
+        await engine.close()
+
+
+async def test_a_large_batch_is_applied_in_slices(
+    ctx: zmq.asyncio.Context, ports: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Other tasks run while a batch is applied: they see it half applied (slices made tiny here)."""
+    monkeypatch.setattr(kvevents, "SLICE_S", 0.0)
+    monkeypatch.setattr(kvevents, "CHUNK_BLOCKS", 100)
+    engine, sub, index = await connected_pair(ctx, ports)
+    seen: set[int] = set()
+    done = asyncio.Event()
+
+    async def watch() -> None:
+        while not done.is_set():
+            seen.add(index.stats().precise)
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await engine.publish(stored(list(range(1, 1001))))
+        await until(lambda: index.stats().precise == 1000)
+        assert any(0 < n < 1000 for n in seen), sorted(seen)
+    finally:
+        done.set()
+        await watcher
+        await sub.stop()
+        await engine.close()
+
+
+async def test_garbage_is_counted_and_logged_once_per_interval(
+    ctx: zmq.asyncio.Context, ports: tuple[int, int], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="gateway.kvevents")
+    engine, sub, index = await connected_pair(ctx, ports, log_interval_s=0.5)
+    try:
+        caplog.clear()
+        seq = 0
+        for n in range(300):
+            await engine.pub.send_multipart([TOPIC.encode(), seq.to_bytes(8, "big"), b"\xc1" * (n + 1)])
+            await engine.pub.send_multipart([TOPIC.encode(), b"\x01" * 4096, b"\x90"])  # a 4 KB sequence number
+            await engine.pub.send_multipart([TOPIC.encode() + b"x"])  # one frame
+            seq += 1
+        engine.seq = seq
+        await engine.publish(stored([5]))
+        await until(lambda: index.match([5]) == {URL: 1})
+        assert sub.counters.decode_errors == 3 * 300  # (the one-frame ones match the SUBSCRIBE prefix)
+        await until(lambda: any("in the last" in r.getMessage() for r in caplog.records), timeout=5)
+        lines = [r.getMessage() for r in caplog.records if r.name == "gateway.kvevents"]
+        assert len(lines) <= 3, lines
+        told = sum(
+            int(m[1])
+            if (m := re.search(r"(\d+) malformed in the last", line))
+            else "refused" in line or "not (topic" in line
+            for line in lines
+        )
+        assert told == 3 * 300, lines  # each one said, most of them as a count
+    finally:
+        await sub.stop()
+        await engine.close()
+
+
+async def test_replays_are_rate_limited(ctx: zmq.asyncio.Context, ports: tuple[int, int]) -> None:
+    """A forged "engine restarted" per message must not make the engine replay its buffer per
+    message: past the burst, a restart or gap drops the entries instead of asking for a replay."""
+    engine, sub, index = await connected_pair(ctx, ports)
+    try:
+        await until(lambda: len(engine.replay_requests) == 1)  # the connect's resync
+        t0 = time.monotonic()
+        for _ in range(50):
+            engine.seq = 0  # the sequence goes back each time: a "new engine process"
+            await engine.publish(stored([1]))
+        await until(lambda: sub.counters.restarts == 49)
+        allowed = kvevents.REPLAY_BURST + (time.monotonic() - t0) / kvevents.REPLAY_EVERY_S + 1
+        assert len(engine.replay_requests) <= allowed, (len(engine.replay_requests), allowed)
+        assert index.match([1]) == {URL: 1}  # still applied
+    finally:
+        await sub.stop()
+        await engine.close()
+
+
+async def test_a_hole_in_a_replay_drops_the_entries(ctx: zmq.asyncio.Context, ports: tuple[int, int]) -> None:
+    """The engine's ROUTER drops what does not fit the subscriber's queue: a replay missing a batch
+    in its middle cannot be trusted up to there."""
+    engine, sub, index = await connected_pair(ctx, ports)
+    try:
+        await engine.publish(stored([1, 2]))
+        await until(lambda: index.match([1, 2]) == {URL: 2})
+        await engine.publish(stored([3]), send=False)
+        await engine.publish(removed([1]), send=False)  # lost on the wire, and (below) in the replay
+        await engine.publish(stored([4]), send=False)
+        engine.buffer = deque(b for b in engine.buffer if b[0] != 2)
+        await engine.publish(stored([5]))
+        await until(lambda: sub.counters.last_seq == 4)
+        assert sub.counters.replay_failures == 1
+        assert index.match([1]) == {} and index.match([2]) == {}  # dropped: the removal of 1 was lost
+        assert index.match([4]) == {URL: 1} and index.match([5]) == {URL: 1}  # what came after the hole
+    finally:
+        await sub.stop()
+        await engine.close()
+
+
+def test_precise_entries_are_cleared_and_evicted_in_bulk() -> None:
+    """Each engine's precise entries stand alone: clearing or capping one leaves the others whole."""
+    index = PrefixIndex(max_precise_per_url=1000)
+    a, b = "http://a", "http://b"
+    index.stored(a, range(1500))  # 500 over the cap: the oldest stored go
+    index.stored(b, range(10))
+    assert index.precise_evicted == 500
+    assert index.match(list(range(10))) == {b: 10}  # a no longer holds 0..499
+    assert index.match(list(range(500, 510))) == {a: 10}
+    index.removed(a, range(500, 505))
+    assert index.match(list(range(500, 510))) == {}
+    assert index.match(list(range(505, 510))) == {a: 5}
+    index.stored(b, range(505, 510))
+    index.cleared(a)
+    assert index.match(list(range(505, 510))) == {b: 5} and index.stats().precise_by_url == {b: 15}

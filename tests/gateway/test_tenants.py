@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+
 import pytest
 from pydantic import ValidationError
 
-from gateway.config import AuthConfig, FairnessConfig
+from gateway.config import AdminConfig, AuthConfig, FairnessConfig
 from gateway.errors import APIError
-from gateway.tenants import Labels, Tenancy, key_tenant
+from gateway.tenants import Labels, Tenancy, key_tenants, label_secret
 
 
 def keys(tmp_path, text: str):
@@ -25,7 +28,7 @@ def test_a_keys_line_names_tenant_weight_and_classes(tmp_path) -> None:
     a = t.identify({}, 0)
     assert (a.tenant, a.weight, a.cls, a.priority) == ("acme", 3, "interactive", -10)
     b = t.identify({}, 1)
-    assert b.tenant == key_tenant(entries[1]) and b.tenant.startswith("key-") and "sk-b" not in b.tenant
+    assert b.tenant == key_tenants(entries)[1] == "key-1"  # the first unnamed key: its name says nothing of it
     assert (b.weight, b.cls) == (2, "standard")
     assert AuthConfig(api_keys_file=str(tmp_path / "keys")).api_keys() == ["sk-a", "sk-b"]
 
@@ -95,3 +98,59 @@ def test_config_is_strict() -> None:
 def test_metric_labels_are_bounded() -> None:
     labels = Labels(3, ["acme"])
     assert [labels(t) for t in ["acme", "b", "c", "d", "b"]] == ["acme", "b", "c", "other", "b"]
+
+
+SECRET = "a-long-per-install-secret-0123456789"
+
+
+def test_an_unnamed_keys_tenant_reveals_no_hash_of_the_key(tmp_path, monkeypatch) -> None:
+    """Issue 27.7: the label was the first 40 bits of the key's plain sha256, on an unauthenticated
+    /metrics: a weak key could be guessed offline. Now nothing computable from the key alone."""
+    weak = ["sk-1234", "password", "sk-test"]
+    entries = keys(tmp_path, "\n".join([weak[0], "sk-named tenant=acme", *weak[1:]]))
+    plain = {hashlib.sha256(k.encode()).hexdigest()[:10] for k in weak}
+    without = key_tenants(entries)
+    assert without == ["key-1", "acme", "key-2", "key-3"]  # the unnamed keys' places, in file order
+    monkeypatch.setenv("PDGATE_LABEL_SECRET", SECRET)
+    secret = label_secret(AdminConfig(tenant_label_secret_env="PDGATE_LABEL_SECRET"))
+    assert secret == SECRET.encode()
+    keyed = key_tenants(entries, secret)
+    assert keyed[1] == "acme"
+    for name, key in zip([keyed[0], *keyed[2:]], weak, strict=True):
+        assert name == "key-" + hmac.new(SECRET.encode(), key.encode(), hashlib.sha256).hexdigest()[:10]
+        assert name[4:] not in plain and key not in name
+    # Stable whatever the order of the lines (another replica's file, an edit above it) ...
+    reordered = keys(tmp_path, "\n".join(reversed(weak)))
+    assert key_tenants(reordered, secret) == [keyed[3], keyed[2], keyed[0]]
+    # ... and another install's secret names the same key otherwise.
+    assert key_tenants(entries, b"another-install-secret-987654")[0] != keyed[0]
+    t = Tenancy(FAIR, entries, secret)
+    assert t.identify({}, 0).tenant == keyed[0] and t.names[:2] == ["acme", keyed[0]]
+
+
+def test_a_label_secret_that_is_missing_or_short_is_a_config_error(monkeypatch) -> None:
+    cfg = AdminConfig(tenant_label_secret_env="PDGATE_LABEL_SECRET")
+    monkeypatch.delenv("PDGATE_LABEL_SECRET", raising=False)
+    with pytest.raises(ValueError, match="unset"):
+        label_secret(cfg)
+    monkeypatch.setenv("PDGATE_LABEL_SECRET", "short")
+    with pytest.raises(ValueError, match="too short"):
+        label_secret(cfg)
+    assert label_secret(AdminConfig()) is None
+
+
+def test_an_unnamed_keys_name_may_not_be_a_configured_tenant(tmp_path) -> None:
+    """key-1 configured as a tenant would hand the unnamed key that tenant's weight and classes."""
+    fair = FairnessConfig(enabled=True, tenants={"key-1": {"weight": 50, "allow": ["interactive"]}})
+    with pytest.raises(ValueError, match="key-1"):
+        Tenancy(fair, keys(tmp_path, "sk-a"))
+    with pytest.raises(ValueError, match="key-2"):
+        Tenancy(FAIR, keys(tmp_path, "sk-a\nsk-b\nsk-c tenant=key-2"))
+    assert Tenancy(fair, keys(tmp_path, "sk-a tenant=mine")).identify({}, 0).tenant == "mine"
+
+
+def test_protecting_metrics_needs_an_admin_token() -> None:
+    with pytest.raises(ValidationError, match="protect_metrics"):
+        AdminConfig(protect_metrics=True)
+    assert AdminConfig(protect_metrics=True, token_env="T").protect_metrics
+    assert not AdminConfig().protect_metrics  # open by default: Prometheus scrapes without credentials

@@ -261,3 +261,65 @@ def test_the_default_worker_count_fits_a_containers_memory_limit(tmp_path) -> No
     assert worker_count(cfg, str(tmp_path)) == 1
     explicit = parse_config({**cfg.model_dump(mode="json", exclude_none=True), "server": {"workers": 3}})
     assert worker_count(explicit, str(tmp_path)) == 3  # an explicit count is the operator's
+
+
+# -- a restarted worker starts from the config the workers applied last (issue 27) ----------------
+
+
+def _config(threshold: int):
+    from gateway.config import PinnedFiles, parse_config
+
+    cfg = parse_config({"models": [{"name": "m", "tokenizer": "t", "max_model_len": 100}],
+                        "pools": {"decode": {"endpoints": ["http://127.0.0.1:9"]}},
+                        "routing": {"decider": {"name": "token_threshold", "threshold": threshold}}})
+    return cfg.pin(PinnedFiles({}))
+
+
+class _FakeProcess:
+    """Records what a worker would be started with (no process)."""
+
+    started: list = []
+
+    def __init__(self, target, args, name, daemon) -> None:
+        self.spec = args[0]
+        self.pid, self.sentinel = 0, None
+
+    def start(self) -> None:
+        _FakeProcess.started.append(self.spec)
+
+
+def test_a_restarted_worker_gets_the_config_applied_last_whichever_worker_reported_it(caplog) -> None:
+    import types
+
+    from gateway.workers import Supervisor, WorkerSpec, _Reporter
+    from tests.waiting import wait_for
+
+    startup = _config(100)
+    spec = WorkerSpec("c.yaml", startup, "v-start", "127.0.0.1", 0, 0, 2, None, os.getpid())  # no hub: only passed on
+    sup = Supervisor(spec, startup)
+    ctx = multiprocessing.get_context("spawn")
+    sup._mp = types.SimpleNamespace(Process=_FakeProcess, Pipe=ctx.Pipe)  # no process: what it gets
+    _FakeProcess.started = []
+    sup._start(0, None)
+    assert _FakeProcess.started[-1].version == "v-start"
+    writers = []
+    for i in range(2):  # each worker's pipe, its end held here
+        reader, writer = ctx.Pipe(duplex=False)
+        sup._reports[i] = reader
+        writers.append(writer)
+    # worker 1 applied v3 (its reporter thread sends it); worker 0 had applied v2 earlier, but its
+    # report happens to arrive later
+    applied_v2_at = time.monotonic()
+    _Reporter(writers[1])(_config(300), "v3")
+    assert wait_for(lambda: sup._reports[1].poll(0), timeout=10)
+    writers[0].send((applied_v2_at, _config(200), "v2"))
+    writers[0].send(("not", "a", "report"))  # a malformed report is ignored, loudly
+    sup._collect_reports()
+    assert sup.latest[2] == "v3" and sup.latest[1].routing.decider.params["threshold"] == 300
+    assert "wrong shape" in caplog.text
+    writers[0].close()  # worker 0 dies: its pipe ends, and it is started again
+    sup._start(0, None)
+    assert sup._reports[0] is not None  # a new pipe for the new worker
+    again = _FakeProcess.started[-1]
+    assert (again.index, again.version, again.config.routing.decider.params["threshold"]) == (0, "v3", 300)
+    assert again.config.pinned is not None  # with the files it named, as applied
