@@ -20,9 +20,17 @@ event), then on (the default): the report gives both, split into migratable requ
 Afterwards the gateway's in-flight gauges must read 0, and its resident memory is sampled along
 the run (flat: no growth between the second quarter and the end).
 
-``--attacks`` runs hostile clients alongside, for the whole run, reconnecting whenever the gateway
-cuts them off: one sending an endless request header, ``--slowloris`` connections trickling a
-head a byte every half second, ``--stalled`` clients sending a request head and part of its body.
+``--attacks`` runs hostile clients alongside (bench/attacks.py), for the whole run, reconnecting
+whenever the gateway cuts them off: one sending an endless request header, ``--slowloris``
+connections trickling a head a byte every half second, ``--stalled`` clients sending a request
+head and part of its body, ``--after-answer`` connections each on ``GET /health`` and on an
+unauthenticated ``POST`` that send a byte after their answer and stay idle (how long each is held
+is reported), a client sending ``chat_template_kwargs`` that pad to ten million tokens, and a
+forged KV event feed (a million block hashes a batch, then garbage) in place of one decode
+engine's. With attacks the gateway requires an API key (the legitimate clients send theirs), and
+``/health`` is probed every 100 ms: its latency bounds the event loop's stalls. The gateway's peak
+resident memory (VmHWM) is reported. After the load, a second gateway with two worker processes
+is checked for stale configs (bench/stale_config.py).
 ``--redis`` shares state through a private redis-server, killed three quarters of the way through.
 The report adds the legitimate requests' latency (p50/p99 of the ``ok`` ones) and what the
 attackers got back.
@@ -48,6 +56,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from bench import attacks, stale_config
 from gateway.demo import cache_dir
 from sim.tinymodel import build_tokenizer
 from tests.procs import ProcGroup, free_port
@@ -55,6 +64,7 @@ from tests.procs import ProcGroup, free_port
 MODEL = "chaos"
 LONG = "Incident review. " + "An engine failed while the gateway kept serving its clients. " * 40
 MAX_TOKENS = 32
+KEY = "sk-chaos-legitimate"
 
 
 @dataclass
@@ -69,7 +79,7 @@ class Report:
     rss_mb: list[float] = field(default_factory=list)
     seconds: float = 0.0
     latency_ms: dict[str, float] = field(default_factory=dict)  # of the ok requests
-    attacks: dict[str, int] = field(default_factory=dict)  # what the attackers got: answers by status, cuts
+    attacks: dict[str, Any] = field(default_factory=dict)  # what the attackers got (bench/attacks.py Seen)
     redis_killed: bool = False
     migration: bool = True
     by_kind: dict[str, dict[str, int]] = field(default_factory=dict)  # migratable | guided -> outcomes
@@ -78,59 +88,19 @@ class Report:
     # p50 / p99 / max in ms, and the generated tokens the continuations kept.
     migration_ms: dict[str, float] = field(default_factory=dict)
     migrated_tokens: int = 0
+    health_ms: dict[str, float] = field(default_factory=dict)  # /health's latency under attack: p50/p99/max
+    rss_peak_mb: float = 0.0  # the gateway's VmHWM at the end
 
     @property
     def clean(self) -> bool:
         return self.outcomes.get("unclear", 0) == 0 and self.outcomes.get("hung", 0) == 0 and not self.in_flight_after
 
 
-def _rss_mb(pid: int) -> float:
+def _rss_mb(pid: int, field: str = "VmRSS") -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-async def _attack(kind: str, port: int, seen: Counter[str], stop: asyncio.Event) -> None:
-    """One hostile client, reconnecting each time the gateway cuts it off."""
-    heads = {
-        "endless_header": b"GET /health HTTP/1.1\r\nHost: x\r\nX-E: ",
-        "slowloris": b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ",
-        "stalled_body": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: 1000\r\n\r\n{\"model\":",
-    }
-    while not stop.is_set():
-        try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError:
-            seen["connect_failed"] += 1
-            await asyncio.sleep(0.1)
-            continue
-        first = b""
-        try:
-            writer.write(heads[kind])
-            while not stop.is_set() and not first:
-                if kind == "endless_header":
-                    writer.write(b"a" * 65536)
-                    await writer.drain()
-                    continue
-                if kind == "slowloris":
-                    writer.write(b"z")
-                    await writer.drain()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(0.5):
-                        first = await reader.read(1)  # an answer (or EOF): the gateway cut this one off
-                        if not first:
-                            break
-        except (OSError, RuntimeError):
-            pass
-        status = ""
-        with contextlib.suppress(OSError, RuntimeError, TimeoutError):
-            async with asyncio.timeout(2):
-                rest = first + await reader.read(4096)
-                status = rest.split(b" ", 2)[1].decode() if rest.startswith(b"HTTP/1.1 ") else ""
-        seen[f"{kind} {status or 'cut'}"] += 1  # cut: closed (or reset) with no answer read
-        writer.close()
 
 
 def _classify(raw: bytes, status: int, stream: bool) -> str:
@@ -167,7 +137,7 @@ async def _one(session: aiohttp.ClientSession, url: str, i: int, timeout: float)
         async with asyncio.timeout(timeout):
             async with session.post(url, json=body) as resp:
                 raw = await resp.read()
-                path = resp.headers.get("x-pdgate-path", "none")
+                path = resp.headers.get("x-pdgate-path") or ("none" if resp.status == 200 else f"refused {resp.status}")
                 failover = resp.headers.get("x-pdgate-failover", "")
                 return _classify(raw, resp.status, stream), path, failover
     except TimeoutError:
@@ -182,7 +152,7 @@ def _guided(i: int) -> bool:
 
 
 async def _load(gateway: str, sims: dict[str, list[str]], n: int, concurrency: int, timeout: float,
-                gateway_pid: int, attackers: dict[str, int], redis: Any = None) -> Report:
+                gateway_pid: int, attackers: dict[str, int], redis: Any = None, forged_feed: str = "") -> Report:
     url = gateway + "/v1/chat/completions"
     outcomes: Counter[str] = Counter()
     by_kind: dict[str, Counter[str]] = {"migratable": Counter(), "guided": Counter()}
@@ -191,14 +161,23 @@ async def _load(gateway: str, sims: dict[str, list[str]], n: int, concurrency: i
     killed: list[str] = []
     rss: list[float] = []
     latencies: list[float] = []
-    seen: Counter[str] = Counter()
+    seen = attacks.Seen()
+    stalls: list[float] = []
     todo = iter(range(n))
     done = 0
     stop = asyncio.Event()
     port = int(gateway.rsplit(":", 1)[1])
-    hostile = [asyncio.create_task(_attack(kind, port, seen, stop)) for kind, k in attackers.items() for _ in range(k)]
+    headers = {"Authorization": f"Bearer {KEY}"} if attackers else {}
+    hostile = [asyncio.create_task(attacks.connection(kind, port, seen, stop, KEY))
+               for kind, k in attackers.items() if kind in attacks.CONNECTION_KINDS for _ in range(k)]
+    if attackers.get("template_kwargs"):
+        hostile.append(asyncio.create_task(attacks.template_kwargs(gateway, MODEL, headers, seen, stop)))
+    if forged_feed:
+        hostile.append(asyncio.create_task(attacks.kv_forger(forged_feed, seen, stop)))
+    if attackers:
+        hostile.append(asyncio.create_task(attacks.health_probe(gateway, stalls, stop)))
 
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency), headers=headers) as session:
         async def worker() -> None:
             nonlocal done
             for i in todo:
@@ -243,8 +222,10 @@ async def _load(gateway: str, sims: dict[str, list[str]], n: int, concurrency: i
     pct = {f"p{q}": round(latencies[min(len(latencies) - 1, int(q / 100 * len(latencies)))] * 1000, 1)
            for q in (50, 99)} if latencies else {}
     return Report(n, concurrency, killed, dict(outcomes), dict(paths), dict(failovers), in_flight, rss,
-                  round(seconds, 1), pct, dict(seen), redis is not None,
-                  by_kind={k: dict(v) for k, v in by_kind.items()}, migrations=dict(migrations))
+                  round(seconds, 1), pct, seen.report() if attackers else {}, redis is not None,
+                  by_kind={k: dict(v) for k, v in by_kind.items()}, migrations=dict(migrations),
+                  health_ms={"p50": _pct(stalls, 50), "p99": _pct(stalls, 99), "max": round(max(stalls), 1)}
+                  if stalls else {}, rss_peak_mb=round(_rss_mb(gateway_pid, "VmHWM"), 1))
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -287,21 +268,30 @@ def run(n: int, concurrency: int, timeout: float, logs: Path, attackers: dict[st
                 proc.wait_http(f"http://127.0.0.1:{port}/health")
                 sims[pool].append(f"http://127.0.0.1:{port}")
         port = free_port()
+        decode: list[Any] = list(sims["decode"])
+        hostile: dict[str, Any] = {}
+        forged_feed = ""
+        if attackers:  # keys on, and one decode engine's KV event feed is the forger's
+            (logs / "keys").write_text(KEY + "\n")
+            hostile["auth"] = {"api_keys_file": str(logs / "keys")}
+            forged_feed = f"tcp://127.0.0.1:{free_port()}"
+            decode[0] = {"url": decode[0], "kv_events": forged_feed}
         cfg = {
             "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": 4096}],
-            "pools": {"prefill": {"endpoints": sims["prefill"]}, "decode": {"endpoints": sims["decode"]}},
+            "pools": {"prefill": {"endpoints": sims["prefill"]}, "decode": {"endpoints": decode}},
             "routing": {"decider": {"name": "token_threshold", "threshold": 200},
                         "migration": {"enabled": migration}},
             "health": {"interval_s": 0.5, "timeout_s": 0.5},
             "timeouts": {"connect_s": 1, "prefill_s": 10, "decode_first_byte_s": 10, "decode_idle_s": 5},
             "server": {"host": "127.0.0.1", "port": port, "head_timeout_s": 2, "body_idle_timeout_s": 2, "workers": 1},
             **state,
+            **hostile,
         }
         (logs / "gateway.yaml").write_text(yaml.safe_dump(cfg))
         gw = group.start("gateway", [sys.executable, "-m", "gateway", "serve", "--config", str(logs / "gateway.yaml")])
         gw.wait_http(f"http://127.0.0.1:{port}/ready", timeout=60)
         report = asyncio.run(_load(f"http://127.0.0.1:{port}", sims, n, concurrency, timeout, gw.pid,
-                                   attackers or {}, redis_proc))
+                                   attackers or {}, redis_proc, forged_feed))
         report.migration = migration
         gaps, kept = _migrations(gw.log_path)
         report.migrated_tokens = kept
@@ -322,10 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attacks", action="store_true", help="hostile clients alongside (see above)")
     ap.add_argument("--slowloris", type=int, default=20, help="with --attacks: trickling connections")
     ap.add_argument("--stalled", type=int, default=8, help="with --attacks: clients stalling their bodies")
+    ap.add_argument("--after-answer", type=int, default=20,
+                    help="with --attacks: connections of each after-answer kind (a byte after the answer, then idle)")
     ap.add_argument("--redis", action="store_true", help="shared state on a private redis-server, killed at 3/4")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    attackers = {"endless_header": 1, "slowloris": args.slowloris, "stalled_body": args.stalled} if args.attacks else {}
+    attackers = {"endless_header": 1, "slowloris": args.slowloris, "stalled_body": args.stalled,
+                 "after_answer": args.after_answer, "unauth_after_answer": args.after_answer,
+                 "template_kwargs": 1} if args.attacks else {}
     runs = {"both": (False, True), "on": (True,), "off": (False,)}[args.migration]
     reports = []
     for migration in runs:
@@ -333,9 +327,15 @@ def main(argv: list[str] | None = None) -> int:
             report = run(args.requests, args.concurrency, args.timeout, Path(logs), attackers, args.redis, migration)
         reports.append({**asdict(report), "clean": report.clean})
         print(json.dumps(reports[-1], indent=2))
+    if args.attacks:  # workers that must not serve an older config than the one last applied
+        with tempfile.TemporaryDirectory(prefix="pdgate-chaos-") as logs:
+            stale = stale_config.run(Path(logs))
+        reports.append({"stale_config": asdict(stale), "clean": stale.clean})
+        print(json.dumps(reports[-1], indent=2))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        data = reports[0] if len(reports) == 1 else {"migration_off": reports[0], "migration_on": reports[1]}
+        names = [f"migration_{'on' if m else 'off'}" for m in runs] + (["stale_config"] if args.attacks else [])
+        data = reports[0] if len(reports) == 1 else dict(zip(names, reports, strict=True))
         args.out.write_text(json.dumps(data, indent=2) + "\n")
     return 0 if all(r["clean"] for r in reports) else 1
 
