@@ -113,3 +113,20 @@ class ProcGroup:
 
 
 PYTHON = sys.executable
+
+
+def memory_mb(pid: int) -> dict[str, int]:
+    """A process's resident memory now (VmRSS) and at its peak (VmHWM), in MB."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0]) // 1024
+    return out
+
+
+def reset_peak(pid: int) -> None:
+    """Start a process's VmHWM over from its current RSS (Linux: 5 > clear_refs); without it the
+    startup peak stays the baseline, which only makes a bound on growth looser."""
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{pid}/clear_refs").write_text("5")

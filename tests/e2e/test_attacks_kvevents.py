@@ -11,7 +11,6 @@ as one log line per interval with their counts (and ``pdgate_kv_events_invalid_t
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -22,7 +21,7 @@ import msgspec
 import pytest
 import zmq
 
-from tests.procs import ProcGroup, free_port, wait_for
+from tests.procs import ProcGroup, free_port, memory_mb, reset_peak, wait_for
 from tests.promtext import sample
 
 from .cluster import Cluster
@@ -73,20 +72,6 @@ def forged(tokenizer_dir, tmp_path_factory):
         group.stop_all()
 
 
-def memory_mb(pid: int) -> dict[str, int]:
-    """The process's resident memory now (VmRSS) and at its peak (VmHWM), in MB."""
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) // 1024
-    return out
-
-
-def reset_peak(pid: int) -> None:
-    """Start VmHWM over from the current RSS (Linux: 5 > clear_refs)."""
-    with contextlib.suppress(OSError):
-        Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
 def metrics(c: Cluster) -> str:

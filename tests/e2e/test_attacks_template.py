@@ -8,14 +8,12 @@ request, and the kwargs a template reads still pass.
 
 from __future__ import annotations
 
-import contextlib
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.procs import ProcGroup
+from tests.procs import ProcGroup, memory_mb, reset_peak
 
 from .cluster import Cluster
 
@@ -48,21 +46,6 @@ def post(cluster: Cluster, **body) -> httpx.Response:
     )
 
 
-def memory_mb(pid: int) -> dict[str, int]:
-    """The process's resident memory now (VmRSS) and at its peak (VmHWM), in MB."""
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) // 1024
-    return out
-
-
-def reset_peak(pid: int) -> None:
-    """Start VmHWM over from the current RSS (Linux: 5 > clear_refs); without it the startup peak
-    stays the baseline, which only makes the bound looser."""
-    with contextlib.suppress(OSError):
-        Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
 def refused(r: httpx.Response) -> dict:
