@@ -32,7 +32,9 @@ docs/benchmarks/goodput-bursty.json``. Output: JSON, a Markdown table and PNG pl
 vllm-router is installed on first use into its own venv in the cache folder
 (``$PDGATE_CACHE_DIR``, else ``~/.cache/pdgate``), never into this project's environment;
 ``--vllm-router PATH`` uses an existing binary, ``--no-peer`` skips it.
-Every process binds 127.0.0.1 on a free port and is stopped by PID at the end, failures included.
+Every process binds 127.0.0.1 on a free port and is stopped by PID at the end, failures included;
+their logs go to a temporary folder, removed after a run that succeeds (``--keep-logs`` keeps it)
+and kept, with its path on stderr, after one that fails.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -451,6 +454,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vllm-router", default=None, help="an existing vllm-router binary")
     p.add_argument("--no-peer", action="store_true", help="skip the vllm-router configurations")
     p.add_argument("--out", default=None, help="JSON path (default docs/benchmarks/goodput[-quick].json)")
+    p.add_argument("--keep-logs", action="store_true",
+                   help="keep the engines' and routers' logs after a run that succeeds (a failed one keeps them)")
     args = p.parse_args(argv)
     if args.engines < 2:
         p.error("--engines must be at least 2")
@@ -495,6 +500,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     group = ProcGroup(logs)
     started = time.time()
     points: list[dict[str, Any]] = []
+    done = False
     try:
         end_args = ("--profile-end", args.profile_end) if args.profile_end else ()
         engines = start_engines(group, args.engines, args.profile, args.time_scale, tokenizer, end_args)
@@ -532,8 +538,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 points.append({"config": name, "workload": workload, "arrivals": arrivals, "rate": rate, **summary})
                 if args.partial:  # a long sweep keeps what it measured if it is stopped
                     Path(args.partial).write_text(json.dumps(_result(args, vr, started, points), indent=1) + "\n")
+        done = True
     finally:
-        group.stop_all()
+        try:
+            group.stop_all()
+        finally:  # the logs of a failed or stopped run are what explains it; a good run's are noise in /tmp
+            if done and not args.keep_logs:
+                shutil.rmtree(logs, ignore_errors=True)
+            else:
+                print(f"engine and router logs kept in {logs}", file=sys.stderr)
     return _result(args, vr, started, points)
 
 

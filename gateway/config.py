@@ -7,16 +7,26 @@ errors, so a typo fails loudly instead of being ignored). ``load_config`` turns 
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from policies import registry
@@ -473,6 +483,23 @@ class RoutingConfig(_Strict):
     debug_headers: bool = Field(
         False, description="add x-pdgate-route (reason, numbers, chosen endpoints) to every response",
     )
+
+    @field_validator("decider", mode="wrap")
+    @classmethod
+    def _a_decider_first(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> PolicySpec:
+        """A policy of another kind (``name: load``) is said to be one before its parameters are
+        judged: they were a decider's, and "unknown parameter of policy 'load'" sends the reader
+        to the wrong fix."""
+        name = value.get("name") if isinstance(value, dict) else None
+        if isinstance(name, str):
+            try:
+                why = registry.kind_error(name, Decider)
+            except registry.PolicyError:  # an unknown name: PolicySpec says so
+                why = None
+            if why:
+                _raise("PolicySpec", [_error(("name",), name, "policy_kind", why)])
+        spec: PolicySpec = handler(value)
+        return spec
 
     @model_validator(mode="after")
     def _decider_fits(self) -> RoutingConfig:
@@ -1043,10 +1070,50 @@ def _render_loc(loc: Iterable[str | int]) -> str:
     return out or "(top level)"
 
 
+def _model_in(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
+    """The config model a field holds (in a list, a mapping, an optional), and whether it sits
+    under a mapping's keys (names the YAML chose: the next part of a location is one)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, False
+    args = get_args(annotation)
+    if get_origin(annotation) is dict and len(args) == 2:
+        return _model_in(args[1])[0], True
+    for arg in args:
+        model, keyed = _model_in(arg)
+        if model is not None:
+            return model, keyed
+    return None, False
+
+
+def _keys_at(loc: Loc) -> list[str]:
+    """The keys the mapping at ``loc`` takes (none known: a policy's parameters, a free mapping)."""
+    model: type[BaseModel] | None = GatewayConfig
+    keyed = False
+    for part in loc:
+        if keyed or isinstance(part, int):  # a mapping's own key, a list's item: the same model below
+            keyed = False
+            continue
+        field = model.model_fields.get(part) if model is not None else None
+        if field is None:
+            return []
+        model, keyed = _model_in(field.annotation)
+    return list(model.model_fields) if model is not None else []
+
+
+def _unknown_key(loc: Loc) -> str:
+    """An unknown key, with the known one it is closest to (``sever`` -> ``server``)."""
+    known = _keys_at(loc[:-1])
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6) if loc else []
+    if close:
+        return f"unknown key (did you mean {close[0]!r}?)"
+    return f"unknown key (known: {', '.join(sorted(known))})" if known else "unknown key"
+
+
 def _format_errors(source: str, err: ValidationError) -> str:
     lines = [f"{source}: invalid configuration"]
     for e in err.errors():
-        lines.append(f"  {_render_loc(e['loc'])}: {e['msg'].removeprefix('Value error, ')}")
+        msg = _unknown_key(e["loc"]) if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
+        lines.append(f"  {_render_loc(e['loc'])}: {msg}")
     return "\n".join(lines)
 
 

@@ -6,22 +6,33 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 import orjson
 
 from sim.config import HASH_ALGOS, KV_LOAD_FAILURE_POLICIES, ROLES, SimConfig
 from sim.faults import DropLogFilter
 from sim.kv_events import KVEventsConfig
+from sim.oneline import Help, Parser
 from sim.profile import available, engine_settings
 
+DESCRIPTION = """\
+A vLLM 0.32-compatible engine simulator on CPU: the OpenAI API, /metrics, /sim/state and the
+NIXL-style P/D hand-over, as a real engine started with the same flags would serve them. Every
+timing flag at 0 (the default) makes an instant engine; --profile sets them from a calibrated
+model of a GPU node, and flags given explicitly override it."""
 
-def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+EPILOG = """\
+examples:
+  pdgate sim --port 8100 --role prefill --profile fast     # a prefill engine
+  pdgate sim --port 8200 --role decode --profile fast      # a decode engine
+  pdgate sim --profile llama-3.3-70b-tp8-h100 --time-scale 0.1   # a 70B node's timings, 10x faster
+  curl localhost:8200/sim/state                            # what the engine holds and runs"""
+
+
+def build_parser(prog: str | None = None) -> Parser:
     d = SimConfig.__dataclass_fields__
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description="A vLLM 0.32-compatible engine simulator (OpenAI API, /metrics, NIXL-style P/D handshake).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = Parser(prog=prog, description=DESCRIPTION, epilog=EPILOG, formatter_class=Help)
     p.add_argument("--role", choices=ROLES, default="both", help="which P/D legs this engine accepts")
     p.add_argument("--host", default="127.0.0.1", help="HTTP (and side-channel) bind address")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
@@ -29,6 +40,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument(
         "--tokenizer",
         default=None,
+        metavar="FOLDER",
         help="Hugging Face tokenizer folder; without it a token is 4 bytes of UTF-8 (ceil(len/4))",
     )
     p.add_argument(
@@ -86,14 +98,15 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument(
         "--profile",
         default=None,
+        metavar="NAME|FILE",
         help="engine profile: a bundled name (" + ", ".join(available()) + ") or a YAML file; "
-        "flags given explicitly override it (see sim/profiles/)",
+        "flags given explicitly override it (see sim/profiles/; without it: the timing flags, 0 = instant)",
     )
     p.add_argument(
         "--profile-end",
         choices=("low", "high"),
         default=None,
-        help="put every uncertain setting of the profile (its ranges) at this end",
+        help="put every uncertain setting of the profile (its ranges) at this end (without it: their central values)",
     )
     p.add_argument(
         "--time-scale",
@@ -134,7 +147,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="automatic prefix caching of full KV blocks (vLLM's flag; on by default)",
+        help="automatic prefix caching of full KV blocks (vLLM's flag)",
     )
     p.add_argument(
         "--prefix-caching-hash-algo",
@@ -145,7 +158,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-events-config",
         default=None,
-        help='KV cache events, vLLM\'s JSON: {"enable_kv_cache_events": true, "publisher": "zmq", '
+        metavar="JSON",
+        help='KV cache events (without it: none), vLLM\'s JSON: {"enable_kv_cache_events": true, "publisher": "zmq", '
         '"endpoint": "tcp://*:5557", "replay_endpoint": null, "buffer_steps": 10000, "hwm": 100000, '
         '"max_queue_size": 100000, "topic": ""}',
     )
@@ -164,11 +178,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument(
         "--faults",
         default=None,
-        help='faults injected from the start, the JSON of PUT /sim/faults: {"seed": 1, "error": {"status": 500, '
+        metavar="JSON",
+        help="faults injected from the start (without it: none), the JSON of PUT /sim/faults: "
+        '{"seed": 1, "error": {"status": 500, '
         '"on": ["decode"], "count": 1, "probability": 1.0}, "hang": {...}, "slow": {"first_byte_delay": 1, '
         '"chunk_delay": 0.1}, "drop": {"after_chunks": 2}, "kv_refuse": {"count": 1}} (see sim/README.md)',
     )
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="the engine's own log lines on stderr")
     return p
 
 
@@ -182,6 +199,10 @@ def _explicit(argv: list[str] | None) -> set[str]:
 
 def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) -> SimConfig:
     kw = {k: v for k, v in vars(args).items() if v is not None}
+    tokenizer = kw.get("tokenizer")
+    if tokenizer and tokenizer.startswith(("/", ".", "~")) and not Path(tokenizer).expanduser().is_dir():
+        # a path, not a hub name: said now, not after transformers' import and its repo-id complaint
+        raise ValueError(f"--tokenizer {tokenizer}: no such folder")
     end = kw.pop("profile_end", None)
     if end and not kw.get("profile"):
         raise ValueError("--profile-end needs --profile")
@@ -211,13 +232,13 @@ def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) ->
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """Parse ``argv`` (default: sys.argv[1:]) and serve until interrupted."""
     if prog is None:
-        prog = "python -m sim" if sys.argv[0].endswith("__main__.py") else "pdgate sim"
+        prog = "python -m sim" if sys.argv[0].endswith(os.path.join("sim", "__main__.py")) else "pdgate sim"
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:
         cfg = config_from_args(args, argv)
     except ValueError as e:
-        parser.error(str(e))
+        parser.fail(str(e))
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("uvicorn.error").addFilter(DropLogFilter())  # an injected drop is no server error
 
@@ -225,7 +246,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     from sim.app import create_app
 
-    app = create_app(cfg)
+    try:
+        app = create_app(cfg)  # loads the tokenizer
+    except (OSError, ValueError, ImportError) as err:  # what transformers raises for a tokenizer it cannot load
+        if not cfg.tokenizer:
+            raise
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        parser.fail(f"--tokenizer {cfg.tokenizer}: cannot load ({type(err).__name__}: {cause})")
     uvicorn.run(
         app,
         host=cfg.host,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from sim import planner, profile, workload
+from sim.oneline import Help, Parser
 
 MAX_ENGINES = 32
 MAX_DURATION_S = 3600.0
@@ -51,8 +52,9 @@ def _rates(text: str) -> list[float]:
     return rates
 
 
-def build_parser(prog: str = "pdgate plan") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+def build_parser(prog: str = "pdgate plan") -> Parser:
+    p = Parser(prog=prog, description=__doc__.splitlines()[0], epilog="examples:\n" + "\n".join(
+        "  " + line for line in __doc__.splitlines()[2:5]), formatter_class=Help)
     src = p.add_mutually_exclusive_group()
     src.add_argument(
         "--workload",
@@ -97,6 +99,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rates = args.rate or [wl.mean_rate or 2.0]
     bar = Bar(args.progress or sys.stderr.isatty())
     plans = []
+    slos: set[tuple[str, float, float, float]] = set()
     for rate in rates:
         jobs = wl.jobs(rate, args.duration, seed=args.seed)
         if not jobs:
@@ -106,14 +109,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             duration = min(duration, max(jobs[-1].arrival_s, len(jobs) / rate))
         result = planner.plan(
             settings, jobs, duration, target=args.target, tail=args.tail,
-            max_engines=args.max_engines, check=args.check, progress=bar,
+            max_engines=args.max_engines, check=args.check, progress=bar, rate=rate,
         )  # fmt: skip
         plans.append(planner.to_json(result, args.engine_hour_cost))
+        slos |= {(j.klass, j.ttft_slo_s, j.itl_p90_slo_s, j.itl_p99_slo_s) for j in jobs}
     return {
         "profile": settings["profile"],
         "workload": args.trace or args.workload,
         "duration_s": args.duration,
         "seed": args.seed,
+        "slos": [  # what was planned for, per class: a trace's classes too, and their defaults
+            {"class": k, "ttft_s": ttft, "itl_p90_s": p90, "itl_p99_s": p99} for k, ttft, p90, p99 in sorted(slos)
+        ],
         "plans": plans,
     }
 
@@ -159,19 +166,21 @@ def main(argv: list[str] | None = None, prog: str = "pdgate plan") -> int:
         doc = run(args)
         if args.plot:
             plot(doc, args.plot)
-    except (ValueError, OSError) as e:
-        parser.error(str(e))
+    except OSError as e:  # a trace or output file: its name and the reason, not the errno's repr
+        parser.fail(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e))
+    except ValueError as e:
+        parser.fail(str(e))
     text = json.dumps(doc, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")
     else:
         print(text)
     if args.markdown:
-        Path(args.markdown).write_text("\n".join(planner.markdown(p) for p in doc["plans"]))
+        Path(args.markdown).write_text("\n".join(planner.markdown(p, doc) for p in doc["plans"]))
     for p in doc["plans"]:
         rec = p["recommended"]
         line = f"{p['rate']:g} req/s: " + (
-            f"{rec['layout']} ({rec['engines']} engines, {rec['simulated_attainment']:.1%} within SLO)"
+            f"{rec['layout']} ({planner.engines(rec['engines'])}, {rec['simulated_attainment']:.1%} within SLO)"
             if rec
             else f"no layout up to {args.max_engines} engines meets the SLO"
         )

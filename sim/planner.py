@@ -35,7 +35,22 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        return self.layout.name + (f", {self.chunk}-token chunks" if self.chunk else "")
+        """The layout as an operator configures it: the gateway's decider and its threshold, not
+        only a token figure (of which tokens, decided by what?)."""
+        lay = self.layout
+        if lay.policy == "colocated":
+            return lay.name + (f", {self.chunk}-token chunks" if self.chunk else "")
+        if lay.policy == "always":
+            return f"{lay.prefill}P+{lay.decode}D (token_threshold 1: every request through P/D)"
+        return f"{lay.prefill}P+{lay.decode}D (token_threshold {lay.threshold}: P/D from {lay.threshold} prompt tokens)"
+
+    @property
+    def decider(self) -> dict[str, Any] | None:
+        """The gateway's ``routing.decider`` for this layout (None: colocated, no prefill pool)."""
+        lay = self.layout
+        if lay.policy == "colocated":
+            return None
+        return {"name": "token_threshold", "threshold": 1 if lay.policy == "always" else lay.threshold}
 
     def settings(self, base: dict[str, Any]) -> dict[str, Any]:
         return {**base, "max_num_batched_tokens": self.chunk} if self.chunk else dict(base)
@@ -50,11 +65,12 @@ class Estimate:
 
 @dataclass
 class Plan:
-    rate: float
+    rate: float  # the rate planned for (asked for)
     target: float
     tail: bool
     estimates: list[Estimate]
     checked: list[tuple[Estimate, Result]] = field(default_factory=list)
+    sampled_rate: float | None = None  # the arrivals' own rate: a random sample differs from the one asked for
 
     @property
     def recommended(self) -> tuple[Estimate, Result] | None:
@@ -329,13 +345,15 @@ def plan(
     thresholds: Sequence[int] = DEFAULT_THRESHOLDS,
     check: int = 6,
     progress: Callable[[str, int, int], None] | None = None,
+    rate: float | None = None,
 ) -> Plan:
     """Score every candidate, then simulate the ``check`` most promising: the cheapest ones the
-    model expects to reach ``target`` (and the best of one engine fewer, in case it is pessimistic)."""
-    rate = len(jobs) / duration if duration else 0.0
+    model expects to reach ``target`` (and the best of one engine fewer, in case it is pessimistic).
+    ``rate``: the rate ``jobs`` were drawn at, which the plan reports (default: their own rate)."""
+    sampled = len(jobs) / duration if duration else 0.0
     ests = [estimate(settings, c, jobs, duration, tail) for c in candidates(max_engines, thresholds)]
     ests.sort(key=lambda e: (e.candidate.engines, -e.attainment))
-    out = Plan(rate, target, tail, ests)
+    out = Plan(sampled if rate is None else rate, target, tail, ests, sampled_rate=sampled)
     feasible = [e for e in ests if e.attainment >= target - 0.05]
     n_min = min((e.candidate.engines for e in feasible), default=max_engines)
     # Layouts that route this traffic the same way (thresholds that split it alike) are one choice.
@@ -382,9 +400,14 @@ def to_json(p: Plan, engine_hour_cost: float | None = None) -> dict[str, Any]:
     def cost(n: int) -> float | None:
         return round(n * engine_hour_cost, 2) if engine_hour_cost else None
 
+    def goodput(r: Result) -> float:  # of the rate asked for, as the benchmarks count it
+        return round(p.rate * r.attainment(p.tail), 3)
+
     rec = p.recommended
+    sampled = p.sampled_rate
     return {
         "rate": round(p.rate, 3),
+        "sampled_rate": None if sampled is None else round(sampled, 3),
         "target_attainment": p.target,
         "slo": "tail" if p.tail else "standard",
         "recommended": None
@@ -394,9 +417,11 @@ def to_json(p: Plan, engine_hour_cost: float | None = None) -> dict[str, Any]:
             "prefill_engines": rec[0].candidate.layout.prefill,
             "decode_engines": rec[0].candidate.layout.decode,
             "engines": rec[0].candidate.engines,
+            "decider": rec[0].candidate.decider,
+            "max_num_batched_tokens": rec[0].candidate.chunk,
             "cost_per_hour": cost(rec[0].candidate.engines),
             "simulated_attainment": round(rec[1].attainment(p.tail), 4),
-            "simulated_goodput_req_s": round(rec[1].goodput(p.tail), 3),
+            "simulated_goodput_req_s": goodput(rec[1]),
             "predicted_attainment": round(rec[0].attainment, 4),
         },
         "checked": [
@@ -405,7 +430,7 @@ def to_json(p: Plan, engine_hour_cost: float | None = None) -> dict[str, Any]:
                 "engines": e.candidate.engines,
                 "predicted_attainment": round(e.attainment, 4),
                 "simulated_attainment": round(r.attainment(p.tail), 4),
-                "simulated_goodput_req_s": round(r.goodput(p.tail), 3),
+                "simulated_goodput_req_s": goodput(r),
                 "ttft_p90_s": _finite(r.percentile("ttft_s", 0.9)),
                 "itl_p90_p90_s": _finite(r.percentile("itl_p90_s", 0.9)),
                 "cost_per_hour": cost(e.candidate.engines),
@@ -424,14 +449,48 @@ def _finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def markdown(doc: dict[str, Any]) -> str:
+def engines(n: int) -> str:
+    return f"{n} engine" + ("" if n == 1 else "s")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:g} ms" if seconds < 1 else f"{seconds:g} s"
+
+
+def slo_lines(slos: Sequence[dict[str, Any]], tail: bool) -> list[str]:
+    """Each class's SLO in words (``slos``: as ``pdgate plan`` reports them)."""
+    out = []
+    for k in slos:
+        p99 = f", p99 gap <= {_ms(k['itl_p99_s'])}" if tail else ""
+        out.append(f"- {k['class']}: TTFT <= {_ms(k['ttft_s'])}, p90 of its own inter-token gaps "
+                   f"<= {_ms(k['itl_p90_s'])}{p99}")
+    return out
+
+
+def markdown(doc: dict[str, Any], context: dict[str, Any] | None = None) -> str:
+    """One plan as Markdown; ``context``: the report around it (``pdgate plan``'s JSON: profile,
+    workload, simulated seconds, the classes' SLOs), said above the table."""
     rec = doc["recommended"]
+    tail = doc["slo"] == "tail"
+    about: list[str] = []
+    if context is not None:
+        sampled = doc.get("sampled_rate")
+        drawn = f" (the sampled arrivals: {sampled:g} req/s)" if sampled not in (None, doc["rate"]) else ""
+        about = [
+            f"Workload `{context['workload']}`{drawn} on engine profile `{context['profile']}`, "
+            f"{context['duration_s']:g} simulated seconds per layout (seed {context['seed']}).",
+            "",
+            f"SLO ({doc['slo']}), per request class:",
+            *slo_lines(context.get("slos", []), tail),
+            "",
+        ]
     lines = [
         f"# Plan: {doc['rate']:g} req/s, {doc['slo']} SLO met by >= {doc['target_attainment']:.0%} of requests",
         "",
+        *about,
         "**Recommended:** "
         + (
-            f"{rec['layout']}: {rec['engines']} engines"
+            f"{rec['layout']}: {engines(rec['engines'])}"
             + (f" (${rec['cost_per_hour']:,.2f}/h)" if rec["cost_per_hour"] else "")
             + f", simulated attainment {rec['simulated_attainment']:.1%} (model: {rec['predicted_attainment']:.1%})"
             if rec
@@ -439,7 +498,7 @@ def markdown(doc: dict[str, Any]) -> str:
         ),
         "",
         "| layout | engines | model attainment | simulated attainment | goodput req/s | TTFT p90 s "
-        "| ITL p90 (p90) ms |",
+        "| streams' p90 gap, p90 ms |",
         "|---|---|---|---|---|---|---|",
     ]
     for c in doc["checked"]:
@@ -449,4 +508,6 @@ def markdown(doc: dict[str, Any]) -> str:
             f"| {c['layout']} | {c['engines']} | {c['predicted_attainment']:.1%} | {c['simulated_attainment']:.1%} "
             f"| {c['simulated_goodput_req_s']:g} | {ttft} | {itl} |"
         )
+    lines += ["", "TTFT p90: over the requests. Streams' p90 gap: each stream's 90th-percentile inter-token "
+              "gap (what the ITL SLO bounds), its 90th percentile over the streams."]
     return "\n".join(lines) + "\n"

@@ -13,15 +13,24 @@ command line override it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-import yaml
+from sim.yamlfile import read_yaml
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
 _DOC_KEYS = {"name", "description", "model", "hardware", "sources", "checks"}
 ENDS = ("low", "high")
+# What each kind of SimConfig field accepts from YAML (bool is an int to Python, not to a profile).
+_TYPES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "float": ("a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool)),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "str | None": ("a string", lambda v: v is None or isinstance(v, str)),
+}
 
 
 def available() -> list[str]:
@@ -46,16 +55,21 @@ def load(name_or_path: str) -> dict[str, Any]:
     from sim.config import SimConfig
 
     path = profile_path(name_or_path)
-    doc = yaml.safe_load(path.read_text()) or {}
+    doc = read_yaml(path, "profile") or {}
     if not isinstance(doc, dict) or not isinstance(doc.get("engine"), dict):
         raise ValueError(f"profile {path.name}: needs an 'engine' mapping")
     unknown = set(doc) - _DOC_KEYS - {"engine", "ranges"}
     if unknown:
         raise ValueError(f"profile {path.name}: unknown top-level keys {sorted(unknown)}")
-    known = {f.name for f in fields(SimConfig)} - {"profile", "time_scale", "faults", "kv_events_config"}
-    bad = set(doc["engine"]) - known
+    not_engine = {"profile", "time_scale", "faults", "kv_events_config"}
+    known = {f.name: str(f.type) for f in fields(SimConfig) if f.name not in not_engine}
+    bad = set(doc["engine"]) - set(known)
     if bad:
         raise ValueError(f"profile {path.name}: unknown engine settings {sorted(bad)}")
+    for key, value in doc["engine"].items():  # a wrong type would surface later as a TypeError traceback
+        wanted, fits = _TYPES.get(known[key], ("", lambda v: True))
+        if not fits(value):
+            raise ValueError(f"profile {path.name}: engine.{key} must be {wanted}, got {value!r}")
     ranges = doc.setdefault("ranges", {}) or {}
     if not isinstance(ranges, dict):
         raise ValueError(f"profile {path.name}: ranges must be a mapping of engine settings to [low, high]")

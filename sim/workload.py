@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from sim.fleet import Job
+from sim.yamlfile import read_yaml
 
 MAX_CLASSES = 32
 MAX_TRACE_LINES = 1_000_000
@@ -145,23 +144,36 @@ def from_dict(doc: Any) -> Workload:
                             "shared_prefix", "prefix_groups"}  # fmt: skip
         if unknown:
             raise ValueError(f"classes[{i}]: unknown keys {sorted(unknown)}")
-        try:
-            classes.append(
-                Klass(
-                    name=str(c.get("name", f"class{i}")),
-                    share=float(c.get("share", 1.0)),
-                    prompt=_pair(c.get("prompt"), f"classes[{i}].prompt"),
-                    output=_pair(c.get("output"), f"classes[{i}].output"),
-                    ttft_s=float(c["ttft_s"]),
-                    itl_p90_s=float(c["itl_p90_s"]),
-                    itl_p99_s=float(c.get("itl_p99_s", 0.1)),
-                    shared_prefix=int(c.get("shared_prefix", 0)),
-                    prefix_groups=int(c.get("prefix_groups", 1)),
-                )
+        for key in ("ttft_s", "itl_p90_s"):
+            if key not in c:
+                raise ValueError(f"classes[{i}]: missing {key}")
+        classes.append(
+            Klass(
+                name=str(c.get("name", f"class{i}")),
+                share=_number(c.get("share", 1.0), f"classes[{i}].share"),
+                prompt=_pair(c.get("prompt"), f"classes[{i}].prompt"),
+                output=_pair(c.get("output"), f"classes[{i}].output"),
+                ttft_s=_number(c["ttft_s"], f"classes[{i}].ttft_s"),
+                itl_p90_s=_number(c["itl_p90_s"], f"classes[{i}].itl_p90_s"),
+                itl_p99_s=_number(c.get("itl_p99_s", 0.1), f"classes[{i}].itl_p99_s"),
+                shared_prefix=_integer(c.get("shared_prefix", 0), f"classes[{i}].shared_prefix"),
+                prefix_groups=_integer(c.get("prefix_groups", 1), f"classes[{i}].prefix_groups"),
             )
-        except KeyError as e:
-            raise ValueError(f"classes[{i}]: missing {e.args[0]}") from e
+        )
     return Workload(classes=tuple(classes))
+
+
+def _number(v: Any, where: str) -> float:
+    # float("abc") or float([1]) would raise with no location (or a TypeError: a traceback)
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ValueError(f"{where} must be a number, got {v!r}")
+    return float(v)
+
+
+def _integer(v: Any, where: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{where} must be an integer, got {v!r}")
+    return v
 
 
 def load(spec: str) -> Workload:
@@ -171,7 +183,11 @@ def load(spec: str) -> Workload:
     path = Path(spec)
     if not path.is_file():
         raise ValueError(f"workload {spec!r}: not a file, and not one of {', '.join(PRESETS)}")
-    return from_dict(yaml.safe_load(path.read_text()))
+    doc = read_yaml(path, "workload")
+    try:
+        return from_dict(doc)
+    except ValueError as err:
+        raise ValueError(f"workload {path}: {err}") from None
 
 
 def load_trace(path: str, slos: Workload | None = None) -> Workload:

@@ -40,3 +40,40 @@ def test_tuned_colocated_engines_and_the_cost_models_link() -> None:
     # 640 Gbps and 0.32 ms per 16-token block: ~110 Gbps of KV; the costly end is slower still
     assert 95 < link_mid * 0.5 < 125 and link_high < link_mid
     assert goodput.parse_args(["--profile-end", "low"]).profile_end == "low"
+
+
+@pytest.fixture
+def no_processes(monkeypatch, tmp_path):
+    """run() without engines or routers: its log folder is tmp_path/logs."""
+    logs = tmp_path / "logs"
+    monkeypatch.setattr(goodput, "build_tokenizer", lambda path: tmp_path / "tok")
+    monkeypatch.setattr(goodput.tempfile, "mkdtemp", lambda prefix: (logs.mkdir(), str(logs))[1])
+    monkeypatch.setattr(goodput, "start_engines", lambda *a, **kw: ["http://127.0.0.1:1", "http://127.0.0.1:2"])
+    monkeypatch.setattr(goodput, "start_routers", lambda *a, **kw: (logs / "router.log").write_text("started\n"))
+    return logs
+
+
+def test_a_run_that_succeeds_removes_its_log_folder(no_processes, capsys) -> None:
+    args = goodput.parse_args(["--configs", "pd-always"])
+    args.workloads = []  # nothing to replay
+    assert goodput.run(args)["points"] == []
+    assert not no_processes.exists() and "kept" not in capsys.readouterr().err
+
+
+def test_a_run_keeps_its_logs_when_asked_or_when_it_fails(no_processes, monkeypatch, capsys) -> None:
+    args = goodput.parse_args(["--configs", "pd-always", "--keep-logs"])
+    args.workloads = []
+    goodput.run(args)
+    assert (no_processes / "router.log").exists()
+    assert f"logs kept in {no_processes}" in capsys.readouterr().err
+    (no_processes / "router.log").unlink()
+    no_processes.rmdir()
+
+    def fails(*a, **kw):
+        raise RuntimeError("pd-always exited")
+
+    monkeypatch.setattr(goodput, "start_routers", fails)
+    args = goodput.parse_args(["--configs", "pd-always"])
+    with pytest.raises(RuntimeError):
+        goodput.run(args)
+    assert no_processes.exists() and f"logs kept in {no_processes}" in capsys.readouterr().err

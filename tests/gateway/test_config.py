@@ -182,6 +182,32 @@ def test_a_policy_in_the_wrong_place(routing, error):
     assert routing_errors(routing) == [error]
 
 
+def test_another_kind_as_the_decider_is_said_before_its_parameters():
+    """``name: load`` where the decider goes, the decider's parameter left in (issue 28): the kind
+    is the mistake, not "unknown parameter of policy 'load'"."""
+    assert routing_errors({"decider": {"name": "load", "threshold": 4096}}) == [
+        "routing.decider.name: policy 'load' is a scorer, not a decider"]
+    assert routing_errors({"decider": {"name": "token_threshold", "treshold": 1}}) == [  # a decider's own typo
+        "routing.decider.treshold: unknown parameter (did you mean 'threshold'?)"]
+
+
+@pytest.mark.parametrize(("patch", "error"), [
+    ({"sever": {"port": 1}}, "sever: unknown key (did you mean 'server'?)"),
+    ({"routng": {}}, "routng: unknown key (did you mean 'routing'?)"),
+    ({"routing": {"decidr": {"name": "token_threshold"}}}, "routing.decidr: unknown key (did you mean 'decider'?)"),
+    ({"models": [{"name": "m", "tokenizer": "/t", "max_model_len": 64, "tokeniser": "/u"}]},
+     "models[0].tokeniser: unknown key (did you mean 'tokenizer'?)"),
+    ({"fairness": {"tenants": {"team-a": {"weigth": 2}}}},
+     "fairness.tenants.team-a.weigth: unknown key (did you mean 'weight'?)"),
+    ({"colour": "red"}, "colour: unknown key (known: admin, admission, auth, engines, failover, fairness, health, "
+     "limits, models, planner, pools, routing, server, signals, state, telemetry, timeouts, tokenizer)"),
+])
+def test_an_unknown_key_names_the_closest_known_one(patch, error):
+    with pytest.raises(ConfigError) as info:
+        parse_config({**BASE, **patch}, "gw.yaml")
+    assert str(info.value).splitlines()[1:] == [f"  {error}"]
+
+
 def test_a_policy_named_twice_in_one_list():
     assert routing_errors({"decode": {
         "filters": [{"name": "bounded_load"}, {"name": "bounded_load", "slack": 4}],

@@ -52,11 +52,40 @@ def test_cli_writes_json_and_markdown(tmp_path):
     r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
-    assert [p["rate"] for p in doc["plans"]] and len(doc["plans"]) == 2
+    assert [p["rate"] for p in doc["plans"]] == [2, 6]  # the rates asked for, not the sampled arrivals'
+    assert all(p["sampled_rate"] != p["rate"] for p in doc["plans"])  # (which this seed draws differently)
+    assert all(c["simulated_goodput_req_s"] <= p["rate"] for p in doc["plans"] for c in p["checked"])
     rec = doc["plans"][0]["recommended"]
     assert rec["engines"] >= 1 and rec["cost_per_hour"] == round(rec["engines"] * 98.32, 2)
     assert rec["simulated_attainment"] >= 0.9
-    assert "**Recommended:**" in md.read_text() and "req/s:" in r.stderr
+    assert doc["slos"] == [{"class": "chat", "ttft_s": 1.0, "itl_p90_s": 0.05, "itl_p99_s": 0.1}]
+    text = md.read_text()
+    assert "**Recommended:**" in text and "req/s:" in r.stderr
+    assert text.startswith("# Plan: 2 req/s,") and "\n# Plan: 6 req/s," in text
+    # What was planned for is in the report: the profile, the workload, each class's SLO.
+    assert "profile `llama-3.3-70b-tp8-h100`" in text and "Workload `chat`" in text
+    assert "- chat: TTFT <= 1 s, p90 of its own inter-token gaps <= 50 ms" in text
+    assert "ITL p90 (p90)" not in text and "streams' p90 gap, p90 ms" in text
+    assert [line.split(": ")[0] for line in r.stderr.splitlines() if "req/s:" in line] == ["2 req/s", "6 req/s"]
+
+
+def test_layouts_name_the_gateways_decider_and_threshold():
+    """A P/D layout says which routing rule it needs, as the gateway's config spells it (issue 28:
+    ">= 2048 tokens" named neither the decider nor which tokens)."""
+    pd = Candidate(Layout(1, 2, "threshold", 2048))
+    assert pd.name == "1P+2D (token_threshold 2048: P/D from 2048 prompt tokens)"
+    assert pd.decider == {"name": "token_threshold", "threshold": 2048}
+    always = Candidate(Layout(2, 1, "always"))
+    assert always.name == "2P+1D (token_threshold 1: every request through P/D)"
+    assert always.decider == {"name": "token_threshold", "threshold": 1}
+    colo = Candidate(Layout(0, 2, "colocated"), chunk=2048)
+    assert colo.name == "colocated x2, 2048-token chunks" and colo.decider is None
+    # The JSON's recommendation carries the decider to copy into routing.decider.
+    jobs = workload.load("mix").jobs(2.0, 30, seed=0)
+    doc = planner.to_json(planner.plan(H100, jobs, 30, tail=True, max_engines=2, check=2, rate=2.0))
+    assert doc["rate"] == 2.0 and doc["sampled_rate"] == round(len(jobs) / 30, 3) != 2.0
+    rec = doc["recommended"]
+    assert rec["prefill_engines"] == 1 and rec["decider"] == {"name": "token_threshold", "threshold": 2048}
 
 
 def test_cli_refuses_bad_input(tmp_path):

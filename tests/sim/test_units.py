@@ -60,6 +60,23 @@ def test_cli_main_reports_bad_config():
     assert exc.value.code == 2
 
 
+def test_cli_help_describes_the_simulator_and_each_default(capsys):
+    """``pdgate sim --help``: what the simulator is, examples, and a default only where it says
+    something (not "default: None" for a flag whose help says what leaving it out means)."""
+    from sim.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"], prog="pdgate sim")
+    out = capsys.readouterr().out
+    flat = " ".join(out.split())  # argparse wraps to the terminal's width
+    assert exc.value.code == 0
+    assert "engine simulator on CPU" in flat and "examples:\n  pdgate sim --port 8100 --role prefill" in out
+    assert "context length the engine serves (vLLM's flag; prompt + output tokens) (default: 8192)" in flat
+    assert "the engine's own log lines on stderr (default: warning)" in flat
+    assert "(default: None)" not in flat and "(default: False)" not in flat
+    assert "--tokenizer FOLDER" in flat and "--faults JSON" in flat
+
+
 # ------------------------------------------------------------------------------ tokens
 
 
