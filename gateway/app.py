@@ -119,14 +119,18 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
                span_exporter: SpanExporter | None = None,
                access_sink: Callable[[bytes], None] | None = None,
                connections: Connections | None = None, collector: Collector | None = None,
-               worker: WorkerContext | None = None) -> Starlette:
+               worker: WorkerContext | None = None, listen: tuple[str, int] | None = None) -> Starlette:
     """The gateway app; ``tokenizers`` may be injected (tests), else loaded at startup. With
     ``config_path``, edits of that file are validated and applied while serving. ``span_exporter``
     (tests) receives every span, whatever the config's exporter; ``access_sink`` every access line
     (default: stdout); ``connections`` the HTTP server's open-connection count (for /metrics);
     ``collector`` (the process owner's) freezes what startup and each reload leave alive;
-    ``worker``: this app is one of several worker processes of one gateway (gateway/workers.py)."""
+    ``worker``: this app is one of several worker processes of one gateway (gateway/workers.py);
+    ``listen``: the address it serves on, when the command line overrides ``server.host``/``port``
+    (the running config, /admin/config included, says it, and reloads keep it)."""
     created = int(time.time())
+    if listen is not None:
+        cfg = listening(cfg, *listen)
     if cfg.pinned is None:  # what it means is fixed now: its keys, token and templates as read here
         cfg = cfg.pin(PinnedFiles.read(cfg.named_files()))
     validate(cfg)  # a bad policy name fails before the server binds its port
@@ -201,7 +205,8 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         metrics.config_loaded(version)
 
         async def apply(new: GatewayConfig, new_version: str) -> None:
-            await _apply(gw, new, new_version, res, worker.applied if worker is not None else None)
+            await _apply(gw, listening(new, *listen) if listen else new, new_version, res,
+                         worker.applied if worker is not None else None)
             health.configure(new.health)
             scraper.configure(new.signals)
             if collector:
@@ -437,6 +442,13 @@ def _shown(value: Any) -> str:
     """A config value for a log line: set or unset, never what it holds (file and variable names
     only)."""
     return "unset" if value in (None, "", [], {}) else repr(value)
+
+
+def listening(cfg: GatewayConfig, host: str, port: int) -> GatewayConfig:
+    """``cfg`` with the address the server listens on (``pdgate serve --host/--port`` win over the file)."""
+    if (cfg.server.host, cfg.server.port) == (host, port):
+        return cfg
+    return cfg.model_copy(update={"server": cfg.server.model_copy(update={"host": host, "port": port})})
 
 
 # Sections bound to the process (listening socket, shared-state connection): a reload keeps the

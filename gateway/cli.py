@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .config import ConfigError, GatewayConfig, PoolConfig, access_switched_off
+from .hub import NO_TOKENIZERS_HINT, TokenizerUnavailable
 
 if TYPE_CHECKING:
     from .tokenizer import Tokenizers
@@ -24,6 +25,8 @@ def load_tokenizers(cfg: GatewayConfig) -> Tokenizers:
     for i, model in enumerate(cfg.models):
         try:
             loaded.append(ModelTokenizer.load(cfg.tokenizer_model(model)))  # a template file as pinned
+        except TokenizerUnavailable as err:  # a hub name the hub cannot give here: what to do, said
+            raise TokenizerUnavailable(f"models[{i}].tokenizer: cannot load {model.tokenizer!r}: {err}") from None
         except Exception as err:  # whatever transformers raises for a missing or broken tokenizer
             cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ValueError(f"models[{i}].tokenizer: cannot load {model.tokenizer!r} "
@@ -50,6 +53,10 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     host = args.host or cfg.server.host
     port = args.port if args.port is not None else cfg.server.port
+    # Given on the command line, they win over the file's for as long as the process runs (reloads
+    # included): the running config says them. Else a reload that changes the file's says it is
+    # for the next restart.
+    listen = (host, port) if args.host or args.port is not None else None
     level = cfg.server.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("watchfiles").setLevel(logging.WARNING)  # it logs every file event at INFO
@@ -60,12 +67,13 @@ def _serve(args: argparse.Namespace) -> int:
         except ValueError as err:
             print(f"{args.config}: {err}", file=sys.stderr)
             return 2
-        return serve_workers(cfg, args.config, snapshot.text, host, port, workers)
+        return serve_workers(cfg, args.config, snapshot.text, host, port, workers, listen=listen)
     try:
         tokenizers = load_tokenizers(cfg)  # here, not at startup: a missing tokenizer is one line, not a traceback
         server = make_server(
             cfg, lambda connections: create_app(cfg, tokenizers, config_path=args.config,
                                                 config_version=snapshot.version, connections=connections,
+                                                listen=listen,
                                                 collector=Collector(cfg.server.gc_young_threshold)),
             host=host, port=port, log_level=cfg.server.log_level.lower())
     except ValueError as err:  # e.g. an unknown policy name, a tokenizer that cannot load
@@ -103,7 +111,8 @@ def _check(args: argparse.Namespace) -> int:
         print(err, file=sys.stderr)
         return 1
     except ValueError as err:
-        print(f"{args.config}: {err}", file=sys.stderr)
+        hint = NO_TOKENIZERS_HINT if isinstance(err, TokenizerUnavailable) else ""
+        print(f"{args.config}: {err}{hint}", file=sys.stderr)
         return 1
     for what in switched_off:  # said on purpose (auth.disabled, admin.disabled), still worth a look
         print(f"{args.config}: warning: switches off {what} (said on purpose)", file=sys.stderr)
@@ -146,12 +155,19 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, help="override server.port")
     serve.set_defaults(func=_serve)
 
-    demo = sub.add_parser("demo", help="gateway + simulated prefill and decode engines on this machine")
+    demo = sub.add_parser(
+        "demo", help="gateway + simulated prefill and decode engines on this machine",
+        description="The whole system on this machine, no GPU: simulated prefill and decode engines (the "
+        "vLLM-compatible simulator in sim/) behind a real gateway. Prints curl commands to try, an admin token "
+        "for /debug/route and /admin/config (made for this run), and where the config and logs are; responses "
+        "say their path and why (x-pdgate-path, x-pdgate-route). Ctrl-C stops every process it started.")
     demo.add_argument("--port", type=int, default=8000, help="the gateway's port (default 8000)")
     demo.add_argument("--host", default="127.0.0.1", help="the gateway's address (default 127.0.0.1)")
-    demo.add_argument("--prefill", type=int, default=2, help="simulated prefill engines")
-    demo.add_argument("--decode", type=int, default=2, help="simulated decode engines")
-    demo.add_argument("--threshold", type=int, default=4096, help="P/D from this many prompt tokens")
+    demo.add_argument("--prefill", type=int, default=2, help="simulated prefill engines (default 2)")
+    demo.add_argument("--decode", type=int, default=2, help="simulated decode engines (default 2)")
+    demo.add_argument("--threshold", type=int, default=4096,
+                      help="a prompt goes prefill -> decode from this many uncached tokens, else direct "
+                      "(default 4096)")
     demo.add_argument("--workers", type=int, default=0,
                       help="gateway worker processes (default: 2, or 1 on a single core)")
     demo.add_argument("--keep-logs", action="store_true",

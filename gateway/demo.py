@@ -1,6 +1,11 @@
 """``pdgate demo``: the whole system on one machine, no GPU: simulated prefill and decode engines
 behind a real gateway. Every process it starts is stopped on Ctrl-C or SIGTERM, and its temporary
-folder (engine logs, generated config, access log) removed unless ``--keep-logs`` is given."""
+folder (engine logs, generated config, access log) removed unless ``--keep-logs`` is given.
+
+Why a request took its path should be visible without reading the docs: the demo turns on the
+``x-pdgate-route`` header (``routing.debug_headers``) and an admin token of its own, generated for
+this run and printed, so that ``/debug/route`` and ``/admin/config`` answer (they are off, 404,
+without a token)."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import ctypes
 import errno
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -98,10 +104,11 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
             p.wait()
 
 
-def _curls(port: int) -> str:
+def _curls(port: int, admin_token: str) -> str:
     base = f"http://127.0.0.1:{port}"
-    short = (f"curl -si {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-             f"  -d '{{\"model\": \"{MODEL}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'")
+    auth = f"-H 'Authorization: Bearer {admin_token}'"
+    hello = f"-d '{{\"model\": \"{MODEL}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'"
+    short = f"curl -si {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n  {hello}"
     long_body = (
         "python3 -c 'import json; print(json.dumps({\"model\": \"" + MODEL + "\", \"stream\": True, "
         "\"messages\": [{\"role\": \"user\", \"content\": \"Summarize this. \" + \"The quick brown fox "
@@ -109,10 +116,15 @@ def _curls(port: int) -> str:
     )
     long = (f"curl -siN {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             f"  -d \"$({long_body})\"")
+    explain = f"curl -s {base}/debug/route {auth} -H 'Content-Type: application/json' \\\n  {hello}"
     return (f"Short prompt (goes direct to a decode engine):\n  {short}\n\n"
-            f"Long prompt, streamed (goes prefill -> decode):\n  {long}\n\n"
-            f"The response header x-pdgate-path says which path a request took; "
-            f"metrics at {base}/metrics.")
+            f"Long prompt, streamed (goes prefill -> decode; sent again, it goes direct to the engine "
+            f"that now holds it):\n  {long}\n\n"
+            f"The response header x-pdgate-path says which path a request took, x-pdgate-route why "
+            f"(the decider's reason and numbers, the chosen engines); metrics at {base}/metrics.\n\n"
+            f"Admin token for this run: {admin_token}\n"
+            f"What the gateway would do with a request, without sending it:\n  {explain}\n"
+            f"The running config:\n  curl -s {base}/admin/config {auth}")
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -146,7 +158,10 @@ def run_demo(args: argparse.Namespace) -> int:
     pools: dict[str, list[dict[str, str]]] = {"prefill": [], "decode": []}
     try:
         tokenizer = build_tokenizer(cache_dir() / "demo-tokenizer")
-        logs = tempfile.mkdtemp(prefix="pdgate-demo-")
+        logs = tempfile.mkdtemp(prefix="pdgate-demo-")  # mode 0700: the admin token's file is the user's alone
+        admin_token = secrets.token_urlsafe(18)
+        token_file = os.path.join(logs, "admin-token")
+        Path(token_file).write_text(admin_token + "\n")
         for role, count in (("prefill", args.prefill), ("decode", args.decode)):
             for i in range(count):
                 port, kv_port, events, replay = (free_port() for _ in range(4))
@@ -169,7 +184,9 @@ def run_demo(args: argparse.Namespace) -> int:
             "server": {"host": args.host, "port": args.port},
             "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": MAX_MODEL_LEN}],
             "pools": {"prefill": {"endpoints": pools["prefill"]}, "decode": {"endpoints": pools["decode"]}},
-            "routing": {"decider": {"name": "token_threshold", "threshold": args.threshold}},
+            "routing": {"decider": {"name": "token_threshold", "threshold": args.threshold},
+                        "debug_headers": True},  # x-pdgate-route: why each request took its path
+            "admin": {"token_file": token_file},
         }, "demo")
         config_path = os.path.join(logs, "gateway.yaml")
         raw = yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True), sort_keys=False).encode()
@@ -185,7 +202,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print("access log (one JSON line per request): "
               + ("this terminal" if access_to_terminal else f"{access_path} (--access-log prints it here instead)"))
         print(f"tokenizer: {tokenizer} (model {MODEL!r}; give this folder to load tools as their tokenizer)\n")
-        print(_curls(args.port), "\n\nCtrl-C stops everything.\n", flush=True)
+        print(_curls(args.port, admin_token), "\n\nCtrl-C stops everything.\n", flush=True)
         workers = args.workers or min(DEMO_WORKERS, worker_count(cfg))
         if workers > 1:  # the gateway as it is deployed: one process per core on one socket
             print(f"gateway: {workers} worker processes\n", flush=True)

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 from cachetools import LRUCache
 
-from . import chat, fasttok
+from . import chat, fasttok, hub
 from .config import ModelConfig, TokenizerConfig
 from .errors import APIError, bad_request
 from .protocol import ParsedRequest, check_lengths
@@ -628,10 +628,21 @@ class ModelTokenizer:
         with _IMPORT_LOCK:  # transformers' lazy imports fail when two threads race through them
             from transformers import AutoTokenizer  # heavy import: only when a gateway starts
 
-        hf = AutoTokenizer.from_pretrained(
-            cfg.tokenizer, revision=cfg.tokenizer_revision, trust_remote_code=cfg.trust_remote_code,
-            truncation_side="left",
-        )
+        # A hub name: ask the hub once, fast (gateway/hub.py), rather than through a minute of the
+        # library's retries; where it cannot serve, only the local hub cache can.
+        problem = None if hub.is_local(cfg.tokenizer) else hub.probe(cfg.tokenizer, cfg.tokenizer_revision)
+        try:
+            hf = AutoTokenizer.from_pretrained(
+                cfg.tokenizer, revision=cfg.tokenizer_revision, trust_remote_code=cfg.trust_remote_code,
+                truncation_side="left", local_files_only=problem is not None,
+            )
+        except OSError:
+            if problem is None:
+                raise
+            raise problem.unavailable() from None
+        if problem is not None:
+            log.log(logging.INFO if problem.chosen else logging.WARNING,
+                    "model %s: %s; its tokenizer comes from the local hub cache", cfg.name, problem.what)
         return cls(hf, cfg, detect_renderer(cfg), ranks_file=find_ranks_file(cfg))
 
     # -- both ---------------------------------------------------------------------------------

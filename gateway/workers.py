@@ -129,6 +129,7 @@ class WorkerSpec:
     bus: BusAddress
     supervisor_pid: int
     access_log_path: str | None = None  # append access lines here instead of stdout (the demo)
+    listen: tuple[str, int] | None = None  # host and port given on the command line (create_app's ``listen``)
 
 
 @dataclass(frozen=True)
@@ -296,7 +297,8 @@ class Supervisor:
 
 
 def serve(cfg: GatewayConfig, config_path: str, config_text: str, host: str, port: int, workers: int, *,
-          sock: socket.socket | None = None, access_log_path: str | None = None) -> int:
+          sock: socket.socket | None = None, access_log_path: str | None = None,
+          listen: tuple[str, int] | None = None) -> int:
     """Bind (unless given ``sock``), start ``workers`` workers, supervise them until SIGTERM or
     SIGINT; the exit code."""
     if sock is None:
@@ -311,7 +313,8 @@ def serve(cfg: GatewayConfig, config_path: str, config_text: str, host: str, por
     version = version_of(config_text.encode(), cfg.pinned)
     hub = Hub()
     hub.start()
-    spec = WorkerSpec(config_path, cfg, version, host, port, 0, workers, hub.address, os.getpid(), access_log_path)
+    spec = WorkerSpec(config_path, cfg, version, host, port, 0, workers, hub.address, os.getpid(), access_log_path,
+                      listen)
     supervisor = Supervisor(spec, cfg)
     try:
         code = supervisor.run(sock, hub)
@@ -372,7 +375,8 @@ def run_worker(spec: WorkerSpec, sock: socket.socket, slots: Any, lock: Any, fai
                 cfg, lambda connections: create_app(cfg, tokenizers, config_path=spec.config_path,
                                                     config_version=spec.version,
                                                     connections=connections, access_sink=sink,
-                                                    collector=Collector(cfg.server.gc_young_threshold), worker=ctx),
+                                                    collector=Collector(cfg.server.gc_young_threshold), worker=ctx,
+                                                    listen=spec.listen),
                 host=spec.host, port=spec.port, log_level=cfg.server.log_level.lower(),
                 max_connections=math.ceil(cfg.server.max_connections / spec.count) if cfg.server.max_connections
                 else 0)

@@ -1,11 +1,13 @@
 """`pdgate demo` as a new user runs it: answers short prompts directly and long ones through P/D,
 streaming included, and leaves no process (and, unless --keep-logs, no folder) behind when stopped;
 a busy port is one line; the access log goes to a file unless --access-log; the banner names the
-tokenizer folder load tools need."""
+tokenizer folder load tools need; responses say why they took their path, and the admin token the
+banner prints opens /admin/config and /debug/route."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -99,6 +101,17 @@ def test_demo_routes_both_paths_and_stops_cleanly(tmp_path):
         again = client.chat.completions.with_raw_response.create(
             model="demo", messages=[{"role": "user", "content": long_text}], max_tokens=4)
         assert again.headers["x-pdgate-path"] == "direct"
+        # ... and says why: the demo turns the decision header on.
+        assert again.headers["x-pdgate-route"].startswith("prefix_cached; uncached=")
+        # The admin token the banner prints opens the admin and debug endpoints (off without one).
+        [token] = re.findall(r"Admin token for this run: (\S+)", banner)
+        admin = {"authorization": f"Bearer {token}"}
+        shown = httpx.get(f"http://127.0.0.1:{port}/admin/config", headers=admin)
+        assert shown.status_code == 200 and shown.json()["config"]["routing"]["debug_headers"] is True
+        assert httpx.get(f"http://127.0.0.1:{port}/admin/config").status_code == 401
+        plan = httpx.post(f"http://127.0.0.1:{port}/debug/route", headers=admin, timeout=30,
+                          json={"model": "demo", "messages": [{"role": "user", "content": "Hello!"}]})
+        assert plan.status_code == 200 and plan.json()["reason"] == "short_prompt"
         # The access log goes to a file in the demo's folder, not to the terminal.
         rid = again.headers["x-request-id"]
         access = folder / "access.log"

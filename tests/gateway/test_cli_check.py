@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from gateway.cli import main
@@ -151,3 +152,14 @@ def test_a_change_that_switches_keys_off_must_say_so(tmp_path, capsys):
     code = main(["check-config", str(new), "--previous", str(running), "--no-tokenizers"])
     out = capsys.readouterr()
     assert code == 0 and "warning: switches off API keys" in out.err and "no API keys" in out.out
+
+
+def test_demo_help_describes_it_and_gives_every_default(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["demo", "--help"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "simulated prefill and decode engines" in out and "admin token" in out
+    for default in ("(default 8000)", "(default 127.0.0.1)", "engines (default 2)", "(default 4096)"):
+        assert default in out
+    assert out.count("engines (default 2)") == 2
