@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .config import ConfigError, GatewayConfig, PoolConfig, access_switched_off
+from .flagconfig import add_flags
 from .hub import NO_TOKENIZERS_HINT, TokenizerUnavailable
 
 if TYPE_CHECKING:
@@ -35,6 +38,55 @@ def load_tokenizers(cfg: GatewayConfig) -> Tokenizers:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    """``--config FILE``, or the file that the engine flags describe (gateway/flagconfig.py),
+    written to a private folder that lives as long as the process."""
+    from .flagconfig import check, config_from_flags, in_flags_words, render, wants_flags
+    from .workers import worker_count
+
+    if args.config is not None:
+        if wants_flags(args):
+            print("pdgate serve: give either --config FILE or the engine flags (--decode URL --model NAME ...), "
+                  "not both", file=sys.stderr)
+            return 2
+        return _serve_file(args)
+    try:
+        cfg = config_from_flags(args)
+        parsed = check(cfg)
+        text = render(cfg)
+        if not args.print_config and worker_count(parsed) > 1:  # workers load it each, and say failures apart
+            load_tokenizers(parsed).close()
+    except ValueError as err:  # FlagError, or a tokenizer that cannot load: in the flags' words
+        print(f"pdgate serve: {in_flags_words(str(err), '')}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(text, end="")
+        return 0
+    # uvicorn re-raises the SIGTERM it handled once it has shut down, which would end the process
+    # before the folder below is removed: here that signal ends it as an exception instead.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    with tempfile.TemporaryDirectory(prefix="pdgate-serve-") as folder:
+        args.config = os.path.join(folder, "flags.yaml")
+        with open(args.config, "w", encoding="utf-8") as f:
+            f.write(text)
+        args.host = args.port = None  # they are in the file already
+        args.from_flags = True
+        return _serve_file(args)
+
+
+def _say(args: argparse.Namespace, text: str) -> None:
+    """An error about the config, on stderr: in the flags' words when the flags made the config."""
+    if getattr(args, "from_flags", False):
+        from .flagconfig import in_flags_words
+
+        text = in_flags_words(text, args.config)
+    print(text, file=sys.stderr)
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _serve_file(args: argparse.Namespace) -> int:
     from .app import create_app, validate
     from .gcpolicy import Collector
     from .httpserver import make_server
@@ -65,7 +117,7 @@ def _serve(args: argparse.Namespace) -> int:
         try:
             validate(cfg)  # what would fail in every worker fails here, once
         except ValueError as err:
-            print(f"{args.config}: {err}", file=sys.stderr)
+            _say(args, f"{args.config}: {err}")
             return 2
         return serve_workers(cfg, args.config, snapshot.text, host, port, workers, listen=listen)
     try:
@@ -77,7 +129,7 @@ def _serve(args: argparse.Namespace) -> int:
                                                 collector=Collector(cfg.server.gc_young_threshold)),
             host=host, port=port, log_level=cfg.server.log_level.lower())
     except ValueError as err:  # e.g. an unknown policy name, a tokenizer that cannot load
-        print(f"{args.config}: {err}", file=sys.stderr)
+        _say(args, f"{args.config}: {err}")
         return 2
     server.run()
     if not server.started:
@@ -149,10 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdgate", description="Disaggregated prefill/decode gateway for vLLM")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the gateway")
-    serve.add_argument("--config", required=True, help="YAML config file")
+    serve = sub.add_parser(
+        "serve", help="run the gateway",
+        description="Run the gateway from a YAML config file (hot-reloaded), or from flags alone: "
+        "pdgate serve --prefill URL --decode URL --model NAME [--tokenizer PATH].")
+    serve.add_argument("--config", help="YAML config file")
     serve.add_argument("--host", help="override server.host")
     serve.add_argument("--port", type=int, help="override server.port")
+    add_flags(serve)
     serve.set_defaults(func=_serve)
 
     demo = sub.add_parser(
