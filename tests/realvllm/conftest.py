@@ -13,7 +13,6 @@ tests fail with the reason. ``PDGATE_SKIP_REALVLLM=1`` skips the suite on purpos
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,9 +26,16 @@ from tests.otlp import Collector
 from tests.procs import Proc, ProcGroup, free_port
 
 from . import engines as E
+from . import guide
 
 THRESHOLD = 512  # the gateway's token_threshold decider: P/D from this many prompt tokens
-HASH_SEED = "4321"  # the engines' PYTHONHASHSEED: the seed of their prefix-cache block hashes
+# The engines' PYTHONHASHSEED, the seed of their prefix-cache block hashes: the guide's.
+HASH_SEED = guide.command("engine decode").env["PYTHONHASHSEED"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The venv build's progress is shown past pytest's capture (engines.ensure_venv)."""
+    E.CAPTURE = config.pluginmanager.getplugin("capturemanager")
 
 
 @dataclass
@@ -64,21 +70,17 @@ def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     try:
         p_core, d_core = E.engine_cores()
         # vLLM joins the trace context it is sent and exports one span per request; every 0.2 s.
-        # With prompt tokens details, its usage says how much of a prompt came from its prefix cache
-        # (what the gateway checks its beliefs against).
-        tracing_args = ["--otlp-traces-endpoint", collector.url, "--enable-prompt-tokens-details"]
+        tracing_args = ["--otlp-traces-endpoint", collector.url]
         tracing_env = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "200",
                        "NO_PROXY": "127.0.0.1,localhost"}
+        # Both engines as docs/one-node.md starts them (tests/realvllm/guide.py), plus tracing here,
+        # and dev mode on the decode engine for /reset_prefix_cache.
         pub, replay = free_port(), free_port()
-        events = {"enable_kv_cache_events": True, "publisher": "zmq",
-                  "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}
-        prefill = E.start_engine(group, "prefill", venv, model_dir, work, p_core, extra_args=tracing_args,
-                                 extra_env=tracing_env)
-        decode = E.start_engine(
-            group, "decode", venv, model_dir, work, d_core,
-            extra_args=["--enable-prefix-caching", "--kv-events-config", json.dumps(events), *tracing_args],
-            extra_env={"PYTHONHASHSEED": HASH_SEED, "VLLM_SERVER_DEV_MODE": "1", **tracing_env},
-        )
+        prefill = E.start_guide_engine(group, "prefill", venv, model_dir, work, p_core, extra_args=tracing_args,
+                                       extra_env=tracing_env)
+        decode = E.start_guide_engine(group, "decode", venv, model_dir, work, d_core, events_port=pub,
+                                      replay_port=replay, extra_args=tracing_args,
+                                      extra_env={"VLLM_SERVER_DEV_MODE": "1", **tracing_env})
         pair = Pair(prefill, decode, model_dir, group, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}",
                     collector)
         failure = None

