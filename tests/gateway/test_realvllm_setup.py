@@ -30,3 +30,26 @@ def test_ci_fails_with_the_reason(monkeypatch, ci):
     with pytest.raises(pytest.fail.Exception) as info:
         E.venv_and_model()
     assert "No matching distribution found for torch" in str(info.value)
+
+
+def test_the_venv_builds_progress_is_shown_as_it_comes(monkeypatch, tmp_path, capsys):
+    """A first run downloads ~4 GB: the build script's progress lines reach the terminal while it
+    runs (not only in its log), and its last stdout line is the venv."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").touch()
+    script = tmp_path / "build.sh"
+    script.write_text(f"echo 'vllm-cpu-venv: 15 s, 800 MB so far' >&2\necho 'vllm-cpu-venv: built' >&2\necho {venv}\n")
+    monkeypatch.setattr(E, "VENV_SCRIPT", script)
+    monkeypatch.setattr(E, "CAPTURE", None)
+    assert E.ensure_venv() == venv
+    assert "800 MB so far" in capsys.readouterr().err
+
+
+def test_a_failed_build_says_why(monkeypatch, tmp_path):
+    script = tmp_path / "build.sh"
+    script.write_text("echo 'vllm-cpu-venv: FAILED (pip install)' >&2\nexit 1\n")
+    monkeypatch.setattr(E, "VENV_SCRIPT", script)
+    monkeypatch.setattr(E, "CAPTURE", None)
+    with pytest.raises(E.SetupError, match="FAILED"):
+        E.ensure_venv()
