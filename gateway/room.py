@@ -162,10 +162,12 @@ class Room:
         self.svc.metrics.tenant_shed(self.rec.tenant_label, who.cls)
         self.rec.reason = "ttft_objective"
         late = math.ceil(max(self.rt.cfg.admission.retry_after_s, v.predicted_s - v.objective_s))
-        hint = (f"retry after {late} s" if v.engine_s <= v.objective_s else
+        # Retry-After says when a retry may succeed: none when the prompt alone misses the objective.
+        retry = v.engine_s <= v.objective_s
+        hint = (f"retry after {late} s" if retry else
                 "its prompt alone is predicted to take longer than the objective: a retry will not meet it either")
         raise APIError(429, f"This request's TTFT objective cannot be met: {v.describe()}; {hint}.",
-                       code="ttft_objective_unattainable", headers={"Retry-After": str(late)})
+                       code="ttft_objective_unattainable", headers={"Retry-After": str(late)} if retry else None)
 
     def view(self) -> dict[str, Any]:
         """For ``/debug/route``: who the request is for and its objective's check."""
