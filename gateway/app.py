@@ -217,9 +217,11 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
             if result == "ok":
                 metrics.config_loaded(message)
 
-        watcher = ConfigWatcher(config_path, version, apply, reload_result) if config_path else None
+        speaks = worker is None or worker.index == 0  # one worker logs a rejected edit for the gateway
+        watcher = ConfigWatcher(config_path, version, apply, reload_result, speaks=speaks) if config_path else None
         gw = Gateway(_runtime(cfg, version, res, toks, cfg.admin_token()), services, watcher=watcher,
-                     feeds=res.subs.all, shared=shared, discovery=discovery, models=models, bus=bus)
+                     feeds=res.subs.all, shared=shared, discovery=discovery, models=models, bus=bus,
+                     health=health)
         services.configure(cfg.fairness, gw.runtime.tenancy.names)
         def prefill_pool_configured() -> bool:  # not "has endpoints now": a pool scaled to 0 still counts
             prefill = gw.runtime.cfg.pools.prefill
@@ -285,7 +287,7 @@ def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
         return JSONResponse({"status": "ok"})
 
     async def ready(request: Request) -> Response:
-        body = request.state.gw.ready()
+        body = await request.state.gw.ready_now()
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
     async def metrics_route(request: Request) -> Response:

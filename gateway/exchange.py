@@ -153,6 +153,7 @@ class Exchange:
         self.unmigratable: str | None = None  # else why not
         self.status = 0
         self.error = ""
+        self.error_status: int | None = None  # a stream's error event, after its 200 went out
         self._admitted = False
         self._answered = False  # the client has the whole answer (an SSE stream through [DONE])
         self._deadline = 0.0  # admission and engine capacity are waited for until then
@@ -200,8 +201,9 @@ class Exchange:
         self.rec.tenant_label = self.svc.tenant_labels(self.who.tenant)
         body = await self._read_body()
         client.watch()  # from here on a client hang-up cancels this exchange, engine legs included
+        req = self._parse(body)  # before the queue: a request it must fix never waits for a slot
         await self._admit()
-        req = await self._understand(body)
+        await self._tokenize(req)
         route = await self._route(req)
         decision = self.decision = route.decision
         part = self._first_part(req, decision)
@@ -270,6 +272,13 @@ class Exchange:
 
     async def _understand(self, body: bytes) -> ParsedRequest:
         """Parse, check and tokenize: everything the client must fix is found here."""
+        req = self._parse(body)
+        await self._tokenize(req)
+        return req
+
+    def _parse(self, body: bytes) -> ParsedRequest:
+        """The body's fields checked and its model known, which also labels a rejection's metrics
+        (a queue timeout is counted under the model asked for, not ``unknown``)."""
         rt, rec = self.rt, self.rec
         t0 = time.perf_counter_ns()
         req = parse_body(body, self.kind)
@@ -282,9 +291,17 @@ class Exchange:
         fair = rt.cfg.fairness
         if fair.enabled and fair.engine_priority and self.who is not None and self.who.priority:
             req.body["priority"] = self.who.priority  # continuations copy it
+        rec.tokenize_s = (time.perf_counter_ns() - t0) / 1e9  # the tokenizing adds to it
+        return req
+
+    async def _tokenize(self, req: ParsedRequest) -> None:
+        rt, rec = self.rt, self.rec
+        tok = rt.tokenizers.get(req.model)
+        assert tok is not None, "parsed requests only"
+        t0 = time.perf_counter_ns()
         prompts = self.prompts = await rt.tokenizers.prompt_ids(tok, req)
         t1 = time.perf_counter_ns()
-        rec.tokenize_s = (t1 - t0) / 1e9
+        rec.tokenize_s = (rec.tokenize_s or 0.0) + (t1 - t0) / 1e9
         rec.prompt_tokens = len(prompts[0])
         if rec.trace.span is not None:
             rec.trace.record("tokenize", t1 - t0, {"pdgate.prompt_tokens": rec.prompt_tokens})
@@ -293,7 +310,6 @@ class Exchange:
             raise APIError(400, f"This gateway accepts prompts of at most {limit} tokens; this one has "
                            f"{longest}.", param="messages" if self.kind == "chat" else "prompt",
                            code="prompt_too_long")
-        return req
 
     async def _route(self, req: ParsedRequest, *, explain: bool = False) -> Route:
         """Hash, look up the prefix index, run the pipeline; waits for engine capacity until the
@@ -406,8 +422,13 @@ class Exchange:
             ep.release()
             ep.end_prefill(ticket)
             seconds = time.perf_counter() - started
-            rec.prefill_legs.append(("ok" if outcome is LegOutcome.OK else "error", seconds))
-            rec.prefill = ep.url
+            leg_outcome = "ok" if outcome is LegOutcome.OK else "error"
+            if part.number == 0:
+                rec.prefill_legs.append((leg_outcome, seconds))
+                rec.prefill = ep.url
+            else:  # a continuation's: in its migration's record, and in the prefill histogram
+                rec.migrations[-1].update(prefill=ep.url, prefill_ms=round(seconds * 1000, 3))
+                self.svc.metrics.prefill_attempt(rec.model, leg_outcome, seconds)
             span.end(None if outcome is LegOutcome.OK else outcome.value)
             self._leg_done(part, LegReport("prefill", ep.url, outcome, Path.PD, seconds, uncached_tokens=tokens,
                                            queued_tokens=ticket.ahead, status=status,
@@ -552,7 +573,7 @@ class Exchange:
                 # Headers are gone already: an error event and [DONE], as vLLM ends a failed stream.
                 cut = transport_error(err, "decode")
                 self._not_migrated(_Cut(_reason(err), cut), self.unmigratable or "disabled")
-                self._outcome(cut.status, cut.message)
+                self._broke_off(cut)
                 await client.error(cut, [])
                 return
             await client.end()
@@ -584,7 +605,11 @@ class Exchange:
                 break
             opened = await self._migrate(req, leg, cut, answer)
             if opened is None:
-                self._outcome(cut.err.status, cut.err.message)
+                self.rec.output_tokens = answer.output_tokens  # what the client got before the error
+                if req.stream:
+                    self._broke_off(cut.err)
+                else:
+                    self._outcome(cut.err.status, cut.err.message)
                 await client.error(cut.err, [] if req.stream else self._headers(failed=True))
                 return
             leg = opened
@@ -800,6 +825,11 @@ class Exchange:
     def _outcome(self, status: int, error: str = "") -> None:
         self.status, self.error = status, error
 
+    def _broke_off(self, err: APIError) -> None:
+        """A stream failed after its 200 went out: the client got that status and an error event;
+        the record keeps both (an access log that said 502 would not be what the client saw)."""
+        self.error, self.error_status = err.message, err.status
+
     def _finish(self) -> None:
         """The one place a request ends: its slot freed, its outcome recorded and told."""
         rec = self.rec
@@ -813,7 +843,7 @@ class Exchange:
             if m["result"] == "pending":  # the client left (or the gateway stopped) before the end
                 m["result"] = "abandoned"
                 self.svc.metrics.migration(m["reason"], "abandoned")
-        rec.finish(self.status, self.error)
+        rec.finish(self.status, self.error, self.error_status)
         if self._decode_charged is not None and rec.output_tokens is not None:
             # the decode use charged up front was the expected output: now the tenant pays what it took
             key, charged, since = self._decode_charged
@@ -831,10 +861,11 @@ class Exchange:
         for part in self.parts:
             if part.decision is None:  # routing the continuation failed: its hooks were never told
                 continue
+            status = self.error_status or rec.status  # the policies learn that the answer failed
             if part.number == 0:
-                result = Finished(rec.status, rec.path, tuple(part.reports), rec.e2e_s, rec.ttft_s, rec.output_tokens)
+                result = Finished(status, rec.path, tuple(part.reports), rec.e2e_s, rec.ttft_s, rec.output_tokens)
             else:
-                result = Finished(rec.status, part.decision.path.value, tuple(part.reports), rec.e2e_s,
+                result = Finished(status, part.decision.path.value, tuple(part.reports), rec.e2e_s,
                                   continuation=True)
             call_soon(self.rt.hooks.finished, part.ctx, part.decision, result)
 

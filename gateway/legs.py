@@ -21,7 +21,7 @@ from .pools import Endpoint
 from .tasks import STOP_BOUND_S, stop_tasks
 from .transport import ClientError
 from .transport import EngineResponse as Response  # what every transport returns
-from .upstream import EngineError, Upstream, transport_error
+from .upstream import EngineError, EngineGone, Upstream, transport_error
 
 PREFILL_KV_PARAMS = {
     "do_remote_decode": True,
@@ -78,7 +78,7 @@ async def prefill(upstream: Upstream, ep: Endpoint, path: str, body: dict[str, A
     try:
         resp = await upstream.post(ep, path, prefill_body(body), request_id, leg="prefill", headers=headers)
     except EngineError as err:
-        raise LegFailed(err, reached=err.code != "engine_unreachable") from None
+        raise LegFailed(err, reached=_had_request(err)) from None
     try:
         data = await upstream.read_json(resp, "prefill")
     except EngineError as err:
@@ -132,7 +132,7 @@ async def open_decode(upstream: Upstream, ep: Endpoint, path: str, body: dict[st
     try:
         resp = await upstream.post(ep, path, body, request_id, leg="decode", headers=headers)
     except EngineError as err:
-        raise LegFailed(err, reached=err.code != "engine_unreachable") from None
+        raise LegFailed(err, reached=_had_request(err)) from None
     except TimeoutError:
         raise LegFailed(_timed_out(), reached=True) from None
     try:
@@ -218,3 +218,9 @@ class KVReleaser:
         """Cancel the releases still out, within ``bound_s`` (shutdown): an abandoned one only
         means the prefill engine holds those blocks until its KV lease runs out."""
         await stop_tasks(list(self._tasks), bound_s=bound_s)
+
+
+def _had_request(err: EngineError) -> bool:
+    """Whether the engine got the request: all but a refused connection (``EngineGone`` counts as
+    unreachable, yet it had the request)."""
+    return isinstance(err, EngineGone) or err.code != "engine_unreachable"

@@ -210,7 +210,7 @@ class GatewayMetrics:
         if rec.route_s is not None:
             self._child(self.decision_time, model).observe(rec.route_s)
         for outcome, seconds in rec.prefill_legs:  # every attempt, failed ones too
-            self._child(self.prefill_leg, model, outcome).observe(seconds)
+            self.prefill_attempt(model, outcome, seconds)
         if rec.status >= 400 or path == "none":
             return
         self._child(self.prompt_tokens, model, path).inc(rec.prompt_tokens)
@@ -220,6 +220,10 @@ class GatewayMetrics:
             self._child(self.ttft, model, path).observe(rec.ttft_s)
         if rec.decode_first_token_s is not None:
             self._child(self.decode_first_token, model, path).observe(rec.decode_first_token_s)
+
+    def prefill_attempt(self, model: str, outcome: str, seconds: float) -> None:
+        """One prefill leg ended (a migration's continuation's too, as it ends)."""
+        self._child(self.prefill_leg, model, outcome).observe(seconds)
 
     def itl_for(self, model: str, path: str) -> Any:
         """The inter-token histogram a stream observes chunk by chunk (nothing kept per chunk)."""

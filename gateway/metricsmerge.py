@@ -59,12 +59,18 @@ def rule_for(family: str) -> Rule:
     return "sum"
 
 
-def merge(texts: Iterable[bytes]) -> bytes:
-    """The expositions in ``texts`` (Prometheus text format) as one."""
+def merge(texts: Iterable[bytes], stale: Iterable[bytes] = ()) -> bytes:
+    """The expositions in ``texts`` (Prometheus text format) as one. ``stale``: the last answers of
+    workers that did not answer this scrape (dead, restarting, stuck). Their counters and histograms
+    count (leaving them out would make a sum go down, which Prometheus reads as a reset); their
+    gauges do not: a dead worker's in-flight requests are not in flight any more."""
     families: dict[str, Metric] = {}
     merged: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
-    for text in texts:
+    given = [(text, False) for text in texts] + [(text, True) for text in stale]
+    for text, old_answer in given:
         for fam in text_string_to_metric_families(text.decode("utf-8", "replace")):
+            if old_answer and fam.type in ("gauge", "info", "stateset", "unknown"):
+                continue
             if fam.name not in families:
                 families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
                 merged[fam.name] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -15,7 +16,7 @@ import aiohttp
 from policies.base import EndpointView, PoolSnapshot, Topology
 
 from .config import HealthConfig, OutlierConfig
-from .tasks import cancel_checkpoint, stop_task
+from .tasks import cancel_checkpoint, stop_tasks
 
 log = logging.getLogger(__name__)
 
@@ -265,14 +266,23 @@ class HealthChecker:
     ``on_up(ep, recovering)`` before routing sees it (``recovering``: it was up before, then down:
     is it the same run of the engine?), and so does a healthy one whose served models are unknown."""
 
+    # How old the decode pool's last probe may be when /ready answers (``fresh``): a readiness
+    # probe right after every decode engine died says so, not what the last round saw.
+    READY_MAX_AGE_S = 0.25
+    READY_BOUND_S = 0.5  # and the most /ready waits for that probe (a probe's own timeout is longer)
+
     def __init__(self, pools: Pools, session: aiohttp.ClientSession, cfg: HealthConfig,
-                 on_up: Callable[[Endpoint, bool], Awaitable[None]] | None = None) -> None:
+                 on_up: Callable[[Endpoint, bool], Awaitable[None]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._pools = pools
         self._session = session
         self._on_up = on_up
+        self._clock = clock
         self._wake = asyncio.Event()
         self.configure(cfg)
         self._task: asyncio.Task[None] | None = None
+        self._decode_probed = -math.inf  # when the decode pool's last probe round began
+        self._refresh: asyncio.Task[None] | None = None  # the round /ready callers share
 
     def configure(self, cfg: HealthConfig) -> None:
         """Takes effect at once: a new interval ends the current wait."""
@@ -287,6 +297,8 @@ class HealthChecker:
                 ok, why = resp.status == 200, f"health check answered {resp.status}"
         except (aiohttp.ClientError, TimeoutError, OSError) as err:
             ok, why = False, f"health check failed: {type(err).__name__}"
+            if _refused(err):  # nothing listens: the engine is gone, not busy (a busy one still accepts)
+                ok, why = False, "health check: connection refused"
         if ok:
             ep.failed_probes = 0
             if self._on_up is not None and (not ep.healthy or ep.served_models is None):
@@ -294,12 +306,31 @@ class HealthChecker:
             ep.mark_up()
             return
         ep.failed_probes += 1
-        # A busy engine can miss one probe; only a run of failures (or a refused request) takes it out.
-        if ep.failed_probes >= self._cfg.failures_to_mark_down or not ep.healthy:
+        # A busy engine can miss one probe; only a run of failures (or a refused connection) takes it out.
+        if ep.failed_probes >= self._cfg.failures_to_mark_down or not ep.healthy or why.endswith("refused"):
             ep.mark_down(why)
 
     async def probe_all(self) -> None:
+        self._decode_probed = self._clock()
         await asyncio.gather(*(self.probe(ep) for ep in self._pools.all()))
+
+    async def fresh(self) -> None:
+        """Before /ready answers: the decode pool probed within ``READY_MAX_AGE_S``. Concurrent
+        callers share one round, so a flood of /ready costs the engines at most one probe each
+        per ``READY_MAX_AGE_S``; a caller waits at most ``READY_BOUND_S``, then the answer is
+        what is known (the round goes on)."""
+        if self._task is None or self._clock() - self._decode_probed < self.READY_MAX_AGE_S:
+            return
+        if self._refresh is None or self._refresh.done():
+            self._decode_probed = self._clock()
+            self._refresh = asyncio.create_task(self._probe_decode(), name="health-ready-refresh")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.READY_BOUND_S):
+                await asyncio.shield(self._refresh)
+
+    async def _probe_decode(self) -> None:
+        with contextlib.suppress(Exception):  # logged by the next round if it persists
+            await asyncio.gather(*(self.probe(ep) for ep in self._pools.decode))
 
     async def _run(self) -> None:
         while True:
@@ -321,4 +352,18 @@ class HealthChecker:
     async def stop(self) -> None:
         """Bounded (gateway/tasks.py): a stuck probe or a swallowed cancel cannot hang shutdown."""
         task, self._task = self._task, None
-        await stop_task(task)
+        refresh, self._refresh = self._refresh, None
+        await stop_tasks([task, refresh])
+
+
+def _refused(err: BaseException) -> bool:
+    """A connection refused (nothing listens on the port), through aiohttp's wrapping."""
+    seen: BaseException | None = err
+    for _ in range(4):
+        if seen is None:
+            return False
+        if isinstance(seen, ConnectionRefusedError):
+            return True
+        os_error = getattr(seen, "os_error", None)
+        seen = os_error if isinstance(os_error, BaseException) else seen.__cause__
+    return False

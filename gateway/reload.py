@@ -117,8 +117,12 @@ class ConfigWatcher:
         on_result: Callable[[str, str], None],
         poll_s: float = 2.0,
         settle_s: float = SETTLE_S,
+        speaks: bool = True,
     ) -> None:
+        """``speaks``: logs a rejection at ERROR (else DEBUG). Every worker of one gateway watches
+        the same file and rejects the same edit; one of them says so, not each."""
         self.path = Path(path)
+        self._speaks = speaks
         self.version = version  # of the content running now
         self._apply = apply
         self._on_result = on_result  # (result "ok" | "rejected", message)
@@ -167,7 +171,8 @@ class ConfigWatcher:
         except (ConfigError, ValueError) as err:
             self._rejected = again.version
             self.last_error = str(err)
-            log.error("config reload rejected, still running version %s:\n%s", self.version, err)
+            log.log(logging.ERROR if self._speaks else logging.DEBUG,
+                    "config reload rejected, still running version %s:\n%s", self.version, err)
             self._on_result("rejected", str(err))
             return
         self.version, self._rejected, self.last_error = again.version, None, None

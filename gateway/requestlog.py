@@ -53,17 +53,22 @@ class RequestRecord:
     tenant_label: str = ""
     tokenize_s: float | None = None
     route_s: float | None = None
-    prefill_legs: list[tuple[str, float]] = field(default_factory=list)  # (outcome, seconds) per attempt
+    # (outcome, seconds) per prefill attempt of the request as the client sent it; a migration's
+    # continuation prefills again, and that leg is told in its migration's record, not here.
+    prefill_legs: list[tuple[str, float]] = field(default_factory=list)
     decode_first_token_s: float | None = None
     ttft_s: float | None = None
     e2e_s: float = 0.0
     failover: list[str] = field(default_factory=list)
     migrations: list[dict[str, Any]] = field(default_factory=list)  # decode legs that failed mid-way, and after
     # Streams: the inter-token histogram of this request's model and path (set once the decode leg
-    # is open), the last token chunk's time, and how many SSE events went out.
+    # is open), the last token chunk's time, and how many SSE events with a choice went out.
     itl: Observer | None = None
     last_token_at: float = 0.0
-    events: int = 0
+    token_events: int = 0
+    # A stream that broke off after its 200 went out: the status of the error event the client got
+    # instead of the rest (``status`` stays what the client's HTTP response said).
+    error_status: int | None = None
 
     @property
     def prefill_s(self) -> float | None:
@@ -77,7 +82,6 @@ class RequestRecord:
         """A stream chunk went to the client (the relay's only per-chunk bookkeeping). Chunks with
         no token (the usage chunk, ``[DONE]``) do not count as tokens for TTFT or ITL."""
         events = chunk.count(b"data: ")
-        self.events += events
         empty = chunk.count(b"data: [DONE]")
         if b'"completion_tokens"' in chunk:  # the usage chunk (stream_options.include_usage)
             found = _COMPLETION_TOKENS.findall(chunk)
@@ -88,6 +92,7 @@ class RequestRecord:
             empty += chunk.count(b'"choices":[]') + chunk.count(b'"choices": []')
         if events <= empty:
             return
+        self.token_events += events - empty
         now = time.perf_counter()
         if self.ttft_s is None:
             self.ttft_s = now - self.started
@@ -104,14 +109,15 @@ class RequestRecord:
         if at >= 0 and (m := _CACHED_TOKENS.match(body, at)):
             self.cached_tokens = int(m.group(1))
 
-    def finish(self, status: int, error: str = "") -> None:
+    def finish(self, status: int, error: str = "", error_status: int | None = None) -> None:
         self.status = status
         self.error = error
+        self.error_status = error_status
         self.e2e_s = self.since_start()
-        if self.output_tokens is None and self.events:
-            # No usage chunk: one event per token (vLLM's default), less the [DONE] line and, for
-            # chat, the opening role chunk. An estimate; the usage chunk is exact.
-            self.output_tokens = max(0, self.events - 1 - (self.kind == "chat"))
+        if self.output_tokens is None and self.token_events:
+            # No usage chunk: one event per token (vLLM's default), less, for chat, the opening role
+            # chunk. An estimate; the usage chunk is exact.
+            self.output_tokens = max(0, self.token_events - (self.kind == "chat"))
 
     def access_line(self) -> bytes:
         line: dict[str, Any] = {
@@ -132,6 +138,8 @@ class RequestRecord:
             line["migrations"] = self.migrations
         if self.error:
             line["error"] = self.error
+        if self.error_status is not None:
+            line["error_status"] = self.error_status
         span = self.trace.span
         if span is not None:
             line["trace_id"] = format(span.get_span_context().trace_id, "032x")

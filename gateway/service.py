@@ -17,6 +17,7 @@ from .exchange import Exchange
 from .kvevents import KVEventSubscriber
 from .metricsmerge import merge
 from .modelcheck import ServedModels
+from .pools import HealthChecker
 from .protocol import Kind
 from .reload import ConfigWatcher
 from .runtime import Runtime, Services
@@ -31,7 +32,7 @@ class Gateway:
     def __init__(self, runtime: Runtime, services: Services, *, watcher: ConfigWatcher | None = None,
                  feeds: Callable[[], Sequence[KVEventSubscriber]] = list, shared: RedisState | None = None,
                  discovery: Discovery | None = None, models: ServedModels | None = None,
-                 bus: WorkerBus | None = None) -> None:
+                 bus: WorkerBus | None = None, health: HealthChecker | None = None) -> None:
         self.runtime = runtime
         self.services = services
         self.watcher = watcher  # the config file's watcher, when the config comes from a file
@@ -40,6 +41,7 @@ class Gateway:
         self.discovery = discovery  # the Kubernetes EndpointSlice watchers
         self.models = models  # what each engine serves, against the configured model names
         self.bus = bus  # the other worker processes of this gateway (server.workers > 1)
+        self.health = health  # the engines' health checker (/ready asks it for a fresh look)
         self._last_metrics: dict[int, bytes] = {}  # each other worker's last exposition
 
     def exchange(self, request: Request, kind: Kind, path: str) -> Exchange:
@@ -52,15 +54,16 @@ class Gateway:
             return own
         others = await self.bus.others_metrics()
         self._last_metrics.update(others)
-        # A worker too busy to answer in time counts with its last answer: leaving it out would
-        # make summed counters go down, which Prometheus reads as a reset. (A restarted worker's
-        # counters do start over.) Fewer reporting than configured: a worker is stuck or restarting.
-        texts = [own, *(self._last_metrics[w] for w in sorted(self._last_metrics) if w != self.bus.worker)]
+        # A worker that does not answer in time (busy, dead, restarting) counts with its last
+        # answer's counters, not its gauges (gateway/metricsmerge.py). (A restarted worker's counters
+        # do start over.) Fewer reporting than configured: a worker is stuck or restarting.
+        texts = [own, *(others[w] for w in sorted(others))]
+        stale = [self._last_metrics[w] for w in sorted(self._last_metrics) if w not in others and w != self.bus.worker]
         workers = (b"# HELP pdgate_workers Worker processes of this gateway: configured, and reporting in this scrape\n"
                    b"# TYPE pdgate_workers gauge\n"
                    b'pdgate_workers{state="configured"} %d\npdgate_workers{state="reporting"} %d\n'
                    % (self.bus.workers, 1 + len(others)))
-        return merge(texts) + workers
+        return merge(texts, stale) + workers
 
     async def explain(self, request: Request) -> dict[str, Any]:
         """``POST /debug/route``: what the gateway would do with this body, without sending it."""
@@ -71,6 +74,12 @@ class Gateway:
                 return await self.exchange(request, kind, path).plan()
             case _:
                 raise APIError(400, "kind must be 'chat' or 'completion'.", param="kind")
+
+    async def ready_now(self) -> dict[str, Any]:
+        """``GET /ready``: the decode pool probed afresh first when its last probe is not recent."""
+        if self.health is not None:
+            await self.health.fresh()
+        return self.ready()
 
     def ready(self) -> dict[str, Any]:
         """The body of ``GET /ready``."""

@@ -20,7 +20,16 @@ from .config import EnginesConfig, TimeoutsConfig
 from .errors import APIError, bad_request, clip
 from .h1client import H1Client
 from .pools import Endpoint
-from .transport import ClientError, ConnectError, EngineResponse, EngineTransport, FirstTimeout, Timeouts, tls_context
+from .transport import (
+    ClientError,
+    ConnectError,
+    EngineResponse,
+    EngineTransport,
+    FirstTimeout,
+    ServerDisconnected,
+    Timeouts,
+    tls_context,
+)
 from .transport_aiohttp import AiohttpTransport
 
 log = logging.getLogger(__name__)
@@ -64,6 +73,12 @@ class EngineError(APIError):
     """An engine answered with an error status, or could not be reached."""
 
 
+class EngineGone(EngineError):
+    """The engine closed the connection before its first byte (a process killed while it had the
+    request): counted as ``engine_unreachable``, as the next connect will be, yet the engine had
+    the request and may have begun on it (a decode leg may have pulled the prompt's KV)."""
+
+
 class Upstream:
     """The engine legs, over ``client``: a transport that outlives config versions, so reloads
     keep the warm connections. Given none, it opens a default one of its own, which ``close``
@@ -96,6 +111,9 @@ class Upstream:
         except ConnectError as err:
             ep.mark_down(f"connect failed: {err.os_error}")
             raise EngineError(502, f"Could not reach a {leg} engine.", code="engine_unreachable") from None
+        except ServerDisconnected:
+            raise EngineGone(502, f"The {leg} engine closed the connection before answering.",
+                             code="engine_unreachable") from None
         except (TimeoutError, ClientError) as err:
             raise transport_error(err, leg) from None
         if resp.status >= 400:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tests.procs import Proc, ProcGroup, free_port
+from tests.procs import Proc, ProcGroup, free_port, wait_for
 
 
 @dataclass
@@ -48,6 +49,22 @@ class Cluster:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.gateway_port}"
+
+    def access_line(self, rid: str) -> dict:
+        """The gateway's access log line for request ``rid`` (waits for it to be written)."""
+        assert self.gateway is not None
+        log_path = self.gateway.log_path
+
+        def found() -> dict | None:
+            for line in log_path.read_text().splitlines():
+                if line.startswith("{") and f'"request_id":"{rid}"' in line:
+                    return json.loads(line)
+            return None
+
+        assert wait_for(lambda: found() is not None, timeout=5), f"no access log line for {rid}"
+        line = found()
+        assert line is not None
+        return line
 
     def start_sim(self, role: str, *extra: str, port: int | None = None, kv_port: int | None = None,
                   env: dict[str, str] | None = None) -> Sim:

@@ -3,10 +3,13 @@ fallback to the direct path, errors in the OpenAI stream format, ejection, nothi
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import orjson
 import pytest
 
+from gateway.pools import HealthChecker
 from tests.procs import ProcGroup, wait_for
 from tests.promtext import sample
 
@@ -113,7 +116,9 @@ def test_stream_cut_mid_way_ends_with_an_error_event_never_silently(cluster):
     whole = httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=30).json()
     for sim in cluster.decode:  # every stream breaks: the migrated one too
         faults(sim, {"drop": {"after_chunks": 3}})
-    with httpx.stream("POST", cluster.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=30) as r:
+    rid = f"cut-{time.monotonic_ns()}"
+    with httpx.stream("POST", cluster.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=30,
+                      headers={"x-request-id": rid}) as r:
         assert r.status_code == 200
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
     payloads = [e[6:] for e in events]
@@ -127,6 +132,29 @@ def test_stream_cut_mid_way_ends_with_an_error_event_never_silently(cluster):
     # What the engines sent (three events, then three more from the engine the answer migrated to),
     # once each and in order: never a duplicated token.
     assert len(contents) <= 6 and whole["choices"][0]["message"]["content"].startswith("".join(contents))
+    # The access log says what the client saw: a 200 whose stream ended in an error event, and the
+    # tokens it got (its content chunks, less the opening role chunk).
+    line = cluster.access_line(rid)
+    assert line["status"] == 200 and line["error_status"] == 502 and line["error"]
+    assert line["output_tokens"] == len(contents) - 1
+
+
+def test_ready_says_not_ready_as_soon_as_every_decode_engine_is_gone(tokenizer_dir, tmp_path):
+    """No wait for the next health round (an hour away here): /ready probes the decode pool afresh
+    when its last probe is older than a quarter second."""
+    group = ProcGroup(tmp_path)
+    c = Cluster(group, tokenizer_dir)
+    try:
+        c.decode.append(c.start_sim("decode"))
+        c.start_gateway(THRESHOLD, health={"interval_s": 3600, "timeout_s": 1})
+        assert httpx.get(c.url + "/ready").status_code == 200
+        c.decode[0].proc.popen.kill()
+        c.decode[0].proc.popen.wait(timeout=10)
+        time.sleep(HealthChecker.READY_MAX_AGE_S)  # the staleness /ready allows itself (one probe per 0.25 s)
+        r = httpx.get(c.url + "/ready", timeout=10)
+        assert r.status_code == 503 and r.json()["pools"]["decode"]["healthy"] == 0
+    finally:
+        group.stop_all()
 
 
 def test_refused_kv_pull_still_answers(cluster):

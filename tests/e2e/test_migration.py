@@ -128,18 +128,7 @@ def gateway_metric(cluster: Cluster, name: str, **labels: str) -> float:
 
 
 def access_line(cluster: Cluster, rid: str) -> dict:
-    assert cluster.gateway is not None
-
-    def found() -> dict | None:
-        for line in cluster.gateway.log_path.read_text().splitlines():
-            if line.startswith("{") and f'"request_id":"{rid}"' in line:
-                return json.loads(line)
-        return None
-
-    assert wait_for(lambda: found() is not None, timeout=5)
-    line = found()
-    assert line is not None
-    return line
+    return cluster.access_line(rid)
 
 
 def kill_mid_answer(cluster: Cluster, route: str, body: dict, rid: str) -> tuple[httpx.Response, list, Sim]:

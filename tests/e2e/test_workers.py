@@ -4,9 +4,12 @@ accepted it, so each test holds one connection per worker and says which worker 
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -174,6 +177,36 @@ def test_an_edited_config_reaches_every_worker(cluster):
             c.close()
 
 
+def test_a_rejected_edit_is_logged_once_for_the_gateway(cluster):
+    """Both workers reject the same bad edit (each keeps its version); the log says so once."""
+    clients = one_client_per_worker(cluster)
+    assert cluster.gateway is not None and cluster.config_path is not None
+
+    def last_error(w: int) -> str | None:
+        return clients[w].get(cluster.url + "/admin/config",
+                              headers={"authorization": f"Bearer {TOKEN}"}).json()["last_reload_error"]
+
+    def rejections() -> int:
+        return cluster.gateway.log_path.read_text().count("config reload rejected")
+
+    before = rejections()
+    tmp = cluster.config_path.with_suffix(".tmp")
+    try:
+        cfg = copy.deepcopy(cluster.config)
+        cfg["routing"] = {"decider": {"name": "no_such_decider"}}
+        tmp.write_text(yaml.safe_dump(cfg))
+        tmp.replace(cluster.config_path)
+        assert wait_for(lambda: last_error(0) and last_error(1), timeout=15)
+        time.sleep(0.2)  # the log line is written as the error is kept
+        assert rejections() == before + 1
+    finally:
+        tmp.write_text(yaml.safe_dump(cluster.config))
+        tmp.replace(cluster.config_path)
+        assert wait_for(lambda: last_error(0) is None and last_error(1) is None, timeout=15)
+        for c in clients.values():
+            c.close()
+
+
 def worker_pids(cluster: Cluster) -> list[int]:
     assert cluster.gateway is not None
     out = subprocess.run(["pgrep", "-P", str(cluster.gateway.popen.pid), "-f", "multiprocessing.spawn"],
@@ -187,6 +220,64 @@ def test_a_worker_that_dies_is_started_again(cluster):
     os.kill(pids[0], signal.SIGKILL)
     assert wait_for(lambda: len(set(worker_pids(cluster)) - {pids[0]}) == 2, timeout=30), \
         f"no new worker:\n{cluster.gateway.log_tail()}"
+    clients = one_client_per_worker(cluster)  # both serve again
+    for c in clients.values():
+        c.close()
+
+
+def pid_holding(connection_port: int, server_port: int, pids: list[int]) -> int:
+    """Which of ``pids`` holds the gateway's end of the client connection from ``connection_port``."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.readlines()[1:]:
+                cols = row.split()
+                local, remote = cols[1].rsplit(":", 1)[1], cols[2].rsplit(":", 1)[1]
+                if int(local, 16) == server_port and int(remote, 16) == connection_port:
+                    inodes.add(f"socket:[{cols[9]}]")
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    return pid
+    pytest.fail(f"no worker holds the connection from port {connection_port}")
+
+
+def test_a_dead_workers_requests_leave_the_in_flight_gauge(cluster):
+    """A worker killed mid-stream: until it is back, /metrics (from the other worker) keeps its
+    counts but no longer shows its stream in flight."""
+    port = int(cluster.url.rsplit(":", 1)[1])
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hold a slot"}],
+                       "max_tokens": 1000, "stream": True}).encode()
+
+    def scrape() -> str:
+        return httpx.get(cluster.url + "/metrics", timeout=10).text
+
+    def streaming() -> socket.socket:
+        """A plain socket: its own port names the worker process that holds the stream. (A worker
+        just started may shed while its loop warms up: 429, and the test asks again.)"""
+        for _ in range(50):
+            conn = socket.create_connection(("127.0.0.1", port), timeout=10)
+            conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            head = conn.recv(65536)
+            if head.startswith(b"HTTP/1.1 200"):  # the headers, then the stream goes on
+                return conn
+            conn.close()
+            assert head.startswith(b"HTTP/1.1 429"), head[:200]
+            time.sleep(0.2)
+        pytest.fail("the gateway shed every try")
+
+    with streaming() as conn:
+        before = scrape()
+        assert sample(before, "pdgate_admission_in_flight") == 1
+        served = sample(before, "pdgate_requests_total", model="tiny", path="direct", status="200")
+        os.kill(pid_holding(conn.getsockname()[1], port, worker_pids(cluster)), signal.SIGKILL)
+        assert wait_for(lambda: sample(scrape(), "pdgate_workers", state="reporting") == 1, timeout=10)
+        after = scrape()
+        assert sample(after, "pdgate_admission_in_flight") == 0
+        assert sample(after, "pdgate_requests_total", model="tiny", path="direct", status="200") >= served
+    assert wait_for(lambda: len(worker_pids(cluster)) == 2, timeout=30)
     clients = one_client_per_worker(cluster)  # both serve again
     for c in clients.values():
         c.close()

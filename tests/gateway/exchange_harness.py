@@ -25,7 +25,7 @@ from gateway.service import Gateway
 from gateway.tokenizer import ModelTokenizer, Tokenizers
 from gateway.tracing import Tracing
 from gateway.transport import ServerDisconnected
-from gateway.upstream import EngineError
+from gateway.upstream import EngineError, EngineGone
 from policies.base import Decision, Finished, LegReport, RequestContext
 from policies.estimates import EngineEstimates
 from policies.hooks import Hooks
@@ -126,7 +126,7 @@ class FakeUpstream:
         if callable(got) and not isinstance(got, BaseException):  # an answer made from the request body
             got = got(body)
         if isinstance(got, BaseException):
-            if isinstance(got, EngineError) and got.code == "engine_unreachable":
+            if isinstance(got, EngineError) and got.code == "engine_unreachable" and not isinstance(got, EngineGone):
                 ep.mark_down("connect failed")
             raise got
         return got
@@ -190,7 +190,9 @@ class Harness:
         hooks = Hooks([("recorder", self.recorder), ("prefix_beliefs", self.beliefs),
                        ("engine_estimates", self.estimates)], lambda *a: self.hook_errors.append(a))
         runtime = Runtime(self.cfg, "test", router, self.upstream, self.tokenizers, hooks)  # type: ignore[arg-type]
-        services = Services(self.pools, self.metrics, Tracing(TracingConfig(), self.spans), AccessLog(enabled=False),
+        self.access: list[dict] = []  # the access log's lines, parsed
+        access = AccessLog(sink=lambda line: self.access.append(orjson.loads(line)))
+        services = Services(self.pools, self.metrics, Tracing(TracingConfig(), self.spans), access,
                             self.gate,
                             KVReleaser(self.upstream))  # type: ignore[arg-type]
         self.gateway = Gateway(runtime, services)

@@ -146,3 +146,41 @@ async def test_a_reloaded_health_interval_applies_at_once(engine):
                     await asyncio.sleep(0.01)
         finally:
             await health.stop()
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens once the socket closes
+
+
+async def test_a_refused_probe_marks_an_engine_down_at_once():
+    """A busy engine may miss a probe (a run of failures takes it out); one whose port refuses the
+    connection is gone, and the first such probe says so."""
+    pools = Pools([], [f"http://127.0.0.1:{closed_port()}"])
+    [ep] = pools.decode
+    ep.mark_up()
+    async with aiohttp.ClientSession() as session:
+        health = HealthChecker(pools, session, HealthConfig(failures_to_mark_down=3))
+        await health.probe(ep)
+    assert not ep.healthy and not pools.ready()
+
+
+async def test_ready_probes_the_decode_pool_afresh_and_shares_one_round(engine):
+    """/ready right after the engine died says so, whatever the interval; twenty concurrent
+    /ready callers cost the engine one probe."""
+    pools = Pools([], [engine.url])
+    async with aiohttp.ClientSession() as session:
+        health = HealthChecker(pools, session, HealthConfig(interval_s=3600, failures_to_mark_down=1))
+        await health.start()
+        try:
+            assert pools.ready()
+            engine.healthy = False
+            await asyncio.sleep(HealthChecker.READY_MAX_AGE_S)
+            before = engine.health_checks
+            await asyncio.gather(*(health.fresh() for _ in range(20)))
+            assert engine.health_checks == before + 1 and not pools.ready()
+            await health.fresh()  # within READY_MAX_AGE_S of that round: no probe
+            assert engine.health_checks == before + 1
+        finally:
+            await health.stop()

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from gateway.admission import LoopLag
-from gateway.upstream import EngineError
+from gateway.upstream import EngineError, EngineGone
 from policies.base import LegOutcome, Path
 from tests.promtext import sample
 from tests.waiting import until
@@ -368,4 +368,21 @@ async def test_a_pd_decode_leg_failing_with_no_other_engine_left_is_retried_ther
     first, second = [c for c in h.upstream.calls if c[1] == "decode"]
     assert first[0] == second[0] == D
     assert "kv_transfer_params" in first[2] and "kv_transfer_params" not in second[2]
+    settled(h)
+
+
+async def test_a_pd_decode_engine_gone_before_its_first_byte_is_unreachable_yet_had_the_request(h):
+    """An engine killed while it held the request: counted as unreachable (its next connect
+    fails too), but it may have pulled the prompt's KV, so the next engine computes it itself."""
+    h.upstream.on(P, answer(completion("x", kv=KV)))
+    h.upstream.on("decode", EngineGone(502, "The decode engine closed the connection before answering.",
+                                       code="engine_unreachable"), answer(completion("served")))
+    before = sample(h.metrics.render().decode(), "pdgate_failovers_total", event="decode_retried",
+                    cause="engine_unreachable")
+    r = await h.send({"model": "tiny", "prompt": LONG})
+    assert r.status == 200 and r.headers["x-pdgate-failover"] == "decode_retried"
+    first, second = [c for c in h.upstream.calls if c[1] == "decode"]
+    assert first[0] != second[0] and "kv_transfer_params" not in second[2]
+    assert sample(h.metrics.render().decode(), "pdgate_failovers_total", event="decode_retried",
+                  cause="engine_unreachable") == before + 1
     settled(h)

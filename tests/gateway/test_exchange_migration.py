@@ -169,6 +169,43 @@ async def test_a_second_failure_after_one_migration_ends_with_the_error_event(h,
     assert len(h.upstream.calls) == 2  # max_per_request: 1
     assert migrations(h, "failed") == 1 and migrations(h, "skipped") == 1
     assert sample(h.metrics.render().decode(), "pdgate_migrations_skipped_total", why="limit") == 1
+    # The record says what the client saw: a 200 stream that ended in an error event, after as many
+    # tokens as its chunks carried (less the opening role chunk).
+    [line] = h.access
+    token_chunks = [e for e in sent[:-2] if orjson.loads(e[6:])["choices"]]
+    assert (line["status"], line["error_status"]) == (200, 502) and line["error"]
+    assert line["output_tokens"] == len(token_chunks) - 1
+    assert sample(h.metrics.render().decode(), "pdgate_requests_total", model="tiny", path="direct",
+                  status="200") == 1
+    settled(h)
+
+
+async def test_a_migrated_pd_requests_record_keeps_each_parts_prefill(h, tok):
+    """The access log's ``prefill_ms`` is the prefill the client's first token waited for; the
+    continuation's own prefill is told in its migration's record."""
+    body = {"model": "tiny", "prompt": LONG, "max_tokens": 40, "stream": True}
+    prompt = prompt_ids(h, body, "completion")
+    gen = tok.encode(TEXT, add_special_tokens=False).ids[:40]
+
+    def held(body: dict) -> FakeResponse:  # answers 0.3 s after the leg asks
+        slow = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.3, slow.set)
+        return answer(completion("x", kv=KV), gate=slow)
+
+    h.upstream.on(P, held,
+                  answer(completion("x", kv={**KV, "remote_request_id": "r2"})))
+    h.upstream.on("decode", breaking(tok, prompt, gen, "completion", after=6), greedy(tok, prompt, gen))
+    r = await h.send(body)
+    assert r.status == 200 and r.headers["x-pdgate-path"] == "pd"
+    [line] = h.access
+    assert line["prefill_ms"] >= 300  # the first prefill, held 0.3 s (the continuation's was not)
+    [m] = line["migrations"]
+    assert m["result"] == "ok" and m["path"] == "pd" and m["prefill"] == P and m["prefill_ms"] > 0
+    assert line["status"] == 200 and "error_status" not in line
+    # both prefill legs are in the prefill histogram
+    prefills = sample(h.metrics.render().decode(), "pdgate_prefill_leg_duration_seconds_count", model="tiny",
+                      outcome="ok")
+    assert prefills == 2
     settled(h)
 
 

@@ -40,7 +40,7 @@ from gateway.transport import (
     Timeouts,
 )
 from gateway.transport_aiohttp import AiohttpTransport
-from gateway.upstream import MAX_JSON_BYTES, EngineError, Upstream, make_client, make_session
+from gateway.upstream import MAX_JSON_BYTES, EngineError, EngineGone, Upstream, make_client, make_session
 
 Handler = Callable[["Exchange"], Awaitable[None]]
 Make = Callable[..., EngineTransport]
@@ -761,7 +761,10 @@ async def test_upstream_maps_timeouts_and_disconnects(upstream: Callable[..., Up
         assert info.value.status == 504 and info.value.code == "engine_timeout"
         with pytest.raises(EngineError) as info:
             await up.post(ep, "/v1/completions", {"hang_up": True}, "r", leg="prefill")
-        assert info.value.status == 502 and "ServerDisconnected" in info.value.message
+        # An engine that hangs up before its first byte is gone as far as the request goes:
+        # unreachable, as a killed engine's next connect will be; but it had the request.
+        assert info.value.status == 502 and info.value.code == "engine_unreachable"
+        assert isinstance(info.value, EngineGone) and "closed the connection" in info.value.message
         assert ep.healthy  # the engine answered the connect: not down
 
 

@@ -100,6 +100,16 @@ def test_merged_metrics_sum_each_workers_work_and_count_shared_observations_once
     assert sample(text, "pdgate_kv_events_connected", engine="e1") == 0  # one worker's feed is down
 
 
+def test_a_silent_workers_last_answer_keeps_its_counts_but_not_its_gauges() -> None:
+    """A worker that died mid-request: its requests stay counted (a sum that went down would read
+    as a counter reset), its in-flight gauge no longer shows requests nobody serves."""
+    text = merge([exposition(3, 2, 10, 1, 4)], stale=[exposition(5, 2, 10, 1, 7)]).decode()
+    assert sample(text, "pdgate_requests_total", status="200") == 8
+    assert sample(text, "pdgate_request_duration_seconds_count") == 2
+    assert sample(text, "pdgate_pool_in_flight_requests", pool="decode") == 4  # the live worker's alone
+    assert sample(text, "pdgate_pool_healthy_endpoints", pool="decode") == 2
+
+
 def test_merging_one_exposition_changes_no_value() -> None:
     one = exposition(3, 2, 10, 1, 4)
     for name, labels in (("pdgate_requests_total", {"status": "200"}), ("pdgate_kv_events_total", {"engine": "e1"}),
