@@ -1,6 +1,6 @@
 """Time one routing decision takes: tokenize + hash + score, single-threaded on one core.
 
-The gateway's own objects do the work, as ``gateway/service.py`` calls them per request:
+The gateway's own objects do the work, as ``gateway/http/handlers.py`` calls them per request:
 ``ModelTokenizer.prompt_ids`` (chat and completion), ``Router.prepare`` (block hashes + prefix
 index match; no shared Redis state) and ``Router.route`` (scorers, picker, decider);
 learning the prompt's blocks into the prefix index is timed too (the prefix-learning hook does it
@@ -14,7 +14,7 @@ Prompts of ~1k, ~8k and ~32k tokens: a fresh chat (new conversation, nothing cac
 completion, and a multi-turn chat coming back with one more turn (the previous turn went through
 the whole path just before). Each is run with token-id reuse off ("whole": every request encodes
 its whole text with the HF tokenizer, as before ``SegmentEncoder``), on ("reused", HF) and on with
-``gateway.fasttok`` ("fast": tiktoken where proven exact); the ids of all three are compared on
+``gateway.tokenization.fasttok`` ("fast": tiktoken where proven exact); the ids of all three are compared on
 every request.
 
 Three tokenizers: the project's test tokenizer (``sim/tinymodel.py``, 2k vocab; its small vocabulary
@@ -46,13 +46,13 @@ from typing import Any, TypeVar
 
 import orjson
 
-from gateway import fasttok
 from gateway.config import ModelConfig, PolicySpec, RoutingConfig
 from gateway.demo import cache_dir
-from gateway.pools import EngineStats, Pools
-from gateway.protocol import ParsedRequest, parse_body
-from gateway.router import Router
-from gateway.tokenizer import ModelTokenizer, find_ranks_file
+from gateway.engines.pools import EngineStats, Pools
+from gateway.request.protocol import ParsedRequest, parse_body
+from gateway.request.router import Router
+from gateway.tokenization import fasttok
+from gateway.tokenization.tokenizer import ModelTokenizer, find_ranks_file
 from policies.blockhash import BlockHash, block_hashes
 from policies.prefix_index import PrefixIndex
 from sim.tinymodel import build_tokenizer as build_tiny_tokenizer

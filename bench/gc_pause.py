@@ -6,7 +6,7 @@ sends ``--requests`` chat requests through it against an instant simulated engin
 index and caches hold what serving leaves), then times ``gc.collect()`` (a full collection, what
 the interpreter runs on its own every so often and what stalls every request in flight) and
 counts the objects it walks: once with the interpreter's defaults, once with a
-``gateway.gcpolicy.Collector`` that settles after startup (what ``pdgate serve`` does).
+``gateway.ops.gcpolicy.Collector`` that settles after startup (what ``pdgate serve`` does).
 
     python -m bench.gc_pause [--requests 2000] [--out docs/benchmarks/gc-pause.json]
 """
@@ -27,10 +27,10 @@ import yaml
 from starlette.testclient import TestClient
 
 from bench.decision import meta_llama3_folder
-from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.demo import cache_dir
-from gateway.gcpolicy import Collector
+from gateway.http.app import create_app
+from gateway.ops.gcpolicy import Collector
 from sim.tinymodel import build_tokenizer
 from tests.procs import ProcGroup, free_port
 

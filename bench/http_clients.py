@@ -1,5 +1,5 @@
 """Why the gateway has its own upstream client: per-request cost of httpx, aiohttp and the two
-engine transports (gateway/transport.py): ``AiohttpTransport`` (the reference, aiohttp plus the
+engine transports (gateway/engines/transport.py): ``AiohttpTransport`` (the reference, aiohttp plus the
 interface's timeouts and limits) and ``H1Client`` (the default).
 
 Each client posts the same small JSON body over one keep-alive connection to a minimal local
@@ -22,9 +22,9 @@ import aiohttp
 import httpx
 import uvloop
 
-from gateway.h1client import H1Client
-from gateway.transport import EngineTransport, Timeouts
-from gateway.transport_aiohttp import AiohttpTransport
+from gateway.engines.h1client import H1Client
+from gateway.engines.transport import EngineTransport, Timeouts
+from gateway.engines.transport_aiohttp import AiohttpTransport
 
 BODY = b'{"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"hi"}]}'
 RESPONSE = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(BODY), BODY)

@@ -21,7 +21,7 @@ SERVERS = ("uvicorn-httptools", "uvicorn-h11", "hypercorn", "granian")
 
 def factory() -> Any:
     """The app, from the config named by ``PDGATE_CONFIG`` (granian imports its target in workers)."""
-    from gateway.app import create_app
+    from gateway.http.app import create_app
 
     path = os.environ["PDGATE_CONFIG"]
     return create_app(load_config(path), config_path=path)

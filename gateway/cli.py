@@ -11,18 +11,18 @@ import tempfile
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .config import ConfigError, GatewayConfig, PoolConfig, access_switched_off
-from .flagconfig import add_flags
-from .hub import NO_TOKENIZERS_HINT, TokenizerUnavailable
+from gateway.config import ConfigError, GatewayConfig, PoolConfig, access_switched_off
+from gateway.config.flags import add_flags
+from gateway.tokenization.hub import NO_TOKENIZERS_HINT, TokenizerUnavailable
 
 if TYPE_CHECKING:
-    from .tokenizer import Tokenizers
+    from gateway.tokenization.tokenizer import Tokenizers
 
 
 def load_tokenizers(cfg: GatewayConfig) -> Tokenizers:
     """Every model's tokenizer, as the gateway serves with them; raises ValueError naming the
     model's ``tokenizer`` key and the cause (one line, no traceback)."""
-    from .tokenizer import ModelTokenizer, Tokenizers
+    from gateway.tokenization.tokenizer import ModelTokenizer, Tokenizers
 
     loaded = []
     for i, model in enumerate(cfg.models):
@@ -38,10 +38,10 @@ def load_tokenizers(cfg: GatewayConfig) -> Tokenizers:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    """``--config FILE``, or the file that the engine flags describe (gateway/flagconfig.py),
+    """``--config FILE``, or the file that the engine flags describe (gateway/config/flags.py),
     written to a private folder that lives as long as the process."""
-    from .flagconfig import check, config_from_flags, in_flags_words, render, wants_flags
-    from .workers import worker_count
+    from gateway.cluster.workers import worker_count
+    from gateway.config.flags import check, config_from_flags, in_flags_words, render, wants_flags
 
     if args.config is not None:
         if wants_flags(args):
@@ -76,7 +76,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _say(args: argparse.Namespace, text: str) -> None:
     """An error about the config, on stderr: in the flags' words when the flags made the config."""
     if getattr(args, "from_flags", False):
-        from .flagconfig import in_flags_words
+        from gateway.config.flags import in_flags_words
 
         text = in_flags_words(text, args.config)
     print(text, file=sys.stderr)
@@ -87,12 +87,13 @@ def _exit_on_signal(signum: int, frame: object) -> None:
 
 
 def _serve_file(args: argparse.Namespace) -> int:
-    from .app import create_app, validate
-    from .gcpolicy import Collector
-    from .httpserver import make_server
-    from .reload import read_snapshot
-    from .workers import serve as serve_workers
-    from .workers import worker_count
+    from gateway.cluster.workers import serve as serve_workers
+    from gateway.cluster.workers import worker_count
+    from gateway.config.reload import read_snapshot
+    from gateway.http.app import create_app
+    from gateway.http.reconfigure import validate
+    from gateway.http.server import make_server
+    from gateway.ops.gcpolicy import Collector
 
     try:  # the config and the files it names, read once: every worker starts from this version
         snapshot = read_snapshot(args.config)
@@ -139,7 +140,7 @@ def _serve_file(args: argparse.Namespace) -> int:
 
 def _load(path: str) -> GatewayConfig:
     """The config at ``path`` with the files it names, as serve and a reload read them."""
-    from .reload import read_snapshot
+    from gateway.config.reload import read_snapshot
 
     try:
         return read_snapshot(path).load(path)
@@ -148,7 +149,7 @@ def _load(path: str) -> GatewayConfig:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from .app import validate
+    from gateway.http.reconfigure import validate
 
     switched_off: list[str] = []
     try:
@@ -180,7 +181,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from gateway.demo import run_demo
 
     return run_demo(args)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from .ports import free_port
+from gateway.ports import free_port
 
 MODEL = "demo"
 MAX_MODEL_LEN = 32768
@@ -136,15 +136,14 @@ def run_demo(args: argparse.Namespace) -> int:
         print(_port_problem(args.host, args.port, err), file=sys.stderr, flush=True)
         return 1
 
+    from gateway.cluster.workers import serve as serve_workers
+    from gateway.cluster.workers import worker_count
+    from gateway.config import parse_config
+    from gateway.config.reload import version_of
+    from gateway.http.app import create_app
+    from gateway.http.server import make_server
+    from gateway.ops.requestlog import LineWriter
     from sim.tinymodel import build_tokenizer
-
-    from .app import create_app
-    from .config import parse_config
-    from .httpserver import make_server
-    from .reload import version_of
-    from .requestlog import LineWriter
-    from .workers import serve as serve_workers
-    from .workers import worker_count
 
     def _exit(signum: int, frame: object) -> None:
         raise SystemExit(0)

@@ -17,7 +17,7 @@ Engine settings the ``HashSpec`` must mirror for the hashes to be equal:
   ``seed=None`` matches them), but xxhash engines draw a random seed per process: their hashes
   cannot be reproduced, ``HashSpec.reproducible`` is False, and the KV event subscriber
   translates engine hashes into the gateway's own chain from each event's token ids and parent
-  hash instead (see ``gateway/kvevents.py``);
+  hash instead (see ``gateway/engines/kvevents.py``);
 - ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` (``int_hashes``): 1 (default) publishes ints, 0 bytes.
 
 Serialization facts (vLLM ``vllm/utils/hashing.py``, ``vllm/v1/core/kv_cache_utils.py``):

@@ -5,7 +5,7 @@
   (``approx_ttl_s``) and the whole source is LRU-bounded (``max_approx_entries``), so memory
   stays flat whatever the traffic.
 - **precise**: the engine's own KV cache events (``stored`` / ``removed`` / ``cleared``, fed by
-  ``gateway/kvevents.py``). For an endpoint whose event feed is live (``set_precise(url, True)``)
+  ``gateway/engines/kvevents.py``). For an endpoint whose event feed is live (``set_precise(url, True)``)
   its approximate entries only count while young (``young_s``: the lag between routing a prompt
   and the engine's BlockStored for it); after that the events are the truth.
 

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 class SharedPrefixes(Protocol):
-    """Learned blocks shared with other gateway replicas (gateway/state.py's RedisState)."""
+    """Learned blocks shared with other gateway replicas (gateway/cluster/redis_state.py's RedisState)."""
 
     def learn(self, url: str, hashes: Sequence[BlockHash]) -> None: ...
 

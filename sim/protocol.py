@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from gateway.chat import detect_content_format, normalize_messages
+from gateway.tokenization.chat import detect_content_format, normalize_messages
 from sim.config import SimConfig
 from sim.engine import DECODE, PLAIN, PREFILL, Seq
 from sim.tokens import ByteTokenizer, HFTokenizer

@@ -9,7 +9,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway.pools import HealthChecker
+from gateway.engines.pools import HealthChecker
 from tests.procs import ProcGroup, wait_for
 from tests.promtext import sample
 

@@ -12,20 +12,20 @@ from typing import Any
 
 import orjson
 
-from gateway.admission import Gate
 from gateway.config import GatewayConfig, ModelConfig, TokenizerConfig, TracingConfig, parse_config
-from gateway.legs import KVReleaser
-from gateway.metrics import GatewayMetrics
-from gateway.pools import Pools
-from gateway.relay import InferenceEndpoint
-from gateway.requestlog import AccessLog
-from gateway.router import Router
-from gateway.runtime import Runtime, Services
-from gateway.service import Gateway
-from gateway.tokenizer import ModelTokenizer, Tokenizers
-from gateway.tracing import Tracing
-from gateway.transport import ServerDisconnected
-from gateway.upstream import EngineError, EngineGone
+from gateway.context import Runtime, Services
+from gateway.engines.legs import KVReleaser
+from gateway.engines.pools import Pools
+from gateway.engines.transport import ServerDisconnected
+from gateway.engines.upstream import EngineError, EngineGone
+from gateway.fairness.admission import Gate
+from gateway.http.handlers import Gateway
+from gateway.ops.metrics import GatewayMetrics
+from gateway.ops.requestlog import AccessLog
+from gateway.ops.tracing import Tracing
+from gateway.request.relay import InferenceEndpoint
+from gateway.request.router import Router
+from gateway.tokenization.tokenizer import ModelTokenizer, Tokenizers
 from policies.base import Decision, Finished, LegReport, RequestContext
 from policies.estimates import EngineEstimates
 from policies.hooks import Hooks

@@ -3,8 +3,8 @@ it served from its cache, exported per pool for operators (pdgate_prefix_belief_
 
 from __future__ import annotations
 
-from gateway.metrics import BeliefAudit, GatewayMetrics
-from gateway.pools import Pools
+from gateway.engines.pools import Pools
+from gateway.ops.metrics import BeliefAudit, GatewayMetrics
 from policies.base import LegOutcome, LegReport, Path, RequestContext
 from tests.promtext import sample
 

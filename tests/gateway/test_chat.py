@@ -14,11 +14,11 @@ from pathlib import Path
 import orjson
 import pytest
 
-from gateway import chat
 from gateway.config import ModelConfig, TokenizerConfig
-from gateway.errors import APIError
-from gateway.protocol import ParsedRequest, parse_body
-from gateway.tokenizer import ModelTokenizer, PromptIds, Tokenizers, detect_renderer
+from gateway.http.errors import APIError
+from gateway.request.protocol import ParsedRequest, parse_body
+from gateway.tokenization import chat
+from gateway.tokenization.tokenizer import ModelTokenizer, PromptIds, Tokenizers, detect_renderer
 
 LOOPS_PARTS = "{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endfor %}"
 ALIASED = ("{% set msgs = messages %}{% for m in msgs %}{% for p in m.content | list %}{{ p.text }}"
@@ -325,7 +325,7 @@ def test_model_specific_renderers_are_detected(tokenizer_dir, tmp_path, caplog, 
     (folder / "config.json").write_text(json.dumps(config))
     cfg = ModelConfig(name="m", tokenizer=str(folder), max_model_len=64, tokenizer_mode=mode)
     assert detect_renderer(cfg) == renderer
-    with caplog.at_level(logging.WARNING, logger="gateway.tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="gateway.tokenization.tokenizer"):
         tok = ModelTokenizer.load(cfg)
     assert tok.prompt_ids(req({"messages": user("hi")})).approximate_reason == renderer
     assert ("approximate" in caplog.text) == (renderer is not None)

@@ -1,6 +1,6 @@
 """The gateway's own logic against scripted engines on loopback.
 
-(respx only mocks httpx; the engine legs use the gateway's own HTTP/1.1 client, gateway/h1client.py.)"""
+(respx only mocks httpx; the engine legs use the gateway's own HTTP/1.1 client, gateway/engines/h1client.py.)"""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import orjson
 import pytest
 from starlette.testclient import TestClient
 
-from gateway.app import create_app
 from gateway.config import parse_config
+from gateway.http.app import create_app
 from tests.promtext import sample
 
 from .scripted_engine import ScriptedEngine

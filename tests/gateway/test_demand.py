@@ -1,4 +1,4 @@
-"""The live planner (gateway/demand.py): what it records, what it recommends, what it exports."""
+"""The live planner (gateway/ops/live_planner.py): what it records, what it recommends, what it exports."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from gateway.config import ConfigError, parse_config
-from gateway.demand import Demand, DemandPlanner, pd_threshold, recommend
-from gateway.metrics import GatewayMetrics
-from gateway.pools import Pools
+from gateway.engines.pools import Pools
+from gateway.ops.live_planner import Demand, DemandPlanner, pd_threshold, recommend
+from gateway.ops.metrics import GatewayMetrics
 from policies.base import Finished, RequestContext
 
 BASE = {

@@ -1,4 +1,4 @@
-"""Engine discovery (gateway/discovery.py) against a fake Kubernetes API server on loopback.
+"""Engine discovery (gateway/engines/discovery.py) against a fake Kubernetes API server on loopback.
 
 The fake serves real EndpointSlice JSON (discovery.k8s.io/v1) on the API's own paths and streams
 watch events (ADDED, MODIFIED, DELETED, BOOKMARK, ERROR 410) from the resourceVersion a client asks
@@ -28,11 +28,11 @@ import yaml
 from aiohttp import web
 from starlette.testclient import TestClient
 
-from gateway.app import create_app
 from gateway.config import ConfigError, DiscoveryConfig, GatewayConfig, parse_config
-from gateway.discovery import Discovery, SliceWatcher, ready_endpoints
-from gateway.metrics import GatewayMetrics
-from gateway.pools import Pools
+from gateway.engines.discovery import Discovery, SliceWatcher, ready_endpoints
+from gateway.engines.pools import Pools
+from gateway.http.app import create_app
+from gateway.ops.metrics import GatewayMetrics
 from tests.procs import free_port
 from tests.promtext import sample
 from tests.waiting import until, wait_for
@@ -637,7 +637,7 @@ def test_gateway_routing_set_follows_endpointslices(api, tokenizer_dir, tmp_path
 
 
 def test_in_cluster_access_from_the_service_account(tmp_path, monkeypatch, certs):
-    from gateway.discovery import AccessError, _access
+    from gateway.engines.discovery import AccessError, _access
 
     (tmp_path / "namespace").write_text("llm\n")
     cfg = DiscoveryConfig(label_selector="a=b", namespace_file=str(tmp_path / "namespace"), ca_file=certs["ca"])
@@ -662,7 +662,7 @@ SA_CA = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
 async def test_in_cluster_without_the_service_accounts_ca_is_an_error(tmp_path, monkeypatch):
     """The default ca_file is the service account's: away from a cluster it need not exist (the
     config validates, an api_url uses the system CAs), but in-cluster it must: no silent fallback."""
-    from gateway.discovery import AccessError, _access
+    from gateway.engines.discovery import AccessError, _access
 
     monkeypatch.delenv("KUBECONFIG", raising=False)
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
@@ -702,7 +702,7 @@ def test_a_ca_file_named_in_the_config_must_exist(tmp_path, certs):
 # -- label selectors ---------------------------------------------------------------------------------
 
 def test_label_selector_matches_as_the_api_server_does():
-    from gateway.discovery import LabelSelector
+    from gateway.engines.discovery import LabelSelector
 
     labels = {"app": "vllm", "tier": "decode", "example.com/zone": "a"}
     cases = {
@@ -758,7 +758,7 @@ class _Scanned(bytes):
 
 
 def test_watch_lines_split_in_linear_time_and_bounded():
-    from gateway.discovery import EventTooLarge, _Lines
+    from gateway.engines.discovery import EventTooLarge, _Lines
 
     events = [orjson.dumps({"type": "ADDED", "n": i, "pad": "x" * (i * 37 % 300)}) for i in range(200)]
     stream = b"\n".join(events) + b"\n" + b'{"type":"BOOKMARK"}'  # the last one without its newline
@@ -841,7 +841,7 @@ def _b64(path: str) -> str:
 
 
 def test_kubeconfig_access(tmp_path, certs, monkeypatch):
-    from gateway.discovery import AccessError, _access
+    from gateway.engines.discovery import AccessError, _access
 
     (tmp_path / "token").write_text("from-file\n")
     (tmp_path / "ca.crt").write_bytes(Path(certs["ca"]).read_bytes())

@@ -14,9 +14,9 @@ import pytest
 from aiohttp import web
 
 from gateway.config import HealthConfig, SignalsConfig
-from gateway.enginestats import StatsScraper
-from gateway.modelcheck import ServedModels
-from gateway.pools import EngineStats, HealthChecker, Pools
+from gateway.engines.enginestats import StatsScraper
+from gateway.engines.modelcheck import ServedModels
+from gateway.engines.pools import EngineStats, HealthChecker, Pools
 
 PAGE = """\
 vllm:num_requests_running{engine="0"} 0.0

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from gateway.enginestats import parse_stats
+from gateway.engines.enginestats import parse_stats
 
 V1_PAGE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -54,7 +54,7 @@ def test_the_engine_run_and_its_prefix_caching_are_read():
 
 
 def test_a_new_process_or_a_counter_going_back_is_a_restart():
-    from gateway.pools import EngineStats
+    from gateway.engines.pools import EngineStats
 
     def stats(started: float | None, served: float | None) -> EngineStats:
         return EngineStats(0, 0, None, 16, 0.0, True, started, served)

@@ -10,8 +10,8 @@ import time
 import orjson
 import pytest
 
-from gateway.admission import LoopLag
-from gateway.upstream import EngineError, EngineGone
+from gateway.engines.upstream import EngineError, EngineGone
+from gateway.fairness.admission import LoopLag
 from policies.base import LegOutcome, Path
 from tests.promtext import sample
 from tests.waiting import until

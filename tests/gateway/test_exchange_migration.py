@@ -15,8 +15,8 @@ import orjson
 import pytest
 from tokenizers import Tokenizer
 
-from gateway.protocol import parse_body
-from gateway.upstream import EngineError
+from gateway.engines.upstream import EngineError
+from gateway.request.protocol import parse_body
 from policies.base import LegOutcome, Path
 from tests.promtext import sample
 from tests.waiting import until

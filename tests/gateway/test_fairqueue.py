@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from gateway.fairqueue import FairQueue, QueueFull
-from gateway.tenants import Identity, Usage
+from gateway.fairness.fairqueue import FairQueue, QueueFull
+from gateway.fairness.tenants import Identity, Usage
 
 
 def who(tenant: str, priority: int = 0, weight: float = 1.0) -> Identity:

@@ -1,4 +1,4 @@
-"""The tiktoken fast path (``gateway.fasttok``) returns exactly the HF tokenizer's ids where it is
+"""The tiktoken fast path (``gateway.tokenization.fasttok``) returns exactly the HF tokenizer's ids where it is
 used, and is refused for every setting its proof does not cover."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import orjson
 import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from gateway import fasttok
 from gateway.config import ModelConfig
-from gateway.errors import APIError
-from gateway.metrics import GatewayMetrics
-from gateway.pools import Pools
-from gateway.protocol import parse_body
-from gateway.tokenizer import ModelTokenizer, find_ranks_file
+from gateway.engines.pools import Pools
+from gateway.http.errors import APIError
+from gateway.ops.metrics import GatewayMetrics
+from gateway.request.protocol import parse_body
+from gateway.tokenization import fasttok
+from gateway.tokenization.tokenizer import ModelTokenizer, find_ranks_file
 
 LLAMA3_PATTERN = fasttok._LLAMA3
 ADVERSARIAL = [
@@ -448,7 +448,7 @@ def test_load_time_mismatch_refuses_and_counts(meta_style: Path, monkeypatch: py
                                                caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(fasttok.FastEncoder, "encode", lambda self, text: [0] * len(text))
     before = fasttok.mismatches().get("load-mismatch", 0)
-    with caplog.at_level(logging.WARNING, logger="gateway.tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="gateway.tokenization.tokenizer"):
         tok = meta_style_model(meta_style, "load-mismatch")
     assert not tok.segments.fast
     assert fasttok.SELF_CHECK_FAILED in tok.segments.fast_reason
@@ -470,7 +470,7 @@ def test_run_time_mismatch_turns_the_fast_path_off(meta_style: Path, monkeypatch
     text = "the quick brown fox<|eot|>it's 123 über\n\n    return self<|begin|>def f():"
     want = hf.encode(text, add_special_tokens=False).ids
     before = fasttok.mismatches()["run-mismatch"]
-    with caplog.at_level(logging.WARNING, logger="gateway.tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="gateway.tokenization.tokenizer"):
         assert seg.encode(text) != want  # this request got the fast ids: the check runs off its path
         fasttok.drain()
         assert not seg.fast and seg.run_time_check is None

@@ -1,4 +1,4 @@
-"""``pdgate serve`` from flags alone (gateway/flagconfig.py): the flags make the YAML a user would
+"""``pdgate serve`` from flags alone (gateway/config/flags.py): the flags make the YAML a user would
 write, the config validator takes it, and every mistake is one line naming the flag."""
 
 from __future__ import annotations

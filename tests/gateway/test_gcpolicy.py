@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gateway.gcpolicy import Collector
+from gateway.ops.gcpolicy import Collector
 
 
 @pytest.fixture(autouse=True)

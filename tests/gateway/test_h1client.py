@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 import uvloop
 
-from gateway import h1client, transport
-from gateway.h1client import H1Client, Pool
+from gateway.engines import h1client, transport
+from gateway.engines.h1client import H1Client, Pool
 from tests.gateway.test_transport import Exchange, Server, ok, post
 
 

@@ -9,8 +9,8 @@ import logging
 import pytest
 from starlette.testclient import TestClient
 
-from gateway.app import create_app, redacted
 from gateway.config import parse_config
+from gateway.http.app import create_app, redacted
 from tests.procs import free_port
 
 from .scripted_engine import ScriptedEngine

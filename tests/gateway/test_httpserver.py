@@ -1,4 +1,4 @@
-"""The guard in front of uvicorn's protocol (gateway/httpserver.py): what one client can make the
+"""The guard in front of uvicorn's protocol (gateway/http/server.py): what one client can make the
 server hold, before a request reaches the app and after. A real uvicorn server on loopback, raw
 sockets."""
 
@@ -17,8 +17,8 @@ import orjson
 import pytest
 import uvicorn
 
-from gateway.admission import LoopLag
-from gateway.httpserver import BODY_GRACE_S, LINGER_S, SMOOTHING, Connections, Limits, guarded_protocol, quiet_upgrades
+from gateway.fairness.admission import LoopLag
+from gateway.http.server import BODY_GRACE_S, LINGER_S, SMOOTHING, Connections, Limits, guarded_protocol, quiet_upgrades
 
 LIMITS = Limits(max_head_bytes=4096, max_headers=20, head_timeout_s=0.5, max_connections=8, body_timeout_s=3.0,
                 body_idle_timeout_s=0.5)
@@ -68,7 +68,7 @@ async def server(limits: Limits = LIMITS) -> AsyncIterator[tuple[int, Connection
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     connections = Connections(limits.max_connections)
-    # as gateway/httpserver.py's make_server: no WebSockets, uvicorn's upgrade warnings dropped
+    # as gateway/http/server.py's make_server: no WebSockets, uvicorn's upgrade warnings dropped
     config = uvicorn.Config(app, http=guarded_protocol(limits, connections), lifespan="off", log_level="warning",
                             timeout_keep_alive=KEEP_ALIVE_S, ws="none")
     quiet_upgrades()
@@ -198,7 +198,7 @@ async def test_a_slow_but_steady_head_still_counts_from_its_first_byte():
 @pytest.mark.skipif(not hasattr(socket, "TCP_INFO"), reason="TCP_INFO is Linux's")
 async def test_a_new_connections_wait_before_it_is_read_is_measured():
     """A busy server reads a new connection's request late; the guard notes how late (the
-    kernel's time since the bytes arrived), which admission sheds on (gateway/admission.py)."""
+    kernel's time since the bytes arrived), which admission sheds on (gateway/fairness/admission.py)."""
     async with server() as (port, connections):
         sent = threading.Event()
 

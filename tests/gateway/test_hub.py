@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway import hub
+from gateway.tokenization import hub
 from tests.procs import free_port
 
 README_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "minimal.yaml"  # "Configuration" shows it

@@ -20,9 +20,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from gateway import kvevents
-from gateway.kvevents import KVEventSubscriber
-from gateway.kvwire import (
+from gateway.engines import kvevents
+from gateway.engines.kvevents import KVEventSubscriber
+from gateway.engines.kvwire import (
     AllBlocksCleared,
     BatchDecoder,
     BlockRemoved,
@@ -595,7 +595,7 @@ async def test_a_large_batch_is_applied_in_slices(
 async def test_garbage_is_counted_and_logged_once_per_interval(
     ctx: zmq.asyncio.Context, ports: tuple[int, int], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="gateway.kvevents")
+    caplog.set_level(logging.INFO, logger="gateway.engines.kvevents")
     engine, sub, index = await connected_pair(ctx, ports, log_interval_s=0.5)
     try:
         caplog.clear()
@@ -610,7 +610,7 @@ async def test_garbage_is_counted_and_logged_once_per_interval(
         await until(lambda: index.match([5]) == {URL: 1})
         assert sub.counters.decode_errors == 3 * 300  # (the one-frame ones match the SUBSCRIBE prefix)
         await until(lambda: any("in the last" in r.getMessage() for r in caplog.records), timeout=5)
-        lines = [r.getMessage() for r in caplog.records if r.name == "gateway.kvevents"]
+        lines = [r.getMessage() for r in caplog.records if r.name == "gateway.engines.kvevents"]
         assert len(lines) <= 3, lines
         told = sum(
             int(m[1])

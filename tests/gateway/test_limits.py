@@ -11,8 +11,8 @@ import orjson
 import pytest
 
 from gateway.config import LimitsConfig, parse_config
-from gateway.errors import APIError
-from gateway.protocol import Kind, ParsedRequest, check_output_limit, parse_body
+from gateway.http.errors import APIError
+from gateway.request.protocol import Kind, ParsedRequest, check_output_limit, parse_body
 
 MSG = [{"role": "user", "content": "hi"}]
 

@@ -1,4 +1,4 @@
-"""Mid-stream migration's decisions (gateway/migration.py): which requests may continue elsewhere,
+"""Mid-stream migration's decisions (gateway/request/migration.py): which requests may continue elsewhere,
 from which token, and as what request. The resume point is checked the way a client would notice
 a mistake: a stream is cut at every point (with multi-byte characters split across tokens, and
 with text held back for stop strings), continued from the resume point by an engine that
@@ -13,9 +13,9 @@ import orjson
 import pytest
 from tokenizers import Tokenizer
 
-from gateway.migration import continuation_body, output_budget, resume_point, unmigratable
-from gateway.protocol import parse_body
-from gateway.stitch import Answer, Broken, Diverged
+from gateway.request.migration import continuation_body, output_budget, resume_point, unmigratable
+from gateway.request.protocol import parse_body
+from gateway.request.stitch import Answer, Broken, Diverged
 
 from .vllm_events import client_text, events, full_text, texts
 

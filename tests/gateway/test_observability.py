@@ -16,12 +16,12 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 from starlette.testclient import TestClient
 
-from gateway.app import create_app
 from gateway.config import ConfigError, TracingConfig, parse_config
-from gateway.metrics import GatewayMetrics
-from gateway.pools import EngineStats, Pools
-from gateway.requestlog import LineWriter, RequestRecord
-from gateway.tracing import Tracing
+from gateway.engines.pools import EngineStats, Pools
+from gateway.http.app import create_app
+from gateway.ops.metrics import GatewayMetrics
+from gateway.ops.requestlog import LineWriter, RequestRecord
+from gateway.ops.tracing import Tracing
 from tests.promtext import sample
 
 from .scripted_engine import ScriptedEngine

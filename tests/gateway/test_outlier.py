@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gateway.config import OutlierConfig
-from gateway.pools import Pools
+from gateway.engines.pools import Pools
 
 
 class Clock:

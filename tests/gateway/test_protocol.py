@@ -3,8 +3,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.errors import APIError
-from gateway.protocol import check_lengths, parse_body
+from gateway.http.errors import APIError
+from gateway.request.protocol import check_lengths, parse_body
 
 
 def parse(kind="completion", **body):

@@ -11,8 +11,8 @@ from pathlib import Path
 import yaml
 from starlette.testclient import TestClient
 
-from gateway.app import create_app
-from gateway.reload import read_snapshot
+from gateway.config.reload import read_snapshot
+from gateway.http.app import create_app
 from tests.gateway.scripted_engine import ScriptedEngine
 from tests.waiting import wait_for
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from gateway.config import GatewayConfig
-from gateway.reload import ConfigWatcher, read_snapshot, version_of
+from gateway.config.reload import ConfigWatcher, read_snapshot, version_of
 from tests.waiting import until
 
 

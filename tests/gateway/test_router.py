@@ -3,8 +3,8 @@ from __future__ import annotations
 import time
 
 from gateway.config import RoutingConfig
-from gateway.pools import EngineStats, Pools
-from gateway.router import Prepared, Router
+from gateway.engines.pools import EngineStats, Pools
+from gateway.request.router import Prepared, Router
 from policies.base import Finished, LegOutcome, LegReport, Path
 from policies.pipeline import Route
 from policies.prefix_index import PrefixIndex
@@ -89,7 +89,7 @@ async def test_waiting_for_the_prefill_pool_only_when_the_decider_wants_it():
     """With the prefill pool at its limit, a request waits for it (``wait_for_prefill``) only when
     the decider would send it P/D with room there: the cost model, which prices both paths, must
     not make a short prompt wait for prefill because it could not price P/D."""
-    from gateway.router import Saturated
+    from gateway.request.router import Saturated
 
     pools = Pools(["http://p0"], ["http://d0"])
     for ep in pools.all():

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from gateway.config import RoutingConfig
-from gateway.pools import Pools
-from gateway.router import Router
+from gateway.engines.pools import Pools
+from gateway.request.router import Router
 from policies.blockhash import BlockHash, block_hashes
 from policies.prefix_index import PrefixIndex
 

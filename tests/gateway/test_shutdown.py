@@ -20,12 +20,12 @@ from typing import Any
 import aiohttp
 import pytest
 
+from gateway.background import STOP_BOUND_S, cancel_checkpoint, stop_task, stop_tasks
+from gateway.cluster.redis_state import RedisState
 from gateway.config import HealthConfig, SignalsConfig, StateConfig
-from gateway.enginestats import StatsScraper
-from gateway.legs import KVReleaser
-from gateway.pools import HealthChecker, Pools
-from gateway.state import RedisState
-from gateway.tasks import STOP_BOUND_S, cancel_checkpoint, stop_task, stop_tasks
+from gateway.engines.enginestats import StatsScraper
+from gateway.engines.legs import KVReleaser
+from gateway.engines.pools import HealthChecker, Pools
 
 REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
 MARGIN_S = 10.0  # on top of a bound: a shared, noisy machine must not fail a test that works
@@ -83,7 +83,7 @@ async def test_a_task_that_never_ends_is_given_up_on_with_a_warning(caplog: pyte
     task = asyncio.create_task(never_ends(), name="immortal")
     await asyncio.sleep(0)
     try:
-        with caplog.at_level(logging.WARNING, logger="gateway.tasks"):
+        with caplog.at_level(logging.WARNING, logger="gateway.background"):
             ended = await returns_within(stop_task(task, bound_s=0.5), 0.5 + MARGIN_S, "stop_task")
         assert ended is False and not task.done()
         assert any(r.levelno == logging.WARNING and "immortal" in r.getMessage() for r in caplog.records)
@@ -104,7 +104,7 @@ async def test_stopping_nothing_a_finished_task_or_a_failed_one(caplog: pytest.L
     finished = asyncio.create_task(returns(), name="returns")
     await asyncio.sleep(0.01)
     assert await stop_task(None)
-    with caplog.at_level(logging.WARNING, logger="gateway.tasks"):
+    with caplog.at_level(logging.WARNING, logger="gateway.background"):
         assert await stop_tasks([failed, finished, None])
     assert [r for r in caplog.records if "fails" in r.getMessage()]  # retrieved and logged, not lost
 

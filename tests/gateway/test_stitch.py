@@ -1,4 +1,4 @@
-"""Reading a migratable request's engine events (gateway/stitch.py): what the client receives must
+"""Reading a migratable request's engine events (gateway/request/stitch.py): what the client receives must
 be what the engine would have sent it. The streams in ``vllm_streams/`` are a real vLLM 0.32
 engine's (the tiny test model, greedy), once with ``return_token_ids`` and once without."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from gateway.stitch import Answer, Broken, Events
+from gateway.request.stitch import Answer, Broken, Events
 
 STREAMS = Path(__file__).parent / "vllm_streams"  # captured from vLLM 0.32.0 (see its README)
 

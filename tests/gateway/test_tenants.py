@@ -9,8 +9,8 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.config import AdminConfig, AuthConfig, FairnessConfig
-from gateway.errors import APIError
-from gateway.tenants import Labels, Tenancy, key_tenants, label_secret
+from gateway.fairness.tenants import Labels, Tenancy, key_tenants, label_secret
+from gateway.http.errors import APIError
 
 
 def keys(tmp_path, text: str):

@@ -13,8 +13,8 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from gateway.config import ModelConfig
-from gateway.protocol import parse_body
-from gateway.tokenizer import ModelTokenizer, SegmentEncoder
+from gateway.request.protocol import parse_body
+from gateway.tokenization.tokenizer import ModelTokenizer, SegmentEncoder
 
 WORDS = ["hello", "world", " the", "  ", "\n", "\n\n", "\t", "é", "ü", "日本", "🙂", "x=1", "def f():", "'s", "123456",
          "<", "|", ">", "<|", "|>", "eot", "_id", "<|eot", "id|>", "\r\n", " ", ".", ",", "don't", "ÀÉ"]
@@ -239,7 +239,7 @@ def test_reuse_off() -> None:
 # -- reusing a recent text's ids up to one of its added tokens -----------------------------------------
 
 def test_common_prefix() -> None:
-    from gateway.tokenizer import _common_prefix
+    from gateway.tokenization.tokenizer import _common_prefix
 
     rng = random.Random(4)
     for _ in range(500):

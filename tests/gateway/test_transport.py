@@ -1,4 +1,4 @@
-"""The engine legs' HTTP client contract (gateway/transport.py): ONE suite that every implementation
+"""The engine legs' HTTP client contract (gateway/engines/transport.py): ONE suite that every implementation
 passes, ``H1Client`` (the fast one) and ``AiohttpTransport`` (the reference), against scripted
 loopback servers on both event loops: request bytes, framing, keep-alive reuse, aborts, the head
 limits, broken connections, the four timeouts, HTTPS with a CA file and a client certificate;
@@ -23,12 +23,10 @@ import orjson
 import pytest
 import uvloop
 
-from gateway.app import RESTART_ONLY
 from gateway.config import ConfigError, EnginesConfig, TimeoutsConfig, parse_config
-from gateway.h1client import H1Client
-from gateway.pools import Endpoint
-from gateway.ports import free_port
-from gateway.transport import (
+from gateway.engines.h1client import H1Client
+from gateway.engines.pools import Endpoint
+from gateway.engines.transport import (
     MAX_HEADERS,
     ClientError,
     ConnectError,
@@ -39,8 +37,10 @@ from gateway.transport import (
     ServerDisconnected,
     Timeouts,
 )
-from gateway.transport_aiohttp import AiohttpTransport
-from gateway.upstream import MAX_JSON_BYTES, EngineError, EngineGone, Upstream, make_client, make_session
+from gateway.engines.transport_aiohttp import AiohttpTransport
+from gateway.engines.upstream import MAX_JSON_BYTES, EngineError, EngineGone, Upstream, make_client, make_session
+from gateway.http.reconfigure import RESTART_ONLY
+from gateway.ports import free_port
 
 Handler = Callable[["Exchange"], Awaitable[None]]
 Make = Callable[..., EngineTransport]
@@ -773,8 +773,8 @@ async def test_decode_first_byte_timeout_is_a_504_from_an_engine_that_got_the_re
         upstream: Callable[..., Upstream], stream: bool):
     """timeouts.decode_first_byte_s bounds the decode leg up to its first token (the whole answer
     when not streaming): a 504 engine_timeout the failover may retry, the connection dropped."""
-    from gateway import legs
-    from gateway.pools import Pools
+    from gateway.engines import legs
+    from gateway.engines.pools import Pools
 
     async def handler(ex: Exchange) -> None:
         if stream:  # the head at once, the first chunk never
@@ -797,8 +797,8 @@ async def test_decode_first_byte_timeout_is_a_504_from_an_engine_that_got_the_re
 
 async def test_decode_stream_outlives_decode_first_byte_once_its_first_token_is_in(
         upstream: Callable[..., Upstream]):
-    from gateway import legs
-    from gateway.pools import Pools
+    from gateway.engines import legs
+    from gateway.engines.pools import Pools
 
     async def handler(ex: Exchange) -> None:
         await ex.answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\ndata:\r\n")

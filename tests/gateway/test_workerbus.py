@@ -21,10 +21,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from gateway import workerbus
-from gateway.pools import Pools
-from gateway.tenants import Usage
-from gateway.workerbus import BusAddress, Hub, WorkerBus, _mac, sweep
+from gateway.cluster import workerbus
+from gateway.cluster.workerbus import BusAddress, Hub, WorkerBus, _mac, sweep
+from gateway.engines.pools import Pools
+from gateway.fairness.tenants import Usage
 from policies.prefix_index import PrefixIndex
 from tests.waiting import until
 
@@ -80,7 +80,7 @@ async def test_forged_and_garbage_messages_change_no_count_and_are_logged_once(h
     (a, pa, _, ua), (b, pb, ib, ub) = await two_workers(hub)
     forger = Forger(hub)
     await asyncio.sleep(0.3)
-    caplog.set_level(logging.WARNING, logger="gateway.workerbus")
+    caplog.set_level(logging.WARNING, logger="gateway.cluster.workerbus")
     try:
         pa.decode[0].in_flight = 2  # the truth: worker 0 has 2 requests on d1
         ua.decode_started("calm", 100)
@@ -244,7 +244,7 @@ def test_a_start_sweeps_folders_of_hubs_that_are_gone_and_only_those(tmp_path) -
 
 HUB_PROCESS = """
 import time
-from gateway.workerbus import Hub
+from gateway.cluster.workerbus import Hub
 hub = Hub()
 hub.start()
 print(hub.address.publish, hub.address.subscribe, hub.address.folder, hub.address.secret.hex(), flush=True)

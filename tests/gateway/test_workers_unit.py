@@ -13,10 +13,10 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from gateway.admission import SharedGate
-from gateway.metricsmerge import merge
-from gateway.pools import Pools
-from gateway.workerbus import Hub, WorkerBus
+from gateway.cluster.workerbus import Hub, WorkerBus
+from gateway.engines.pools import Pools
+from gateway.fairness.admission import SharedGate
+from gateway.ops.metricsmerge import merge
 from policies.prefix_index import PrefixIndex
 from tests.promtext import sample
 
@@ -176,7 +176,7 @@ async def test_each_worker_counts_the_others_in_flight_requests(hub) -> None:
 
 
 async def test_each_worker_orders_its_queues_by_every_workers_tenant_use(hub) -> None:
-    from gateway.tenants import Usage
+    from gateway.fairness.tenants import Usage
 
     ua, ub = Usage(), Usage()
     (a, _, _), (b, _, _) = await buses(hub, usages=[ua, ub])
@@ -208,7 +208,7 @@ async def test_a_worker_gathers_the_others_metrics(hub) -> None:
 
 
 def test_a_containers_cpu_quota_caps_the_default_worker_count(tmp_path) -> None:
-    from gateway.workers import usable_cores
+    from gateway.cluster.workers import usable_cores
 
     cores = len(os.sched_getaffinity(0))
     (tmp_path / "cpu.max").write_text("max 100000\n")
@@ -238,11 +238,11 @@ def test_every_gauge_the_gateway_exports_has_a_declared_merge_rule() -> None:
     times: each new gauge must be placed in one of the merge's sets."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from gateway.admission import Gate, LoopLag
-    from gateway.httpserver import Connections
-    from gateway.metrics import GatewayMetrics
-    from gateway.metricsmerge import DECLARED
-    from gateway.tenants import Usage
+    from gateway.fairness.admission import Gate, LoopLag
+    from gateway.fairness.tenants import Usage
+    from gateway.http.server import Connections
+    from gateway.ops.metrics import GatewayMetrics
+    from gateway.ops.metricsmerge import DECLARED
 
     pools = Pools(["http://p1"], ["http://d1"])
     metrics = GatewayMetrics(pools, PrefixIndex())
@@ -258,8 +258,8 @@ def test_every_gauge_the_gateway_exports_has_a_declared_merge_rule() -> None:
 
 
 def test_the_default_worker_count_fits_a_containers_memory_limit(tmp_path) -> None:
+    from gateway.cluster.workers import WORKER_BYTES, worker_count
     from gateway.config import parse_config
-    from gateway.workers import WORKER_BYTES, worker_count
 
     cfg = parse_config({"models": [{"name": "m", "tokenizer": "t", "max_model_len": 10}],
                         "pools": {"decode": {"endpoints": ["http://d:8000"]}}})
@@ -301,7 +301,7 @@ class _FakeProcess:
 def test_a_restarted_worker_gets_the_config_applied_last_whichever_worker_reported_it(caplog) -> None:
     import types
 
-    from gateway.workers import Supervisor, WorkerSpec, _Reporter
+    from gateway.cluster.workers import Supervisor, WorkerSpec, _Reporter
     from tests.waiting import wait_for
 
     startup = _config(100)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.app import validate
 from gateway.cli import main as pdgate
 from gateway.config import load_config
+from gateway.http.reconfigure import validate
 
 from .conftest import CHART, KUBE_VERSION, ROOT, Tools
 

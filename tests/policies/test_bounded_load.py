@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.config import parse_config
-from gateway.router import build_pipeline
+from gateway.request.router import build_pipeline
 from policies.base import PoolSnapshot
 from policies.bounded_load import BoundedLoad
 from policies.prefix_affinity import PrefixAffinity

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from gateway.config import parse_config
-from gateway.pools import Pools
-from gateway.router import Router
+from gateway.engines.pools import Pools
+from gateway.request.router import Router
 from policies.base import ZONE, NoPairing, Path, PoolSnapshot
 from policies.max_score import MaxScore
 from policies.pipeline import PoolPipeline, RoutingPipeline, Weighted

@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.kvevents import KVEventSubscriber
+from gateway.engines.kvevents import KVEventSubscriber
 from policies.blockhash import HashSpec, block_hashes
 from policies.prefix_index import PrefixIndex
 from tests.procs import ProcGroup, free_port

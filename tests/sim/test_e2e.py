@@ -12,7 +12,7 @@ import openai
 import orjson
 import pytest
 
-from gateway.legs import PREFILL_KV_PARAMS
+from gateway.engines.legs import PREFILL_KV_PARAMS
 from tests.procs import free_port, wait_for
 from tests.promtext import sample
 

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from gateway.legs import PREFILL_KV_PARAMS
+from gateway.engines.legs import PREFILL_KV_PARAMS
 from sim.app import create_app
 from sim.cli import build_parser, config_from_args
 from sim.config import SimConfig

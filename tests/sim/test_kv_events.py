@@ -15,7 +15,7 @@ import msgspec
 import pytest
 import zmq
 
-from gateway.legs import PREFILL_KV_PARAMS
+from gateway.engines.legs import PREFILL_KV_PARAMS
 from policies.blockhash import HashSpec, block_hashes
 from sim.kv_events import END_SEQ, KVEventBatch
 from tests.procs import ProcGroup, free_port, wait_for

@@ -1,0 +1,161 @@
+"""Engine load from each engine's own /metrics, scraped on an interval.
+
+vLLM renamed some of these over time; both names are accepted so that an engine upgrade does not
+silently zero a routing signal:
+
+- running / waiting requests: ``vllm:num_requests_running`` / ``vllm:num_requests_waiting``;
+- KV cache usage (0..1): ``vllm:kv_cache_usage_perc`` (V1), ``vllm:gpu_cache_usage_perc`` (older),
+  ``vllm:cpu_cache_usage_perc`` (older CPU builds);
+- block size and whether prefix caching is on: the ``block_size`` and ``enable_prefix_caching``
+  labels of ``vllm:cache_config_info``;
+- which run of the engine this is: ``process_start_time_seconds`` (the API server's, from
+  prometheus_client's process collector; absent when vLLM runs several API servers in
+  Prometheus multiprocess mode) and ``vllm:request_success_total``, a counter only a restart
+  takes back. ``Pools.report`` compares them with the previous report.
+
+Series with several label sets (one per engine core or model) are summed (requests) or maxed (usage).
+Parsing is a line scan for these names only: a vLLM metrics page is ~1,000 lines of histograms the
+gateway does not need.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+
+import aiohttp
+
+from gateway.background import cancel_checkpoint, stop_task
+from gateway.config import SignalsConfig
+from gateway.engines.pools import Endpoint, EngineStats, Pools
+
+log = logging.getLogger(__name__)
+
+RUNNING = ("vllm:num_requests_running",)
+WAITING = ("vllm:num_requests_waiting",)
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:cpu_cache_usage_perc")
+CACHE_INFO = "vllm:cache_config_info"
+START_TIME = "process_start_time_seconds"
+SERVED = "vllm:request_success_total"
+MAX_PAGE_BYTES = 8 << 20
+
+_BLOCK_SIZE = re.compile(r'[{,]block_size="(\d+)"')
+_PREFIX_CACHING = re.compile(r'enable_prefix_caching="(\w+)"')
+
+
+def _value(line: str) -> float | None:
+    try:
+        return float(line.rsplit(" ", 1)[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def parse_stats(text: str, at: float) -> EngineStats | None:
+    """The signals in a Prometheus text page, or None when it has none of them (not a vLLM engine)."""
+    running = waiting = 0.0
+    kv: float | None = None
+    block_size: int | None = None
+    caching: bool | None = None
+    started: float | None = None
+    served: float | None = None
+    seen = False
+    for line in text.splitlines():
+        if line.startswith(START_TIME):
+            started = _value(line)
+            continue
+        if not line.startswith("vllm:"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in RUNNING or name in WAITING:
+            v = _value(line)
+            if v is not None:
+                seen = True
+                if name in RUNNING:
+                    running += v
+                else:
+                    waiting += v
+        elif name in KV_USAGE:
+            v = _value(line)
+            if v is not None:
+                seen = True
+                kv = v if kv is None else max(kv, v)
+        elif name == SERVED:
+            v = _value(line)
+            if v is not None:
+                served = (served or 0.0) + v
+        elif name == CACHE_INFO and block_size is None:
+            m = _BLOCK_SIZE.search(line)
+            if m:
+                block_size = int(m.group(1))
+            m = _PREFIX_CACHING.search(line)
+            if m:
+                caching = m.group(1).lower() == "true"
+    if not seen:
+        return None
+    return EngineStats(int(running), int(waiting), kv, block_size, at, caching, started, served)
+
+
+class StatsScraper:
+    """Keeps every endpoint's ``stats`` fresh; a failed scrape leaves the old value to age out."""
+
+    def __init__(self, pools: Pools, session: aiohttp.ClientSession, cfg: SignalsConfig) -> None:
+        self._pools = pools
+        self._session = session
+        self.configure(cfg)
+        self._task: asyncio.Task[None] | None = None
+        self.failures = 0
+
+    def configure(self, cfg: SignalsConfig) -> None:
+        self._cfg = cfg
+        self._timeout = aiohttp.ClientTimeout(total=cfg.scrape_timeout_s)
+
+    async def scrape(self, ep: Endpoint) -> bool:
+        """One scrape of ``ep``; False when it failed or the page had no engine signals."""
+        try:
+            async with self._session.get(ep.url + "/metrics", timeout=self._timeout) as resp:
+                if resp.status != 200:
+                    raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+                raw = await resp.content.read(MAX_PAGE_BYTES)
+        except (aiohttp.ClientError, TimeoutError, OSError) as err:
+            self.failures += 1
+            log.debug("metrics scrape of %s failed: %s", ep.url, type(err).__name__)
+            return False
+        stats = parse_stats(raw.decode("utf-8", "replace"), time.monotonic())
+        if stats is None:
+            return False
+        self._pools.report(ep, stats)
+        return True
+
+    async def recovered(self, ep: Endpoint) -> None:
+        """``ep`` answers its health check again after being down: is it the same run of the
+        engine? Without a report that can tell, it is taken as a new one (what the gateway had
+        learned about its cache would otherwise send prompts there as cached when they are not)."""
+        before = ep.stats
+        if not await self.scrape(ep):
+            self._pools.restarted(ep, "it was down and its /metrics did not answer")
+        elif before is None or (before.started_at is None and before.served is None):
+            self._pools.restarted(ep, "it was down and its /metrics cannot tell a restart")
+        # else: ``report`` compared this run with the last one
+
+    async def scrape_all(self) -> None:
+        await asyncio.gather(*(self.scrape(ep) for ep in self._pools.all()))
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.scrape_all()
+            except Exception:  # one bad round must not end scraping for good (not BaseException)
+                log.exception("metrics scrape round failed")
+            cancel_checkpoint()  # a cancel a library swallowed ends the loop here (gateway/background.py)
+            await asyncio.sleep(self._cfg.scrape_interval_s)
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="engine-stats")
+
+    async def stop(self) -> None:
+        """Bounded (gateway/background.py): a stuck scrape or a swallowed cancel cannot hang shutdown."""
+        task, self._task = self._task, None
+        await stop_task(task)

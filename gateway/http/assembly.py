@@ -1,0 +1,198 @@
+"""The gateway put together from a config: every long-lived part built, wired to the parts it
+reads, and registered in one ``Lifecycle`` (gateway/lifecycle.py) in the order it starts.
+
+``create_app``'s lifespan runs ``assemble`` and then ``async with assembled.lifecycle``; a part is
+added here, next to where it is built, with its start, stop and reconfigure steps."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from opentelemetry.sdk.trace.export import SpanExporter
+
+from gateway.background import STOP_BOUND_S
+from gateway.cluster.redis_state import RedisState
+from gateway.cluster.workerbus import WorkerBus
+from gateway.cluster.workers import WorkerContext
+from gateway.config import GatewayConfig
+from gateway.config.reload import ConfigWatcher
+from gateway.context import Services
+from gateway.engines.discovery import Discovery
+from gateway.engines.enginestats import StatsScraper
+from gateway.engines.legs import KVReleaser
+from gateway.engines.modelcheck import ServedModels
+from gateway.engines.pools import Endpoint, HealthChecker, Pools
+from gateway.engines.upstream import Upstream, make_client, make_session
+from gateway.fairness.admission import Gate, LoopLag, SharedGate
+from gateway.fairness.fairqueue import FairQueue
+from gateway.fairness.tenants import Usage
+from gateway.http.handlers import Gateway
+from gateway.http.reconfigure import apply_config, listening
+from gateway.http.resources import Learners, Resources, Subscriptions, runtime_for
+from gateway.http.server import Connections
+from gateway.lifecycle import Lifecycle
+from gateway.ops.gcpolicy import Collector
+from gateway.ops.live_planner import Demand, DemandPlanner
+from gateway.ops.metrics import BeliefAudit, GatewayMetrics
+from gateway.ops.requestlog import AccessLog
+from gateway.ops.tracing import Tracing
+from gateway.tokenization.tokenizer import ModelTokenizer, Tokenizers
+from policies.estimates import EngineEstimates
+from policies.prefix_index import PrefixIndex
+from policies.prefix_learning import InFlightPrefixes, PrefixBeliefs
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Assembled:
+    gateway: Gateway  # what the routes serve with
+    lifecycle: Lifecycle  # every part, in the order it starts
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the process owner adds to a config (see ``create_app``)."""
+
+    config_path: str | Path | None = None
+    span_exporter: SpanExporter | None = None
+    access_sink: Callable[[bytes], None] | None = None
+    connections: Connections | None = None
+    collector: Collector | None = None
+    worker: WorkerContext | None = None
+    listen: tuple[str, int] | None = None
+
+
+async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | None, opts: Options) -> Assembled:
+    worker = opts.worker
+    if tokenizers is None:
+        loaded = await asyncio.gather(*(asyncio.to_thread(ModelTokenizer.load, cfg.tokenizer_model(m))
+                                       for m in cfg.models))
+        tokenizers = Tokenizers(loaded, cfg.tokenizer)
+    life = Lifecycle()
+    estimates = EngineEstimates()
+
+    def restarted(ep: Endpoint) -> None:
+        """The engine restarted: nothing learned about it holds."""
+        beliefs.forget(ep.url)
+        estimates.forget(ep.url)
+        metrics.restarted(ep.pool)
+
+    pools = Pools(cfg.pools.prefill.urls, cfg.pools.decode.urls, topology=cfg.pools.topology,
+                  stats_max_age_s=cfg.signals.max_age_s,
+                  outlier=cfg.health.outlier, prefill_speed=estimates.prefill_s_per_token, on_restart=restarted)
+    index = PrefixIndex(max_approx_entries=cfg.routing.prefix.max_learned_blocks,
+                        approx_ttl_s=cfg.routing.prefix.learned_ttl_s)
+    usage = Usage(cfg.fairness.half_life_s, cfg.fairness.max_tenants)
+    shared = (RedisState(cfg.state, cfg.routing.prefix.learned_ttl_s, pools, usage=usage)
+              if cfg.state.backend == "redis" else None)
+    bus = (WorkerBus(worker.bus, worker.index, worker.count, pools, index, share_routing=shared is None, usage=usage)
+           if worker and worker.count > 1 else None)
+    beliefs = PrefixBeliefs(index, InFlightPrefixes(), shared or (bus if bus and bus.share_routing else None),
+                            caching_off=pools.caching_off)
+    subs = Subscriptions(index)
+
+    async def discovered() -> None:
+        """Kubernetes discovery's endpoints changed: apply them to the pools as a reload would."""
+        before = set(map(id, pools.all()))
+        eff = discovery.effective(gw.runtime.cfg)
+        removed = pools.update(eff.pools.prefill.urls, eff.pools.decode.urls, eff.pools.topology)
+        for url in {ep.url for ep in removed} - {ep.url for ep in pools.all()}:
+            res.learners.forget(url)
+        await res.subs.update(eff)
+        await asyncio.gather(*(health.probe(e) for e in pools.all() if id(e) not in before))
+
+    discovery = Discovery(discovered)
+    session = make_session(cfg.engines)  # control plane: the engines' TLS settings too
+    models = ServedModels(pools, session, [m.name for m in cfg.models], cfg.health.timeout_s)
+    metrics = GatewayMetrics(pools, index, subs.all, shared, lambda: discovery.watchers.values(),
+                             estimates.prefill_s_per_token, models)
+    engines = make_client(cfg.engines)
+    res = Resources(session, engines, pools, index, shared, subs, discovery, models,
+                    Learners(beliefs, estimates, BeliefAudit(metrics), Demand()), metrics)
+    gate = (SharedGate(cfg.admission.max_in_flight, worker.slots, worker.lock, worker.index,
+                       queue=FairQueue("gateway", usage))
+            if worker and bus else Gate(cfg.admission.max_in_flight, FairQueue("gateway", usage)))
+    services = Services(pools, metrics, Tracing(cfg.telemetry.tracing, opts.span_exporter),
+                        AccessLog(cfg.telemetry.access_log, opts.access_sink), gate,
+                        KVReleaser(Upstream(engines, cfg.timeouts)), LoopLag(connections=opts.connections), usage)
+    pools.release_listeners.append(services.queues.released)
+    scraper = StatsScraper(pools, session, cfg.signals)
+    metrics.watch_admission(services.gate, opts.connections, services.lag)
+    metrics.watch_tenants(usage, services.tenant_labels, services.queues.queued)
+
+    async def engine_up(ep: Endpoint, recovering: bool) -> None:
+        """Before routing sees an engine (again): the same run? what does it serve?"""
+        if recovering:
+            await scraper.recovered(ep)
+        await models.check(ep)
+
+    health = HealthChecker(pools, session, cfg.health, on_up=engine_up)
+    metrics.config_loaded(version)
+
+    async def apply(new: GatewayConfig, new_version: str) -> None:
+        await apply_config(gw, listening(new, *opts.listen) if opts.listen else new, new_version, res,
+                           worker.applied if worker is not None else None)
+        await life.configure(new)
+
+    def reload_result(result: str, message: str) -> None:
+        metrics.reloads.labels(result).inc()
+        if result == "ok":
+            metrics.config_loaded(message)
+
+    speaks = worker is None or worker.index == 0  # one worker logs a rejected edit for the gateway
+    watcher = (ConfigWatcher(opts.config_path, version, apply, reload_result, speaks=speaks)
+               if opts.config_path else None)
+    gw = Gateway(runtime_for(cfg, version, res, tokenizers, cfg.admin_token()), services, watcher=watcher,
+                 feeds=res.subs.all, shared=shared, discovery=discovery, models=models, bus=bus, health=health)
+    services.configure(cfg.fairness, gw.runtime.tenancy.names)
+
+    def prefill_pool_configured() -> bool:  # not "has endpoints now": a pool scaled to 0 still counts
+        prefill = gw.runtime.cfg.pools.prefill
+        return bool(prefill.urls or prefill.discovery)
+
+    planner = DemandPlanner(res.learners.demand, lambda: gw.runtime.cfg, prefill_pool_configured)
+    metrics.watch_planner(planner.exported)
+
+    # Resources: closed after every service stopped, last added first.
+    life.add("access log", stop=services.access_log.close, resource=True)
+    life.add("tracing", stop=lambda: _flush(services.tracing), resource=True)
+    life.add("tokenizers", stop=lambda: gw.runtime.tokenizers.close(), resource=True)
+    life.add("engine connections", stop=engines.close, resource=True)
+    life.add("control-plane session", stop=session.close, resource=True)
+    life.add("admission gate", stop=services.gate.close, resource=True)
+    # Services, in the order they start (a later one may read what an earlier one found).
+    if bus:
+        metrics.watch_bus(bus)
+        life.add("worker bus", start=lambda: bus.start(metrics.render), stop=bus.stop)
+    life.add("kv event feeds", start=lambda: res.subs.update(cfg), stop=res.subs.close)
+    if shared:
+        life.add("redis state", start=shared.start, stop=shared.stop)
+    life.add("discovery", start=lambda: discovery.start(cfg), stop=discovery.close)
+    life.add("health checks", start=health.start, stop=health.stop, configure=lambda c: health.configure(c.health))
+    life.add("engine stats", start=scraper.start, stop=scraper.stop, configure=lambda c: scraper.configure(c.signals))
+    life.add("loop lag", start=services.lag.start, stop=services.lag.stop)
+    life.add("kv releaser", stop=services.releaser.close)
+    life.add("live planner", start=planner.start, stop=planner.stop)
+    if watcher:
+        life.add("config watcher", start=watcher.start, stop=watcher.stop)
+    collector = opts.collector
+    if collector:  # last: it freezes what startup left alive
+        def start_gc() -> None:
+            collector.tune()
+            collector.settle()
+
+        life.add("gc policy", start=start_gc, stop=collector.close, configure=lambda c: collector.settle_later())
+    return Assembled(gw, life)
+
+
+async def _flush(tracing: Tracing) -> None:
+    try:  # flushing spans may block on the exporter
+        async with asyncio.timeout(STOP_BOUND_S):
+            await asyncio.to_thread(tracing.shutdown)
+    except TimeoutError:
+        log.warning("tracing: spans not flushed within %.0f s at shutdown", STOP_BOUND_S)

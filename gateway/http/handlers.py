@@ -1,0 +1,112 @@
+"""The gateway: the config version in use, the long-lived services, and what the status routes read.
+
+Each inference request becomes an ``Exchange`` (gateway/request/exchange.py), built here with the runtime
+current at its arrival; a reload swaps ``runtime`` between requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from starlette.requests import Request
+
+from gateway.cluster.redis_state import RedisState
+from gateway.cluster.workerbus import WorkerBus
+from gateway.config.reload import ConfigWatcher
+from gateway.context import Runtime, Services
+from gateway.engines.discovery import Discovery
+from gateway.engines.kvevents import KVEventSubscriber
+from gateway.engines.modelcheck import ServedModels
+from gateway.engines.pools import HealthChecker
+from gateway.http.errors import APIError
+from gateway.ops.metricsmerge import merge
+from gateway.request.exchange import Exchange
+from gateway.request.protocol import Kind
+
+
+class Gateway:
+    """Every dependency is handed in (tests swap any of them); ``runtime`` is the one attribute
+    that changes, on reload."""
+
+    def __init__(self, runtime: Runtime, services: Services, *, watcher: ConfigWatcher | None = None,
+                 feeds: Callable[[], Sequence[KVEventSubscriber]] = list, shared: RedisState | None = None,
+                 discovery: Discovery | None = None, models: ServedModels | None = None,
+                 bus: WorkerBus | None = None, health: HealthChecker | None = None) -> None:
+        self.runtime = runtime
+        self.services = services
+        self.watcher = watcher  # the config file's watcher, when the config comes from a file
+        self.feeds = feeds  # the KV event subscribers
+        self.shared = shared  # the Redis shared state, when configured
+        self.discovery = discovery  # the Kubernetes EndpointSlice watchers
+        self.models = models  # what each engine serves, against the configured model names
+        self.bus = bus  # the other worker processes of this gateway (server.workers > 1)
+        self.health = health  # the engines' health checker (/ready asks it for a fresh look)
+        self._last_metrics: dict[int, bytes] = {}  # each other worker's last exposition
+
+    def exchange(self, request: Request, kind: Kind, path: str) -> Exchange:
+        return Exchange(self.runtime, self.services, request, kind, path)
+
+    async def metrics(self) -> bytes:
+        """``GET /metrics``: this worker's metrics, merged with the other workers' when there are any."""
+        own = self.services.metrics.render()
+        if self.bus is None:
+            return own
+        others = await self.bus.others_metrics()
+        self._last_metrics.update(others)
+        # A worker that does not answer in time (busy, dead, restarting) counts with its last
+        # answer's counters, not its gauges (gateway/ops/metricsmerge.py). (A restarted worker's counters
+        # do start over.) Fewer reporting than configured: a worker is stuck or restarting.
+        texts = [own, *(others[w] for w in sorted(others))]
+        stale = [self._last_metrics[w] for w in sorted(self._last_metrics) if w not in others and w != self.bus.worker]
+        workers = (b"# HELP pdgate_workers Worker processes of this gateway: configured, and reporting in this scrape\n"
+                   b"# TYPE pdgate_workers gauge\n"
+                   b'pdgate_workers{state="configured"} %d\npdgate_workers{state="reporting"} %d\n'
+                   % (self.bus.workers, 1 + len(others)))
+        return merge(texts, stale) + workers
+
+    async def explain(self, request: Request) -> dict[str, Any]:
+        """``POST /debug/route``: what the gateway would do with this body, without sending it."""
+        kind = request.query_params.get("kind", "chat")  # without it, the body tells
+        match kind:  # (a match narrows the str to a Kind)
+            case "chat" | "completion":
+                path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+                return await self.exchange(request, kind, path).plan()
+            case _:
+                raise APIError(400, "kind must be 'chat' or 'completion'.", param="kind")
+
+    async def ready_now(self) -> dict[str, Any]:
+        """``GET /ready``: the decode pool probed afresh first when its last probe is not recent."""
+        if self.health is not None:
+            await self.health.fresh()
+        return self.ready()
+
+    def ready(self) -> dict[str, Any]:
+        """The body of ``GET /ready``."""
+        pools = self.services.pools
+        feeds = self.feeds()
+        body: dict[str, Any] = {
+            "ready": pools.ready(),
+            "pools": {
+                name: {"healthy": sum(e.healthy for e in eps), "ejected": sum(e.ejected for e in eps),
+                       "total": len(eps)}
+                for name, eps in (("prefill", pools.prefill), ("decode", pools.decode))
+            },
+            "kv_event_feeds": {"connected": sum(f.counters.connected for f in feeds), "total": len(feeds)},
+            # The error's kind only: its text names Redis's address, and /ready needs no credentials
+            # (the whole text is in the log).
+            "shared_state": ({"backend": "redis", "healthy": self.shared.status.healthy,
+                              "error": self.shared.status.last_error.split(":", 1)[0] or None}
+                             if self.shared else {"backend": "workers" if self.bus else "memory", "healthy": True}),
+        }
+        if self.bus is not None:
+            body["workers"] = {"count": self.bus.workers, "this": self.bus.worker}
+        if self.models is not None:
+            body["models"] = self.models.status()
+        if self.discovery is not None and self.discovery.watchers:  # pools that follow EndpointSlices
+            body["discovery"] = {
+                w.pool: {"synced": w.synced.is_set(), "endpoints": len(w.endpoints), "errors": w.errors,
+                         "last_error": w.last_error or None}
+                for w in self.discovery.watchers.values()
+            }
+        return body

@@ -1,0 +1,109 @@
+"""The layout is the architecture (docs/architecture.md): which package of the gateway may import
+which, checked on the import graph. A new edge fails here until the page and ``ALLOWED`` say why.
+
+Each entry is a sub-package of ``gateway`` (``(top)``: the modules at its top) and the modules
+outside it that it may import (``pkg`` any module of it, ``pkg.module`` that module only)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SUBPACKAGES = ("http", "request", "engines", "tokenization", "fairness", "cluster", "ops", "config")
+ALLOWED: dict[str, set[str]] = {
+    # the top: the process's entry points
+    "(top)": {"http", "request", "engines", "tokenization", "fairness", "cluster", "ops", "config", "policies",
+              "sim"},  # sim: `pdgate sim`, `pdgate plan` and the demo's engines
+    "http": {"request", "engines", "tokenization", "fairness", "cluster", "ops", "config", "context",
+             "background", "lifecycle", "policies"},
+    "request": {"engines", "tokenization", "fairness", "ops", "config", "context", "background", "policies",
+                "http.errors", "http.auth", "cluster.redis_state"},
+    "engines": {"config", "background", "policies", "http.errors"},
+    "tokenization": {"config", "http.errors", "request.protocol"},
+    "fairness": {"config", "http.errors"},
+    "cluster": {"engines", "fairness", "config", "background", "policies", "ops.gcpolicy", "ops.requestlog",
+                "http.app", "http.server", "(top).cli"},  # http and cli: the supervisor starts the app
+    "ops": {"engines", "fairness", "tokenization", "config", "background", "policies", "cluster.redis_state",
+            "cluster.workerbus", "http.auth", "http.errors", "http.server",
+            "sim"},  # the live planner's model
+    "config": {"background", "policies", "engines.discovery",
+               "sim"},  # the planner's profile, checked with the config
+}
+TOP_MODULES = {"background", "context", "lifecycle", "cli", "demo", "ports"}
+
+
+def _imports(path: Path) -> set[str]:
+    """What a module imports when it runs (``if TYPE_CHECKING:`` blocks left out: a type named for
+    the checker is no dependency of the running code)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            node.body = []
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return found
+
+
+def _target(name: str) -> str | None:
+    """``gateway.engines.pools.Endpoint`` -> ``engines.pools``; ``sim.fleet`` -> ``sim``."""
+    parts = name.split(".")
+    if parts[0] in ("sim", "bench", "policies"):
+        return parts[0]
+    if parts[0] != "gateway" or len(parts) < 2:
+        return None
+    if parts[1] in SUBPACKAGES:
+        return ".".join(parts[1:3]) if len(parts) > 2 else parts[1]
+    return parts[1] if parts[1] in TOP_MODULES else None
+
+
+def _package(path: Path) -> str:
+    rel = path.relative_to(ROOT / "gateway").parts
+    return rel[0] if len(rel) > 1 else "(top)"
+
+
+def test_each_package_imports_only_what_the_architecture_allows() -> None:
+    wrong = []
+    for path in sorted((ROOT / "gateway").rglob("*.py")):
+        pkg = _package(path)
+        for name in sorted(_imports(path)):
+            target = _target(name)
+            if target is None or target.split(".")[0] == pkg:
+                continue
+            if pkg == "(top)" and target in TOP_MODULES:
+                continue
+            allowed = ALLOWED[pkg]
+            if target in allowed or target.split(".")[0] in allowed:
+                continue
+            if target in ("context", "background", "lifecycle") and target in allowed:
+                continue
+            if target in TOP_MODULES and f"(top).{target}" in allowed:
+                continue
+            wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_no_module_imports_bench_and_policies_import_no_gateway() -> None:
+    wrong = []
+    for folder in ("gateway", "policies", "sim"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for name in _imports(path):
+                if name.split(".")[0] == "bench" or (folder == "policies" and name.split(".")[0] in ("gateway", "sim")):
+                    wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_importing_the_gateway_loads_no_simulator_module() -> None:
+    """``sim`` is imported only where it is used (the planner, the CLI's sim commands), never when
+    the gateway starts serving."""
+    code = ("import sys, gateway.cli, gateway.http.app, gateway.cluster.workers; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'sim', 'bench'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]"
