@@ -18,7 +18,8 @@ import httpx
 import yaml
 from pydantic import ValidationError
 
-from gateway.config import GatewayConfig, _check_url
+from gateway.config import GatewayConfig
+from gateway.config.fields import check_url
 
 PROBE_TIMEOUT_S = 5.0  # an engine's /v1/models, asked once at startup when --max-model-len is not given
 DEFAULT_THRESHOLD = 4096
@@ -99,7 +100,7 @@ def _endpoint(values: list[str], flag: str) -> dict[str, Any] | str:
             f"(repeat --{flag} for each engine)"
         )
     try:
-        url = _check_url(values[0])
+        url = check_url(values[0])
     except ValueError as err:
         raise FlagError(f"--{flag}: {err}") from None
     if len(values) == 1:
