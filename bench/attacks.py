@@ -43,10 +43,10 @@ _HEADS = {
     "endless_header": b"GET /health HTTP/1.1\r\nHost: x\r\nX-E: ",
     "slowloris": b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ",
     "stalled_body": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                    b"Authorization: Bearer %(key)s\r\nContent-Length: 1000\r\n\r\n{\"model\":",
+    b'Authorization: Bearer %(key)s\r\nContent-Length: 1000\r\n\r\n{"model":',
     "after_answer": b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n",
     "unauth_after_answer": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                           b"Content-Length: 10\r\n\r\n",
+    b"Content-Length: 10\r\n\r\n",
 }
 
 
@@ -148,8 +148,12 @@ async def connection(kind: str, port: int, seen: Seen, stop: asyncio.Event, key:
 
 async def template_kwargs(url: str, model: str, headers: dict[str, str], seen: Seen, stop: asyncio.Event) -> None:
     """Chat requests asking the tokenizer to pad to ten million tokens, one after another."""
-    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
-            "chat_template_kwargs": {"tokenize": True, "padding": "max_length", "max_length": 10_000_000}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 1,
+        "chat_template_kwargs": {"tokenize": True, "padding": "max_length", "max_length": 10_000_000},
+    }
     async with aiohttp.ClientSession(headers=headers) as session:
         while not stop.is_set():
             try:
@@ -161,8 +165,7 @@ async def template_kwargs(url: str, model: str, headers: dict[str, str], seen: S
             await asyncio.sleep(0.05)
 
 
-async def kv_forger(address: str, seen: Seen, stop: asyncio.Event, batches: int = 5,
-                    hashes: int = 1_000_000) -> None:
+async def kv_forger(address: str, seen: Seen, stop: asyncio.Event, batches: int = 5, hashes: int = 1_000_000) -> None:
     """A ZMQ PUB at ``address`` (the gateway subscribes to it as an engine's feed): ``batches``
     batches of ``hashes`` block hashes each, in vLLM's wire format, then garbage every 50 ms."""
     import msgspec
@@ -182,8 +185,15 @@ async def kv_forger(address: str, seen: Seen, stop: asyncio.Event, batches: int 
             if stop.is_set():
                 return
             start = b * hashes
-            event = BlockStored(block_hashes=list(range(start, start + hashes)), parent_block_hash=None,
-                                token_ids=[], block_size=16, lora_id=None, medium="GPU", lora_name=None)
+            event = BlockStored(
+                block_hashes=list(range(start, start + hashes)),
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=16,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+            )
             payload = encoder.encode(KVEventBatch(ts=time.time(), events=[event]))
             await pub.send_multipart((b"", seq.to_bytes(8, "big"), payload))
             seq += 1

@@ -127,8 +127,12 @@ def _classify(raw: bytes, status: int, stream: bool) -> str:
 async def _one(session: aiohttp.ClientSession, url: str, i: int, timeout: float) -> tuple[str, str, str]:
     stream = i % 2 == 0
     content = (f"Case {i}. " + LONG) if i % 3 == 0 else f"Short question {i}?"
-    body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": content}],
-                            "max_tokens": MAX_TOKENS, "stream": stream}
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": MAX_TOKENS,
+        "stream": stream,
+    }
     if stream:
         body["stream_options"] = {"include_usage": True}
     if _guided(i):
@@ -151,8 +155,17 @@ def _guided(i: int) -> bool:
     return i % 10 == 5
 
 
-async def _load(gateway: str, sims: dict[str, list[str]], n: int, concurrency: int, timeout: float,
-                gateway_pid: int, attackers: dict[str, int], redis: Any = None, forged_feed: str = "") -> Report:
+async def _load(
+    gateway: str,
+    sims: dict[str, list[str]],
+    n: int,
+    concurrency: int,
+    timeout: float,
+    gateway_pid: int,
+    attackers: dict[str, int],
+    redis: Any = None,
+    forged_feed: str = "",
+) -> Report:
     url = gateway + "/v1/chat/completions"
     outcomes: Counter[str] = Counter()
     by_kind: dict[str, Counter[str]] = {"migratable": Counter(), "guided": Counter()}
@@ -168,8 +181,12 @@ async def _load(gateway: str, sims: dict[str, list[str]], n: int, concurrency: i
     stop = asyncio.Event()
     port = int(gateway.rsplit(":", 1)[1])
     headers = {"Authorization": f"Bearer {KEY}"} if attackers else {}
-    hostile = [asyncio.create_task(attacks.connection(kind, port, seen, stop, KEY))
-               for kind, k in attackers.items() if kind in attacks.CONNECTION_KINDS for _ in range(k)]
+    hostile = [
+        asyncio.create_task(attacks.connection(kind, port, seen, stop, KEY))
+        for kind, k in attackers.items()
+        if kind in attacks.CONNECTION_KINDS
+        for _ in range(k)
+    ]
     if attackers.get("template_kwargs"):
         hostile.append(asyncio.create_task(attacks.template_kwargs(gateway, MODEL, headers, seen, stop)))
     if forged_feed:
@@ -178,6 +195,7 @@ async def _load(gateway: str, sims: dict[str, list[str]], n: int, concurrency: i
         hostile.append(asyncio.create_task(attacks.health_probe(gateway, stalls, stop)))
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency), headers=headers) as session:
+
         async def worker() -> None:
             nonlocal done
             for i in todo:
@@ -211,21 +229,40 @@ async def _load(gateway: str, sims: dict[str, list[str]], n: int, concurrency: i
         await asyncio.sleep(0.5)
         async with session.get(gateway + "/metrics") as resp:
             metrics = await resp.text()
-    in_flight = sum(int(float(line.rsplit(" ", 1)[1])) for line in metrics.splitlines()
-                    if line.startswith("pdgate_endpoint_in_flight_requests{"))
+    in_flight = sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in metrics.splitlines()
+        if line.startswith("pdgate_endpoint_in_flight_requests{")
+    )
     migrations: Counter[str] = Counter()
     for line in metrics.splitlines():
         if line.startswith("pdgate_migrations_total{"):
             result = line.split('result="', 1)[1].split('"', 1)[0]
             migrations[result] += int(float(line.rsplit(" ", 1)[1]))
     latencies.sort()
-    pct = {f"p{q}": round(latencies[min(len(latencies) - 1, int(q / 100 * len(latencies)))] * 1000, 1)
-           for q in (50, 99)} if latencies else {}
-    return Report(n, concurrency, killed, dict(outcomes), dict(paths), dict(failovers), in_flight, rss,
-                  round(seconds, 1), pct, seen.report() if attackers else {}, redis is not None,
-                  by_kind={k: dict(v) for k, v in by_kind.items()}, migrations=dict(migrations),
-                  health_ms={"p50": _pct(stalls, 50), "p99": _pct(stalls, 99), "max": round(max(stalls), 1)}
-                  if stalls else {}, rss_peak_mb=round(_rss_mb(gateway_pid, "VmHWM"), 1))
+    pct = (
+        {f"p{q}": round(latencies[min(len(latencies) - 1, int(q / 100 * len(latencies)))] * 1000, 1) for q in (50, 99)}
+        if latencies
+        else {}
+    )
+    return Report(
+        n,
+        concurrency,
+        killed,
+        dict(outcomes),
+        dict(paths),
+        dict(failovers),
+        in_flight,
+        rss,
+        round(seconds, 1),
+        pct,
+        seen.report() if attackers else {},
+        redis is not None,
+        by_kind={k: dict(v) for k, v in by_kind.items()},
+        migrations=dict(migrations),
+        health_ms={"p50": _pct(stalls, 50), "p99": _pct(stalls, 99), "max": round(max(stalls), 1)} if stalls else {},
+        rss_peak_mb=round(_rss_mb(gateway_pid, "VmHWM"), 1),
+    )
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -245,26 +282,56 @@ def _migrations(log: Path) -> tuple[list[float], int]:
     return gaps, kept
 
 
-def run(n: int, concurrency: int, timeout: float, logs: Path, attackers: dict[str, int] | None = None,
-        redis: bool = False, migration: bool = True) -> Report:
+def run(
+    n: int,
+    concurrency: int,
+    timeout: float,
+    logs: Path,
+    attackers: dict[str, int] | None = None,
+    redis: bool = False,
+    migration: bool = True,
+) -> Report:
     tokenizer = build_tokenizer(cache_dir() / "demo-tokenizer")
     group = ProcGroup(logs)
     try:
         redis_proc, state = None, {}
         if redis:
             redis_port = free_port()
-            redis_proc = group.start("redis", ["redis-server", "--bind", "127.0.0.1", "--port", str(redis_port),
-                                               "--save", "", "--appendonly", "no"])
+            redis_proc = group.start(
+                "redis",
+                ["redis-server", "--bind", "127.0.0.1", "--port", str(redis_port), "--save", "", "--appendonly", "no"],
+            )
             state = {"state": {"backend": "redis", "url": f"redis://127.0.0.1:{redis_port}/0"}}
         sims: dict[str, list[str]] = {"prefill": [], "decode": []}
         for pool in ("prefill", "decode"):
             for _ in range(2):
                 port, kv = free_port(), free_port()
-                proc = group.start(f"{pool}-{port}", [
-                    sys.executable, "-m", "sim", "--role", pool, "--port", str(port), "--kv-port", str(kv),
-                    "--model", MODEL, "--tokenizer", str(tokenizer), "--max-model-len", "4096",
-                    "--decode-time-per-token", "0.002", "--prefill-time-per-token", "0.00001", "--kv-expiry", "5",
-                ])
+                proc = group.start(
+                    f"{pool}-{port}",
+                    [
+                        sys.executable,
+                        "-m",
+                        "sim",
+                        "--role",
+                        pool,
+                        "--port",
+                        str(port),
+                        "--kv-port",
+                        str(kv),
+                        "--model",
+                        MODEL,
+                        "--tokenizer",
+                        str(tokenizer),
+                        "--max-model-len",
+                        "4096",
+                        "--decode-time-per-token",
+                        "0.002",
+                        "--prefill-time-per-token",
+                        "0.00001",
+                        "--kv-expiry",
+                        "5",
+                    ],
+                )
                 proc.wait_http(f"http://127.0.0.1:{port}/health")
                 sims[pool].append(f"http://127.0.0.1:{port}")
         port = free_port()
@@ -279,8 +346,7 @@ def run(n: int, concurrency: int, timeout: float, logs: Path, attackers: dict[st
         cfg = {
             "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": 4096}],
             "pools": {"prefill": {"endpoints": sims["prefill"]}, "decode": {"endpoints": decode}},
-            "routing": {"decider": {"name": "token_threshold", "threshold": 200},
-                        "migration": {"enabled": migration}},
+            "routing": {"decider": {"name": "token_threshold", "threshold": 200}, "migration": {"enabled": migration}},
             "health": {"interval_s": 0.5, "timeout_s": 0.5},
             "timeouts": {"connect_s": 1, "prefill_s": 10, "decode_first_byte_s": 10, "decode_idle_s": 5},
             "server": {"host": "127.0.0.1", "port": port, "head_timeout_s": 2, "body_idle_timeout_s": 2, "workers": 1},
@@ -290,8 +356,19 @@ def run(n: int, concurrency: int, timeout: float, logs: Path, attackers: dict[st
         (logs / "gateway.yaml").write_text(yaml.safe_dump(cfg))
         gw = group.start("gateway", [sys.executable, "-m", "gateway", "serve", "--config", str(logs / "gateway.yaml")])
         gw.wait_http(f"http://127.0.0.1:{port}/ready", timeout=60)
-        report = asyncio.run(_load(f"http://127.0.0.1:{port}", sims, n, concurrency, timeout, gw.pid,
-                                   attackers or {}, redis_proc, forged_feed))
+        report = asyncio.run(
+            _load(
+                f"http://127.0.0.1:{port}",
+                sims,
+                n,
+                concurrency,
+                timeout,
+                gw.pid,
+                attackers or {},
+                redis_proc,
+                forged_feed,
+            )
+        )
         report.migration = migration
         gaps, kept = _migrations(gw.log_path)
         report.migrated_tokens = kept
@@ -307,19 +384,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=60.0, help="a request not over by then counts as hung")
-    ap.add_argument("--migration", choices=("both", "on", "off"), default="both",
-                    help="mid-stream migration: a run without it, then one with it (both), or one run")
+    ap.add_argument(
+        "--migration",
+        choices=("both", "on", "off"),
+        default="both",
+        help="mid-stream migration: a run without it, then one with it (both), or one run",
+    )
     ap.add_argument("--attacks", action="store_true", help="hostile clients alongside (see above)")
     ap.add_argument("--slowloris", type=int, default=20, help="with --attacks: trickling connections")
     ap.add_argument("--stalled", type=int, default=8, help="with --attacks: clients stalling their bodies")
-    ap.add_argument("--after-answer", type=int, default=20,
-                    help="with --attacks: connections of each after-answer kind (a byte after the answer, then idle)")
+    ap.add_argument(
+        "--after-answer",
+        type=int,
+        default=20,
+        help="with --attacks: connections of each after-answer kind (a byte after the answer, then idle)",
+    )
     ap.add_argument("--redis", action="store_true", help="shared state on a private redis-server, killed at 3/4")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    attackers = {"endless_header": 1, "slowloris": args.slowloris, "stalled_body": args.stalled,
-                 "after_answer": args.after_answer, "unauth_after_answer": args.after_answer,
-                 "template_kwargs": 1} if args.attacks else {}
+    attackers = (
+        {
+            "endless_header": 1,
+            "slowloris": args.slowloris,
+            "stalled_body": args.stalled,
+            "after_answer": args.after_answer,
+            "unauth_after_answer": args.after_answer,
+            "template_kwargs": 1,
+        }
+        if args.attacks
+        else {}
+    )
     runs = {"both": (False, True), "on": (True,), "off": (False,)}[args.migration]
     reports = []
     for migration in runs:

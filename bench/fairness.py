@@ -233,8 +233,9 @@ def fair_shares(
             "pool_fair": round(pool_fair[n], 4),
             "pool_served_over_fair": round(t["pool_s"] / pool_fair[n], 3) if pool_fair[n] else None,
             "pool_fair_of_delivered": round(fair_of_delivered[n], 4),
-            "pool_served_over_fair_of_delivered":
-                round(t["pool_s"] / fair_of_delivered[n], 3) if fair_of_delivered[n] else None,
+            "pool_served_over_fair_of_delivered": round(t["pool_s"] / fair_of_delivered[n], 3)
+            if fair_of_delivered[n]
+            else None,
             "pool_delivered": round(delivered / pool_engines, 3),
             "tok_served": t["prefill_tok_s"],
             "tok_fair": round(tok_fair[n], 1),
@@ -250,8 +251,11 @@ def verdict(mode: dict[str, Any], specs: tuple[TenantSpec, ...]) -> dict[str, An
     flood = {s.name: mode["shares"][s.name] for s in specs if s.flood}
     return {
         "well_behaved_attainment_ok": all(a >= TARGET_ATTAINMENT for a in good.values()),
-        "flood_share_ok": all((sh["pool_served_over_fair_of_delivered"] or 0) >= SHARE_TOLERANCE
-                              and sh["pool_delivered"] >= POOL_BUSY_TARGET for sh in flood.values()),
+        "flood_share_ok": all(
+            (sh["pool_served_over_fair_of_delivered"] or 0) >= SHARE_TOLERANCE
+            and sh["pool_delivered"] >= POOL_BUSY_TARGET
+            for sh in flood.values()
+        ),
     }
 
 
@@ -270,8 +274,9 @@ async def _send(
         "Authorization": f"Bearer sk-{req.tenant}",
         "x-pdgate-ttft-ms": str(max(1, round(spec.ttft_slo_s * scale * 1000))),  # the gateway's clock is wall
     }
-    r = await send(session, url, Request(0, req.arrival_s, req.prompt, req.max_tokens, req.tenant), t0, scale,
-                   progress, headers)
+    r = await send(
+        session, url, Request(0, req.arrival_s, req.prompt, req.max_tokens, req.tenant), t0, scale, progress, headers
+    )
     return Outcome(r.status, r.ok, r.ttft_s, r.itls_s, r.tokens, r.path, r.error)
 
 
@@ -505,8 +510,11 @@ def markdown(result: dict[str, Any]) -> str:
         modelled = ", ".join(f"{sh[f]['pool_served_over_fair']}" for f in floods)
         frac = ", ".join(f"{sh[f]['tok_served_fraction']:.1%} ({sh[f]['tok_fair_fraction']:.1%})" for f in floods)
         ok = "yes" if m["target"]["well_behaved_attainment_ok"] else "**no**"
-        short = (f"(ok: >= {SHARE_TOLERANCE:g}, pool >= {POOL_BUSY_TARGET:g})" if m["target"]["flood_share_ok"]
-                 else "(**short**)")
+        short = (
+            f"(ok: >= {SHARE_TOLERANCE:g}, pool >= {POOL_BUSY_TARGET:g})"
+            if m["target"]["flood_share_ok"]
+            else "(**short**)"
+        )
         lines.append(f"| {mode} | {ok} | {ratio} {short} | {busy} | {modelled} | {frac} | {m['wall_s']:g} |")
     return "\n".join(lines) + "\n"
 

@@ -57,24 +57,46 @@ def main(argv: list[str] | None = None) -> int:
     group = ProcGroup(work)
     try:
         port = free_port()
-        engine = group.start("sim", [sys.executable, "-m", "sim", "--role", "both", "--port", str(port),
-                                     "--kv-port", str(free_port()), "--model", "bench",
-                                     "--tokenizer", str(tokenizer)])  # instant: all latencies 0 by default
+        engine = group.start(
+            "sim",
+            [
+                sys.executable,
+                "-m",
+                "sim",
+                "--role",
+                "both",
+                "--port",
+                str(port),
+                "--kv-port",
+                str(free_port()),
+                "--model",
+                "bench",
+                "--tokenizer",
+                str(tokenizer),
+            ],
+        )  # instant: all latencies 0 by default
         engine.wait_http(f"http://127.0.0.1:{port}/health", timeout=60)
         url = f"http://127.0.0.1:{port}"
-        cfg = GatewayConfig.model_validate(yaml.safe_load(f"""
+        cfg = GatewayConfig.model_validate(
+            yaml.safe_load(f"""
 models: [{{name: bench, tokenizer: "{tokenizer}", max_model_len: 32768}}]
 pools: {{prefill: {{endpoints: ["{url}"]}}, decode: {{endpoints: ["{url}"]}}}}
 telemetry: {{access_log: false}}
-"""))
+""")
+        )
         runs = {}
         for name, collector in (("interpreter_defaults", None), ("settled", Collector())):
             app = create_app(cfg, collector=collector)  # with one, startup settles as ``pdgate serve`` does
             with TestClient(app) as client:
                 for i in range(args.requests):
-                    body = {"model": "bench", "max_tokens": 4, "messages": [
-                        {"role": "system", "content": "You are a helpful assistant. " * 20},
-                        {"role": "user", "content": f"Question {i}: what is disaggregated prefill? " * (1 + i % 8)}]}
+                    body = {
+                        "model": "bench",
+                        "max_tokens": 4,
+                        "messages": [
+                            {"role": "system", "content": "You are a helpful assistant. " * 20},
+                            {"role": "user", "content": f"Question {i}: what is disaggregated prefill? " * (1 + i % 8)},
+                        ],
+                    }
                     r = client.post("/v1/chat/completions", json=body)
                     assert r.status_code == 200, r.text
                 runs[name] = _full_collections(args.collections)

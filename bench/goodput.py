@@ -297,7 +297,12 @@ class Progress:
 
 
 async def send(
-    session: aiohttp.ClientSession, url: str, req: Request, t0: float, scale: float, progress: Progress,
+    session: aiohttp.ClientSession,
+    url: str,
+    req: Request,
+    t0: float,
+    scale: float,
+    progress: Progress,
     headers: dict[str, str] | None = None,
 ) -> Result:
     """One streamed completion at its arrival time: its TTFT and inter-token gaps (simulated)."""
@@ -317,8 +322,9 @@ async def send(
     res = Result(req.klass, False)
     last = 0.0
     try:
-        async with session.post(url, data=body, headers={"Content-Type": "application/json", **(headers or {})}
-                                ) as resp:
+        async with session.post(
+            url, data=body, headers={"Content-Type": "application/json", **(headers or {})}
+        ) as resp:
             res.status = resp.status
             res.path = resp.headers.get("x-pdgate-path")
             if resp.status != 200:
@@ -454,8 +460,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vllm-router", default=None, help="an existing vllm-router binary")
     p.add_argument("--no-peer", action="store_true", help="skip the vllm-router configurations")
     p.add_argument("--out", default=None, help="JSON path (default docs/benchmarks/goodput[-quick].json)")
-    p.add_argument("--keep-logs", action="store_true",
-                   help="keep the engines' and routers' logs after a run that succeeds (a failed one keeps them)")
+    p.add_argument(
+        "--keep-logs",
+        action="store_true",
+        help="keep the engines' and routers' logs after a run that succeeds (a failed one keeps them)",
+    )
     args = p.parse_args(argv)
     if args.engines < 2:
         p.error("--engines must be at least 2")

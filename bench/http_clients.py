@@ -88,10 +88,15 @@ async def main(requests: int, rounds: int) -> None:
                 r = await client.post(base, "/v1/completions", PAYLOAD, headers, timeouts)
                 await r.read()
                 r.release()
+
             return call
 
-        clients = (("httpx", with_httpx), ("aiohttp", with_aiohttp), ("AiohttpTransport", with_transport(ref)),
-                   ("h1client", with_transport(h1)))
+        clients = (
+            ("httpx", with_httpx),
+            ("aiohttp", with_aiohttp),
+            ("AiohttpTransport", with_transport(ref)),
+            ("h1client", with_transport(h1)),
+        )
         print("| client | round | p50 us | p99 us | CPU us/request |\n|---|---|---|---|---|")
         for rnd in range(rounds):
             for name, call in clients:

@@ -116,18 +116,26 @@ def _body(stream: bool) -> bytes:
     ).encode()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:  # noqa: C901 - over the limit before it was set; to split
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2000, help="per configuration and round")
     parser.add_argument("--rounds", type=int, default=3, help="A/B alternations")
     parser.add_argument("--out", default="docs/benchmarks/overhead.json")
     parser.add_argument("--no-peer", action="store_true", help="skip vllm-router")
     parser.add_argument("--vllm-router", default=None, help="an existing vllm-router binary")
-    parser.add_argument("--workers", default="1", help="pdgate worker counts to run (comma-separated, e.g. 1,2): "
-                        "targets gateway (the first) and gateway-wN (the others)")
+    parser.add_argument(
+        "--workers",
+        default="1",
+        help="pdgate worker counts to run (comma-separated, e.g. 1,2): "
+        "targets gateway (the first) and gateway-wN (the others)",
+    )
     parser.add_argument("--baseline", default=None, help="a checkout of another pdgate version to compare with")
-    parser.add_argument("--servers", default="", help="also run the gateway app on these ASGI servers "
-                        "(comma-separated, from bench/servers.py: uvicorn-httptools, uvicorn-h11, hypercorn, granian)")
+    parser.add_argument(
+        "--servers",
+        default="",
+        help="also run the gateway app on these ASGI servers "
+        "(comma-separated, from bench/servers.py: uvicorn-httptools, uvicorn-h11, hypercorn, granian)",
+    )
     parser.add_argument(
         "--pin",
         action="store_true",
@@ -169,10 +177,12 @@ def main(argv: list[str] | None = None) -> int:
             p.wait_http(f"http://127.0.0.1:{port}/health")
         gws = {}
         counts = [int(w) for w in args.workers.split(",")]
-        workers_of = {"gateway": counts[0], "gateway-pd": counts[0],
-                      **{f"gateway-w{w}": w for w in counts[1:]}}
-        gateways = [("gateway", 1_000_000, None), ("gateway-pd", 1, None),
-                    *((f"gateway-w{w}", 1_000_000, None) for w in counts[1:])]
+        workers_of = {"gateway": counts[0], "gateway-pd": counts[0], **{f"gateway-w{w}": w for w in counts[1:]}}
+        gateways = [
+            ("gateway", 1_000_000, None),
+            ("gateway-pd", 1, None),
+            *((f"gateway-w{w}", 1_000_000, None) for w in counts[1:]),
+        ]
         if args.baseline:
             gateways += [("baseline", 1_000_000, args.baseline), ("baseline-pd", 1, args.baseline)]
         servers = [s for s in args.servers.split(",") if s]
@@ -180,9 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         for name, threshold, checkout in gateways:
             gw_port = free_port()
             cfg = {
-                "server": {"host": "127.0.0.1", "port": gw_port, "log_level": "warning",
-                           # this checkout's gateways only: a baseline may predate the key
-                           **({"workers": workers_of.get(name, 1)} if checkout is None else {})},
+                "server": {
+                    "host": "127.0.0.1",
+                    "port": gw_port,
+                    "log_level": "warning",
+                    # this checkout's gateways only: a baseline may predate the key
+                    **({"workers": workers_of.get(name, 1)} if checkout is None else {}),
+                },
                 "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": 8192}],
                 "pools": {
                     "prefill": {"endpoints": [f"http://127.0.0.1:{ports['prefill'][0]}"]},
@@ -235,8 +249,13 @@ def main(argv: list[str] | None = None) -> int:
             for stream, conc in plan:
                 body = _body(stream)
                 targets = [("engine", engine_url, None)]
-                names = ["gateway", *(f"gateway-w{w}" for w in counts[1:]), "baseline", "vllm-router",
-                         *(f"server-{s}" for s in servers)]
+                names = [
+                    "gateway",
+                    *(f"gateway-w{w}" for w in counts[1:]),
+                    "baseline",
+                    "vllm-router",
+                    *(f"server-{s}" for s in servers),
+                ]
                 names += ["gateway-pd", "baseline-pd", "vllm-router-pd"] if conc == 1 else []
                 targets += [(n, gws[n][1], gws[n][0].pid) for n in names if n in gws]
                 for name, url, pid in targets if rnd % 2 == 0 else reversed(targets):
@@ -276,10 +295,15 @@ def main(argv: list[str] | None = None) -> int:
             if r.target != "engine" and r.stream == stream and r.concurrency == conc:
                 added.append(
                     {
-                        "router": "vllm-router" if r.target.startswith("vllm-router") else
-                        f"pdgate, {r.target.removeprefix('gateway-w')} workers" if r.target.startswith("gateway-w") else
-                        "pdgate (baseline)" if r.target.startswith("baseline") else
-                        f"pdgate on {r.target.removeprefix('server-')}" if r.target.startswith("server-") else "pdgate",
+                        "router": "vllm-router"
+                        if r.target.startswith("vllm-router")
+                        else f"pdgate, {r.target.removeprefix('gateway-w')} workers"
+                        if r.target.startswith("gateway-w")
+                        else "pdgate (baseline)"
+                        if r.target.startswith("baseline")
+                        else f"pdgate on {r.target.removeprefix('server-')}"
+                        if r.target.startswith("server-")
+                        else "pdgate",
                         "path": "pd" if r.target.endswith("-pd") else "direct",
                         "stream": stream,
                         "concurrency": conc,

@@ -35,8 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     if server.startswith("uvicorn"):
         import uvicorn
 
-        uvicorn.run(factory(), host=host, port=port, loop="uvloop", access_log=False, log_level="warning",
-                    http="httptools" if server == "uvicorn-httptools" else "h11", server_header=False)
+        uvicorn.run(
+            factory(),
+            host=host,
+            port=port,
+            loop="uvloop",
+            access_log=False,
+            log_level="warning",
+            http="httptools" if server == "uvicorn-httptools" else "h11",
+            server_header=False,
+        )
     elif server == "hypercorn":
         import uvloop
         from hypercorn.asyncio import serve
@@ -50,8 +58,15 @@ def main(argv: list[str] | None = None) -> int:
         from granian import Granian
         from granian.constants import Interfaces, Loops
 
-        Granian("bench.servers:factory", address=host, port=port, interface=Interfaces.ASGI, factory=True,
-                loop=Loops.uvloop, log_level="warning").serve()  # type: ignore[arg-type]
+        Granian(
+            "bench.servers:factory",
+            address=host,
+            port=port,
+            interface=Interfaces.ASGI,
+            factory=True,
+            loop=Loops.uvloop,
+            log_level="warning",
+        ).serve()  # type: ignore[arg-type]
     else:
         raise SystemExit(f"unknown server {server!r} (one of {', '.join(SERVERS)})")
     return 0

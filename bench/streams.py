@@ -40,18 +40,28 @@ MODEL = "bench"
 
 # ---------------------------------------------------------------------------------------- backend
 
-_CHUNK = (b'data: {"id":"chatcmpl-b","object":"chat.completion.chunk","created":0,"model":"bench",'
-          b'"choices":[{"index":0,"delta":{"content":" tok"},"finish_reason":null}]}\n\n')
-_LAST = (b'data: {"id":"chatcmpl-b","object":"chat.completion.chunk","created":0,"model":"bench",'
-         b'"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\ndata: [DONE]\n\n')
+_CHUNK = (
+    b'data: {"id":"chatcmpl-b","object":"chat.completion.chunk","created":0,"model":"bench",'
+    b'"choices":[{"index":0,"delta":{"content":" tok"},"finish_reason":null}]}\n\n'
+)
+_LAST = (
+    b'data: {"id":"chatcmpl-b","object":"chat.completion.chunk","created":0,"model":"bench",'
+    b'"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\n\ndata: [DONE]\n\n'
+)
 # Asked for return_token_ids (a migratable request through pdgate), as vLLM 0.32 sends them.
 _CHUNK_IDS = _CHUNK.replace(b'"finish_reason":null}', b'"finish_reason":null,"token_ids":[1337]}')
 _LAST_IDS = _LAST.replace(b'"finish_reason":"length"}', b'"finish_reason":"length","stop_reason":null,"token_ids":[7]}')
 
-_WHOLE = orjson.dumps({
-    "id": "chatcmpl-b", "object": "chat.completion", "created": 0, "model": MODEL,
-    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
-    "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9}})
+_WHOLE = orjson.dumps(
+    {
+        "id": "chatcmpl-b",
+        "object": "chat.completion",
+        "created": 0,
+        "model": MODEL,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
+    }
+)
 
 
 def _chunked(data: bytes) -> bytes:
@@ -86,8 +96,14 @@ class _Backend(asyncio.Protocol):
 
     def _reply(self, status: bytes, body: bytes) -> None:
         assert self.transport is not None
-        self.transport.write(b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\ncontent-length: "
-                             + str(len(body)).encode() + b"\r\n\r\n" + body)
+        self.transport.write(
+            b"HTTP/1.1 "
+            + status
+            + b"\r\ncontent-type: application/json\r\ncontent-length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
 
     def on_message_complete(self) -> None:
         url, body = self._url, bytes(self._body)
@@ -103,8 +119,9 @@ class _Backend(asyncio.Protocol):
                 self._reply(b"200 OK", _WHOLE)
                 return
             assert self.transport is not None
-            self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                                 b"transfer-encoding: chunked\r\n\r\n")
+            self.transport.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            )
             chunks = (_CHUNK_IDS, _LAST_IDS) if req.get("return_token_ids") else (_CHUNK, _LAST)
             heapq.heappush(self._streams, (time.monotonic() + self._interval, id(self), self, tokens, chunks))
         else:
@@ -132,8 +149,9 @@ def backend(port: int, rate: float, tokens: int) -> None:
     async def main() -> None:
         streams: list[Any] = []
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: _Backend(streams, 1.0 / rate, tokens), "127.0.0.1", port,
-                                          backlog=8192)
+        server = await loop.create_server(
+            lambda: _Backend(streams, 1.0 / rate, tokens), "127.0.0.1", port, backlog=8192
+        )
         async with server:
             await _tick(streams, 1.0 / rate)
 
@@ -189,12 +207,21 @@ class _Stream(asyncio.Protocol):
             self._done.set_result(None)
 
 
-def _client(host_port: tuple[str, int], path: str, n: int, ramp_s: float, tokens: int, timeout_s: float,
-            out: Any) -> None:
-    body = orjson.dumps({"model": MODEL, "stream": True, "max_tokens": tokens,
-                         "messages": [{"role": "user", "content": "stream please"}]})
-    request = (f"POST {path} HTTP/1.1\r\nhost: {host_port[0]}\r\ncontent-type: application/json\r\n"
-               f"content-length: {len(body)}\r\n\r\n").encode() + body
+def _client(
+    host_port: tuple[str, int], path: str, n: int, ramp_s: float, tokens: int, timeout_s: float, out: Any
+) -> None:
+    body = orjson.dumps(
+        {
+            "model": MODEL,
+            "stream": True,
+            "max_tokens": tokens,
+            "messages": [{"role": "user", "content": "stream please"}],
+        }
+    )
+    request = (
+        f"POST {path} HTTP/1.1\r\nhost: {host_port[0]}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    ).encode() + body
 
     async def main() -> dict[str, Any]:
         loop = asyncio.get_running_loop()
@@ -221,8 +248,13 @@ def _client(host_port: tuple[str, int], path: str, n: int, ramp_s: float, tokens
 
         await asyncio.gather(*(one(ramp_s * i / max(1, n)) for i in range(n)))
         ok = [s for s in streams if s.ended and s.status == 200]
-        return {"errors": errors + len(streams) - len(ok), "refused": refused, "first": [s.first for s in ok],
-                "gaps": [g for s in ok for g in s.gaps], "durations": [s.ended - s.sent for s in ok]}
+        return {
+            "errors": errors + len(streams) - len(ok),
+            "refused": refused,
+            "first": [s.first for s in ok],
+            "gaps": [g for s in ok for g in s.gaps],
+            "durations": [s.ended - s.sent for s in ok],
+        }
 
     out.put(uvloop.run(main()))
 
@@ -239,9 +271,21 @@ def run_load(url: str, n: int, clients: int, ramp_s: float, tokens: int, rate: f
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     timeout_s = ramp_s + tokens / rate * 4 + 30
-    procs = [ctx.Process(target=_client, args=((host, int(port)), "/v1/chat/completions", n // clients +
-                                                (1 if i < n % clients else 0), ramp_s, tokens, timeout_s, out))
-             for i in range(clients)]
+    procs = [
+        ctx.Process(
+            target=_client,
+            args=(
+                (host, int(port)),
+                "/v1/chat/completions",
+                n // clients + (1 if i < n % clients else 0),
+                ramp_s,
+                tokens,
+                timeout_s,
+                out,
+            ),
+        )
+        for i in range(clients)
+    ]
     for p in procs:
         p.start()
     parts = [out.get(timeout=timeout_s + 30) for _ in procs]
@@ -250,11 +294,17 @@ def run_load(url: str, n: int, clients: int, ramp_s: float, tokens: int, rate: f
     first = [x for r in parts for x in r["first"]]
     gaps = [x for r in parts for x in r["gaps"]]
     durations = [x for r in parts for x in r["durations"]]
-    return {"streams": n, "errors": sum(r["errors"] for r in parts), "refused_429": sum(r["refused"] for r in parts),
-            "first_chunk_p50_ms": _pct(first, 0.5), "first_chunk_p99_ms": _pct(first, 0.99),
-            "gap_p50_ms": _pct(gaps, 0.5), "gap_p99_ms": _pct(gaps, 0.99),
-            "duration_p50_s": round(sorted(durations)[len(durations) // 2], 2) if durations else None,
-            "ideal_duration_s": round(tokens / rate, 2)}
+    return {
+        "streams": n,
+        "errors": sum(r["errors"] for r in parts),
+        "refused_429": sum(r["refused"] for r in parts),
+        "first_chunk_p50_ms": _pct(first, 0.5),
+        "first_chunk_p99_ms": _pct(first, 0.99),
+        "gap_p50_ms": _pct(gaps, 0.5),
+        "gap_p99_ms": _pct(gaps, 0.99),
+        "duration_p50_s": round(sorted(durations)[len(durations) // 2], 2) if durations else None,
+        "ideal_duration_s": round(tokens / rate, 2),
+    }
 
 
 # ------------------------------------------------------------------------------------------- main
@@ -273,8 +323,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ramp-s", type=float, default=5.0, help="streams open over this long")
     parser.add_argument("--clients", type=int, default=2, help="load generator processes")
     parser.add_argument("--targets", default="backend,pdgate,pdgate-w2,vllm-router")
-    parser.add_argument("--max-loop-lag-ms", type=float, default=50.0,
-                        help="pdgate's admission.max_loop_lag_ms (0: never shed; 429s count as errors)")
+    parser.add_argument(
+        "--max-loop-lag-ms",
+        type=float,
+        default=50.0,
+        help="pdgate's admission.max_loop_lag_ms (0: never shed; 429s count as errors)",
+    )
     parser.add_argument("--vllm-router", default=None, help="an existing vllm-router binary")
     parser.add_argument("--out", default="docs/benchmarks/streams.json")
     parser.add_argument("--plot", default="docs/benchmarks/streams.png")
@@ -299,8 +353,21 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     try:
         be_port = free_port()
-        group.start("backend", [sys.executable, "-m", "bench.streams", "backend", "--port", str(be_port),
-                                "--rate", str(args.rate), "--tokens", str(args.tokens)])
+        group.start(
+            "backend",
+            [
+                sys.executable,
+                "-m",
+                "bench.streams",
+                "backend",
+                "--port",
+                str(be_port),
+                "--rate",
+                str(args.rate),
+                "--tokens",
+                str(args.tokens),
+            ],
+        )
         backend_url = f"http://127.0.0.1:{be_port}"
         group.procs[-1].wait_http(backend_url + "/health")
         urls: dict[str, str] = {"backend": backend_url}
@@ -309,17 +376,25 @@ def main(argv: list[str] | None = None) -> int:
             if name.startswith("pdgate"):
                 workers = int(name.removeprefix("pdgate-w")) if name.startswith("pdgate-w") else 1
                 port = free_port()
-                cfg = {"server": {"host": "127.0.0.1", "port": port, "log_level": "warning", "workers": workers,
-                                  "max_connections": 20000},
-                       "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": 8192}],
-                       "pools": {"prefill": {"endpoints": []}, "decode": {"endpoints": [backend_url]}},
-                       "telemetry": {"access_log": False},
-                       "admission": {"max_loop_lag_ms": args.max_loop_lag_ms},
-                       # pdgate-nomig: mid-stream migration off, every event relayed unread
-                       "routing": {"migration": {"enabled": name != "pdgate-nomig"}}}
+                cfg = {
+                    "server": {
+                        "host": "127.0.0.1",
+                        "port": port,
+                        "log_level": "warning",
+                        "workers": workers,
+                        "max_connections": 20000,
+                    },
+                    "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": 8192}],
+                    "pools": {"prefill": {"endpoints": []}, "decode": {"endpoints": [backend_url]}},
+                    "telemetry": {"access_log": False},
+                    "admission": {"max_loop_lag_ms": args.max_loop_lag_ms},
+                    # pdgate-nomig: mid-stream migration off, every event relayed unread
+                    "routing": {"migration": {"enabled": name != "pdgate-nomig"}},
+                }
                 (logs / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
-                proc = group.start(name, [sys.executable, "-m", "gateway", "serve", "--config",
-                                          str(logs / f"{name}.yaml")])
+                proc = group.start(
+                    name, [sys.executable, "-m", "gateway", "serve", "--config", str(logs / f"{name}.yaml")]
+                )
                 proc.wait_http(f"http://127.0.0.1:{port}/ready", timeout=60)
                 time.sleep(2.0)  # every worker up
                 urls[name] = f"http://127.0.0.1:{port}"
@@ -328,11 +403,30 @@ def main(argv: list[str] | None = None) -> int:
                 from bench.goodput import vllm_router_binary
 
                 port = free_port()
-                proc = group.start(name, [str(vllm_router_binary(args.vllm_router)), "--host", "127.0.0.1", "--port",
-                                          str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port",
-                                          str(free_port()), "--log-level", "warning", "--policy", "round_robin",
-                                          "--worker-urls", backend_url, "--max-concurrent-requests", "20000",
-                                          "--queue-size", "20000"])
+                proc = group.start(
+                    name,
+                    [
+                        str(vllm_router_binary(args.vllm_router)),
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--prometheus-host",
+                        "127.0.0.1",
+                        "--prometheus-port",
+                        str(free_port()),
+                        "--log-level",
+                        "warning",
+                        "--policy",
+                        "round_robin",
+                        "--worker-urls",
+                        backend_url,
+                        "--max-concurrent-requests",
+                        "20000",
+                        "--queue-size",
+                        "20000",
+                    ],
+                )
                 proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=60)
                 urls[name] = f"http://127.0.0.1:{port}"
                 pids[name] = proc.pid
@@ -349,18 +443,28 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(1.0)
     finally:
         group.stop_all()
-    report = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}, "rate_tokens_per_s": args.rate,
-              "pdgate_max_loop_lag_ms": args.max_loop_lag_ms,
-              "tokens": args.tokens, "ramp_s": args.ramp_s, "clients": args.clients, "results": results}
+    report = {
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "rate_tokens_per_s": args.rate,
+        "pdgate_max_loop_lag_ms": args.max_loop_lag_ms,
+        "tokens": args.tokens,
+        "ramp_s": args.ramp_s,
+        "clients": args.clients,
+        "results": results,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print("| target | streams | errors | refused (429) | first chunk p50 / p99 ms | gap p50 / p99 ms "
-          "| duration p50 s (ideal) | router CPU us/chunk |")
+    print(
+        "| target | streams | errors | refused (429) | first chunk p50 / p99 ms | gap p50 / p99 ms "
+        "| duration p50 s (ideal) | router CPU us/chunk |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['target']} | {r['streams']} | {r['errors']} | {r['refused_429']} | {r['first_chunk_p50_ms']} / "
-              f"{r['first_chunk_p99_ms']} | {r['gap_p50_ms']} / {r['gap_p99_ms']} | {r['duration_p50_s']} "
-              f"({r['ideal_duration_s']}) | {r.get('router_cpu_us_per_chunk', '')} |")
+        print(
+            f"| {r['target']} | {r['streams']} | {r['errors']} | {r['refused_429']} | {r['first_chunk_p50_ms']} / "
+            f"{r['first_chunk_p99_ms']} | {r['gap_p50_ms']} / {r['gap_p99_ms']} | {r['duration_p50_s']} "
+            f"({r['ideal_duration_s']}) | {r.get('router_cpu_us_per_chunk', '')} |"
+        )
     if args.plot:
         _plot(results, Path(args.plot))
     return 0

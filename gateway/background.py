@@ -48,8 +48,9 @@ async def stop_task(task: asyncio.Task[object] | None, *, bound_s: float = STOP_
     return await stop_tasks([task], bound_s=bound_s, grace_s=grace_s)
 
 
-async def stop_tasks(tasks: Iterable[asyncio.Task[object] | None], *, bound_s: float = STOP_BOUND_S,
-                     grace_s: float = 0.0) -> bool:
+async def stop_tasks(
+    tasks: Iterable[asyncio.Task[object] | None], *, bound_s: float = STOP_BOUND_S, grace_s: float = 0.0
+) -> bool:
     """Cancel ``tasks`` and wait, all together, at most ``bound_s`` for them to end, cancelling
     again those still running after a short wait (their first cancel may have been swallowed).
 
@@ -79,8 +80,11 @@ async def stop_tasks(tasks: Iterable[asyncio.Task[object] | None], *, bound_s: f
             _collect(t)
         wait = min(wait * 2, _RECANCEL_MAX_S)
     for t in pending:
-        log.warning("background task %r did not end within %.1f s of being cancelled; shutdown goes on "
-                    "without it", t.get_name(), bound_s)
+        log.warning(
+            "background task %r did not end within %.1f s of being cancelled; shutdown goes on without it",
+            t.get_name(),
+            bound_s,
+        )
     return not pending
 
 

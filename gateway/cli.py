@@ -32,8 +32,9 @@ def load_tokenizers(cfg: GatewayConfig) -> Tokenizers:
             raise TokenizerUnavailable(f"models[{i}].tokenizer: cannot load {model.tokenizer!r}: {err}") from None
         except Exception as err:  # whatever transformers raises for a missing or broken tokenizer
             cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ValueError(f"models[{i}].tokenizer: cannot load {model.tokenizer!r} "
-                             f"({type(err).__name__}: {cause})") from None
+            raise ValueError(
+                f"models[{i}].tokenizer: cannot load {model.tokenizer!r} ({type(err).__name__}: {cause})"
+            ) from None
     return Tokenizers(loaded, cfg.tokenizer)
 
 
@@ -45,8 +46,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.config is not None:
         if wants_flags(args):
-            print("pdgate serve: give either --config FILE or the engine flags (--decode URL --model NAME ...), "
-                  "not both", file=sys.stderr)
+            print(
+                "pdgate serve: give either --config FILE or the engine flags (--decode URL --model NAME ...), not both",
+                file=sys.stderr,
+            )
             return 2
         return _serve_file(args)
     try:
@@ -124,11 +127,20 @@ def _serve_file(args: argparse.Namespace) -> int:
     try:
         tokenizers = load_tokenizers(cfg)  # here, not at startup: a missing tokenizer is one line, not a traceback
         server = make_server(
-            cfg, lambda connections: create_app(cfg, tokenizers, config_path=args.config,
-                                                config_version=snapshot.version, connections=connections,
-                                                listen=listen,
-                                                collector=Collector(cfg.server.gc_young_threshold)),
-            host=host, port=port, log_level=cfg.server.log_level.lower())
+            cfg,
+            lambda connections: create_app(
+                cfg,
+                tokenizers,
+                config_path=args.config,
+                config_version=snapshot.version,
+                connections=connections,
+                listen=listen,
+                collector=Collector(cfg.server.gc_young_threshold),
+            ),
+            host=host,
+            port=port,
+            log_level=cfg.server.log_level.lower(),
+        )
     except ValueError as err:  # e.g. an unknown policy name, a tokenizer that cannot load
         _say(args, f"{args.config}: {err}")
         return 2
@@ -175,8 +187,10 @@ def _check(args: argparse.Namespace) -> int:
         return f"{len(p.endpoints)}{found}"
 
     keys = "" if cfg.auth.configured else "; no API keys: every client may call it"
-    print(f"{args.config}: OK ({len(cfg.models)} model(s), {pool(cfg.pools.prefill)} prefill and "
-          f"{pool(cfg.pools.decode)} decode endpoint(s){keys})")
+    print(
+        f"{args.config}: OK ({len(cfg.models)} model(s), {pool(cfg.pools.prefill)} prefill and "
+        f"{pool(cfg.pools.decode)} decode endpoint(s){keys})"
+    )
     return 0
 
 
@@ -203,9 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser(
-        "serve", help="run the gateway",
+        "serve",
+        help="run the gateway",
         description="Run the gateway from a YAML config file (hot-reloaded), or from flags alone: "
-        "pdgate serve --prefill URL --decode URL --model NAME [--tokenizer PATH].")
+        "pdgate serve --prefill URL --decode URL --model NAME [--tokenizer PATH].",
+    )
     serve.add_argument("--config", help="YAML config file")
     serve.add_argument("--host", help="override server.host")
     serve.add_argument("--port", type=int, help="override server.port")
@@ -213,24 +229,36 @@ def main(argv: list[str] | None = None) -> int:
     serve.set_defaults(func=_serve)
 
     demo = sub.add_parser(
-        "demo", help="gateway + simulated prefill and decode engines on this machine",
+        "demo",
+        help="gateway + simulated prefill and decode engines on this machine",
         description="The whole system on this machine, no GPU: simulated prefill and decode engines (the "
         "vLLM-compatible simulator in sim/) behind a real gateway. Prints curl commands to try, an admin token "
         "for /debug/route and /admin/config (made for this run), and where the config and logs are; responses "
-        "say their path and why (x-pdgate-path, x-pdgate-route). Ctrl-C stops every process it started.")
+        "say their path and why (x-pdgate-path, x-pdgate-route). Ctrl-C stops every process it started.",
+    )
     demo.add_argument("--port", type=int, default=8000, help="the gateway's port (default 8000)")
     demo.add_argument("--host", default="127.0.0.1", help="the gateway's address (default 127.0.0.1)")
     demo.add_argument("--prefill", type=int, default=2, help="simulated prefill engines (default 2)")
     demo.add_argument("--decode", type=int, default=2, help="simulated decode engines (default 2)")
-    demo.add_argument("--threshold", type=int, default=4096,
-                      help="a prompt goes prefill -> decode from this many uncached tokens, else direct "
-                      "(default 4096)")
-    demo.add_argument("--workers", type=int, default=0,
-                      help="gateway worker processes (default: 2, or 1 on a single core)")
-    demo.add_argument("--keep-logs", action="store_true",
-                      help="keep the demo's temporary folder (engine logs, config, access log) after exit")
-    demo.add_argument("--access-log", action="store_true",
-                      help="print the JSON access log on the terminal (default: a file in the demo's folder)")
+    demo.add_argument(
+        "--threshold",
+        type=int,
+        default=4096,
+        help="a prompt goes prefill -> decode from this many uncached tokens, else direct (default 4096)",
+    )
+    demo.add_argument(
+        "--workers", type=int, default=0, help="gateway worker processes (default: 2, or 1 on a single core)"
+    )
+    demo.add_argument(
+        "--keep-logs",
+        action="store_true",
+        help="keep the demo's temporary folder (engine logs, config, access log) after exit",
+    )
+    demo.add_argument(
+        "--access-log",
+        action="store_true",
+        help="print the JSON access log on the terminal (default: a file in the demo's folder)",
+    )
     demo.set_defaults(func=_demo)
 
     sub.add_parser("sim", help="run one simulated vLLM engine (see `pdgate sim --help`)")
@@ -238,11 +266,17 @@ def main(argv: list[str] | None = None) -> int:
 
     check = sub.add_parser("check-config", help="validate a config file (and load its models' tokenizers) and exit")
     check.add_argument("config")
-    check.add_argument("--previous", metavar="FILE",
-                       help="the config running now: also check the change, as a reload would (switching API keys "
-                       "or the admin token off must be said: auth.disabled / admin.disabled)")
-    check.add_argument("--no-tokenizers", action="store_true",
-                       help="skip loading the tokenizers (e.g. hub names where the hub is unreachable)")
+    check.add_argument(
+        "--previous",
+        metavar="FILE",
+        help="the config running now: also check the change, as a reload would (switching API keys "
+        "or the admin token off must be said: auth.disabled / admin.disabled)",
+    )
+    check.add_argument(
+        "--no-tokenizers",
+        action="store_true",
+        help="skip loading the tokenizers (e.g. hub names where the hub is unreachable)",
+    )
     check.set_defaults(func=_check)
 
     args = parser.parse_args(argv)

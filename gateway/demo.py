@@ -33,8 +33,16 @@ from gateway.ports import free_port
 MODEL = "demo"
 MAX_MODEL_LEN = 32768
 # Latencies of the simulated engines: roughly a mid-size model on one GPU, so that streaming is visible.
-SIM_TIMING = ["--prefill-time-per-token", "0.00005", "--decode-time-per-token", "0.02",
-              "--kv-transfer-time-per-token", "0.000005", "--default-max-tokens", "32"]
+SIM_TIMING = [
+    "--prefill-time-per-token",
+    "0.00005",
+    "--decode-time-per-token",
+    "0.02",
+    "--kv-transfer-time-per-token",
+    "0.000005",
+    "--default-max-tokens",
+    "32",
+]
 
 
 def cache_dir() -> Path:
@@ -66,8 +74,7 @@ def _bind(host: str, port: int) -> socket.socket:
 def _port_problem(host: str, port: int, err: OSError) -> str:
     """One line: why the gateway cannot listen, and what to pass instead."""
     if err.errno != errno.EADDRINUSE:
-        return (f"pdgate demo: cannot listen on {host}:{port} ({err.strerror or err}); "
-                f"choose another port with --port")
+        return f"pdgate demo: cannot listen on {host}:{port} ({err.strerror or err}); choose another port with --port"
     suggestion = ""
     for other in range(port + 1, min(port + 50, 65536)):
         with contextlib.suppress(OSError), _bind(host, other):
@@ -107,24 +114,25 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
 def _curls(port: int, admin_token: str) -> str:
     base = f"http://127.0.0.1:{port}"
     auth = f"-H 'Authorization: Bearer {admin_token}'"
-    hello = f"-d '{{\"model\": \"{MODEL}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'"
+    hello = f'-d \'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "Hello!"}}]}}\''
     short = f"curl -si {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n  {hello}"
     long_body = (
-        "python3 -c 'import json; print(json.dumps({\"model\": \"" + MODEL + "\", \"stream\": True, "
-        "\"messages\": [{\"role\": \"user\", \"content\": \"Summarize this. \" + \"The quick brown fox "
+        'python3 -c \'import json; print(json.dumps({"model": "' + MODEL + '", "stream": True, '
+        '"messages": [{"role": "user", "content": "Summarize this. " + "The quick brown fox '
         "jumps over the lazy dog. \" * 600}]}))'"
     )
-    long = (f"curl -siN {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-            f"  -d \"$({long_body})\"")
+    long = f"curl -siN {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n  -d \"$({long_body})\""
     explain = f"curl -s {base}/debug/route {auth} -H 'Content-Type: application/json' \\\n  {hello}"
-    return (f"Short prompt (goes direct to a decode engine):\n  {short}\n\n"
-            f"Long prompt, streamed (goes prefill -> decode; sent again, it goes direct to the engine "
-            f"that now holds it):\n  {long}\n\n"
-            f"The response header x-pdgate-path says which path a request took, x-pdgate-route why "
-            f"(the decider's reason and numbers, the chosen engines); metrics at {base}/metrics.\n\n"
-            f"Admin token for this run: {admin_token}\n"
-            f"What the gateway would do with a request, without sending it:\n  {explain}\n"
-            f"The running config:\n  curl -s {base}/admin/config {auth}")
+    return (
+        f"Short prompt (goes direct to a decode engine):\n  {short}\n\n"
+        f"Long prompt, streamed (goes prefill -> decode; sent again, it goes direct to the engine "
+        f"that now holds it):\n  {long}\n\n"
+        f"The response header x-pdgate-path says which path a request took, x-pdgate-route why "
+        f"(the decider's reason and numbers, the chosen engines); metrics at {base}/metrics.\n\n"
+        f"Admin token for this run: {admin_token}\n"
+        f"What the gateway would do with a request, without sending it:\n  {explain}\n"
+        f"The running config:\n  curl -s {base}/admin/config {auth}"
+    )
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -166,27 +174,57 @@ def run_demo(args: argparse.Namespace) -> int:
                 port, kv_port, events, replay = (free_port() for _ in range(4))
                 # Every engine publishes its KV cache events, as vLLM does with --kv-events-config;
                 # the gateway follows them for precise prefix routing.
-                events_cfg = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{events}",
-                              "replay_endpoint": f"tcp://*:{replay}"}
-                argv = [sys.executable, "-m", "sim", "--role", role, "--port", str(port), "--kv-port",
-                        str(kv_port), "--model", MODEL, "--tokenizer", str(tokenizer),
-                        "--max-model-len", str(MAX_MODEL_LEN), "--kv-events-config", json.dumps(events_cfg),
-                        *SIM_TIMING]
+                events_cfg = {
+                    "enable_kv_cache_events": True,
+                    "endpoint": f"tcp://*:{events}",
+                    "replay_endpoint": f"tcp://*:{replay}",
+                }
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "sim",
+                    "--role",
+                    role,
+                    "--port",
+                    str(port),
+                    "--kv-port",
+                    str(kv_port),
+                    "--model",
+                    MODEL,
+                    "--tokenizer",
+                    str(tokenizer),
+                    "--max-model-len",
+                    str(MAX_MODEL_LEN),
+                    "--kv-events-config",
+                    json.dumps(events_cfg),
+                    *SIM_TIMING,
+                ]
                 with open(os.path.join(logs, f"{role}-{i}.log"), "wb") as log:
-                    procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                                  preexec_fn=_die_with_parent))
-                pools[role].append({"url": f"http://127.0.0.1:{port}", "kv_events": f"tcp://127.0.0.1:{events}",
-                                    "kv_events_replay": f"tcp://127.0.0.1:{replay}"})
+                    procs.append(
+                        subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                    )
+                pools[role].append(
+                    {
+                        "url": f"http://127.0.0.1:{port}",
+                        "kv_events": f"tcp://127.0.0.1:{events}",
+                        "kv_events_replay": f"tcp://127.0.0.1:{replay}",
+                    }
+                )
         for proc, ep in zip(procs, pools["prefill"] + pools["decode"], strict=False):
             _wait_ready(ep["url"] + "/health", proc)
-        cfg = parse_config({
-            "server": {"host": args.host, "port": args.port},
-            "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": MAX_MODEL_LEN}],
-            "pools": {"prefill": {"endpoints": pools["prefill"]}, "decode": {"endpoints": pools["decode"]}},
-            "routing": {"decider": {"name": "token_threshold", "threshold": args.threshold},
-                        "debug_headers": True},  # x-pdgate-route: why each request took its path
-            "admin": {"token_file": token_file},
-        }, "demo")
+        cfg = parse_config(
+            {
+                "server": {"host": args.host, "port": args.port},
+                "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": MAX_MODEL_LEN}],
+                "pools": {"prefill": {"endpoints": pools["prefill"]}, "decode": {"endpoints": pools["decode"]}},
+                "routing": {
+                    "decider": {"name": "token_threshold", "threshold": args.threshold},
+                    "debug_headers": True,
+                },  # x-pdgate-route: why each request took its path
+                "admin": {"token_file": token_file},
+            },
+            "demo",
+        )
         config_path = os.path.join(logs, "gateway.yaml")
         raw = yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True), sort_keys=False).encode()
         Path(config_path).write_bytes(raw)
@@ -195,22 +233,43 @@ def run_demo(args: argparse.Namespace) -> int:
             access_file = open(access_path, "ab")  # noqa: SIM115 - closed in finally
             access_sink = LineWriter(access_file)
         kept = "kept after exit" if keep_logs else "removed on exit; --keep-logs keeps them"
-        print(f"pdgate demo: {args.prefill} prefill + {args.decode} decode simulated engines, "
-              f"gateway on http://{args.host}:{args.port} (P/D from {args.threshold} uncached prompt tokens)")
+        print(
+            f"pdgate demo: {args.prefill} prefill + {args.decode} decode simulated engines, "
+            f"gateway on http://{args.host}:{args.port} (P/D from {args.threshold} uncached prompt tokens)"
+        )
         print(f"config: {config_path} (edits apply live)   engine logs: {logs} ({kept})")
-        print("access log (one JSON line per request): "
-              + ("this terminal" if access_to_terminal else f"{access_path} (--access-log prints it here instead)"))
+        print(
+            "access log (one JSON line per request): "
+            + ("this terminal" if access_to_terminal else f"{access_path} (--access-log prints it here instead)")
+        )
         print(f"tokenizer: {tokenizer} (model {MODEL!r}; give this folder to load tools as their tokenizer)\n")
         print(_curls(args.port, admin_token), "\n\nCtrl-C stops everything.\n", flush=True)
         workers = args.workers or min(DEMO_WORKERS, worker_count(cfg))
         if workers > 1:  # the gateway as it is deployed: one process per core on one socket
             print(f"gateway: {workers} worker processes\n", flush=True)
-            return serve_workers(cfg, config_path, raw.decode(), args.host, args.port, workers, sock=listener,
-                                 access_log_path=None if access_to_terminal else access_path)
+            return serve_workers(
+                cfg,
+                config_path,
+                raw.decode(),
+                args.host,
+                args.port,
+                workers,
+                sock=listener,
+                access_log_path=None if access_to_terminal else access_path,
+            )
         server = make_server(
-            cfg, lambda connections: create_app(cfg, config_path=config_path, config_version=version_of(raw),
-                                                access_sink=access_sink, connections=connections),
-            host=args.host, port=args.port, log_level="warning")
+            cfg,
+            lambda connections: create_app(
+                cfg,
+                config_path=config_path,
+                config_version=version_of(raw),
+                access_sink=access_sink,
+                connections=connections,
+            ),
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+        )
         server.run(sockets=[listener])  # returns on SIGINT/SIGTERM
         return 0 if server.started else 1
     except KeyboardInterrupt:

@@ -54,9 +54,15 @@ class Lifecycle:
         self._started: list[Part] = []
         self._bound_s = bound_s
 
-    def add(self, name: str, *, start: Step | None = None, stop: Step | None = None,
-            configure: Callable[[GatewayConfig], Awaitable[None] | None] | None = None,
-            resource: bool = False) -> None:
+    def add(
+        self,
+        name: str,
+        *,
+        start: Step | None = None,
+        stop: Step | None = None,
+        configure: Callable[[GatewayConfig], Awaitable[None] | None] | None = None,
+        resource: bool = False,
+    ) -> None:
         """``start``/``stop``/``configure`` may be plain or async callables; ``resource``: closed
         after every service stopped, in reverse order (``stop`` is its close)."""
         if any(p.name == name for p in self._parts):
@@ -107,6 +113,7 @@ class Lifecycle:
         await self.start()
         return self
 
-    async def __aexit__(self, kind: type[BaseException] | None, err: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.stop()

@@ -192,8 +192,9 @@ class Scorer(Protocol):
 
 @runtime_checkable
 class Picker(Protocol):
-    def pick(self, ctx: RequestContext, candidates: Sequence[EndpointView], scores: Sequence[float]
-             ) -> EndpointView: ...
+    def pick(
+        self, ctx: RequestContext, candidates: Sequence[EndpointView], scores: Sequence[float]
+    ) -> EndpointView: ...
 
 
 @runtime_checkable

@@ -79,9 +79,7 @@ def _xxh3_128() -> Callable[[bytes], bytes]:
     try:
         import xxhash  # optional: only engines run with an xxhash algo need it
     except ImportError:
-        raise ImportError(
-            "hash algo xxhash/xxhash_cbor needs the 'xxhash' package (pip install xxhash)"
-        ) from None
+        raise ImportError("hash algo xxhash/xxhash_cbor needs the 'xxhash' package (pip install xxhash)") from None
     digest: Callable[[bytes], bytes] = xxhash.xxh3_128_digest
     return digest
 
@@ -267,8 +265,13 @@ def block_digests(
     return out
 
 
-def _chain(token_ids: Sequence[int], spec: HashSpec, parent: Digest | None,
-           first_extra: tuple[Any, ...] | None, every_extra: tuple[Any, ...] | None) -> list[Digest]:
+def _chain(
+    token_ids: Sequence[int],
+    spec: HashSpec,
+    parent: Digest | None,
+    first_extra: tuple[Any, ...] | None,
+    every_extra: tuple[Any, ...] | None,
+) -> list[Digest]:
     """``block_digests`` without the per-block memo: ``block_hashes`` reuses whole prompts
     instead (``_Recent``), and for a new prompt a memo probe per block costs 3x the hashing."""
     unit, digest = spec.unit, spec._digest
@@ -284,9 +287,9 @@ def _chain(token_ids: Sequence[int], spec: HashSpec, parent: Digest | None,
     return out
 
 
-def extra_keys(cache_salt: str | None = None, lora: tuple[str, str] | None = None) -> tuple[
-    tuple[Any, ...] | None, tuple[Any, ...] | None
-]:
+def extra_keys(
+    cache_salt: str | None = None, lora: tuple[str, str] | None = None
+) -> tuple[tuple[Any, ...] | None, tuple[Any, ...] | None]:
     """vLLM's tagged extra keys for a request: (first block's, every block's)."""
     every = (("lora", lora[0], lora[1]),) if lora else None
     first = (("cache_salt", cache_salt),) if cache_salt else None
@@ -321,15 +324,17 @@ def block_hashes(
     last, shared = spec._recent.best(key, packed, unit_bytes)
     if last is not None and shared:
         digests = last.digests[:shared] + _chain(
-            token_ids[shared * unit : units * unit], spec, last.digests[shared - 1], None, every)
+            token_ids[shared * unit : units * unit], spec, last.digests[shared - 1], None, every
+        )
         published = last.published[:shared] + _publish(digests[shared:], spec)
     else:
         digests = _chain(token_ids[: units * unit], spec, None, first, every)
         published = _publish(digests, spec)
     if last is None or shared < units or len(last.digests) <= units:
         # Remember this prompt, in place of the one it extends (a conversation's earlier turn).
-        spec._recent.put(key, _Prompt(packed, digests, published),
-                         last if last is not None and shared == len(last.digests) else None)
+        spec._recent.put(
+            key, _Prompt(packed, digests, published), last if last is not None and shared == len(last.digests) else None
+        )
     return published[step - 1 :: step] if step != 1 else list(published)
 
 

@@ -23,8 +23,12 @@ from .params import Number, PolicyParams, check_fields
 
 
 class BoundedLoadParams(PolicyParams):
-    load_factor: Number = Field(1.25, ge=1, description="bound as a multiple of the candidates' mean load "
-                                "(the same name and meaning as session_affinity's)")
+    load_factor: Number = Field(
+        1.25,
+        ge=1,
+        description="bound as a multiple of the candidates' mean load "
+        "(the same name and meaning as session_affinity's)",
+    )
     slack: Number = Field(2.0, ge=0, description="requests allowed above that bound")
 
 

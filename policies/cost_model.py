@@ -37,23 +37,31 @@ LLAMA_70B_KV_BYTES_PER_TOKEN = 2 * 80 * 8 * 128 * 2
 
 
 class CostModelParams(PolicyParams):
-    kv_bytes_per_token: Number = Field(LLAMA_70B_KV_BYTES_PER_TOKEN, gt=0,
-                                       description="KV cache bytes per prompt token (all layers, K and V)")
-    kv_bandwidth_gbps: Number = Field(400.0, gt=0,  # one EFA link per GPU on p5 nodes (3,200 Gbps per node)
-                                      description="KV transfer bandwidth, Gbit/s")
-    prefill_tokens_per_s: Number = Field(10_000.0, gt=0,
-                                         description="prefill speed until an endpoint's own has been observed")
-    decode_prefill_factor: Number = Field(1.0, gt=0, description="prefill on a busy decode engine may run "
-                                          "slower (until measured)")
-    pd_overhead_s: Number = Field(0.005, ge=0, description="the extra hop, the one-token prefill answer, "
-                                  "the NIXL handshake")
+    kv_bytes_per_token: Number = Field(
+        LLAMA_70B_KV_BYTES_PER_TOKEN, gt=0, description="KV cache bytes per prompt token (all layers, K and V)"
+    )
+    kv_bandwidth_gbps: Number = Field(
+        400.0,
+        gt=0,  # one EFA link per GPU on p5 nodes (3,200 Gbps per node)
+        description="KV transfer bandwidth, Gbit/s",
+    )
+    prefill_tokens_per_s: Number = Field(
+        10_000.0, gt=0, description="prefill speed until an endpoint's own has been observed"
+    )
+    decode_prefill_factor: Number = Field(
+        1.0, gt=0, description="prefill on a busy decode engine may run slower (until measured)"
+    )
+    pd_overhead_s: Number = Field(
+        0.005, ge=0, description="the extra hop, the one-token prefill answer, the NIXL handshake"
+    )
     min_gain_s: Number = Field(0.0, ge=0, description="how much faster P/D must be predicted to be")
     # Direct prefill shares the decode engine's steps with its running streams: a chunk of up to
     # prefill_chunk_tokens (vLLM's max_num_batched_tokens) delays every stream's next token by
     # its prefill time. Above this delay the request goes P/D even when direct is faster to its
     # first token (0: TTFT alone decides).
-    itl_budget_s: Number = Field(0.05, ge=0, description="longest stall of running streams direct may cause "
-                                 "(0: TTFT alone decides)")
+    itl_budget_s: Number = Field(
+        0.05, ge=0, description="longest stall of running streams direct may cause (0: TTFT alone decides)"
+    )
     prefill_chunk_tokens: Number = Field(8192, gt=0, description="the engines' max_num_batched_tokens")
 
 
@@ -109,8 +117,9 @@ class CostModel:
         """(direct, pd) predicted seconds to first token."""
         return self._predict(ctx, decode, prefill)[:2]
 
-    def _predict(self, ctx: RequestContext, decode: EndpointView, prefill: EndpointView
-                 ) -> tuple[float, float, float, str]:
+    def _predict(
+        self, ctx: RequestContext, decode: EndpointView, prefill: EndpointView
+    ) -> tuple[float, float, float, str]:
         decode_spt = self._decode_spt(decode, prefill)
         direct = (decode.backlog_tokens + ctx.uncached(decode.url)) * decode_spt
         handover, source = self.handover(ctx, decode, prefill)
@@ -122,8 +131,7 @@ class CostModel:
         if p is None:  # the pipeline answers direct and says why P/D was not possible
             return PathChoice(Path.PD, "pd_unavailable", "no prefill endpoint for this request")
         direct, pd, handover, source = self._predict(ctx, decode, p)
-        detail = (f"ttft direct={direct * 1000:.1f}ms pd={pd * 1000:.1f}ms "
-                  f"(hand-over {handover * 1000:.1f}ms, {source})")
+        detail = f"ttft direct={direct * 1000:.1f}ms pd={pd * 1000:.1f}ms (hand-over {handover * 1000:.1f}ms, {source})"
         predicted = (("direct", direct), ("pd", pd))
         if pd + self.min_gain_s < direct:
             return PathChoice(Path.PD, "pd_faster", detail, predicted)
@@ -134,6 +142,10 @@ class CostModel:
             spared = streams * ctx.uncached(decode.url) * self._decode_spt(decode, p)
             if pd - direct <= spared:
                 return PathChoice(Path.PD, "protect_itl", f"{detail}; {stalls}", predicted)
-            return PathChoice(Path.DIRECT, "prefill_backlog", f"{detail}; {stalls}, but P/D would add "
-                              f"{(pd - direct) * 1000:.0f}ms > {spared * 1000:.0f}ms spared", predicted)
+            return PathChoice(
+                Path.DIRECT,
+                "prefill_backlog",
+                f"{detail}; {stalls}, but P/D would add {(pd - direct) * 1000:.0f}ms > {spared * 1000:.0f}ms spared",
+                predicted,
+            )
         return PathChoice(Path.DIRECT, "direct_faster", detail, predicted)

@@ -74,8 +74,10 @@ class EngineEstimates:
 
     def handover_stats(self) -> dict[str, dict[str, float]]:
         """Per pair: samples and mean seconds (for /debug/route and metrics)."""
-        return {f"{p} -> {d}": {"samples": f.n, "mean_s": round(f.sy, 6), "mean_tokens": round(f.sx, 1)}
-                for (p, d), f in self._pairs.items()}
+        return {
+            f"{p} -> {d}": {"samples": f.n, "mean_s": round(f.sy, 6), "mean_tokens": round(f.sx, 1)}
+            for (p, d), f in self._pairs.items()
+        }
 
     # -- hooks ---------------------------------------------------------------------------------------
 

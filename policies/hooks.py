@@ -60,8 +60,7 @@ class Hooks:
     def _failed(self, name: str, hook: str) -> None:
         if (name, hook) not in self._logged:  # the first failure with its traceback; later ones counted
             self._logged.add((name, hook))
-            log.exception("%s.%s failed (further failures are only counted in pdgate_hook_errors_total)",
-                          name, hook)
+            log.exception("%s.%s failed (further failures are only counted in pdgate_hook_errors_total)", name, hook)
         if self._on_error is not None:
             self._on_error(name, hook)
 

@@ -19,8 +19,7 @@ class LeastInflight:
     # request to the same prefill/decode pair.
     _turns: dict[str, int] = field(default_factory=lambda: defaultdict(int), init=False, repr=False)
 
-    def pick(self, ctx: RequestContext, candidates: Sequence[EndpointView], scores: Sequence[float]
-             ) -> EndpointView:
+    def pick(self, ctx: RequestContext, candidates: Sequence[EndpointView], scores: Sequence[float]) -> EndpointView:
         if not candidates:
             raise ValueError("no candidates")
         pool = candidates[0].pool

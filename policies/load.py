@@ -40,10 +40,12 @@ class Load:
         check_fields(self)
 
     def load(self, e: EndpointView) -> float:
-        return (self.inflight_weight * e.in_flight
-                + self.waiting_weight * (e.waiting or 0)
-                + self.running_weight * (e.running or 0)
-                + self.kv_weight * 10 * (e.kv_usage or 0.0))
+        return (
+            self.inflight_weight * e.in_flight
+            + self.waiting_weight * (e.waiting or 0)
+            + self.running_weight * (e.running or 0)
+            + self.kv_weight * 10 * (e.kv_usage or 0.0)
+        )
 
     def score(self, ctx: RequestContext, candidates: Sequence[EndpointView]) -> Sequence[float]:
         loads = [self.load(e) for e in candidates]

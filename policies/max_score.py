@@ -32,13 +32,13 @@ class MaxScore:
     def __post_init__(self) -> None:
         check_fields(self)
 
-    def pick(self, ctx: RequestContext, candidates: Sequence[EndpointView], scores: Sequence[float]
-             ) -> EndpointView:
+    def pick(self, ctx: RequestContext, candidates: Sequence[EndpointView], scores: Sequence[float]) -> EndpointView:
         if not candidates:
             raise ValueError("no candidates")
         best = max(scores) if scores else 0.0
-        top = [e for e, s in zip(candidates, scores or [0.0] * len(candidates), strict=True)
-               if s >= best - self.tie_margin]
+        top = [
+            e for e, s in zip(candidates, scores or [0.0] * len(candidates), strict=True) if s >= best - self.tie_margin
+        ]
         if len(top) == 1:
             return top[0]
         pool = top[0].pool

@@ -53,8 +53,9 @@ def _unknown(key: str, policy: str, params: Iterable[str], also: Iterable[str]) 
     return _error("unknown_parameter", f"unknown parameter of policy {policy!r} (known: {', '.join(params)})")
 
 
-def validate(model: type[BaseModel], policy: str, params: Mapping[str, Any], also_known: Iterable[str] = ()
-             ) -> BaseModel:
+def validate(
+    model: type[BaseModel], policy: str, params: Mapping[str, Any], also_known: Iterable[str] = ()
+) -> BaseModel:
     """``params`` validated by ``model``. Raises ValidationError with locations relative to the
     params mapping; an unknown key says which known name it is closest to (``also_known``: names
     that may sit next to the params in the same YAML mapping, such as ``weight``)."""
@@ -74,8 +75,10 @@ def validate(model: type[BaseModel], policy: str, params: Mapping[str, Any], als
 
 def describe(err: ValidationError) -> str:
     """One line for an error without a YAML location around it: ``loc: message; ...``."""
-    return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" if e["loc"] else e["msg"]
-                     for e in err.errors(include_url=False))
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" if e["loc"] else e["msg"]
+        for e in err.errors(include_url=False)
+    )
 
 
 def check_fields(policy: Any) -> None:

@@ -45,12 +45,15 @@ class PoolPipeline:
 
     def members(self, pool: str) -> list[tuple[str, object]]:
         """Its policies, each named by where the config puts it (e.g. ``decode.scorers.load``)."""
-        return [*((f"{pool}.filters.{name}", f) for name, f in self.filters),
-                *((f"{pool}.scorers.{w.name}", w.scorer) for w in self.scorers),
-                (f"{pool}.picker.{self.picker_name}", self.picker)]
+        return [
+            *((f"{pool}.filters.{name}", f) for name, f in self.filters),
+            *((f"{pool}.scorers.{w.name}", w.scorer) for w in self.scorers),
+            (f"{pool}.picker.{self.picker_name}", self.picker),
+        ]
 
-    def choose(self, ctx: RequestContext, endpoints: Sequence[EndpointView], trace: list[dict[str, Any]] | None = None
-               ) -> EndpointView | None:
+    def choose(
+        self, ctx: RequestContext, endpoints: Sequence[EndpointView], trace: list[dict[str, Any]] | None = None
+    ) -> EndpointView | None:
         candidates: Sequence[EndpointView] = [e for e in endpoints if e.healthy]
         if not candidates:
             return None
@@ -76,14 +79,20 @@ class PoolPipeline:
             for i, s in enumerate(scores):
                 totals[i] += w.weight * min(max(s, 0.0), 1.0)
             if trace is not None:
-                trace.append({"scorer": w.name, "weight": w.weight,
-                              "scores": {e.url: round(s, 4) for e, s in zip(candidates, scores, strict=True)}})
+                trace.append(
+                    {
+                        "scorer": w.name,
+                        "weight": w.weight,
+                        "scores": {e.url: round(s, 4) for e, s in zip(candidates, scores, strict=True)},
+                    }
+                )
         if weight_sum:
             totals = [t / weight_sum for t in totals]
         chosen = self.picker.pick(ctx, candidates, totals)
         if trace is not None:
-            trace.append({"picked": chosen.url,
-                          "totals": {e.url: round(t, 4) for e, t in zip(candidates, totals, strict=True)}})
+            trace.append(
+                {"picked": chosen.url, "totals": {e.url: round(t, 4) for e, t in zip(candidates, totals, strict=True)}}
+            )
         return chosen
 
 
@@ -104,8 +113,11 @@ class RoutingPipeline:
 
     def members(self) -> list[tuple[str, object]]:
         """Every policy instance, named by its place in the config (the lifecycle hooks' subscribers)."""
-        return [(f"decider.{self.decider_name}", self.decider), *self.decode.members("decode"),
-                *self.prefill.members("prefill")]
+        return [
+            (f"decider.{self.decider_name}", self.decider),
+            *self.decode.members("decode"),
+            *self.prefill.members("prefill"),
+        ]
 
     def route(self, ctx: RequestContext, pools: PoolSnapshot, *, explain: bool = False) -> Route:
         traces: dict[str, list[dict[str, Any]]] = {"decode": [], "prefill": []} if explain else {}

@@ -96,9 +96,15 @@ class InFlightPrefixes:
 class PrefixBeliefs:
     """The prefix-cache learner: a ``Lifecycle`` subscriber that owns learned prefix entries."""
 
-    def __init__(self, index: PrefixIndex, in_flight: InFlightPrefixes | None = None,
-                 shared: SharedPrefixes | None = None, caching_off: Callable[[str], bool] = lambda url: False,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        in_flight: InFlightPrefixes | None = None,
+        shared: SharedPrefixes | None = None,
+        caching_off: Callable[[str], bool] = lambda url: False,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self.index = index
         self.in_flight = in_flight if in_flight is not None else InFlightPrefixes()
         self.shared = shared
@@ -153,8 +159,13 @@ class PrefixBeliefs:
         self.evicted += dropped
         if self.shared is not None:
             self.shared.forget(url, self._wall() - (self._clock() - at))
-        log.info("%s served %d cached prompt tokens where %d were believed; dropped %d learned blocks "
-                 "as old or older", url, reported, ctx.settled(url), dropped)
+        log.info(
+            "%s served %d cached prompt tokens where %d were believed; dropped %d learned blocks as old or older",
+            url,
+            reported,
+            ctx.settled(url),
+            dropped,
+        )
 
     def forget(self, url: str) -> None:
         """``url``'s engine restarted (or left): nothing learned about its cache holds any more."""

@@ -89,8 +89,11 @@ def kind_error(name: str, kind: type) -> str | None:
     except TypeError:  # a protocol with data members cannot check a class
         return None
     wanted = KINDS.get(kind, kind.__name__)
-    return f"policy {name!r} is a {' and a '.join(actual)}, not a {wanted}" if actual else \
-        f"policy {name!r} is not a {wanted}"
+    return (
+        f"policy {name!r} is a {' and a '.join(actual)}, not a {wanted}"
+        if actual
+        else f"policy {name!r} is not a {wanted}"
+    )
 
 
 def build(name: str, params: Mapping[str, Any], kind: type) -> Any:

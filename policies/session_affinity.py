@@ -28,8 +28,11 @@ def _point(key: str) -> int:
 
 class SessionAffinityParams(PolicyParams):
     header: StrictStr = Field("x-session-id", min_length=1, description="the request header naming the session")
-    load_factor: Number = Field(1.25, ge=1, description="an endpoint above this multiple of its fair share of "
-                                "in-flight requests passes the session on")
+    load_factor: Number = Field(
+        1.25,
+        ge=1,
+        description="an endpoint above this multiple of its fair share of in-flight requests passes the session on",
+    )
     vnodes: StrictInt = Field(64, gt=0, description="ring points per endpoint: evens out the share each gets")
 
 
@@ -48,7 +51,8 @@ class SessionAffinity:
     # Rings by candidate set: sets change with health and load filters, and a few recur; building
     # one costs len(urls) x vnodes hashes, a lookup is per request.
     _rings: LRUCache[tuple[str, ...], tuple[list[int], list[str]]] = field(
-        default_factory=lambda: LRUCache(RING_CACHE_SIZE), init=False, repr=False)
+        default_factory=lambda: LRUCache(RING_CACHE_SIZE), init=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)

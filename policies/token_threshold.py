@@ -35,6 +35,7 @@ class TokenThreshold:
         if uncached >= self.threshold:
             return PathChoice(Path.PD, "long_uncached", f"uncached={uncached}>={self.threshold}")
         if n >= self.threshold:
-            return PathChoice(Path.DIRECT, "prefix_cached",
-                              f"uncached={uncached}<{self.threshold} (prompt {n}, cached on decode)")
+            return PathChoice(
+                Path.DIRECT, "prefix_cached", f"uncached={uncached}<{self.threshold} (prompt {n}, cached on decode)"
+            )
         return PathChoice(Path.DIRECT, "short_prompt", f"uncached={uncached}<{self.threshold}")

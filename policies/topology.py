@@ -25,8 +25,12 @@ from .params import PolicyParams, check_fields
 
 
 class TopologyParams(PolicyParams):
-    levels: tuple[str, ...] = Field((ZONE, "topology.k8s.aws/network-node-layer-3"), min_length=1, max_length=8,
-                                  description="topology labels, broadest first")
+    levels: tuple[str, ...] = Field(
+        (ZONE, "topology.k8s.aws/network-node-layer-3"),
+        min_length=1,
+        max_length=8,
+        description="topology labels, broadest first",
+    )
 
 
 _DEFAULTS = TopologyParams()

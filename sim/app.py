@@ -276,7 +276,7 @@ class GenerateEndpoint:
         rec["finished_at"] = time.time()
         await _send_json(send, err.status, err.body())
 
-    async def _run(
+    async def _run(  # noqa: C901 - over the limit before it was set; to split
         self, job: P.Job, scope: Scope, receive: Receive, send: Send, rec: dict[str, Any], plan: Plan
     ) -> None:
         state = self.state
@@ -392,7 +392,7 @@ class GenerateEndpoint:
         self._finish_record(job, rec, "completed", 200)
         await _send_json(send, 200, body)
 
-    async def _stream(
+    async def _stream(  # noqa: C901 - over the limit before it was set; to split
         self,
         job: P.Job,
         collector: Collector,
@@ -564,7 +564,7 @@ class RequestIdHeader:
         await self.app(scope, receive, send_with_id)
 
 
-def create_app(cfg: SimConfig) -> Starlette:
+def create_app(cfg: SimConfig) -> Starlette:  # noqa: C901 - over the limit before it was set; to split
     """Build the ASGI app for one engine. Nothing starts until the app's lifespan runs."""
     state = SimState(cfg)
 

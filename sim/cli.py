@@ -184,8 +184,12 @@ def build_parser(prog: str | None = None) -> Parser:
         '"on": ["decode"], "count": 1, "probability": 1.0}, "hang": {...}, "slow": {"first_byte_delay": 1, '
         '"chunk_delay": 0.1}, "drop": {"after_chunks": 2}, "kv_refuse": {"count": 1}} (see sim/README.md)',
     )
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
-                   help="the engine's own log lines on stderr")
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="the engine's own log lines on stderr",
+    )
     return p
 
 

@@ -472,7 +472,7 @@ class Engine:
         self.waiting.appendleft(seq)
 
     # ------------------------------------------------------------------ the step loop
-    async def _loop(self) -> None:
+    async def _loop(self) -> None:  # noqa: C901 - over the limit before it was set; to split
         cfg = self.cfg
         m = self.m
         while True:

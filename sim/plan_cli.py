@@ -53,8 +53,12 @@ def _rates(text: str) -> list[float]:
 
 
 def build_parser(prog: str = "pdgate plan") -> Parser:
-    p = Parser(prog=prog, description=__doc__.splitlines()[0], epilog="examples:\n" + "\n".join(
-        "  " + line for line in __doc__.splitlines()[2:5]), formatter_class=Help)
+    p = Parser(
+        prog=prog,
+        description=__doc__.splitlines()[0],
+        epilog="examples:\n" + "\n".join("  " + line for line in __doc__.splitlines()[2:5]),
+        formatter_class=Help,
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument(
         "--workload",

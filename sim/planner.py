@@ -462,8 +462,9 @@ def slo_lines(slos: Sequence[dict[str, Any]], tail: bool) -> list[str]:
     out = []
     for k in slos:
         p99 = f", p99 gap <= {_ms(k['itl_p99_s'])}" if tail else ""
-        out.append(f"- {k['class']}: TTFT <= {_ms(k['ttft_s'])}, p90 of its own inter-token gaps "
-                   f"<= {_ms(k['itl_p90_s'])}{p99}")
+        out.append(
+            f"- {k['class']}: TTFT <= {_ms(k['ttft_s'])}, p90 of its own inter-token gaps <= {_ms(k['itl_p90_s'])}{p99}"
+        )
     return out
 
 
@@ -508,6 +509,9 @@ def markdown(doc: dict[str, Any], context: dict[str, Any] | None = None) -> str:
             f"| {c['layout']} | {c['engines']} | {c['predicted_attainment']:.1%} | {c['simulated_attainment']:.1%} "
             f"| {c['simulated_goodput_req_s']:g} | {ttft} | {itl} |"
         )
-    lines += ["", "TTFT p90: over the requests. Streams' p90 gap: each stream's 90th-percentile inter-token "
-              "gap (what the ITL SLO bounds), its 90th percentile over the streams."]
+    lines += [
+        "",
+        "TTFT p90: over the requests. Streams' p90 gap: each stream's 90th-percentile inter-token "
+        "gap (what the ITL SLO bounds), its 90th percentile over the streams.",
+    ]
     return "\n".join(lines) + "\n"

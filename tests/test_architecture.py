@@ -15,22 +15,74 @@ ROOT = Path(__file__).resolve().parent.parent
 SUBPACKAGES = ("http", "request", "engines", "tokenization", "fairness", "cluster", "ops", "config")
 ALLOWED: dict[str, set[str]] = {
     # the top: the process's entry points
-    "(top)": {"http", "request", "engines", "tokenization", "fairness", "cluster", "ops", "config", "policies",
-              "sim"},  # sim: `pdgate sim`, `pdgate plan` and the demo's engines
-    "http": {"request", "engines", "tokenization", "fairness", "cluster", "ops", "config", "context",
-             "background", "lifecycle", "policies"},
-    "request": {"engines", "tokenization", "fairness", "ops", "config", "context", "background", "policies",
-                "http.errors", "http.auth", "cluster.redis_state"},
+    "(top)": {
+        "http",
+        "request",
+        "engines",
+        "tokenization",
+        "fairness",
+        "cluster",
+        "ops",
+        "config",
+        "policies",
+        "sim",
+    },  # sim: `pdgate sim`, `pdgate plan` and the demo's engines
+    "http": {
+        "request",
+        "engines",
+        "tokenization",
+        "fairness",
+        "cluster",
+        "ops",
+        "config",
+        "context",
+        "background",
+        "lifecycle",
+        "policies",
+    },
+    "request": {
+        "engines",
+        "tokenization",
+        "fairness",
+        "ops",
+        "config",
+        "context",
+        "background",
+        "policies",
+        "http.errors",
+        "http.auth",
+        "cluster.redis_state",
+    },
     "engines": {"config", "background", "policies", "http.errors"},
     "tokenization": {"config", "http.errors", "request.protocol"},
     "fairness": {"config", "http.errors"},
-    "cluster": {"engines", "fairness", "config", "background", "policies", "ops.gcpolicy", "ops.requestlog",
-                "http.app", "http.server", "(top).cli"},  # http and cli: the supervisor starts the app
-    "ops": {"engines", "fairness", "tokenization", "config", "background", "policies", "cluster.redis_state",
-            "cluster.workerbus", "http.auth", "http.errors", "http.server",
-            "sim"},  # the live planner's model
-    "config": {"background", "policies", "engines.discovery",
-               "sim"},  # the planner's profile, checked with the config
+    "cluster": {
+        "engines",
+        "fairness",
+        "config",
+        "background",
+        "policies",
+        "ops.gcpolicy",
+        "ops.requestlog",
+        "http.app",
+        "http.server",
+        "(top).cli",
+    },  # http and cli: the supervisor starts the app
+    "ops": {
+        "engines",
+        "fairness",
+        "tokenization",
+        "config",
+        "background",
+        "policies",
+        "cluster.redis_state",
+        "cluster.workerbus",
+        "http.auth",
+        "http.errors",
+        "http.server",
+        "sim",
+    },  # the live planner's model
+    "config": {"background", "policies", "engines.discovery", "sim"},  # the planner's profile, checked with the config
 }
 TOP_MODULES = {"background", "context", "lifecycle", "cli", "demo", "ports"}
 
@@ -103,7 +155,9 @@ def test_no_module_imports_bench_and_policies_import_no_gateway() -> None:
 def test_importing_the_gateway_loads_no_simulator_module() -> None:
     """``sim`` is imported only where it is used (the planner, the CLI's sim commands), never when
     the gateway starts serving."""
-    code = ("import sys, gateway.cli, gateway.http.app, gateway.cluster.workers; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'sim', 'bench'}))")
+    code = (
+        "import sys, gateway.cli, gateway.http.app, gateway.cluster.workers; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'sim', 'bench'}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"

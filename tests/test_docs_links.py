@@ -10,8 +10,15 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PAGES = sorted({*REPO.glob("*.md"), *REPO.glob("docs/**/*.md"), *REPO.glob("deploy/**/*.md"),
-                *REPO.glob("sim/*.md"), *REPO.glob("helm/**/*.md")})
+PAGES = sorted(
+    {
+        *REPO.glob("*.md"),
+        *REPO.glob("docs/**/*.md"),
+        *REPO.glob("deploy/**/*.md"),
+        *REPO.glob("sim/*.md"),
+        *REPO.glob("helm/**/*.md"),
+    }
+)
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 

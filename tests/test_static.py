@@ -1,4 +1,4 @@
-"""Lint (ruff) and types (mypy --strict on gateway/ and policies/, config in pyproject.toml) are
+"""Lint and format (ruff) and types (mypy --strict on gateway/ and policies/, config in pyproject.toml) are
 part of the test run, so a fresh clone's ``pytest`` checks what review would."""
 
 from __future__ import annotations
@@ -17,6 +17,11 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 def test_ruff_is_clean() -> None:
     done = _run("ruff", "check", ".")
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_ruff_format_is_applied() -> None:
+    done = _run("ruff", "format", "--check", ".")
+    assert done.returncode == 0, "run `ruff format .`:\n" + done.stdout + done.stderr
 
 
 def test_mypy_is_clean() -> None:

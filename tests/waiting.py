@@ -21,8 +21,12 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, interval: floa
         time.sleep(interval)
 
 
-async def until(predicate: Callable[[], Any | Awaitable[Any]], timeout: float = 10.0,
-                interval: float = 0.01, what: str = "condition") -> None:
+async def until(
+    predicate: Callable[[], Any | Awaitable[Any]],
+    timeout: float = 10.0,
+    interval: float = 0.01,
+    what: str = "condition",
+) -> None:
     """Poll ``predicate`` (sync or async) on the event loop until it is truthy; AssertionError
     after ``timeout`` seconds. ``interval`` 0 polls on every loop turn."""
     deadline = time.monotonic() + timeout

@@ -123,8 +123,7 @@ class Hub:
         sweep(tempfile.gettempdir())
         # 0700: only this user's processes connect. The supervisor's pid in the name says whose it is.
         self._dir = tempfile.mkdtemp(prefix=f"pdgate-bus-{os.getpid()}-")
-        self.address = BusAddress(f"ipc://{self._dir}/in", f"ipc://{self._dir}/out", self._dir,
-                                  secrets.token_bytes(32))
+        self.address = BusAddress(f"ipc://{self._dir}/in", f"ipc://{self._dir}/out", self._dir, secrets.token_bytes(32))
         self._ctx = zmq.Context()
         self._control = f"inproc://hub-control-{id(self)}"
         self._thread: threading.Thread | None = None
@@ -236,8 +235,7 @@ def sweep(root: str) -> int:
             st = entry.stat(follow_symlinks=False)
         except OSError:
             continue
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or _pid_alive(int(found[1])) or \
-                not abandoned(entry.path):
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or _pid_alive(int(found[1])) or not abandoned(entry.path):
             continue
         if remove_folder(entry.path):
             removed += 1
@@ -301,8 +299,10 @@ def _learn_batch(batch: Any) -> list[tuple[str, list[BlockHash]]]:
 
 
 def _counts(value: Any) -> dict[str, int]:
-    return {_text(url, _MAX_URL_CHARS, "inflight url"): _int(n, 0, _MAX_IN_FLIGHT, "inflight count")
-            for url, n in _mapping(value, _MAX_ENGINES, "inflight").items()}
+    return {
+        _text(url, _MAX_URL_CHARS, "inflight url"): _int(n, 0, _MAX_IN_FLIGHT, "inflight count")
+        for url, n in _mapping(value, _MAX_ENGINES, "inflight").items()
+    }
 
 
 def _use(value: Any) -> dict[str, dict[str, float]]:
@@ -311,8 +311,10 @@ def _use(value: Any) -> dict[str, dict[str, float]]:
         if phase not in Usage.PHASES:
             raise _Invalid("use: not a phase")
         # A fading sum can round a hair below 0: kept at 0.
-        use[phase] = {_text(t, _MAX_NAME_CHARS, "use tenant"): max(0.0, _number(v, "use"))
-                      for t, v in _mapping(row, _MAX_TENANTS, "use").items()}
+        use[phase] = {
+            _text(t, _MAX_NAME_CHARS, "use tenant"): max(0.0, _number(v, "use"))
+            for t, v in _mapping(row, _MAX_TENANTS, "use").items()
+        }
     return use
 
 
@@ -320,9 +322,19 @@ class WorkerBus:
     """One worker's end of the hub. ``share_routing``: carry learned blocks and in-flight counts
     (off when Redis shares them). Implements policies/prefix_learning.py's ``SharedPrefixes``."""
 
-    def __init__(self, address: BusAddress, worker: int, workers: int, pools: Pools, index: PrefixIndex, *,
-                 share_routing: bool, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time, usage: Usage | None = None) -> None:
+    def __init__(
+        self,
+        address: BusAddress,
+        worker: int,
+        workers: int,
+        pools: Pools,
+        index: PrefixIndex,
+        *,
+        share_routing: bool,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        usage: Usage | None = None,
+    ) -> None:
         self.worker, self.workers = worker, workers
         self.share_routing = share_routing
         self._address = address
@@ -343,8 +355,10 @@ class WorkerBus:
         self._metrics_text: Callable[[], bytes] = lambda: b""
         siblings = [w for w in range(workers) if w != worker]
         # The topics a sibling sends on (to all; to this worker only), and who sent each.
-        self._senders = {**{_topic(w): w for w in siblings},
-                         **{_reply_topic(worker) + b"<" + _topic(w): w for w in siblings}}
+        self._senders = {
+            **{_topic(w): w for w in siblings},
+            **{_reply_topic(worker) + b"<" + _topic(w): w for w in siblings},
+        }
         self._stamp = 0  # the last stamp this worker sent
         self._heard: dict[int, int] = {}  # sibling -> the last stamp taken from it
         self.dropped = dict.fromkeys(DROP_REASONS, 0)  # messages dropped, by reason (exported)
@@ -450,8 +464,9 @@ class WorkerBus:
         stamp = self._stamp.to_bytes(8, "big")
         body = cbor2.dumps(message)
         with contextlib.suppress(zmq.Again):  # a full queue drops: these are hints
-            self._pub.send_multipart([topic, stamp, body, _mac(self._address.secret, topic, stamp, body)],
-                                     flags=zmq.NOBLOCK)
+            self._pub.send_multipart(
+                [topic, stamp, body, _mac(self._address.secret, topic, stamp, body)], flags=zmq.NOBLOCK
+            )
 
     async def _sync(self) -> None:
         while True:
@@ -495,8 +510,11 @@ class WorkerBus:
             return
         _, stamp, body, mac = frames
         sender = self._senders.get(topic)
-        if sender is None or len(stamp) != 8 or not hmac.compare_digest(mac, _mac(self._address.secret, topic,
-                                                                                  stamp, body)):
+        if (
+            sender is None
+            or len(stamp) != 8
+            or not hmac.compare_digest(mac, _mac(self._address.secret, topic, stamp, body))
+        ):
             self._drop("forged", topic, "unknown topic" if sender is None else "bad signature")
             return
         when = int.from_bytes(stamp, "big")
@@ -514,9 +532,14 @@ class WorkerBus:
         self._unlogged += 1
         now = self._clock()
         if now >= self._next_log:
-            log.warning("worker bus: dropped %d message(s) since the last such line; the last was %s (topic %r: "
-                        "%s). Another process of this user is writing to the workers' hub, or a bug", self._unlogged,
-                        reason, topic[:24], detail[:200])
+            log.warning(
+                "worker bus: dropped %d message(s) since the last such line; the last was %s (topic %r: "
+                "%s). Another process of this user is writing to the workers' hub, or a bug",
+                self._unlogged,
+                reason,
+                topic[:24],
+                detail[:200],
+            )
             self._unlogged, self._next_log = 0, now + _LOG_EVERY_S
 
     def _apply(self, sender: int, msg: Any) -> None:

@@ -178,8 +178,7 @@ class Supervisor:
         try:
             for i in range(self._spec.count):
                 self._start(i, sock)
-            log.info("pdgate: %d workers serving http://%s:%d", self._spec.count, self._spec.host,
-                     self._spec.port)
+            log.info("pdgate: %d workers serving http://%s:%d", self._spec.count, self._spec.host, self._spec.port)
             self._watch(sock)
         finally:
             self._stop_all(sock)
@@ -196,8 +195,12 @@ class Supervisor:
         _, cfg, version = self.latest
         spec = replace(self._spec, index=i, config=cfg, version=version)
         reader, writer = self._mp.Pipe(duplex=False)
-        proc = self._mp.Process(target=run_worker, args=(spec, sock, self._slots, self._lock, self._failures, writer),
-                                name=f"pdgate-worker-{i}", daemon=False)
+        proc = self._mp.Process(
+            target=run_worker,
+            args=(spec, sock, self._slots, self._lock, self._failures, writer),
+            name=f"pdgate-worker-{i}",
+            daemon=False,
+        )
         proc.start()
         writer.close()  # the worker's copy only: its death ends the pipe
         if (old := self._reports[i]) is not None:
@@ -216,8 +219,13 @@ class Supervisor:
             try:
                 while reader.poll(0):
                     report = reader.recv()
-                    if not (isinstance(report, tuple) and len(report) == 3 and isinstance(report[0], float)
-                            and isinstance(report[1], GatewayConfig) and isinstance(report[2], str)):
+                    if not (
+                        isinstance(report, tuple)
+                        and len(report) == 3
+                        and isinstance(report[0], float)
+                        and isinstance(report[1], GatewayConfig)
+                        and isinstance(report[2], str)
+                    ):
                         log.warning("worker %d sent a config report of the wrong shape: ignored", i)
                         continue
                     if report[0] > self.latest[0]:
@@ -255,8 +263,14 @@ class Supervisor:
                     self._restarts[i] = 0
                 wait = _RESTART_BACKOFF_S[min(self._restarts[i], len(_RESTART_BACKOFF_S) - 1)]
                 self._restarts[i] += 1
-                log.error("worker %d (pid %s) exited with %s%s: starting it again in %.1f s", i, proc.pid,
-                          proc.exitcode, f" ({why})" if why else "", wait)
+                log.error(
+                    "worker %d (pid %s) exited with %s%s: starting it again in %.1f s",
+                    i,
+                    proc.pid,
+                    proc.exitcode,
+                    f" ({why})" if why else "",
+                    wait,
+                )
                 due[i] = time.monotonic() + wait
             now = time.monotonic()
             for i, when in list(due.items()):
@@ -296,9 +310,18 @@ class Supervisor:
                 p.join(2.0)
 
 
-def serve(cfg: GatewayConfig, config_path: str, config_text: str, host: str, port: int, workers: int, *,
-          sock: socket.socket | None = None, access_log_path: str | None = None,
-          listen: tuple[str, int] | None = None) -> int:
+def serve(
+    cfg: GatewayConfig,
+    config_path: str,
+    config_text: str,
+    host: str,
+    port: int,
+    workers: int,
+    *,
+    sock: socket.socket | None = None,
+    access_log_path: str | None = None,
+    listen: tuple[str, int] | None = None,
+) -> int:
     """Bind (unless given ``sock``), start ``workers`` workers, supervise them until SIGTERM or
     SIGINT; the exit code."""
     if sock is None:
@@ -313,8 +336,9 @@ def serve(cfg: GatewayConfig, config_path: str, config_text: str, host: str, por
     version = version_of(config_text.encode(), cfg.pinned)
     hub = Hub()
     hub.start()
-    spec = WorkerSpec(config_path, cfg, version, host, port, 0, workers, hub.address, os.getpid(), access_log_path,
-                      listen)
+    spec = WorkerSpec(
+        config_path, cfg, version, host, port, 0, workers, hub.address, os.getpid(), access_log_path, listen
+    )
     supervisor = Supervisor(spec, cfg)
     try:
         code = supervisor.run(sock, hub)
@@ -348,8 +372,9 @@ class _Reporter:
                 return
 
 
-def run_worker(spec: WorkerSpec, sock: socket.socket, slots: Any, lock: Any, failures: Any,
-               reports: Connection | None = None) -> None:
+def run_worker(
+    spec: WorkerSpec, sock: socket.socket, slots: Any, lock: Any, failures: Any, reports: Connection | None = None
+) -> None:
     """A worker process: the whole gateway on the shared socket (exits 3 when it cannot start,
     having put the cause, one line, in ``failures`` for the supervisor to say), serving
     ``spec.config`` from its first request and reporting each config it applies on ``reports``."""
@@ -360,26 +385,38 @@ def run_worker(spec: WorkerSpec, sock: socket.socket, slots: Any, lock: Any, fai
     from gateway.ops.requestlog import LineWriter
 
     cfg = spec.config
-    logging.basicConfig(level=cfg.server.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s [worker {spec.index}] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=cfg.server.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s [worker {spec.index}] %(name)s: %(message)s",
+    )
     logging.getLogger("watchfiles").setLevel(logging.WARNING)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; it sends SIGTERM
-    ctx = WorkerContext(spec.index, spec.count, spec.bus, slots, lock,
-                        applied=_Reporter(reports) if reports is not None else None)
+    ctx = WorkerContext(
+        spec.index, spec.count, spec.bus, slots, lock, applied=_Reporter(reports) if reports is not None else None
+    )
     access = open(spec.access_log_path, "ab") if spec.access_log_path else None  # noqa: SIM115 - closed below
     sink = LineWriter(access) if access else None
     try:
         try:
             tokenizers = load_tokenizers(cfg)
             server = make_server(
-                cfg, lambda connections: create_app(cfg, tokenizers, config_path=spec.config_path,
-                                                    config_version=spec.version,
-                                                    connections=connections, access_sink=sink,
-                                                    collector=Collector(cfg.server.gc_young_threshold), worker=ctx,
-                                                    listen=spec.listen),
-                host=spec.host, port=spec.port, log_level=cfg.server.log_level.lower(),
-                max_connections=math.ceil(cfg.server.max_connections / spec.count) if cfg.server.max_connections
-                else 0)
+                cfg,
+                lambda connections: create_app(
+                    cfg,
+                    tokenizers,
+                    config_path=spec.config_path,
+                    config_version=spec.version,
+                    connections=connections,
+                    access_sink=sink,
+                    collector=Collector(cfg.server.gc_young_threshold),
+                    worker=ctx,
+                    listen=spec.listen,
+                ),
+                host=spec.host,
+                port=spec.port,
+                log_level=cfg.server.log_level.lower(),
+                max_connections=math.ceil(cfg.server.max_connections / spec.count) if cfg.server.max_connections else 0,
+            )
         except ValueError as err:  # a tokenizer, a secret file not mounted: the supervisor says it, once
             failures.put(str(err))
             raise SystemExit(STARTUP_FAILED) from None

@@ -64,8 +64,11 @@ class AuthConfig(_Strict):
 
     api_keys_file: str | None = None
     api_keys_env: str | None = None
-    disabled: bool = Field(False, description="serve without API keys on purpose: needed for a reload that "
-                           "switches keys off, and for an auth section that names no keys")
+    disabled: bool = Field(
+        False,
+        description="serve without API keys on purpose: needed for a reload that "
+        "switches keys off, and for an auth section that names no keys",
+    )
 
     _secret_names = field_validator("api_keys_file", "api_keys_env")(_not_blank)
 
@@ -120,8 +123,11 @@ class TenantConfig(_Strict):
 
 
 def _default_classes() -> dict[str, PriorityClass]:
-    return {"interactive": PriorityClass(priority=-10), "standard": PriorityClass(priority=0),
-            "batch": PriorityClass(priority=10, sheddable=True)}
+    return {
+        "interactive": PriorityClass(priority=-10),
+        "standard": PriorityClass(priority=0),
+        "batch": PriorityClass(priority=10, sheddable=True),
+    }
 
 
 class FairnessConfig(_Strict):
@@ -133,19 +139,34 @@ class FairnessConfig(_Strict):
     classes: dict[str, PriorityClass] = Field(default_factory=_default_classes)
     default_priority: str = "standard"
     tenants: dict[str, TenantConfig] = Field(default_factory=dict, description="weights and classes by name")
-    tenant_header: str | None = Field("x-pdgate-tenant", description="the tenant's name when API keys are off "
-                                      "(None: one tenant, 'default')")
+    tenant_header: str | None = Field(
+        "x-pdgate-tenant", description="the tenant's name when API keys are off (None: one tenant, 'default')"
+    )
     priority_header: str = "x-pdgate-priority"
     ttft_header: str = Field("x-pdgate-ttft-ms", description="a request's own TTFT objective, milliseconds")
-    engine_priority: bool = Field(False, description="send the class's priority to the engines (they must run "
-                                  "--scheduling-policy priority: vLLM rejects a non-zero priority otherwise)")
-    wait_for_prefill: bool = Field(True, description="a P/D request waits for room in the prefill pool instead "
-                                   "of going direct (its long prefill would stall the decode engines' streams)")
-    default_output_tokens: int = Field(256, ge=1, description="decode occupancy of a request without max_tokens "
-                                       "while it runs (its use is settled to its output at its end)")
+    engine_priority: bool = Field(
+        False,
+        description="send the class's priority to the engines (they must run "
+        "--scheduling-policy priority: vLLM rejects a non-zero priority otherwise)",
+    )
+    wait_for_prefill: bool = Field(
+        True,
+        description="a P/D request waits for room in the prefill pool instead "
+        "of going direct (its long prefill would stall the decode engines' streams)",
+    )
+    default_output_tokens: int = Field(
+        256,
+        ge=1,
+        description="decode occupancy of a request without max_tokens "
+        "while it runs (its use is settled to its output at its end)",
+    )
     half_life_s: float = Field(10.0, gt=0, le=3600, description="a tenant's use fades by half in this time")
-    max_queued: int = Field(1024, ge=1, le=100_000, description="requests waiting per queue (the gateway's "
-                            "slots; each engine pool, per model), fairness on or off")
+    max_queued: int = Field(
+        1024,
+        ge=1,
+        le=100_000,
+        description="requests waiting per queue (the gateway's slots; each engine pool, per model), fairness on or off",
+    )
     max_queued_per_tenant: int = Field(256, ge=1, le=100_000, description="one tenant's share of that")
     max_tenants: int = Field(10_000, ge=1, le=1_000_000, description="tenants tracked; others share 'other'")
     metrics_top_tenants: int = Field(20, ge=0, le=1000, description="tenants with their own metric labels")
@@ -170,13 +191,19 @@ class AdminConfig(_Strict):
 
     token_env: str | None = Field(None, description="environment variable holding the admin bearer token")
     token_file: str | None = Field(None, description="file holding the admin bearer token")
-    protect_metrics: bool = Field(False, description="GET /metrics needs the admin bearer token too (off: open to "
-                                  "whoever reaches the port, as Prometheus scrapes by default)")
+    protect_metrics: bool = Field(
+        False,
+        description="GET /metrics needs the admin bearer token too (off: open to "
+        "whoever reaches the port, as Prometheus scrapes by default)",
+    )
     tenant_label_secret_env: str | None = Field(
-        None, description="environment variable holding a secret (16+ characters) that names each unnamed API "
-        "key's tenant key-<HMAC-SHA256 of the key>; unset: key-1, key-2, ... in the keys' order")
-    disabled: bool = Field(False, description="admin and debug endpoints off on purpose: needed for a reload "
-                           "that removes the token")
+        None,
+        description="environment variable holding a secret (16+ characters) that names each unnamed API "
+        "key's tenant key-<HMAC-SHA256 of the key>; unset: key-1, key-2, ... in the keys' order",
+    )
+    disabled: bool = Field(
+        False, description="admin and debug endpoints off on purpose: needed for a reload that removes the token"
+    )
 
     _secret_names = field_validator("token_env", "token_file")(_not_blank)
 

@@ -60,6 +60,8 @@ def _not_blank(value: str | None) -> str | None:
     """A secret's file or variable name: unset, or a name. An empty one would read as "no keys" and
     switch authentication off without saying so."""
     if value is not None and not value.strip():
-        raise ValueError("is empty: name the file or variable, or remove the key (and say disabled: true to "
-                         "switch this off on purpose)")
+        raise ValueError(
+            "is empty: name the file or variable, or remove the key (and say disabled: true to "
+            "switch this off on purpose)"
+        )
     return value

@@ -126,8 +126,12 @@ def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> Iterator
             continue
         if first is not key_node:
             raise DuplicateKeyError(
-                None, None, f"key {key!r} appears twice in one mapping (first at line {first.start_mark.line + 1}); "
-                "YAML would keep only the last", key_node.start_mark)
+                None,
+                None,
+                f"key {key!r} appears twice in one mapping (first at line {first.start_mark.line + 1}); "
+                "YAML would keep only the last",
+                key_node.start_mark,
+            )
     yield from loader.construct_yaml_map(node)
 
 

@@ -20,13 +20,16 @@ class EndpointConfig(_Strict):
 
     url: str
     kv_events: str | None = Field(
-        None, description="the engine's KV-events publisher (vLLM --kv-events-config endpoint, e.g. "
+        None,
+        description="the engine's KV-events publisher (vLLM --kv-events-config endpoint, e.g. "
         "tcp://10.0.0.5:5557): precise prefix routing from what the engine really cached",
     )
     kv_events_replay: str | None = Field(None, description="its replay endpoint, to recover missed events")
     kv_events_topic: str = ""
     topology: dict[str, str] = Field(
-        default_factory=dict, max_length=16, description="where the engine runs, as Kubernetes labels (e.g. "
+        default_factory=dict,
+        max_length=16,
+        description="where the engine runs, as Kubernetes labels (e.g. "
         "topology.kubernetes.io/zone: us-east-1a): pairing policies (same_zone, topology) compare them",
     )
 
@@ -58,35 +61,44 @@ class DiscoveryConfig(_Strict):
     a label selector, watched (gateway/engines/discovery.py). They join the pool's static endpoints."""
 
     label_selector: str = Field(
-        min_length=1, description="EndpointSlices to follow, e.g. app.kubernetes.io/component=decode "
+        min_length=1,
+        description="EndpointSlices to follow, e.g. app.kubernetes.io/component=decode "
         "(a Service's slices carry kubernetes.io/service-name=NAME)",
     )
     namespace: str | None = Field(None, description="their namespace; unset: the gateway's own")
     port: int | str | None = Field(
-        None, description="the engine's port: a number, or the name of a port in the slice; unset: the slice's "
+        None,
+        description="the engine's port: a number, or the name of a port in the slice; unset: the slice's "
         "only port (the first when it has several)",
     )
     scheme: Literal["http", "https"] = "http"
     address_type: Literal["IPv4", "IPv6"] = Field(
-        "IPv4", description="the slices' addressType to read: a dual-stack Service has one slice per family "
+        "IPv4",
+        description="the slices' addressType to read: a dual-stack Service has one slice per family "
         "for the same pods, so only one family is followed",
     )
     kv_events_port: int | None = Field(
-        None, ge=1, le=65535, description="engines publish KV events on tcp://<address>:<this port>",
+        None,
+        ge=1,
+        le=65535,
+        description="engines publish KV events on tcp://<address>:<this port>",
     )
     kv_events_replay_port: int | None = Field(None, ge=1, le=65535, description="and replay them on this one")
     kv_events_topic: str = ""
     api_url: str | None = Field(
-        None, description="the Kubernetes API; unset: kubeconfig if set, else in-cluster "
+        None,
+        description="the Kubernetes API; unset: kubeconfig if set, else in-cluster "
         "(KUBERNETES_SERVICE_HOST/_PORT), else $KUBECONFIG",
     )
     kubeconfig: str | None = Field(
-        None, description="a kubeconfig file (outside the cluster): its current context's server, CA, token or "
+        None,
+        description="a kubeconfig file (outside the cluster): its current context's server, CA, token or "
         "client certificate, and namespace",
     )
     token_file: str | None = Field(f"{_SA_DIR}/token", description="bearer token, re-read on each connection")
     ca_file: str | None = Field(
-        f"{_SA_DIR}/ca.crt", description="CA bundle of an https API; a file set here must exist (the default, the "
+        f"{_SA_DIR}/ca.crt",
+        description="CA bundle of an https API; a file set here must exist (the default, the "
         "service account's, must exist in-cluster)",
     )
     namespace_file: str = f"{_SA_DIR}/namespace"
@@ -94,11 +106,14 @@ class DiscoveryConfig(_Strict):
     retry_s: float = Field(1.0, gt=0, description="first wait after a failed list or watch; doubles up to max_retry_s")
     max_retry_s: float = Field(30.0, gt=0)
     max_event_bytes: int = Field(
-        4 * 1024 * 1024, ge=1024, description="longest watch event (one JSON line); a longer one ends the watch "
-        "with an error and a fresh list",
+        4 * 1024 * 1024,
+        ge=1024,
+        description="longest watch event (one JSON line); a longer one ends the watch with an error and a fresh list",
     )
     node_labels: list[str] = Field(
-        default_factory=list, max_length=8, description="labels of each engine's Node to read into its topology "
+        default_factory=list,
+        max_length=8,
+        description="labels of each engine's Node to read into its topology "
         "(e.g. topology.k8s.aws/network-node-layer-3, an EC2 network spine); needs get on nodes. The slice's zone "
         "is always read",
     )
@@ -127,8 +142,10 @@ class DiscoveryConfig(_Strict):
         watcher when it starts, so a config can be checked away from its cluster."""
         from gateway.engines.discovery import check_files
 
-        _raise("DiscoveryConfig", [_error((field,), getattr(self, field), "discovery_file", message)
-                                   for field, message in check_files(self)])
+        _raise(
+            "DiscoveryConfig",
+            [_error((field,), getattr(self, field), "discovery_file", message) for field, message in check_files(self)],
+        )
         return self
 
     @field_validator("api_url")
@@ -153,7 +170,8 @@ class DiscoveryConfig(_Strict):
 class PoolConfig(_Strict):
     endpoints: list[EndpointConfig] = Field(default_factory=list)
     discovery: DiscoveryConfig | None = Field(
-        None, description="also find this pool's engines through the Kubernetes API (EndpointSlices)",
+        None,
+        description="also find this pool's engines through the Kubernetes API (EndpointSlices)",
     )
 
     @field_validator("endpoints", mode="before")
@@ -190,8 +208,11 @@ class PoolsConfig(_Strict):
     @property
     def topology(self) -> dict[str, tuple[tuple[str, str], ...]]:
         """Each endpoint's topology labels (those that have any), by URL, sorted by key."""
-        return {e.url: tuple(sorted(e.topology.items())) for e in (*self.prefill.endpoints, *self.decode.endpoints)
-                if e.topology}
+        return {
+            e.url: tuple(sorted(e.topology.items()))
+            for e in (*self.prefill.endpoints, *self.decode.endpoints)
+            if e.topology
+        }
 
 
 class OutlierConfig(_Strict):

@@ -171,8 +171,12 @@ class ConfigWatcher:
         except (ConfigError, ValueError) as err:
             self._rejected = again.version
             self.last_error = str(err)
-            log.log(logging.ERROR if self._speaks else logging.DEBUG,
-                    "config reload rejected, still running version %s:\n%s", self.version, err)
+            log.log(
+                logging.ERROR if self._speaks else logging.DEBUG,
+                "config reload rejected, still running version %s:\n%s",
+                self.version,
+                err,
+            )
             self._on_result("rejected", str(err))
             return
         self.version, self._rejected, self.last_error = again.version, None, None
@@ -191,9 +195,17 @@ class ConfigWatcher:
             names = {p.name for p in watched} | set(_NAMES)
             last = loop.time()
             try:
-                async with contextlib.aclosing(awatch(
-                        *dirs, stop_event=self._stop, rust_timeout=int(self._poll_s * 1000), yield_on_timeout=True,
-                        debounce=200, recursive=False, watch_filter=None)) as changes:
+                async with contextlib.aclosing(
+                    awatch(
+                        *dirs,
+                        stop_event=self._stop,
+                        rust_timeout=int(self._poll_s * 1000),
+                        yield_on_timeout=True,
+                        debounce=200,
+                        recursive=False,
+                        watch_filter=None,
+                    )
+                ) as changes:
                     async for batch in changes:  # (empty: the poll's timeout)
                         relevant = any(os.path.basename(p) in names for _, p in batch)
                         if batch and not relevant and loop.time() - last < self._poll_s:

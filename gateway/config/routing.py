@@ -69,8 +69,14 @@ def _once_each(field: str, specs: Iterable[PolicySpec], kind: type) -> list[Init
         errors += _fit_errors((field, i), spec, kind)
         if spec.name in seen:
             hint = " (give it more weight instead)" if kind is Scorer else ""
-            errors.append(_error((field, i, "name"), spec.name, "duplicate_policy",
-                                 f"policy {spec.name!r} is already in this list{hint}"))
+            errors.append(
+                _error(
+                    (field, i, "name"),
+                    spec.name,
+                    "duplicate_policy",
+                    f"policy {spec.name!r} is already in this list{hint}",
+                )
+            )
         seen.add(spec.name)
     return errors
 
@@ -84,9 +90,14 @@ class PoolRoutingConfig(_Strict):
 
     @model_validator(mode="after")
     def _policies_fit(self) -> PoolRoutingConfig:
-        _raise("PoolRoutingConfig", [*_once_each("filters", self.filters, Filter),
-                                     *_once_each("scorers", self.scorers, Scorer),
-                                     *_fit_errors(("picker",), self.picker, Picker)])
+        _raise(
+            "PoolRoutingConfig",
+            [
+                *_once_each("filters", self.filters, Filter),
+                *_once_each("scorers", self.scorers, Scorer),
+                *_fit_errors(("picker",), self.picker, Picker),
+            ],
+        )
         return self
 
 
@@ -99,33 +110,46 @@ class PrefixConfig(_Strict):
 
     enabled: bool = True
     block_size: int | None = Field(
-        None, gt=0, description="the engines' KV block size; unset: read from their vllm:cache_config_info "
+        None,
+        gt=0,
+        description="the engines' KV block size; unset: read from their vllm:cache_config_info "
         "(16, vLLM's default, until known)",
     )
     hash_algo: Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"] = Field(
-        "sha256", description="the engines' --prefix-caching-hash-algo",
+        "sha256",
+        description="the engines' --prefix-caching-hash-algo",
     )
     hash_seed: str | None = Field(
-        None, description="the engines' PYTHONHASHSEED; needed for hashes equal to the engine's own",
+        None,
+        description="the engines' PYTHONHASHSEED; needed for hashes equal to the engine's own",
     )
     max_learned_blocks: int = Field(
-        200_000, gt=0, description="bound on (endpoint, block) entries learned from routing (~250 bytes each)",
+        200_000,
+        gt=0,
+        description="bound on (endpoint, block) entries learned from routing (~250 bytes each)",
     )
     learned_ttl_s: float = Field(
-        600.0, gt=0, description="how long a block learned from routing counts as cached on an engine "
-        "without KV events",
+        600.0,
+        gt=0,
+        description="how long a block learned from routing counts as cached on an engine without KV events",
     )
     # KV event feeds are unauthenticated ZMQ: what one may make the gateway hold (gateway/engines/kvevents.py)
     max_event_blocks: int = Field(
-        262_144, gt=0, description="bound on blocks held per engine from its KV events (~200 bytes each): past "
+        262_144,
+        gt=0,
+        description="bound on blocks held per engine from its KV events (~200 bytes each): past "
         "it the engine's oldest stored blocks are forgotten",
     )
     max_event_batch_blocks: int = Field(
-        131_072, gt=0, description="block hashes (and events) one KV event batch may carry, all its events "
+        131_072,
+        gt=0,
+        description="block hashes (and events) one KV event batch may carry, all its events "
         "together: a larger batch is refused and the engine's entries are dropped",
     )
     max_event_message_bytes: int = Field(
-        8 * 1024 * 1024, ge=64 * 1024, description="longest KV event message (ZMQ_MAXMSGSIZE): ZMQ drops the "
+        8 * 1024 * 1024,
+        ge=64 * 1024,
+        description="longest KV event message (ZMQ_MAXMSGSIZE): ZMQ drops the "
         "connection of a publisher sending a longer one, and the feed reconnects",
     )
 
@@ -136,24 +160,29 @@ class MigrationConfig(_Strict):
     "Mid-stream migration")."""
 
     enabled: bool = Field(True, description="continue an answer whose decode engine failed mid-way on another one")
-    max_per_request: int = Field(1, ge=0, le=8, description="migrations one request may use; past them the "
-                                 "client gets the error event")
-    deadline_s: float = Field(600.0, ge=0, description="a request older than this is not migrated any more "
-                              "(0: no limit)")
-    non_streaming: bool = Field(True, description="non-streamed requests migrate too: their decode leg streams "
-                                "and the gateway assembles the answer (costs gateway CPU per token); false: sent "
-                                "as the client sent them, a failure mid-answer is retried from the start")
+    max_per_request: int = Field(
+        1, ge=0, le=8, description="migrations one request may use; past them the client gets the error event"
+    )
+    deadline_s: float = Field(
+        600.0, ge=0, description="a request older than this is not migrated any more (0: no limit)"
+    )
+    non_streaming: bool = Field(
+        True,
+        description="non-streamed requests migrate too: their decode leg streams "
+        "and the gateway assembles the answer (costs gateway CPU per token); false: sent "
+        "as the client sent them, a failure mid-answer is retried from the start",
+    )
 
 
 class RoutingConfig(_Strict):
     decider: PolicySpec = PolicySpec(name="token_threshold")
-    decode: PoolRoutingConfig = PoolRoutingConfig(filters=[PolicySpec(name="bounded_load")],
-                                                  scorers=_default_scorers())
+    decode: PoolRoutingConfig = PoolRoutingConfig(filters=[PolicySpec(name="bounded_load")], scorers=_default_scorers())
     prefill: PoolRoutingConfig = PoolRoutingConfig(scorers=_default_scorers())
     prefix: PrefixConfig = PrefixConfig()
     migration: MigrationConfig = MigrationConfig()
     debug_headers: bool = Field(
-        False, description="add x-pdgate-route (reason, numbers, chosen endpoints) to every response",
+        False,
+        description="add x-pdgate-route (reason, numbers, chosen endpoints) to every response",
     )
 
     @field_validator("decider", mode="wrap")

@@ -29,23 +29,45 @@ class ServerConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="larger request bodies get 413")
     max_connections: int = Field(10000, ge=0, description="open connections; past it new ones get 503 (0: no cap)")
-    head_timeout_s: float = Field(10.0, gt=0, description="a request head (line and headers) must arrive whole "
-                                  "within this, from the connection's start or the head's first byte; else 408")
+    head_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="a request head (line and headers) must arrive whole "
+        "within this, from the connection's start or the head's first byte; else 408",
+    )
     body_timeout_s: float = Field(60.0, gt=0, description="a request body must arrive whole within this; else 408")
-    body_idle_timeout_s: float = Field(15.0, gt=0, description="longest wait for the next bytes of a request "
-                                       "body; else 408")
-    keep_alive_timeout_s: float = Field(5.0, gt=0, description="an idle connection between requests (its last "
-                                        "answer written, no byte of a next request) is closed after this")
-    shutdown_grace_s: float = Field(25.0, ge=0, description="on SIGTERM, how long requests in flight may finish "
-                                    "before they are ended (streams with an error event); then background parts "
-                                    "stop within 5 s")
-    workers: int = Field(0, ge=0, le=256, description="worker processes serving the port, each a whole gateway "
-                         "sharing routing state, admission and /metrics (gateway/cluster/workers.py); 0: one per core "
-                         "this process may use")
+    body_idle_timeout_s: float = Field(
+        15.0, gt=0, description="longest wait for the next bytes of a request body; else 408"
+    )
+    keep_alive_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="an idle connection between requests (its last "
+        "answer written, no byte of a next request) is closed after this",
+    )
+    shutdown_grace_s: float = Field(
+        25.0,
+        ge=0,
+        description="on SIGTERM, how long requests in flight may finish "
+        "before they are ended (streams with an error event); then background parts "
+        "stop within 5 s",
+    )
+    workers: int = Field(
+        0,
+        ge=0,
+        le=256,
+        description="worker processes serving the port, each a whole gateway "
+        "sharing routing state, admission and /metrics (gateway/cluster/workers.py); 0: one per core "
+        "this process may use",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
-    gc_young_threshold: int = Field(700, ge=100, description="allocations between young garbage collections "
-                                    "(Python's default 700); what is alive after startup and each reload is "
-                                    "frozen out of full collections either way (gateway/ops/gcpolicy.py)")
+    gc_young_threshold: int = Field(
+        700,
+        ge=100,
+        description="allocations between young garbage collections "
+        "(Python's default 700); what is alive after startup and each reload is "
+        "frozen out of full collections either way (gateway/ops/gcpolicy.py)",
+    )
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -78,15 +100,20 @@ class ModelConfig(_Strict):
         "chat_template_kwargs override them (e.g. {enable_thinking: false})",
     )
     chat_template_kwargs_max_keys: int = Field(
-        32, ge=0, description="most keys a request's chat_template_kwargs may have; more get 400 before any work",
+        32,
+        ge=0,
+        description="most keys a request's chat_template_kwargs may have; more get 400 before any work",
     )
     chat_template_kwargs_max_depth: int = Field(
-        16, ge=1, description="deepest nesting of objects and lists in a request's chat_template_kwargs (the "
+        16,
+        ge=1,
+        description="deepest nesting of objects and lists in a request's chat_template_kwargs (the "
         "object itself is 1); deeper get 400 before any work",
     )
     chat_template_kwargs_max_bytes: int = Field(
-        256 * 1024, ge=0, description="largest chat_template_kwargs, counted as its compact JSON text; larger get "
-        "400 before any work",
+        256 * 1024,
+        ge=0,
+        description="largest chat_template_kwargs, counted as its compact JSON text; larger get 400 before any work",
     )
     exclude_tools_when_tool_choice_none: bool = Field(
         False, description="vLLM --exclude-tools-when-tool-choice-none: tool_choice 'none' hides the tools"
@@ -129,8 +156,12 @@ class AdmissionConfig(_Strict):
     max_in_flight: int = Field(0, ge=0, description="requests in flight through this gateway")
     max_per_decode_endpoint: int = Field(0, ge=0, description="requests in flight on one decode engine")
     max_per_prefill_endpoint: int = Field(0, ge=0, description="prefill legs in flight on one prefill engine")
-    max_loop_lag_ms: float = Field(100.0, ge=0, description="new requests get 429 while the worker's event loop "
-                                   "runs this late (its measured capacity is used up); 0: never")
+    max_loop_lag_ms: float = Field(
+        100.0,
+        ge=0,
+        description="new requests get 429 while the worker's event loop "
+        "runs this late (its measured capacity is used up); 0: never",
+    )
     queue_timeout_s: float = Field(5.0, ge=0, description="longest a request waits for capacity before 429")
     retry_after_s: float = Field(1.0, gt=0, description="the Retry-After a 429 carries")
 
@@ -154,12 +185,21 @@ class PlannerConfig(_Strict):
     profile_end: Literal["low", "high"] | None = Field(None, description="the profile's uncertain terms at this end")
     window_s: float = Field(300.0, ge=10, le=3600, description="traffic considered")
     interval_s: float = Field(30.0, ge=1, le=600, description="how often the recommendation is recomputed")
-    max_requests: int = Field(1000, ge=10, le=5000, description="a larger window is sampled down to this many "
-                              "(the model takes ~0.7 s per 1,000 in a thread: this bounds it, and shutdown)")
+    max_requests: int = Field(
+        1000,
+        ge=10,
+        le=5000,
+        description="a larger window is sampled down to this many "
+        "(the model takes ~0.7 s per 1,000 in a thread: this bounds it, and shutdown)",
+    )
     target: float = Field(0.9, gt=0, le=1, description="share of requests that must meet their SLO")
     tail: bool = Field(False, description="also hold each stream's p99 gap to itl_p99_s")
-    pd_threshold: int | None = Field(None, ge=1, description="prompts from this many tokens go P/D (default: "
-                                     "routing's token_threshold, else 4096); ignored without a prefill pool")
+    pd_threshold: int | None = Field(
+        None,
+        ge=1,
+        description="prompts from this many tokens go P/D (default: "
+        "routing's token_threshold, else 4096); ignored without a prefill pool",
+    )
     slos: list[PlannerSLO] = Field(
         default_factory=lambda: [
             PlannerSLO(max_prompt_tokens=4095, ttft_s=1.0, itl_p90_s=0.05),
@@ -190,14 +230,18 @@ class LimitsConfig(_Strict):
 
     max_prompt_tokens: int = Field(0, ge=0, description="longer prompts get 400 (the model's context still applies)")
     max_output_tokens: int = Field(
-        0, ge=0, description="output tokens one request may ask for in all: its max tokens x its sequences (n or "
-        "best_of, x prompts); above it 400, and a request without max tokens gets its share")
+        0,
+        ge=0,
+        description="output tokens one request may ask for in all: its max tokens x its sequences (n or "
+        "best_of, x prompts); above it 400, and a request without max tokens gets its share",
+    )
     # One request's sequences each hold a decode slot and KV: without caps one client holds an engine.
     max_n: int = Field(16, ge=0, description="`n` above this gets 400 (0: no cap)")
     max_best_of: int = Field(16, ge=0, description="`best_of` above this gets 400 (0: no cap)")
     max_prompts: int = Field(64, ge=0, description="completions: more prompts in one request get 400 (0: no cap)")
-    max_header_bytes: int = Field(16384, gt=0, description="request heads (line and headers) over this get 431, "
-                                  "counted while they arrive")
+    max_header_bytes: int = Field(
+        16384, gt=0, description="request heads (line and headers) over this get 431, counted while they arrive"
+    )
     max_headers: int = Field(100, gt=0, description="requests with more headers get 431")
 
 
@@ -205,7 +249,9 @@ class TimeoutsConfig(_Strict):
     connect_s: float = Field(5.0, gt=0, description="TCP connect to an engine")
     prefill_s: float = Field(600.0, gt=0, description="whole prefill leg")
     decode_first_byte_s: float = Field(
-        600.0, gt=0, description="decode leg: until its first token (a direct request prefills there first)",
+        600.0,
+        gt=0,
+        description="decode leg: until its first token (a direct request prefills there first)",
     )
     decode_idle_s: float = Field(600.0, gt=0, description="wait for the decode leg's next bytes")
 
@@ -215,7 +261,8 @@ class EnginesConfig(_Strict):
     its warm connections outlive reloads."""
 
     transport: Literal["h1", "aiohttp"] = Field(
-        "h1", description="h1: the gateway's own HTTP/1.1 client (the cheapest per request); aiohttp: the "
+        "h1",
+        description="h1: the gateway's own HTTP/1.1 client (the cheapest per request); aiohttp: the "
         "reference implementation on aiohttp, same behavior",
     )
     ca_file: str | None = Field(None, description="CA bundle verifying https:// engines; unset: the system's CAs")
@@ -227,10 +274,15 @@ class EnginesConfig(_Strict):
         """Checked with the config (check-config, reload), not first at startup."""
         if self.key_file and not self.cert_file:
             raise ValueError("key_file is set without cert_file")
-        unreadable = [(field, path) for field in ("ca_file", "cert_file", "key_file")
-                      if (path := getattr(self, field)) and not (os.path.isfile(path) and os.access(path, os.R_OK))]
-        _raise("EnginesConfig", [_error((field,), path, "engines_file", f"{path} is not a readable file")
-                                 for field, path in unreadable])
+        unreadable = [
+            (field, path)
+            for field in ("ca_file", "cert_file", "key_file")
+            if (path := getattr(self, field)) and not (os.path.isfile(path) and os.access(path, os.R_OK))
+        ]
+        _raise(
+            "EnginesConfig",
+            [_error((field,), path, "engines_file", f"{path} is not a readable file") for field, path in unreadable],
+        )
         return self
 
 
@@ -245,7 +297,8 @@ class FailoverConfig(_Strict):
 class TokenizerConfig(_Strict):
     workers: int = Field(2, ge=1, description="threads that tokenize off the event loop")
     inline_max_bytes: int = Field(
-        256, ge=0,  # measured: the largest body whose parse + tokenize stays under ~100 us
+        256,
+        ge=0,  # measured: the largest body whose parse + tokenize stays under ~100 us
         description="request bodies this small are tokenized on the event loop (cheaper than a thread hop); "
         "larger ones on the tokenizer threads",
     )
@@ -255,16 +308,19 @@ class TracingConfig(_Strict):
     """OpenTelemetry traces: a span per request with its tokenize, route and engine legs."""
 
     exporter: Literal["none", "otlp", "console"] = Field(
-        "none", description="none: no spans are made; otlp: OTLP/HTTP to `endpoint`; console: print them (local runs)",
+        "none",
+        description="none: no spans are made; otlp: OTLP/HTTP to `endpoint`; console: print them (local runs)",
     )
     endpoint: str = Field("http://localhost:4318/v1/traces", description="the OTLP/HTTP traces URL")
     headers: dict[str, str] = Field(default_factory=dict, description="extra OTLP request headers")
     headers_env: str | None = Field(
-        None, description="environment variable holding more headers as k=v,k2=v2 (keeps credentials out of files)",
+        None,
+        description="environment variable holding more headers as k=v,k2=v2 (keeps credentials out of files)",
     )
     service_name: str = "pdgate"
-    sample_ratio: float = Field(1.0, ge=0, le=1, description="share of new traces kept; a client's sampled "
-                                "traceparent is always followed")
+    sample_ratio: float = Field(
+        1.0, ge=0, le=1, description="share of new traces kept; a client's sampled traceparent is always followed"
+    )
 
 
 class TelemetryConfig(_Strict):
@@ -311,8 +367,17 @@ class GatewayConfig(_Strict):
         ``disabled: false``, and loads as it was)."""
         said = self.auth.configured or "disabled" in self.auth.model_fields_set
         if "auth" in self.model_fields_set and not said:
-            _raise("GatewayConfig", [_error(("auth",), {}, "auth_empty", "names no API keys: set api_keys_file "
-                                            "or api_keys_env, or disabled: true to serve without keys")])
+            _raise(
+                "GatewayConfig",
+                [
+                    _error(
+                        ("auth",),
+                        {},
+                        "auth_empty",
+                        "names no API keys: set api_keys_file or api_keys_env, or disabled: true to serve without keys",
+                    )
+                ],
+            )
         return self
 
     def model(self, name: str) -> ModelConfig | None:
@@ -365,8 +430,9 @@ class GatewayConfig(_Strict):
         try:
             text = self.read_text(m.chat_template)
         except OSError as err:  # as gateway/tokenization/tokenizer.py says it when it reads the file
-            raise ValueError(f"chat_template {m.chat_template!r} looks like a file path, but it cannot be read: "
-                             f"{err}") from None
+            raise ValueError(
+                f"chat_template {m.chat_template!r} looks like a file path, but it cannot be read: {err}"
+            ) from None
         if not any(c in text for c in "{}\n"):  # not a template the tokenizer would take inline: let it read
             return m
         return m.model_copy(update={"chat_template": text})
@@ -432,10 +498,15 @@ def access_switched_off(old: GatewayConfig, new: GatewayConfig) -> list[str]:
         off.append((f"the admin token (from {source})", new.admin.disabled))
     unsaid = [what for what, said in off if not said]
     if unsaid:
-        flags = [flag for what, flag in (("API keys", "auth.disabled: true"), ("admin token", "admin.disabled: true"))
-                 if any(what in u for u in unsaid)]
-        raise ValueError(f"this change switches off {' and '.join(unsaid)}; to do that on purpose, the new config "
-                         f"must say {' and '.join(flags)}")
+        flags = [
+            flag
+            for what, flag in (("API keys", "auth.disabled: true"), ("admin token", "admin.disabled: true"))
+            if any(what in u for u in unsaid)
+        ]
+        raise ValueError(
+            f"this change switches off {' and '.join(unsaid)}; to do that on purpose, the new config "
+            f"must say {' and '.join(flags)}"
+        )
     return [what for what, _ in off]
 
 

@@ -83,7 +83,8 @@ _SET = re.compile(rf"({_KEY})\s+(in|notin)\s*\(([^()]*)\)")
 _EXISTS = re.compile(rf"(!?)\s*({_KEY})")
 _VALUE_RE = re.compile(_VALUE)
 LABEL_KEY = re.compile(  # [DNS subdomain prefix/]name, as the API server checks label keys
-    r"(?:[a-z0-9](?:[-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+    r"(?:[a-z0-9](?:[-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+)
 LABEL_VALUE = _VALUE_RE
 
 
@@ -147,6 +148,7 @@ def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
 
 
 # -- reaching the API -----------------------------------------------------------------------------
+
 
 class AccessError(ValueError):
     """API access cannot be set up; ``field`` is the discovery key at fault (for the message's
@@ -220,14 +222,20 @@ def _access(cfg: DiscoveryConfig) -> Access:
         # The service account's CA is the only one that verifies the API: missing means the
         # service account is not mounted (automountServiceAccountToken: false?).
         if cfg.ca_file and not Path(cfg.ca_file).is_file():
-            raise AccessError("ca_file", f"{cfg.ca_file} does not exist (in-cluster API access needs the service "
-                              "account's CA: is the service account token mounted?)")
+            raise AccessError(
+                "ca_file",
+                f"{cfg.ca_file} does not exist (in-cluster API access needs the service "
+                "account's CA: is the service account token mounted?)",
+            )
         ca = cfg.ca_file
     else:
         paths = [p for p in os.environ.get("KUBECONFIG", "").split(os.pathsep) if p]
         if not paths:
-            raise AccessError("api_url", "no api_url, KUBERNETES_SERVICE_HOST is not set (not in a pod?) and no "
-                              "kubeconfig (discovery.kubeconfig or $KUBECONFIG)")
+            raise AccessError(
+                "api_url",
+                "no api_url, KUBERNETES_SERVICE_HOST is not set (not in a pod?) and no "
+                "kubeconfig (discovery.kubeconfig or $KUBECONFIG)",
+            )
         if not (existing := [p for p in paths if Path(p).expanduser().is_file()]):  # kubectl skips missing ones
             raise AccessError("kubeconfig", f"$KUBECONFIG: none of {', '.join(paths)} exists")
         return _kubeconfig_access(cfg, existing, "kubeconfig")
@@ -237,6 +245,7 @@ def _access(cfg: DiscoveryConfig) -> Access:
 
 
 # -- kubeconfig -----------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Kubeconfig:
@@ -258,7 +267,7 @@ class Kubeconfig:
 _UNSUPPORTED_AUTH = ("exec", "auth-provider", "username", "password")
 
 
-def read_kubeconfig(paths: Sequence[str]) -> Kubeconfig:
+def read_kubeconfig(paths: Sequence[str]) -> Kubeconfig:  # noqa: C901 - over the limit before it was set; to split
     """The current context of the kubeconfig ``paths`` (merged as kubectl merges ``$KUBECONFIG``:
     the first file to define a name or ``current-context`` wins). Supported: ``server``,
     ``certificate-authority[-data]``, ``insecure-skip-tls-verify``, ``token``, ``tokenFile``,
@@ -298,8 +307,10 @@ def read_kubeconfig(paths: Sequence[str]) -> Kubeconfig:
     if user_name and user_name not in merged["users"]:
         raise ValueError(f"{where}: user {user_name!r} of context {current!r} not found")
     if bad := [k for k in _UNSUPPORTED_AUTH if user.get(k)]:
-        raise ValueError(f"{where}: user {user_name!r} authenticates with {'/'.join(bad)}, which pdgate does not "
-                         "support: give it a token, tokenFile or client certificate")
+        raise ValueError(
+            f"{where}: user {user_name!r} authenticates with {'/'.join(bad)}, which pdgate does not "
+            "support: give it a token, tokenFile or client certificate"
+        )
 
     def file(section: dict[str, Any], key: str, folder: Path) -> str | None:
         value = section.get(key)
@@ -354,8 +365,11 @@ def _kubeconfig_access(cfg: DiscoveryConfig, paths: list[str], field: str) -> Ac
         else:
             ctx = ssl.create_default_context(cafile=kc.ca_file, cadata=kc.ca_data)
             if kc.insecure and not (kc.ca_file or kc.ca_data):
-                log.warning("discovery: kubeconfig cluster %s has insecure-skip-tls-verify: the API server's "
-                            "certificate is not verified", kc.server)
+                log.warning(
+                    "discovery: kubeconfig cluster %s has insecure-skip-tls-verify: the API server's "
+                    "certificate is not verified",
+                    kc.server,
+                )
                 ctx.check_hostname = False
                 ctx.verify_mode = ssl.CERT_NONE
         if kc.cert_file or kc.cert_data:
@@ -364,8 +378,9 @@ def _kubeconfig_access(cfg: DiscoveryConfig, paths: list[str], field: str) -> Ac
             except (OSError, ssl.SSLError) as err:
                 raise AccessError(field, f"{', '.join(paths)}: cannot load the client certificate ({err})") from None
     token_file = _explicit(cfg, "token_file") or kc.token_file
-    return Access(kc.server, ctx, token_file, cfg.namespace or kc.namespace or "default",
-                  None if token_file else kc.token)
+    return Access(
+        kc.server, ctx, token_file, cfg.namespace or kc.namespace or "default", None if token_file else kc.token
+    )
 
 
 def _load_client_cert(ctx: ssl.SSLContext, kc: Kubeconfig) -> None:
@@ -386,6 +401,7 @@ def _load_client_cert(ctx: ssl.SSLContext, kc: Kubeconfig) -> None:
 
 
 # -- the watch stream -----------------------------------------------------------------------------
+
 
 class _Lines:
     """Splits a watch stream into its newline-ended events in linear time: each byte is scanned
@@ -436,8 +452,9 @@ def _port(slice_: dict[str, Any], want: int | str | None) -> int | None:
     return next((int(p["port"]) for p in ports if p.get("name") == want), None)
 
 
-def ready_endpoints(slices: dict[str, dict[str, Any]], cfg: DiscoveryConfig,
-                    nodes: Mapping[str, Mapping[str, str]] | None = None) -> tuple[EndpointConfig, ...]:
+def ready_endpoints(
+    slices: dict[str, dict[str, Any]], cfg: DiscoveryConfig, nodes: Mapping[str, Mapping[str, str]] | None = None
+) -> tuple[EndpointConfig, ...]:
     """The ready endpoints of ``slices`` as the pool's endpoint configs, sorted by URL, each with its
     topology: the slice's ``zone`` and, from ``nodes`` (labels by Node name), its Node's
     ``node_labels``."""
@@ -476,15 +493,20 @@ def _topology(ep: Mapping[str, Any], nodes: Mapping[str, Mapping[str, str]]) -> 
 
 
 def _node_names(slices: Mapping[str, Mapping[str, Any]]) -> set[str]:
-    return {name for s in slices.values() for ep in s.get("endpoints") or []
-            if isinstance(name := ep.get("nodeName"), str) and name}
+    return {
+        name
+        for s in slices.values()
+        for ep in s.get("endpoints") or []
+        if isinstance(name := ep.get("nodeName"), str) and name
+    }
 
 
 class SliceWatcher:
     """Follows the EndpointSlices of one pool; ``on_change()`` runs when its ready set changes."""
 
-    def __init__(self, pool: str, cfg: DiscoveryConfig, on_change: Callable[[], None],
-                 endpoints: tuple[EndpointConfig, ...] = ()) -> None:
+    def __init__(
+        self, pool: str, cfg: DiscoveryConfig, on_change: Callable[[], None], endpoints: tuple[EndpointConfig, ...] = ()
+    ) -> None:
         self.pool = pool
         self.cfg = cfg
         self._on_change = on_change
@@ -558,8 +580,9 @@ class SliceWatcher:
                     await asyncio.sleep(self.cfg.retry_s)
                 continue
             except Gone:
-                log.info("discovery (%s): resourceVersion %s expired (410); listing again",
-                         self.pool, self.resource_version)
+                log.info(
+                    "discovery (%s): resourceVersion %s expired (410); listing again", self.pool, self.resource_version
+                )
                 listed = False
                 await asyncio.sleep(self.cfg.retry_s)  # a short pause: many clients relist at once
                 continue
@@ -571,8 +594,13 @@ class SliceWatcher:
                 listed = False
             except (aiohttp.ClientError, TimeoutError, OSError, ValueError, APIError) as err:
                 self._failed(f"{type(err).__name__}: {err}")
-                log.warning("discovery (%s): %s; %s in %.1f s", self.pool, self.last_error,
-                            "watching again" if listed else "listing again", backoff)
+                log.warning(
+                    "discovery (%s): %s; %s in %.1f s",
+                    self.pool,
+                    self.last_error,
+                    "watching again" if listed else "listing again",
+                    backoff,
+                )
             except Exception as err:  # e.g. an object without the fields a slice has: keep going
                 self._failed(f"{type(err).__name__}: {err}")
                 log.exception("discovery (%s): unexpected failure; retrying in %.1f s", self.pool, backoff)
@@ -594,9 +622,13 @@ class SliceWatcher:
                 except Exception as err:  # an API error, or a body that is no Node: never the slices' watch
                     self._nodes_failed.add(name)
                     self._failed(f"cannot read node {name}: {type(err).__name__}: {err}")
-                    log.warning("discovery (%s): %s (the gateway needs get on nodes for node_labels); its "
-                                "endpoints have no %s until the next list", self.pool, self.last_error,
-                                ", ".join(self.cfg.node_labels))
+                    log.warning(
+                        "discovery (%s): %s (the gateway needs get on nodes for node_labels); its "
+                        "endpoints have no %s until the next list",
+                        self.pool,
+                        self.last_error,
+                        ", ".join(self.cfg.node_labels),
+                    )
                 cancel_checkpoint()
             self._recompute()
 
@@ -609,8 +641,11 @@ class SliceWatcher:
             if resp.status != 200:
                 raise APIError(f"answered {resp.status}: {body[:200].decode(errors='replace')}")
         labels = _labels(orjson.loads(body))
-        return {k: v for k in self.cfg.node_labels if isinstance(v := labels.get(k), str)
-                and len(v) <= 63 and LABEL_VALUE.fullmatch(v)}
+        return {
+            k: v
+            for k in self.cfg.node_labels
+            if isinstance(v := labels.get(k), str) and len(v) <= 63 and LABEL_VALUE.fullmatch(v)
+        }
 
     def _failed(self, why: str) -> None:
         self.errors += 1
@@ -658,8 +693,12 @@ class SliceWatcher:
 
     async def _watch(self, access: Access, path: str) -> None:
         assert self._session is not None
-        params = {"labelSelector": self.cfg.label_selector, "watch": "1", "allowWatchBookmarks": "true",
-                  "timeoutSeconds": str(self.cfg.watch_timeout_s)}
+        params = {
+            "labelSelector": self.cfg.label_selector,
+            "watch": "1",
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(self.cfg.watch_timeout_s),
+        }
         if self.resource_version:
             params["resourceVersion"] = self.resource_version
         headers = await self._headers(access)
@@ -709,8 +748,13 @@ class SliceWatcher:
             added = {e.url for e in endpoints} - {e.url for e in self.endpoints}
             gone = {e.url for e in self.endpoints} - {e.url for e in endpoints}
             self.endpoints = endpoints
-            log.info("discovery (%s): %d endpoint(s)%s%s", self.pool, len(endpoints),
-                     f", added {sorted(added)}" if added else "", f", removed {sorted(gone)}" if gone else "")
+            log.info(
+                "discovery (%s): %d endpoint(s)%s%s",
+                self.pool,
+                len(endpoints),
+                f", added {sorted(added)}" if added else "",
+                f", removed {sorted(gone)}" if gone else "",
+            )
             self._on_change()
 
 
@@ -782,8 +826,11 @@ class Discovery:
                 async with asyncio.timeout(wait_s):
                     await asyncio.gather(*waits)
             except TimeoutError:
-                log.warning("discovery: the first list has not completed in %.0f s; serving with the "
-                            "static endpoints until it does", wait_s)
+                log.warning(
+                    "discovery: the first list has not completed in %.0f s; serving with the "
+                    "static endpoints until it does",
+                    wait_s,
+                )
             await self.settle()
 
     async def settle(self) -> None:

@@ -44,8 +44,18 @@ from gateway.engines.transport import (
     tls_context,
 )
 
-__all__ = ["ClientError", "ConnectError", "FirstTimeout", "H1Client", "HeadTooLarge", "Pool", "ProtocolError",
-           "Response", "ServerDisconnected", "Timeouts"]
+__all__ = [
+    "ClientError",
+    "ConnectError",
+    "FirstTimeout",
+    "H1Client",
+    "HeadTooLarge",
+    "Pool",
+    "ProtocolError",
+    "Response",
+    "ServerDisconnected",
+    "Timeouts",
+]
 
 # Past this many unread body bytes, stop reading the socket until the reader catches up.
 READ_HIGH_WATER = 1 << 18
@@ -249,8 +259,9 @@ class Response:
 
     __slots__ = ("_conn", "_deadline", "_first", "_idle", "_pool", "_total", "status")
 
-    def __init__(self, conn: _Connection, pool: Pool, deadline: float | None, idle: float | None,
-                 first: float | None = None) -> None:
+    def __init__(
+        self, conn: _Connection, pool: Pool, deadline: float | None, idle: float | None, first: float | None = None
+    ) -> None:
         self._conn: _Connection | None = conn
         self._pool = pool
         self._total = deadline
@@ -340,9 +351,16 @@ class Response:
 class Pool:
     """Keep-alive connections to one engine (``scheme://host:port``)."""
 
-    def __init__(self, base_url: str, keepalive_s: float, loop: asyncio.AbstractEventLoop, *,
-                 tls: ssl.SSLContext | None = None, max_head_bytes: int = MAX_HEAD_BYTES,
-                 max_headers: int = MAX_HEADERS) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        keepalive_s: float,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        tls: ssl.SSLContext | None = None,
+        max_head_bytes: int = MAX_HEAD_BYTES,
+        max_headers: int = MAX_HEADERS,
+    ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) base URL: {base_url!r}")
@@ -379,7 +397,10 @@ class Pool:
         try:
             async with asyncio.timeout(timeout):
                 _, conn = await self.loop.create_connection(
-                    lambda: _Connection(self), self.host, self.port, ssl=self.ssl,
+                    lambda: _Connection(self),
+                    self.host,
+                    self.port,
+                    ssl=self.ssl,
                     server_hostname=self.host if self.ssl else None,
                 )
         except OSError as err:
@@ -422,8 +443,14 @@ class H1Client:
     ``EngineTransport``). ``tls``: the context for ``https://`` engines (``transport.tls_context``;
     unset: the system's CAs, no client certificate)."""
 
-    def __init__(self, *, keepalive_s: float = 4.0, tls: ssl.SSLContext | None = None,
-                 max_head_bytes: int = MAX_HEAD_BYTES, max_headers: int = MAX_HEADERS) -> None:
+    def __init__(
+        self,
+        *,
+        keepalive_s: float = 4.0,
+        tls: ssl.SSLContext | None = None,
+        max_head_bytes: int = MAX_HEAD_BYTES,
+        max_headers: int = MAX_HEADERS,
+    ) -> None:
         self._keepalive_s = keepalive_s
         self._tls = tls
         self._max_head_bytes = max_head_bytes
@@ -438,9 +465,14 @@ class H1Client:
         if pool is None:
             if self._tls is None and base_url.startswith("https:"):
                 self._tls = tls_context()  # once per client: building one reads the CA store
-            pool = self._pools[base_url] = Pool(base_url, self._keepalive_s, asyncio.get_running_loop(),
-                                                tls=self._tls, max_head_bytes=self._max_head_bytes,
-                                                max_headers=self._max_headers)
+            pool = self._pools[base_url] = Pool(
+                base_url,
+                self._keepalive_s,
+                asyncio.get_running_loop(),
+                tls=self._tls,
+                max_head_bytes=self._max_head_bytes,
+                max_headers=self._max_headers,
+            )
         now = pool.loop.time()
         deadline = None if timeouts.total is None else now + timeouts.total
         first = None if timeouts.first is None else now + timeouts.first

@@ -48,8 +48,14 @@ def release_body(model: str, kv_params: dict[str, Any]) -> dict[str, Any]:
     """A decode request vLLM 0.32 rejects before running it (beam search cannot stream); its
     rejection path notifies the prefill engine, which frees the held blocks at once, with no
     transfer and no compute (``_with_kv_transfer_rejection_cleanup``)."""
-    return {"model": model, "prompt": "x", "max_tokens": 1, "stream": True, "use_beam_search": True,
-            "kv_transfer_params": kv_params}
+    return {
+        "model": model,
+        "prompt": "x",
+        "max_tokens": 1,
+        "stream": True,
+        "use_beam_search": True,
+        "kv_transfer_params": kv_params,
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +78,9 @@ def retryable(err: APIError) -> bool:
     return err.status >= 500
 
 
-async def prefill(upstream: Upstream, ep: Endpoint, path: str, body: dict[str, Any], request_id: str,
-                  headers: dict[str, str]) -> PrefillAnswer:
+async def prefill(
+    upstream: Upstream, ep: Endpoint, path: str, body: dict[str, Any], request_id: str, headers: dict[str, str]
+) -> PrefillAnswer:
     """Steps 1 and 2; raises LegFailed."""
     try:
         resp = await upstream.post(ep, path, prefill_body(body), request_id, leg="prefill", headers=headers)
@@ -90,9 +97,15 @@ async def prefill(upstream: Upstream, ep: Endpoint, path: str, body: dict[str, A
     resp.release()
     params = data.get("kv_transfer_params")
     if not isinstance(params, dict):
-        raise LegFailed(EngineError(
-            502, "The prefill engine returned no kv_transfer_params; is it running with a KV connector "
-            "such as the NixlConnector?", code="engine_error"), reached=True)
+        raise LegFailed(
+            EngineError(
+                502,
+                "The prefill engine returned no kv_transfer_params; is it running with a KV connector "
+                "such as the NixlConnector?",
+                code="engine_error",
+            ),
+            reached=True,
+        )
     return PrefillAnswer(params, _prefill_cached(params, data))
 
 
@@ -123,8 +136,17 @@ class DecodeStream:
             self.resp.close()
 
 
-async def open_decode(upstream: Upstream, ep: Endpoint, path: str, body: dict[str, Any], request_id: str,
-                      stream: bool, headers: dict[str, str], *, max_head_bytes: int = 0) -> DecodeStream:
+async def open_decode(
+    upstream: Upstream,
+    ep: Endpoint,
+    path: str,
+    body: dict[str, Any],
+    request_id: str,
+    stream: bool,
+    headers: dict[str, str],
+    *,
+    max_head_bytes: int = 0,
+) -> DecodeStream:
     """Step 3 up to the first token (a stream) or the whole answer; raises LegFailed before that.
     ``timeouts.decode_first_byte_s`` bounds this: the transport's first-byte timer, ended here.
     ``max_head_bytes``: read a stream up to its first whole event after the chat role chunk (a
@@ -161,15 +183,17 @@ async def _read_head(resp: Response, stream: bool, max_head_bytes: int = 0) -> b
     head = await resp.read_some()
     while max_head_bytes and head and _before_token(head):  # vLLM sends the role chunk just before
         if len(head) > max_head_bytes:
-            raise LegFailed(EngineError(502, "The decode engine sent an oversized event.", code="engine_error"),
-                            reached=True)
+            raise LegFailed(
+                EngineError(502, "The decode engine sent an oversized event.", code="engine_error"), reached=True
+            )
         more = await resp.read_some()
         if not more:
             break
         head += more
     if not head or _error_first(head):
-        raise LegFailed(EngineError(502, "The decode engine failed before its first token.", code="engine_error"),
-                        reached=True)
+        raise LegFailed(
+            EngineError(502, "The decode engine failed before its first token.", code="engine_error"), reached=True
+        )
     return head
 
 
@@ -205,11 +229,13 @@ class KVReleaser:
         async def release() -> None:
             try:
                 async with asyncio.timeout(5):
-                    resp = await self._upstream.post(ep, "/v1/completions", release_body(model, kv_params),
-                                                     f"{request_id}-release", leg="decode")
+                    resp = await self._upstream.post(
+                        ep, "/v1/completions", release_body(model, kv_params), f"{request_id}-release", leg="decode"
+                    )
                     resp.close()
             except (EngineError, TimeoutError, ClientError):
                 pass  # the 400 we expect is an EngineError: the rejection did its work
+
         task = asyncio.get_running_loop().create_task(release())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -24,8 +24,9 @@ MAX_BODY_BYTES = 4 << 20  # a model list, not a stream: anything larger is not a
 
 
 class ServedModels:
-    def __init__(self, pools: Pools, session: aiohttp.ClientSession, configured: Sequence[str],
-                 timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, pools: Pools, session: aiohttp.ClientSession, configured: Sequence[str], timeout_s: float = 5.0
+    ) -> None:
         self._pools = pools
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -68,9 +69,14 @@ class ServedModels:
             return
         self._reported[key] = missing
         if missing:
-            log.warning("%s engine %s does not serve %s (it serves %s): requests for %s go to other engines",
-                        ep.pool, ep.url, ", ".join(missing), ", ".join(sorted(ep.served_models or ())) or "nothing",
-                        "them" if len(missing) > 1 else "it")
+            log.warning(
+                "%s engine %s does not serve %s (it serves %s): requests for %s go to other engines",
+                ep.pool,
+                ep.url,
+                ", ".join(missing),
+                ", ".join(sorted(ep.served_models or ())) or "nothing",
+                "them" if len(missing) > 1 else "it",
+            )
         else:
             log.info("%s engine %s serves every configured model", ep.pool, ep.url)
 
@@ -78,8 +84,8 @@ class ServedModels:
         """For ``/ready``: the configured names, and every engine that lacks one of them."""
         mismatched = [
             {"pool": ep.pool, "engine": ep.url, "missing": missing, "served": sorted(ep.served_models or ())}
-            for ep in self._pools.all() if (missing := self.missing(ep))
+            for ep in self._pools.all()
+            if (missing := self.missing(ep))
         ]
         unknown = [ep.url for ep in self._pools.all() if ep.served_models is None]
         return {"configured": list(self.configured), "mismatched": mismatched, "unchecked": unknown}
-

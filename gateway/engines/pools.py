@@ -90,9 +90,10 @@ class Endpoint:
         self.consecutive_failures += 1
         failed = self.outcomes.count(False)
         too_many = self.consecutive_failures >= cfg.consecutive_failures or (
-            len(self.outcomes) >= cfg.min_requests and failed / len(self.outcomes) >= cfg.error_rate)
+            len(self.outcomes) >= cfg.min_requests and failed / len(self.outcomes) >= cfg.error_rate
+        )
         if too_many and not self.ejected:
-            seconds = min(cfg.base_ejection_s * 2 ** self.ejections, cfg.max_ejection_s)
+            seconds = min(cfg.base_ejection_s * 2**self.ejections, cfg.max_ejection_s)
             self.ejected_until = self.clock() + seconds
             self.ejections += 1
             self.consecutive_failures = 0
@@ -104,18 +105,37 @@ class Endpoint:
         """The engine said it runs without prefix caching: it never holds a prompt for later."""
         return self.stats is not None and self.stats.prefix_caching is False
 
-    def view(self, now: float = 0.0, max_age_s: float = 0.0, others: int = 0,
-             s_per_token: float | None = None) -> EndpointView:
+    def view(
+        self, now: float = 0.0, max_age_s: float = 0.0, others: int = 0, s_per_token: float | None = None
+    ) -> EndpointView:
         """``others``: requests other gateway replicas have in flight here (shared state);
         ``s_per_token``: its measured prefill speed."""
         st = self.stats
         usable = self.healthy and not self.ejected
         if st is None or now - st.at > max_age_s:
-            return EndpointView(self.url, self.pool, usable, self.in_flight + others,
-                                backlog_tokens=self.backlog_tokens, prefill_s_per_token=s_per_token,
-                                models=self.served_models, topology=self.topology)
-        return EndpointView(self.url, self.pool, usable, self.in_flight + others, st.running, st.waiting,
-                            st.kv_usage, self.backlog_tokens, s_per_token, self.served_models, self.topology)
+            return EndpointView(
+                self.url,
+                self.pool,
+                usable,
+                self.in_flight + others,
+                backlog_tokens=self.backlog_tokens,
+                prefill_s_per_token=s_per_token,
+                models=self.served_models,
+                topology=self.topology,
+            )
+        return EndpointView(
+            self.url,
+            self.pool,
+            usable,
+            self.in_flight + others,
+            st.running,
+            st.waiting,
+            st.kv_usage,
+            self.backlog_tokens,
+            s_per_token,
+            self.served_models,
+            self.topology,
+        )
 
     def acquire(self) -> None:
         self.in_flight += 1
@@ -152,12 +172,18 @@ class Endpoint:
 class Pools:
     """The prefill and decode pools; the only owner of endpoint state."""
 
-    def __init__(self, prefill: Iterable[str], decode: Iterable[str], *, topology: Mapping[str, Topology] | None = None,
-                 stats_max_age_s: float = 5.0,
-                 outlier: OutlierConfig | None = None,
-                 prefill_speed: Callable[[str], float | None] = lambda url: None,
-                 on_restart: Callable[[Endpoint], None] = lambda ep: None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        prefill: Iterable[str],
+        decode: Iterable[str],
+        *,
+        topology: Mapping[str, Topology] | None = None,
+        stats_max_age_s: float = 5.0,
+        outlier: OutlierConfig | None = None,
+        prefill_speed: Callable[[str], float | None] = lambda url: None,
+        on_restart: Callable[[Endpoint], None] = lambda ep: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.prefill: list[Endpoint] = []
         self.decode: list[Endpoint] = []
         self._by_url: dict[tuple[str, str], Endpoint] = {}
@@ -172,8 +198,9 @@ class Pools:
         self._not_serving: dict[str, frozenset[tuple[str, str]]] = {}  # not_serving's answers, per model
         self.update(prefill, decode, topology)
 
-    def update(self, prefill: Iterable[str], decode: Iterable[str], topology: Mapping[str, Topology] | None = None
-               ) -> list[Endpoint]:
+    def update(
+        self, prefill: Iterable[str], decode: Iterable[str], topology: Mapping[str, Topology] | None = None
+    ) -> list[Endpoint]:
         """Take new endpoint lists (a config reload, a discovery change): endpoints kept keep their
         state (health, load, learned speed) and take their new ``topology`` (by URL); requests in
         flight on removed ones finish normally. Returns the removed."""
@@ -205,7 +232,8 @@ class Pools:
         gaps = self._not_serving.get(model)
         if gaps is None:
             gaps = self._not_serving[model] = frozenset(
-                (e.pool, e.url) for e in self.all() if e.served_models is not None and model not in e.served_models)
+                (e.pool, e.url) for e in self.all() if e.served_models is not None and model not in e.served_models
+            )
         return gaps
 
     def set_served(self, ep: Endpoint, models: frozenset[str] | None) -> None:
@@ -220,8 +248,10 @@ class Pools:
 
     def snapshot(self) -> PoolSnapshot:
         now, age, others, speed = self._clock(), self.stats_max_age_s, self.others, self._speed
-        return PoolSnapshot(tuple(e.view(now, age, others.get(e.url, 0), speed(e.url)) for e in self.prefill),
-                            tuple(e.view(now, age, others.get(e.url, 0), speed(e.url)) for e in self.decode))
+        return PoolSnapshot(
+            tuple(e.view(now, age, others.get(e.url, 0), speed(e.url)) for e in self.prefill),
+            tuple(e.view(now, age, others.get(e.url, 0), speed(e.url)) for e in self.decode),
+        )
 
     def report(self, ep: Endpoint, stats: EngineStats) -> None:
         """A fresh /metrics report; one from another run of the engine (it restarted, and its
@@ -270,9 +300,14 @@ class HealthChecker:
     READY_MAX_AGE_S = 0.25
     READY_BOUND_S = 0.5  # and the most /ready waits for that probe (a probe's own timeout is longer)
 
-    def __init__(self, pools: Pools, session: aiohttp.ClientSession, cfg: HealthConfig,
-                 on_up: Callable[[Endpoint, bool], Awaitable[None]] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        pools: Pools,
+        session: aiohttp.ClientSession,
+        cfg: HealthConfig,
+        on_up: Callable[[Endpoint, bool], Awaitable[None]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._pools = pools
         self._session = session
         self._on_up = on_up

@@ -109,8 +109,9 @@ class EngineResponse(Protocol):
 class EngineTransport(Protocol):
     """POSTs to engines over per-engine keep-alive pools; outlives config versions."""
 
-    async def post(self, base_url: str, path: str, body: bytes, headers: Mapping[str, str],
-                   timeouts: Timeouts) -> EngineResponse:
+    async def post(
+        self, base_url: str, path: str, body: bytes, headers: Mapping[str, str], timeouts: Timeouts
+    ) -> EngineResponse:
         """Send the request to ``base_url`` (``http(s)://host:port``) + ``path``; return once the
         status and headers are in. Cancelled or failed, the connection is dropped."""
         ...
@@ -128,8 +129,9 @@ async def read_whole(read_some: Callable[[], Awaitable[bytes]]) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def tls_context(ca_file: str | None = None, cert_file: str | None = None,
-                key_file: str | None = None) -> ssl.SSLContext:
+def tls_context(
+    ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None
+) -> ssl.SSLContext:
     """The context for ``https://`` engines: verified against ``ca_file`` (else the system's CAs),
     presenting ``cert_file``/``key_file`` as the client certificate when given. One per client:
     building one reads the CA store, too slow to do per connection."""

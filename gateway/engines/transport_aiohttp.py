@@ -160,8 +160,14 @@ class AiohttpTransport:
     first use, on the running loop. ``tls``: the context for ``https://`` engines
     (``transport.tls_context``; unset: the system's CAs)."""
 
-    def __init__(self, *, keepalive_s: float = 4.0, tls: ssl.SSLContext | None = None,
-                 max_head_bytes: int = MAX_HEAD_BYTES, max_headers: int = MAX_HEADERS) -> None:
+    def __init__(
+        self,
+        *,
+        keepalive_s: float = 4.0,
+        tls: ssl.SSLContext | None = None,
+        max_head_bytes: int = MAX_HEAD_BYTES,
+        max_headers: int = MAX_HEADERS,
+    ) -> None:
         self._keepalive_s = keepalive_s
         self._tls = tls
         self._max_head_bytes = max_head_bytes
@@ -170,21 +176,27 @@ class AiohttpTransport:
         self._closing: set[asyncio.Task[None]] = set()
 
     def _open(self) -> aiohttp.ClientSession:
-        connector = _Connector(limit=0, keepalive_timeout=self._keepalive_s,
-                               ssl=self._tls if self._tls is not None else True)
+        connector = _Connector(
+            limit=0, keepalive_timeout=self._keepalive_s, ssl=self._tls if self._tls is not None else True
+        )
         # aiohttp bounds each line (and, from 3.13.4, the count) while it parses; the total and
         # the count are checked again once the head is in.
         limits: _HeadLimits = {"max_line_size": self._max_head_bytes, "max_field_size": self._max_head_bytes}
         if "max_headers" in inspect.signature(aiohttp.ClientSession).parameters:
             limits["max_headers"] = self._max_headers
         self._session = aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False,
-            skip_auto_headers=_SKIP_AUTO, cookie_jar=aiohttp.DummyCookieJar(), **limits,
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None),
+            auto_decompress=False,
+            skip_auto_headers=_SKIP_AUTO,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            **limits,
         )
         return self._session
 
-    async def post(self, base_url: str, path: str, body: bytes, headers: Mapping[str, str],
-                   timeouts: Timeouts) -> AiohttpResponse:
+    async def post(
+        self, base_url: str, path: str, body: bytes, headers: Mapping[str, str], timeouts: Timeouts
+    ) -> AiohttpResponse:
         session = self._session or self._open()
         deadlines = _Deadlines(asyncio.get_running_loop(), timeouts)
         connect = min(timeouts.connect, timeouts.total or timeouts.connect)
@@ -194,7 +206,10 @@ class AiohttpTransport:
         try:
             async with asyncio.timeout_at(first) as deadlines.scope:
                 resp = await session.post(
-                    base_url + path, data=body, headers=headers, allow_redirects=False,
+                    base_url + path,
+                    data=body,
+                    headers=headers,
+                    allow_redirects=False,
                     timeout=aiohttp.ClientTimeout(total=None, connect=connect),
                 )
         except aiohttp.ConnectionTimeoutError as err:

@@ -48,7 +48,10 @@ def make_session(engines: EnginesConfig | None = None) -> aiohttp.ClientSession:
     with ``engines``, it talks TLS to https engines as the legs do (its CA and client certificate)."""
     tls = _engines_tls(engines or EnginesConfig())
     connector = aiohttp.TCPConnector(
-        limit=0, ttl_dns_cache=300, keepalive_timeout=KEEPALIVE_S, enable_cleanup_closed=True,
+        limit=0,
+        ttl_dns_cache=300,
+        keepalive_timeout=KEEPALIVE_S,
+        enable_cleanup_closed=True,
         ssl=tls if tls is not None else True,
     )
     return aiohttp.ClientSession(
@@ -91,12 +94,21 @@ class Upstream:
             "prefill": Timeouts(connect=timeouts.connect_s, total=timeouts.prefill_s),
             # No total: a decode stream lasts as long as it generates; only silence is an error.
             # ``first``: until the first token (the dispatcher calls ``end_first`` then).
-            "decode": Timeouts(connect=timeouts.connect_s, idle=timeouts.decode_idle_s,
-                               first=timeouts.decode_first_byte_s),
+            "decode": Timeouts(
+                connect=timeouts.connect_s, idle=timeouts.decode_idle_s, first=timeouts.decode_first_byte_s
+            ),
         }
 
-    async def post(self, ep: Endpoint, path: str, body: dict[str, Any], request_id: str, *, leg: Leg,
-                   headers: dict[str, str] | None = None) -> EngineResponse:
+    async def post(
+        self,
+        ep: Endpoint,
+        path: str,
+        body: dict[str, Any],
+        request_id: str,
+        *,
+        leg: Leg,
+        headers: dict[str, str] | None = None,
+    ) -> EngineResponse:
         """Send ``body`` and return the open response (status checked); the caller ends it with
         ``release`` or ``close``. ``headers``: the leg's trace context (traceparent), if any."""
         try:
@@ -112,8 +124,9 @@ class Upstream:
             ep.mark_down(f"connect failed: {err.os_error}")
             raise EngineError(502, f"Could not reach a {leg} engine.", code="engine_unreachable") from None
         except ServerDisconnected:
-            raise EngineGone(502, f"The {leg} engine closed the connection before answering.",
-                             code="engine_unreachable") from None
+            raise EngineGone(
+                502, f"The {leg} engine closed the connection before answering.", code="engine_unreachable"
+            ) from None
         except (TimeoutError, ClientError) as err:
             raise transport_error(err, leg) from None
         if resp.status >= 400:

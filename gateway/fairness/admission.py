@@ -27,8 +27,10 @@ from gateway.http.errors import APIError
 
 def too_busy(cfg: AdmissionConfig, what: str) -> APIError:
     return APIError(
-        429, f"The gateway is at capacity ({what}); retry after {cfg.retry_after_s:g} s.",
-        code="rate_limit_exceeded", headers={"Retry-After": str(math.ceil(cfg.retry_after_s))},
+        429,
+        f"The gateway is at capacity ({what}); retry after {cfg.retry_after_s:g} s.",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": str(math.ceil(cfg.retry_after_s))},
     )
 
 
@@ -118,8 +120,9 @@ class SharedGate(Gate):
     contended for long); its own queue keeps its order, and while requests wait it looks for a slot
     another worker freed every ``poll_s`` (workers do not wake each other)."""
 
-    def __init__(self, limit: int, slots: Slots, lock: Lock, worker: int, poll_s: float = 0.002,
-                 queue: FairQueue | None = None) -> None:
+    def __init__(
+        self, limit: int, slots: Slots, lock: Lock, worker: int, poll_s: float = 0.002, queue: FairQueue | None = None
+    ) -> None:
         super().__init__(limit, queue)
         self._slots, self._lock, self._me = slots, lock, worker
         self._poll_s = poll_s

@@ -44,8 +44,9 @@ class Waiter:
 
 
 class FairQueue:
-    def __init__(self, phase: str, usage: Usage, *, fair: bool = False, max_queued: int = 0,
-                 max_per_tenant: int = 0) -> None:
+    def __init__(
+        self, phase: str, usage: Usage, *, fair: bool = False, max_queued: int = 0, max_per_tenant: int = 0
+    ) -> None:
         self.phase = phase
         self._usage = usage
         self.fair, self.max_queued, self.max_per_tenant = fair, max_queued, max_per_tenant
@@ -67,8 +68,11 @@ class FairQueue:
             raise QueueFull("queue_full")
         w = Waiter(who, self._usage.key(who.tenant) if self.fair else "", next(self._seq), tokens)
         group = self._groups.setdefault(w.group, collections.deque())
-        if self.fair and self.max_per_tenant and \
-                sum(len(g) for (_, k), g in self._groups.items() if k == w.key) >= self.max_per_tenant:
+        if (
+            self.fair
+            and self.max_per_tenant
+            and sum(len(g) for (_, k), g in self._groups.items() if k == w.key) >= self.max_per_tenant
+        ):
             if not group:
                 del self._groups[w.group]
             raise QueueFull("tenant_queue_full")
@@ -171,8 +175,9 @@ class PoolQueues:
         q = self._queues.get((pool, model))
         if q is None:
             f = self._cfg
-            q = self._queues[(pool, model)] = FairQueue(pool, self._usage, fair=f.enabled, max_queued=f.max_queued,
-                                                        max_per_tenant=f.max_queued_per_tenant)
+            q = self._queues[(pool, model)] = FairQueue(
+                pool, self._usage, fair=f.enabled, max_queued=f.max_queued, max_per_tenant=f.max_queued_per_tenant
+            )
         return q
 
     def released(self, pool: str) -> None:

@@ -59,8 +59,10 @@ def label_secret(cfg: AdminConfig) -> bytes | None:
         return None
     value = os.environ.get(name, "").strip()
     if len(value) < _MIN_SECRET_CHARS:
-        raise ValueError(f"admin.tenant_label_secret_env: environment variable {name!r} must hold at least "
-                         f"{_MIN_SECRET_CHARS} characters ({'unset' if name not in os.environ else 'too short'})")
+        raise ValueError(
+            f"admin.tenant_label_secret_env: environment variable {name!r} must hold at least "
+            f"{_MIN_SECRET_CHARS} characters ({'unset' if name not in os.environ else 'too short'})"
+        )
     return value.encode()
 
 
@@ -79,8 +81,11 @@ def key_tenants(keys: Sequence[KeyEntry], secret: bytes | None = None) -> list[s
             names.append(e.tenant)
             continue
         unnamed += 1
-        names.append(f"key-{unnamed}" if secret is None
-                     else "key-" + hmac.new(secret, e.key.encode(), hashlib.sha256).hexdigest()[:10])
+        names.append(
+            f"key-{unnamed}"
+            if secret is None
+            else "key-" + hmac.new(secret, e.key.encode(), hashlib.sha256).hexdigest()[:10]
+        )
     return names
 
 
@@ -95,8 +100,10 @@ class Tenancy:
         for e, name in zip(keys, names, strict=True):
             # An unnamed key under a configured name would take that tenant's weight and classes.
             if not e.tenant and name in named:
-                raise ValueError(f"auth: an unnamed key's tenant would be {name!r}, a tenant named in the config: "
-                                 "name that key (tenant=) or rename the tenant")
+                raise ValueError(
+                    f"auth: an unnamed key's tenant would be {name!r}, a tenant named in the config: "
+                    "name that key (tenant=) or rename the tenant"
+                )
             if e.weight is not None and self._weights.setdefault(name, e.weight) != e.weight:
                 raise ValueError(f"auth: tenant {name!r} is given two weights")
             for c in (e.priority, *e.allow):
@@ -125,29 +132,44 @@ class Tenancy:
             tenant = self._by_key[key_index]
         elif (cfg.tenant_header or admin) and (name := headers.get(cfg.tenant_header or "x-pdgate-tenant")) is not None:
             if not _NAME.fullmatch(name) or name == OTHER:
-                raise APIError(400, f"The {cfg.tenant_header} header must be 1-64 of A-Z a-z 0-9 . _ : - "
-                               f"(and not '{OTHER}').", code="invalid_tenant")
-            tenant = self._named.get(name) or Tenant(name, 1.0, cfg.default_priority,
-                                                     frozenset((cfg.default_priority,)))
+                raise APIError(
+                    400,
+                    f"The {cfg.tenant_header} header must be 1-64 of A-Z a-z 0-9 . _ : - (and not '{OTHER}').",
+                    code="invalid_tenant",
+                )
+            tenant = self._named.get(name) or Tenant(
+                name, 1.0, cfg.default_priority, frozenset((cfg.default_priority,))
+            )
         else:
             tenant = self._default
         cls_name = tenant.priority
         asked = headers.get(cfg.priority_header)
         if asked is not None:
             if asked not in cfg.classes:
-                raise APIError(400, f"The {cfg.priority_header} header names no priority class (classes: "
-                               f"{', '.join(sorted(cfg.classes))}).", code="invalid_priority")
+                raise APIError(
+                    400,
+                    f"The {cfg.priority_header} header names no priority class (classes: "
+                    f"{', '.join(sorted(cfg.classes))}).",
+                    code="invalid_priority",
+                )
             if asked not in tenant.allow and not admin:
-                raise APIError(403, f"This API key may not use the priority class `{asked}`.",
-                               type_="permission_error", code="priority_not_allowed")
+                raise APIError(
+                    403,
+                    f"This API key may not use the priority class `{asked}`.",
+                    type_="permission_error",
+                    code="priority_not_allowed",
+                )
             cls_name = asked
         cls = cfg.classes[cls_name]
         slo = cls.ttft_slo_s
         given = headers.get(cfg.ttft_header)
         if given is not None:
             if not _MS.fullmatch(given) or not 0 < int(given) <= _MAX_TTFT_MS:
-                raise APIError(400, f"The {cfg.ttft_header} header must be whole milliseconds, 1 to "
-                               f"{_MAX_TTFT_MS}.", code="invalid_ttft_objective")
+                raise APIError(
+                    400,
+                    f"The {cfg.ttft_header} header must be whole milliseconds, 1 to {_MAX_TTFT_MS}.",
+                    code="invalid_ttft_objective",
+                )
             slo = int(given) / 1000
         return Identity(tenant.name, tenant.weight, cls_name, cls.priority, slo, cls.sheddable)
 
@@ -180,8 +202,9 @@ class Usage:
 
     PHASES = ("prefill", "decode", "gateway", "occupancy")
 
-    def __init__(self, half_life_s: float = 10.0, max_tenants: int = 10_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, half_life_s: float = 10.0, max_tenants: int = 10_000, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.half_life_s = half_life_s
         self.max_tenants = max_tenants
         self._clock = clock
@@ -277,13 +300,21 @@ class Usage:
         """This replica's use per phase and tenant (faded-out tenants dropped): for shared state."""
         self._prune()
         now, h = self._clock(), self.half_life_s
-        return {"prefill": {n: f.read(now, h) for n, f in self._prefill.items()},
-                "decode": {n: f.read(now, h) for n, f in self._decode_taken.items()},
-                "gateway": {n: float(c) for n, c in self._gateway.items()}, "occupancy": dict(self._decode)}
+        return {
+            "prefill": {n: f.read(now, h) for n, f in self._prefill.items()},
+            "decode": {n: f.read(now, h) for n, f in self._decode_taken.items()},
+            "gateway": {n: float(c) for n, c in self._gateway.items()},
+            "occupancy": dict(self._decode),
+        }
 
     def tenants(self) -> set[str]:
-        return set(self._prefill) | set(self._decode_taken) | set(self._decode) | set(self._gateway) | \
-            {t for phase in self.others.values() for t in phase}
+        return (
+            set(self._prefill)
+            | set(self._decode_taken)
+            | set(self._decode)
+            | set(self._gateway)
+            | {t for phase in self.others.values() for t in phase}
+        )
 
 
 class Labels:

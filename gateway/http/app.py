@@ -35,12 +35,19 @@ from gateway.request.relay import InferenceEndpoint
 from gateway.tokenization.tokenizer import Tokenizers
 
 
-def create_app(cfg: GatewayConfig, tokenizers: Tokenizers | None = None, *,
-               config_path: str | Path | None = None, config_version: str | None = None,
-               span_exporter: SpanExporter | None = None,
-               access_sink: Callable[[bytes], None] | None = None,
-               connections: Connections | None = None, collector: Collector | None = None,
-               worker: WorkerContext | None = None, listen: tuple[str, int] | None = None) -> Starlette:
+def create_app(
+    cfg: GatewayConfig,
+    tokenizers: Tokenizers | None = None,
+    *,
+    config_path: str | Path | None = None,
+    config_version: str | None = None,
+    span_exporter: SpanExporter | None = None,
+    access_sink: Callable[[bytes], None] | None = None,
+    connections: Connections | None = None,
+    collector: Collector | None = None,
+    worker: WorkerContext | None = None,
+    listen: tuple[str, int] | None = None,
+) -> Starlette:
     """The gateway app; ``tokenizers`` may be injected (tests), else loaded at startup. With
     ``config_path``, edits of that file are validated and applied while serving. ``span_exporter``
     (tests) receives every span, whatever the config's exporter; ``access_sink`` every access line
@@ -87,8 +94,15 @@ def _routes(config_path: str | Path | None, created: int) -> tuple[dict[str, Inf
         except APIError as err:
             return error_response(err)
         data = [
-            {"id": m.name, "object": "model", "created": created, "owned_by": "pdgate",
-             "root": m.name, "parent": None, "max_model_len": m.max_model_len}
+            {
+                "id": m.name,
+                "object": "model",
+                "created": created,
+                "owned_by": "pdgate",
+                "root": m.name,
+                "parent": None,
+                "max_model_len": m.max_model_len,
+            }
             for m in rt.cfg.models
         ]
         return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")

@@ -67,11 +67,12 @@ class Options:
     listen: tuple[str, int] | None = None
 
 
-async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | None, opts: Options) -> Assembled:
+async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | None, opts: Options) -> Assembled:  # noqa: C901 - over the limit before it was set; to split
     worker = opts.worker
     if tokenizers is None:
-        loaded = await asyncio.gather(*(asyncio.to_thread(ModelTokenizer.load, cfg.tokenizer_model(m))
-                                       for m in cfg.models))
+        loaded = await asyncio.gather(
+            *(asyncio.to_thread(ModelTokenizer.load, cfg.tokenizer_model(m)) for m in cfg.models)
+        )
         tokenizers = Tokenizers(loaded, cfg.tokenizer)
     life = Lifecycle()
     estimates = EngineEstimates()
@@ -82,18 +83,32 @@ async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | No
         estimates.forget(ep.url)
         metrics.restarted(ep.pool)
 
-    pools = Pools(cfg.pools.prefill.urls, cfg.pools.decode.urls, topology=cfg.pools.topology,
-                  stats_max_age_s=cfg.signals.max_age_s,
-                  outlier=cfg.health.outlier, prefill_speed=estimates.prefill_s_per_token, on_restart=restarted)
-    index = PrefixIndex(max_approx_entries=cfg.routing.prefix.max_learned_blocks,
-                        approx_ttl_s=cfg.routing.prefix.learned_ttl_s)
+    pools = Pools(
+        cfg.pools.prefill.urls,
+        cfg.pools.decode.urls,
+        topology=cfg.pools.topology,
+        stats_max_age_s=cfg.signals.max_age_s,
+        outlier=cfg.health.outlier,
+        prefill_speed=estimates.prefill_s_per_token,
+        on_restart=restarted,
+    )
+    index = PrefixIndex(
+        max_approx_entries=cfg.routing.prefix.max_learned_blocks, approx_ttl_s=cfg.routing.prefix.learned_ttl_s
+    )
     usage = Usage(cfg.fairness.half_life_s, cfg.fairness.max_tenants)
-    shared = (RedisState(cfg.state, cfg.routing.prefix.learned_ttl_s, pools, usage=usage)
-              if cfg.state.backend == "redis" else None)
-    bus = (WorkerBus(worker.bus, worker.index, worker.count, pools, index, share_routing=shared is None, usage=usage)
-           if worker and worker.count > 1 else None)
-    beliefs = PrefixBeliefs(index, InFlightPrefixes(), shared or (bus if bus and bus.share_routing else None),
-                            caching_off=pools.caching_off)
+    shared = (
+        RedisState(cfg.state, cfg.routing.prefix.learned_ttl_s, pools, usage=usage)
+        if cfg.state.backend == "redis"
+        else None
+    )
+    bus = (
+        WorkerBus(worker.bus, worker.index, worker.count, pools, index, share_routing=shared is None, usage=usage)
+        if worker and worker.count > 1
+        else None
+    )
+    beliefs = PrefixBeliefs(
+        index, InFlightPrefixes(), shared or (bus if bus and bus.share_routing else None), caching_off=pools.caching_off
+    )
     subs = Subscriptions(index)
 
     async def discovered() -> None:
@@ -109,17 +124,39 @@ async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | No
     discovery = Discovery(discovered)
     session = make_session(cfg.engines)  # control plane: the engines' TLS settings too
     models = ServedModels(pools, session, [m.name for m in cfg.models], cfg.health.timeout_s)
-    metrics = GatewayMetrics(pools, index, subs.all, shared, lambda: discovery.watchers.values(),
-                             estimates.prefill_s_per_token, models)
+    metrics = GatewayMetrics(
+        pools, index, subs.all, shared, lambda: discovery.watchers.values(), estimates.prefill_s_per_token, models
+    )
     engines = make_client(cfg.engines)
-    res = Resources(session, engines, pools, index, shared, subs, discovery, models,
-                    Learners(beliefs, estimates, BeliefAudit(metrics), Demand()), metrics)
-    gate = (SharedGate(cfg.admission.max_in_flight, worker.slots, worker.lock, worker.index,
-                       queue=FairQueue("gateway", usage))
-            if worker and bus else Gate(cfg.admission.max_in_flight, FairQueue("gateway", usage)))
-    services = Services(pools, metrics, Tracing(cfg.telemetry.tracing, opts.span_exporter),
-                        AccessLog(cfg.telemetry.access_log, opts.access_sink), gate,
-                        KVReleaser(Upstream(engines, cfg.timeouts)), LoopLag(connections=opts.connections), usage)
+    res = Resources(
+        session,
+        engines,
+        pools,
+        index,
+        shared,
+        subs,
+        discovery,
+        models,
+        Learners(beliefs, estimates, BeliefAudit(metrics), Demand()),
+        metrics,
+    )
+    gate = (
+        SharedGate(
+            cfg.admission.max_in_flight, worker.slots, worker.lock, worker.index, queue=FairQueue("gateway", usage)
+        )
+        if worker and bus
+        else Gate(cfg.admission.max_in_flight, FairQueue("gateway", usage))
+    )
+    services = Services(
+        pools,
+        metrics,
+        Tracing(cfg.telemetry.tracing, opts.span_exporter),
+        AccessLog(cfg.telemetry.access_log, opts.access_sink),
+        gate,
+        KVReleaser(Upstream(engines, cfg.timeouts)),
+        LoopLag(connections=opts.connections),
+        usage,
+    )
     pools.release_listeners.append(services.queues.released)
     scraper = StatsScraper(pools, session, cfg.signals)
     metrics.watch_admission(services.gate, opts.connections, services.lag)
@@ -135,8 +172,13 @@ async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | No
     metrics.config_loaded(version)
 
     async def apply(new: GatewayConfig, new_version: str) -> None:
-        await apply_config(gw, listening(new, *opts.listen) if opts.listen else new, new_version, res,
-                           worker.applied if worker is not None else None)
+        await apply_config(
+            gw,
+            listening(new, *opts.listen) if opts.listen else new,
+            new_version,
+            res,
+            worker.applied if worker is not None else None,
+        )
         await life.configure(new)
 
     def reload_result(result: str, message: str) -> None:
@@ -145,10 +187,20 @@ async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | No
             metrics.config_loaded(message)
 
     speaks = worker is None or worker.index == 0  # one worker logs a rejected edit for the gateway
-    watcher = (ConfigWatcher(opts.config_path, version, apply, reload_result, speaks=speaks)
-               if opts.config_path else None)
-    gw = Gateway(runtime_for(cfg, version, res, tokenizers, cfg.admin_token()), services, watcher=watcher,
-                 feeds=res.subs.all, shared=shared, discovery=discovery, models=models, bus=bus, health=health)
+    watcher = (
+        ConfigWatcher(opts.config_path, version, apply, reload_result, speaks=speaks) if opts.config_path else None
+    )
+    gw = Gateway(
+        runtime_for(cfg, version, res, tokenizers, cfg.admin_token()),
+        services,
+        watcher=watcher,
+        feeds=res.subs.all,
+        shared=shared,
+        discovery=discovery,
+        models=models,
+        bus=bus,
+        health=health,
+    )
     services.configure(cfg.fairness, gw.runtime.tenancy.names)
 
     def prefill_pool_configured() -> bool:  # not "has endpoints now": a pool scaled to 0 still counts
@@ -182,6 +234,7 @@ async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | No
         life.add("config watcher", start=watcher.start, stop=watcher.stop)
     collector = opts.collector
     if collector:  # last: it freezes what startup left alive
+
         def start_gc() -> None:
             collector.tune()
             collector.settle()

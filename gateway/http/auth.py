@@ -37,5 +37,6 @@ def authorize_admin(request: Request, token: str) -> None:
     """Raises 401 unless the request carries ``token`` as its bearer token (``Authorization:
     Bearer <token>``, the scheme in any case, as for API keys)."""
     if not hmac.compare_digest(_bearer(request), token.encode()):
-        raise APIError(401, "A valid admin bearer token is required.", type_="authentication_error",
-                       code="invalid_admin_token")
+        raise APIError(
+            401, "A valid admin bearer token is required.", type_="authentication_error", code="invalid_admin_token"
+        )

@@ -74,7 +74,9 @@ class APIError(Exception):
 
 def error_response(err: APIError, headers: Mapping[str, str] | None = None) -> Response:
     return Response(
-        orjson.dumps(err.body()), status_code=err.status, media_type="application/json",
+        orjson.dumps(err.body()),
+        status_code=err.status,
+        media_type="application/json",
         headers={**err.headers, **(headers or {})},
     )
 

@@ -29,10 +29,19 @@ class Gateway:
     """Every dependency is handed in (tests swap any of them); ``runtime`` is the one attribute
     that changes, on reload."""
 
-    def __init__(self, runtime: Runtime, services: Services, *, watcher: ConfigWatcher | None = None,
-                 feeds: Callable[[], Sequence[KVEventSubscriber]] = list, shared: RedisState | None = None,
-                 discovery: Discovery | None = None, models: ServedModels | None = None,
-                 bus: WorkerBus | None = None, health: HealthChecker | None = None) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        services: Services,
+        *,
+        watcher: ConfigWatcher | None = None,
+        feeds: Callable[[], Sequence[KVEventSubscriber]] = list,
+        shared: RedisState | None = None,
+        discovery: Discovery | None = None,
+        models: ServedModels | None = None,
+        bus: WorkerBus | None = None,
+        health: HealthChecker | None = None,
+    ) -> None:
         self.runtime = runtime
         self.services = services
         self.watcher = watcher  # the config file's watcher, when the config comes from a file
@@ -59,10 +68,12 @@ class Gateway:
         # do start over.) Fewer reporting than configured: a worker is stuck or restarting.
         texts = [own, *(others[w] for w in sorted(others))]
         stale = [self._last_metrics[w] for w in sorted(self._last_metrics) if w not in others and w != self.bus.worker]
-        workers = (b"# HELP pdgate_workers Worker processes of this gateway: configured, and reporting in this scrape\n"
-                   b"# TYPE pdgate_workers gauge\n"
-                   b'pdgate_workers{state="configured"} %d\npdgate_workers{state="reporting"} %d\n'
-                   % (self.bus.workers, 1 + len(others)))
+        workers = (
+            b"# HELP pdgate_workers Worker processes of this gateway: configured, and reporting in this scrape\n"
+            b"# TYPE pdgate_workers gauge\n"
+            b'pdgate_workers{state="configured"} %d\npdgate_workers{state="reporting"} %d\n'
+            % (self.bus.workers, 1 + len(others))
+        )
         return merge(texts, stale) + workers
 
     async def explain(self, request: Request) -> dict[str, Any]:
@@ -88,16 +99,25 @@ class Gateway:
         body: dict[str, Any] = {
             "ready": pools.ready(),
             "pools": {
-                name: {"healthy": sum(e.healthy for e in eps), "ejected": sum(e.ejected for e in eps),
-                       "total": len(eps)}
+                name: {
+                    "healthy": sum(e.healthy for e in eps),
+                    "ejected": sum(e.ejected for e in eps),
+                    "total": len(eps),
+                }
                 for name, eps in (("prefill", pools.prefill), ("decode", pools.decode))
             },
             "kv_event_feeds": {"connected": sum(f.counters.connected for f in feeds), "total": len(feeds)},
             # The error's kind only: its text names Redis's address, and /ready needs no credentials
             # (the whole text is in the log).
-            "shared_state": ({"backend": "redis", "healthy": self.shared.status.healthy,
-                              "error": self.shared.status.last_error.split(":", 1)[0] or None}
-                             if self.shared else {"backend": "workers" if self.bus else "memory", "healthy": True}),
+            "shared_state": (
+                {
+                    "backend": "redis",
+                    "healthy": self.shared.status.healthy,
+                    "error": self.shared.status.last_error.split(":", 1)[0] or None,
+                }
+                if self.shared
+                else {"backend": "workers" if self.bus else "memory", "healthy": True}
+            ),
         }
         if self.bus is not None:
             body["workers"] = {"count": self.bus.workers, "this": self.bus.worker}
@@ -105,8 +125,12 @@ class Gateway:
             body["models"] = self.models.status()
         if self.discovery is not None and self.discovery.watchers:  # pools that follow EndpointSlices
             body["discovery"] = {
-                w.pool: {"synced": w.synced.is_set(), "endpoints": len(w.endpoints), "errors": w.errors,
-                         "last_error": w.last_error or None}
+                w.pool: {
+                    "synced": w.synced.is_set(),
+                    "endpoints": len(w.endpoints),
+                    "errors": w.errors,
+                    "last_error": w.last_error or None,
+                }
                 for w in self.discovery.watchers.values()
             }
         return body

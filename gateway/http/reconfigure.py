@@ -49,8 +49,13 @@ def listening(cfg: GatewayConfig, host: str, port: int) -> GatewayConfig:
 RESTART_ONLY = ("server", "state", "telemetry", "engines")
 
 
-async def apply_config(gw: Gateway, new: GatewayConfig, version: str, res: Resources,
-                 applied: Callable[[GatewayConfig, str], None] | None = None) -> None:
+async def apply_config(
+    gw: Gateway,
+    new: GatewayConfig,
+    version: str,
+    res: Resources,
+    applied: Callable[[GatewayConfig, str], None] | None = None,
+) -> None:
     """Validate everything first, then swap: a reload that fails at any step changes nothing.
     ``applied`` hears of the swap at once (a worker's supervisor: a worker it starts from then on
     starts from this config)."""
@@ -62,31 +67,45 @@ async def apply_config(gw: Gateway, new: GatewayConfig, version: str, res: Resou
     keys = tuple(k.key.encode() for k in new.key_entries())
     for section in ("auth", "admin"):  # who may call the gateway: never changed quietly
         before, after = getattr(old.cfg, section), getattr(new, section)
-        changed = [f"{k}: {_shown(getattr(before, k))} -> {_shown(getattr(after, k))}"
-                   for k in type(after).model_fields if getattr(before, k) != getattr(after, k)]
+        changed = [
+            f"{k}: {_shown(getattr(before, k))} -> {_shown(getattr(after, k))}"
+            for k in type(after).model_fields
+            if getattr(before, k) != getattr(after, k)
+        ]
         if section == "auth" and keys != old.api_keys:  # the keys file's content too (names only, never keys)
-            changed.append(f"API keys: {len(old.api_keys)} -> {len(keys)} ({len(set(old.api_keys) - set(keys))} "
-                           f"removed, {len(set(keys) - set(old.api_keys))} added)")
+            changed.append(
+                f"API keys: {len(old.api_keys)} -> {len(keys)} ({len(set(old.api_keys) - set(keys))} "
+                f"removed, {len(set(keys) - set(old.api_keys))} added)"
+            )
         if section == "admin" and token != old.admin_token and not changed:
             changed.append("the admin token (its file's content)")
         if changed:
             log.warning("config reload changes %s: %s", section, ", ".join(changed))
     if switched_off:  # said on purpose (auth.disabled / admin.disabled); still, loudly
-        log.error("config reload switches authentication OFF on purpose: %s no longer apply%s", " and ".join(
-            switched_off), " (access is now open: anyone who reaches the port may call the API)"
-            if not keys else "")
+        log.error(
+            "config reload switches authentication OFF on purpose: %s no longer apply%s",
+            " and ".join(switched_off),
+            " (access is now open: anyone who reaches the port may call the API)" if not keys else "",
+        )
     for section in RESTART_ONLY:
         if getattr(new, section) != getattr(old.cfg, section):
             log.warning("config reload: the %s section changed; it takes effect at the next restart", section)
             new = new.model_copy(update={section: getattr(old.cfg, section)})
     tokenizers = old.tokenizers
-    if (new.models != old.cfg.models or new.tokenizer != old.cfg.tokenizer  # or a template file's text:
-            or list(map(new.tokenizer_model, new.models)) != list(map(old.cfg.tokenizer_model, old.cfg.models))):
+    if (
+        new.models != old.cfg.models
+        or new.tokenizer != old.cfg.tokenizer  # or a template file's text:
+        or list(map(new.tokenizer_model, new.models)) != list(map(old.cfg.tokenizer_model, old.cfg.models))
+    ):
         try:
-            loaded = await asyncio.gather(*(
-                asyncio.to_thread(ModelTokenizer.load, m) if (t := old.tokenizers.get(m.name)) is None or t.cfg != m
-                else asyncio.sleep(0, t) for m in map(new.tokenizer_model, new.models)  # a template file's text
-            ))
+            loaded = await asyncio.gather(
+                *(
+                    asyncio.to_thread(ModelTokenizer.load, m)
+                    if (t := old.tokenizers.get(m.name)) is None or t.cfg != m
+                    else asyncio.sleep(0, t)
+                    for m in map(new.tokenizer_model, new.models)  # a template file's text
+                )
+            )
         except Exception as err:  # a missing or broken tokenizer: keep serving the old config
             raise ValueError(f"models: cannot load a tokenizer ({type(err).__name__}: {err})") from None
         tokenizers = Tokenizers(loaded, new.tokenizer)

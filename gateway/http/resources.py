@@ -50,14 +50,24 @@ class Subscriptions:
         self._index.max_precise_per_url = p.max_event_blocks  # applies from the next stored batch
         wanted = {
             (e.url, e.kv_events, e.kv_events_replay, e.kv_events_topic, spec, limits, p.max_event_blocks): e
-            for pool in (cfg.pools.prefill, cfg.pools.decode) for e in pool.endpoints if e.kv_events and p.enabled
+            for pool in (cfg.pools.prefill, cfg.pools.decode)
+            for e in pool.endpoints
+            if e.kv_events and p.enabled
         }
         for key in [k for k in self._subs if k not in wanted]:
             await self._subs.pop(key).stop()
         for key in wanted.keys() - self._subs.keys():
             url, addr, replay, topic, _, _, max_blocks = key
-            sub = KVEventSubscriber(url, addr, index=self._index, replay_endpoint=replay, topic=topic, spec=spec,
-                                    limits=limits, max_translations=max_blocks)
+            sub = KVEventSubscriber(
+                url,
+                addr,
+                index=self._index,
+                replay_endpoint=replay,
+                topic=topic,
+                spec=spec,
+                limits=limits,
+                max_translations=max_blocks,
+            )
             await sub.start()
             self._subs[key] = sub
 
@@ -79,8 +89,12 @@ class Learners:
     demand: Demand  # what the traffic asks of the engines (the live planner's input)
 
     def subscribers(self) -> list[tuple[str, object]]:
-        return [("prefix_beliefs", self.beliefs), ("engine_estimates", self.estimates),
-                ("belief_audit", self.audit), ("demand", self.demand)]
+        return [
+            ("prefix_beliefs", self.beliefs),
+            ("engine_estimates", self.estimates),
+            ("belief_audit", self.audit),
+            ("demand", self.demand),
+        ]
 
     def forget(self, url: str) -> None:
         """``url`` left the configuration."""
@@ -105,11 +119,19 @@ class Resources:
     metrics: GatewayMetrics
 
 
-def runtime_for(cfg: GatewayConfig, version: str, res: Resources, tokenizers: Tokenizers,
-             admin: str | None) -> Runtime:
+def runtime_for(cfg: GatewayConfig, version: str, res: Resources, tokenizers: Tokenizers, admin: str | None) -> Runtime:
     learners = res.learners
     router = Router(cfg.routing, res.pools, res.index, res.shared, learners.beliefs.in_flight, learners.estimates)
     hooks = Hooks([*learners.subscribers(), *policy_hooks(router.pipeline.members())], res.metrics.hook_failed)
     keys = cfg.key_entries()
-    return Runtime(cfg, version, router, Upstream(res.engines, cfg.timeouts), tokenizers, hooks,
-                   tuple(k.key.encode() for k in keys), admin, Tenancy(cfg.fairness, keys, label_secret(cfg.admin)))
+    return Runtime(
+        cfg,
+        version,
+        router,
+        Upstream(res.engines, cfg.timeouts),
+        tokenizers,
+        hooks,
+        tuple(k.key.encode() for k in keys),
+        admin,
+        Tenancy(cfg.fairness, keys, label_secret(cfg.admin)),
+    )

@@ -74,8 +74,12 @@ SMOOTHING = 0.3  # a new sample's weight: one scheduling hiccup is not an overlo
 _TCP_INFO: int | None = getattr(socket, "TCP_INFO", None)  # Linux
 _TCP_INFO_LEN = 104
 _LAST_DATA_RECV = 52  # struct tcp_info's tcpi_last_data_recv (u32, ms), linux/tcp.h
-_REASONS = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large",
-            503: "Service Unavailable"}
+_REASONS = {
+    400: "Bad Request",
+    408: "Request Timeout",
+    431: "Request Header Fields Too Large",
+    503: "Service Unavailable",
+}
 
 
 @dataclass(frozen=True)
@@ -112,8 +116,11 @@ class Connections:
             now = time.monotonic()
             if now - self._logged >= 10.0:
                 self._logged = now
-                log.warning("%d connections open, the limit (server.max_connections): refusing new ones "
-                            "(%d refused so far)", self.open, self.refused)
+                log.warning(
+                    "%d connections open, the limit (server.max_connections): refusing new ones (%d refused so far)",
+                    self.open,
+                    self.refused,
+                )
             return False
         self.open += 1
         return True
@@ -122,22 +129,42 @@ class Connections:
         self.open -= 1
 
 
-def make_server(cfg: GatewayConfig, build_app: Callable[[Connections], Any], *, host: str, port: int,
-                log_level: str, max_connections: int | None = None) -> uvicorn.Server:
+def make_server(
+    cfg: GatewayConfig,
+    build_app: Callable[[Connections], Any],
+    *,
+    host: str,
+    port: int,
+    log_level: str,
+    max_connections: int | None = None,
+) -> uvicorn.Server:
     """The uvicorn server for ``cfg``, behind the guard; ``build_app`` gets the connection count
     (for /metrics). ``max_connections``: this process's share of ``server.max_connections``."""
     cap = cfg.server.max_connections if max_connections is None else max_connections
     srv = cfg.server
-    limits = Limits(max_head_bytes=cfg.limits.max_header_bytes, max_headers=cfg.limits.max_headers,
-                    head_timeout_s=srv.head_timeout_s, max_connections=cap, body_timeout_s=srv.body_timeout_s,
-                    body_idle_timeout_s=srv.body_idle_timeout_s)
+    limits = Limits(
+        max_head_bytes=cfg.limits.max_header_bytes,
+        max_headers=cfg.limits.max_headers,
+        head_timeout_s=srv.head_timeout_s,
+        max_connections=cap,
+        body_timeout_s=srv.body_timeout_s,
+        body_idle_timeout_s=srv.body_idle_timeout_s,
+    )
     connections = Connections(limits.max_connections)
     # No proxy-headers middleware: nothing reads the client address, and it wraps every request.
     # No WebSockets (ws="none"): the gateway serves none, and uvicorn's upgrade hands the socket to
     # another protocol behind the guard's back (its connection would never leave the count).
     config = uvicorn.Config(
-        build_app(connections), host=host, port=port, loop="uvloop", http=guarded_protocol(limits, connections),
-        ws="none", access_log=False, proxy_headers=False, log_level=log_level, server_header=False,
+        build_app(connections),
+        host=host,
+        port=port,
+        loop="uvloop",
+        http=guarded_protocol(limits, connections),
+        ws="none",
+        access_log=False,
+        proxy_headers=False,
+        log_level=log_level,
+        server_header=False,
         # uvicorn annotates it int, but only hands it to asyncio.wait_for: seconds, fractions work
         timeout_graceful_shutdown=cast(int, srv.shutdown_grace_s),
         timeout_keep_alive=cast(int, srv.keep_alive_timeout_s),  # the same: call_later's seconds
@@ -177,10 +204,20 @@ def guarded_protocol(limits: Limits, connections: Connections | None = None) -> 
 
 
 def _response(status: int, message: str, code: str) -> bytes:
-    body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error" if status < 500
-                                   else "server_error", "param": None, "code": code}})
-    return (f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+    body = orjson.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error" if status < 500 else "server_error",
+                "param": None,
+                "code": code,
+            }
+        }
+    )
+    return (
+        f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    ).encode() + body
 
 
 class _Watched:
@@ -241,8 +278,9 @@ class GuardedProtocol(asyncio.Protocol):
     LIMITS: Limits = Limits()
     CONNECTIONS: Connections = Connections(0)
 
-    def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any],
-                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(
+        self, config: Any, server_state: Any, app_state: dict[str, Any], _loop: asyncio.AbstractEventLoop | None = None
+    ) -> None:
         self._inner = HttpToolsProtocol(config=config, server_state=server_state, app_state=app_state, _loop=_loop)
         self._loop = _loop or asyncio.get_event_loop()
         self._parser = httptools.HttpRequestParser(self)
@@ -396,8 +434,13 @@ class GuardedProtocol(asyncio.Protocol):
         # answer only when no response has begun on this connection that is not whole (and this
         # request's own has not begun): a 408 of ours must not land inside another answer
         unanswered = self._responses is not None and self._begun == self._answered == self._requests - 1
-        self._refuse(408, f"The request body did not arrive within {lim.body_timeout_s:g} s, or stopped for "
-                     f"{lim.body_idle_timeout_s:g} s.", "request_timeout", answer=unanswered)
+        self._refuse(
+            408,
+            f"The request body did not arrive within {lim.body_timeout_s:g} s, or stopped for "
+            f"{lim.body_idle_timeout_s:g} s.",
+            "request_timeout",
+            answer=unanswered,
+        )
 
     def _reading_paused(self, paused: bool) -> None:
         """uvicorn holds reading back (a pipelined request waits, or the app has not taken the body
@@ -439,7 +482,7 @@ class GuardedProtocol(asyncio.Protocol):
         if self._announce and isinstance(data, bytes) and data.startswith(b"HTTP/1."):
             end = data.find(b"\r\n\r\n")
             if end >= 0:
-                data = data[:end + 2] + b"connection: close\r\n" + data[end + 2:]
+                data = data[: end + 2] + b"connection: close\r\n" + data[end + 2 :]
         self._transport.write(data)
         if self._close_after and self._answered == self._begun:
             self._cut()  # written whole: close
@@ -476,14 +519,18 @@ class GuardedProtocol(asyncio.Protocol):
     def _reject_head(self) -> None:
         if self._rejection is None:
             lim = self.LIMITS
-            self._rejection = (431, f"Request headers exceed {lim.max_head_bytes} bytes or {lim.max_headers} "
-                               "headers.", "headers_too_large")
+            self._rejection = (
+                431,
+                f"Request headers exceed {lim.max_head_bytes} bytes or {lim.max_headers} headers.",
+                "headers_too_large",
+            )
 
     def _head_timed_out(self) -> None:
         self._timer = None
         if self._in_head and not self._done:
-            self._refuse(408, f"The request head did not arrive within {self.LIMITS.head_timeout_s:g} s.",
-                         "request_timeout")
+            self._refuse(
+                408, f"The request head did not arrive within {self.LIMITS.head_timeout_s:g} s.", "request_timeout"
+            )
 
     def _refuse(self, status: int, message: str, code: str, *, answer: bool | None = None) -> None:
         """Answer (``answer``; by default on a connection that has not carried a request yet) and

@@ -32,8 +32,28 @@ if TYPE_CHECKING:
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
-                0.4, 0.5, 0.75, 1, 2.5)
+_ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1,
+    2.5,
+)
 FAILOVER_EVENTS = ("prefill_retried", "prefill_fallback_direct", "decode_retried")
 FAILOVER_CAUSES = ("engine_unreachable", "engine_timeout", "engine_error")
 # A decode leg that fails after its first token: why (the connection broke, the engine went silent,
@@ -52,19 +72,28 @@ def authorize_scrape(request: Request, protect: bool, token: str | None) -> None
     if not protect:
         return
     if token is None:
-        raise APIError(401, "A valid admin bearer token is required (none is configured).",
-                       type_="authentication_error", code="invalid_admin_token")
+        raise APIError(
+            401,
+            "A valid admin bearer token is required (none is configured).",
+            type_="authentication_error",
+            code="invalid_admin_token",
+        )
     authorize_admin(request, token)
 
 
 class GatewayMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, pools: Pools, index: PrefixStore | None = None,
-                 feeds: Callable[[], Sequence[KVEventSubscriber]] = list, shared: RedisState | None = None,
-                 watchers: Callable[[], Iterable[SliceWatcher]] = tuple,
-                 prefill_speed: Callable[[str], float | None] = lambda url: None,
-                 models: ServedModels | None = None) -> None:
+    def __init__(
+        self,
+        pools: Pools,
+        index: PrefixStore | None = None,
+        feeds: Callable[[], Sequence[KVEventSubscriber]] = list,
+        shared: RedisState | None = None,
+        watchers: Callable[[], Iterable[SliceWatcher]] = tuple,
+        prefill_speed: Callable[[str], float | None] = lambda url: None,
+        models: ServedModels | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._pools = pools
         self.registry.register(_RoutingStateCollector(pools, index, feeds, shared, prefill_speed))
@@ -78,93 +107,184 @@ class GatewayMetrics:
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         r = self.registry
         # What clients see, per model and path taken (pd, direct; none: answered by the gateway).
-        self.requests = Counter("pdgate_requests", "Client requests by model, path taken and HTTP status",
-                                ["model", "path", "status"], registry=r)
-        self.duration = Histogram("pdgate_request_duration_seconds",
-                                  "End-to-end latency: request received to last byte sent",
-                                  ["model", "path"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("pdgate_time_to_first_token_seconds",
-                              "Streams: request received to the first token sent to the client",
-                              ["model", "path"], buckets=_TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("pdgate_inter_token_latency_seconds",
-                             "Streams: time between consecutive chunks sent to the client",
-                             ["model", "path"], buckets=_ITL_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("pdgate_prompt_tokens", "Prompt tokens of answered requests (gateway's count)",
-                                     ["model", "path"], registry=r)
-        self.output_tokens = Counter("pdgate_output_tokens",
-                                     "Output tokens sent (the engine's usage; for streams without usage, chunks)",
-                                     ["model", "path"], registry=r)
+        self.requests = Counter(
+            "pdgate_requests",
+            "Client requests by model, path taken and HTTP status",
+            ["model", "path", "status"],
+            registry=r,
+        )
+        self.duration = Histogram(
+            "pdgate_request_duration_seconds",
+            "End-to-end latency: request received to last byte sent",
+            ["model", "path"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "pdgate_time_to_first_token_seconds",
+            "Streams: request received to the first token sent to the client",
+            ["model", "path"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdgate_inter_token_latency_seconds",
+            "Streams: time between consecutive chunks sent to the client",
+            ["model", "path"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "pdgate_prompt_tokens",
+            "Prompt tokens of answered requests (gateway's count)",
+            ["model", "path"],
+            registry=r,
+        )
+        self.output_tokens = Counter(
+            "pdgate_output_tokens",
+            "Output tokens sent (the engine's usage; for streams without usage, chunks)",
+            ["model", "path"],
+            registry=r,
+        )
         # P/D internals.
-        self.prefill_leg = Histogram("pdgate_prefill_leg_duration_seconds",
-                                     "Prefill leg: sent to kv_transfer_params received (queue + prefill)",
-                                     ["model", "outcome"], buckets=_TTFT_BUCKETS, registry=r)
+        self.prefill_leg = Histogram(
+            "pdgate_prefill_leg_duration_seconds",
+            "Prefill leg: sent to kv_transfer_params received (queue + prefill)",
+            ["model", "outcome"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
         self.decode_first_token = Histogram(
             "pdgate_decode_first_token_seconds",
             "Streams: decode leg sent to its first token (on the pd path mostly the KV pull)",
-            ["model", "path"], buckets=_TTFT_BUCKETS, registry=r)
-        self.decisions = Counter("pdgate_route_decisions", "Routing decisions by path and reason",
-                                 ["path", "reason"], registry=r)
-        self.failovers = Counter("pdgate_failovers",
-                                 "Failovers by event (prefill_retried, prefill_fallback_direct, decode_retried) "
-                                 "and cause (engine_unreachable, engine_timeout, engine_error)",
-                                 ["event", "cause"], registry=r)
-        self.tokenize = Histogram("pdgate_tokenize_duration_seconds", "Parsing, chat template and tokenizing",
-                                  ["model"], buckets=_STEP_BUCKETS, registry=r)
-        self.decision_time = Histogram("pdgate_route_decision_duration_seconds",
-                                       "Hashing, prefix lookup and the policy pipeline (no queueing)",
-                                       ["model"], buckets=_STEP_BUCKETS, registry=r)
-        self.queue_wait = Histogram("pdgate_admission_wait_seconds",
-                                    "Time requests waited for admission and engine capacity",
-                                    buckets=_LATENCY_BUCKETS, registry=r)
-        self.rejections = Counter("pdgate_admission_rejected", "Requests answered 429 by admission, by reason "
-                                  "(queue_timeout: no slot in time; overloaded: the event loop ran late)",
-                                  ["reason"], registry=r)
-        self.reloads = Counter("pdgate_config_reloads", "Config file reloads by result (ok, rejected)",
-                               ["result"], registry=r)
-        self.config_info = Gauge("pdgate_config_info", "1 for the version of the config in use", ["version"],
-                                 registry=r)
+            ["model", "path"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.decisions = Counter(
+            "pdgate_route_decisions", "Routing decisions by path and reason", ["path", "reason"], registry=r
+        )
+        self.failovers = Counter(
+            "pdgate_failovers",
+            "Failovers by event (prefill_retried, prefill_fallback_direct, decode_retried) "
+            "and cause (engine_unreachable, engine_timeout, engine_error)",
+            ["event", "cause"],
+            registry=r,
+        )
+        self.tokenize = Histogram(
+            "pdgate_tokenize_duration_seconds",
+            "Parsing, chat template and tokenizing",
+            ["model"],
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.decision_time = Histogram(
+            "pdgate_route_decision_duration_seconds",
+            "Hashing, prefix lookup and the policy pipeline (no queueing)",
+            ["model"],
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "pdgate_admission_wait_seconds",
+            "Time requests waited for admission and engine capacity",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.rejections = Counter(
+            "pdgate_admission_rejected",
+            "Requests answered 429 by admission, by reason "
+            "(queue_timeout: no slot in time; overloaded: the event loop ran late)",
+            ["reason"],
+            registry=r,
+        )
+        self.reloads = Counter(
+            "pdgate_config_reloads", "Config file reloads by result (ok, rejected)", ["result"], registry=r
+        )
+        self.config_info = Gauge(
+            "pdgate_config_info", "1 for the version of the config in use", ["version"], registry=r
+        )
         # How accurate routing's beliefs are (docs/operations.md, "Routing beliefs").
         self.belief_error = Histogram(
             "pdgate_prefix_belief_error_tokens",
             "Wrong beliefs: how many cached prompt tokens the gateway believed an engine held beyond (over) or "
             "short of (under) what the engine reported serving from its cache",
-            ["pool", "direction"], buckets=_BELIEF_BUCKETS, registry=r)
-        self.belief_checks = Counter("pdgate_prefix_belief_checks",
-                                     "Engine-reported cache hits compared with the gateway's belief, by result "
-                                     "(exact, over: believed more, under: believed less)",
-                                     ["pool", "result"], registry=r)
-        self.restarts = Counter("pdgate_endpoint_restarts",
-                                "Engine restarts detected (what the gateway had learned about them was dropped)",
-                                ["pool"], registry=r)
-        self.hook_errors = Counter("pdgate_hook_errors", "Lifecycle hooks that raised, by subscriber and hook",
-                                   ["subscriber", "hook"], registry=r)
+            ["pool", "direction"],
+            buckets=_BELIEF_BUCKETS,
+            registry=r,
+        )
+        self.belief_checks = Counter(
+            "pdgate_prefix_belief_checks",
+            "Engine-reported cache hits compared with the gateway's belief, by result "
+            "(exact, over: believed more, under: believed less)",
+            ["pool", "result"],
+            registry=r,
+        )
+        self.restarts = Counter(
+            "pdgate_endpoint_restarts",
+            "Engine restarts detected (what the gateway had learned about them was dropped)",
+            ["pool"],
+            registry=r,
+        )
+        self.hook_errors = Counter(
+            "pdgate_hook_errors",
+            "Lifecycle hooks that raised, by subscriber and hook",
+            ["subscriber", "hook"],
+            registry=r,
+        )
         # Mid-stream migration (docs/operations.md, "Mid-stream migration").
         self.migrations = Counter(
-            "pdgate_migrations", "Decode legs that failed after their first token, by reason (disconnected, timeout, "
+            "pdgate_migrations",
+            "Decode legs that failed after their first token, by reason (disconnected, timeout, "
             "error_event, bad_event, ended, diverged) and result (ok: the answer went on on another engine to its "
             "end; failed: the continuation failed too; skipped: not migrated, see pdgate_migrations_skipped_total; "
             "abandoned: the client left first)",
-            ["reason", "result"], registry=r)
+            ["reason", "result"],
+            registry=r,
+        )
         self.migrations_skipped = Counter(
-            "pdgate_migrations_skipped", "Answers cut mid-way that were not migrated, by why (disabled; the request: "
+            "pdgate_migrations_skipped",
+            "Answers cut mid-way that were not migrated, by why (disabled; the request: "
             "guided_decoding, tools, logprobs, multiple_sequences, ...; limit, deadline, no_token_ids, "
-            "no_resume_point, parsed_output)", ["why"], registry=r)
+            "no_resume_point, parsed_output)",
+            ["why"],
+            registry=r,
+        )
         self.migrated_tokens = Counter(
-            "pdgate_migrated_tokens", "Generated tokens carried into continuations (their KV pulled or computed again)",
-            ["model"], registry=r)
+            "pdgate_migrated_tokens",
+            "Generated tokens carried into continuations (their KV pulled or computed again)",
+            ["model"],
+            registry=r,
+        )
         self.migration_time = Histogram(
-            "pdgate_migration_duration_seconds", "From a decode leg's failure to its continuation's first token, by "
-            "the continuation's path: the gap a migrated stream shows", ["model", "path"], buckets=_TTFT_BUCKETS,
-            registry=r)
+            "pdgate_migration_duration_seconds",
+            "From a decode leg's failure to its continuation's first token, by "
+            "the continuation's path: the gap a migrated stream shows",
+            ["model", "path"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
         # Fairness, per tenant (the top N by first sight, the rest "other") and priority class.
         self.tenant_requests = Counter(
-            "pdgate_tenant_requests", "Requests by tenant, priority class and outcome (admitted: sent to an engine; "
+            "pdgate_tenant_requests",
+            "Requests by tenant, priority class and outcome (admitted: sent to an engine; "
             "shed: 429, its TTFT objective could not be met; rejected: 429, no room in time; error: any other)",
-            ["tenant", "priority", "outcome"], registry=r)
-        self.tenant_queue = Histogram("pdgate_tenant_queue_seconds", "Time admitted requests waited for room",
-                                      ["tenant", "priority"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.tenant_prefill_tokens = Counter("pdgate_tenant_prefill_tokens", "Uncached prompt tokens sent to "
-                                             "the prefill pool", ["tenant", "priority"], registry=r)
+            ["tenant", "priority", "outcome"],
+            registry=r,
+        )
+        self.tenant_queue = Histogram(
+            "pdgate_tenant_queue_seconds",
+            "Time admitted requests waited for room",
+            ["tenant", "priority"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tenant_prefill_tokens = Counter(
+            "pdgate_tenant_prefill_tokens",
+            "Uncached prompt tokens sent to the prefill pool",
+            ["tenant", "priority"],
+            registry=r,
+        )
         # Known label values start at 0, so rate() and alerts see the series before the first event.
         for result in ("ok", "rejected"):
             self.reloads.labels(result)
@@ -198,8 +318,15 @@ class GatewayMetrics:
             self.queue_wait.observe(rec.queue_s)
         if rec.tenant_label:
             status = rec.status
-            outcome = "admitted" if rec.path != "none" else "shed" if rec.reason == "ttft_objective" else \
-                "rejected" if status == 429 else "error"
+            outcome = (
+                "admitted"
+                if rec.path != "none"
+                else "shed"
+                if rec.reason == "ttft_objective"
+                else "rejected"
+                if status == 429
+                else "error"
+            )
             if outcome != "shed":  # counted when shed (tenant_shed)
                 self._child(self.tenant_requests, rec.tenant_label, rec.priority, outcome).inc()
             if rec.admitted and rec.path != "none":
@@ -251,8 +378,9 @@ class GatewayMetrics:
     def tenant_prefill(self, tenant: str, priority: str, tokens: int) -> None:
         self._child(self.tenant_prefill_tokens, tenant, priority).inc(tokens)
 
-    def watch_tenants(self, usage: Usage, labels: Callable[[str], str],
-                      queues: Callable[[], Iterable[tuple[str, int]]] = tuple) -> None:
+    def watch_tenants(
+        self, usage: Usage, labels: Callable[[str], str], queues: Callable[[], Iterable[tuple[str, int]]] = tuple
+    ) -> None:
         self.registry.register(_TenantCollector(usage, labels, queues))
 
     def watch_bus(self, bus: WorkerBus) -> None:
@@ -262,8 +390,7 @@ class GatewayMetrics:
     def decided(self, path: str, reason: str) -> None:
         self._child(self.decisions, path, reason).inc()
 
-    def watch_admission(self, gate: Gate, connections: Connections | None,
-                        lag: LoopLag | None = None) -> None:
+    def watch_admission(self, gate: Gate, connections: Connections | None, lag: LoopLag | None = None) -> None:
         """Export the admission slots, the event loop's lag and the HTTP server's connections (read
         at scrape time)."""
         self.registry.register(_AdmissionCollector(gate, connections, lag))
@@ -307,17 +434,21 @@ class _PoolCollector:
 
         healthy = family("pdgate_pool_healthy_endpoints", "Endpoints passing health checks and not ejected")
         in_flight = family("pdgate_pool_in_flight_requests", "Requests this gateway has open on the pool's engines")
-        uncached = family("pdgate_pool_uncached_prompt_tokens",
-                          "Uncached prompt tokens this gateway sent to the pool whose prefill has not finished")
+        uncached = family(
+            "pdgate_pool_uncached_prompt_tokens",
+            "Uncached prompt tokens this gateway sent to the pool whose prefill has not finished",
+        )
         waiting = family("pdgate_pool_engine_waiting_requests", "Waiting requests the pool's engines report")
         running = family("pdgate_pool_engine_running_requests", "Running requests the pool's engines report")
         kv = family("pdgate_pool_kv_usage_ratio", "Mean KV cache usage (0..1) the pool's engines report")
         reporting = family("pdgate_pool_reporting_endpoints", "Endpoints whose engine metrics are fresh")
         ep_labels = ["pool", "engine"]  # not "endpoint": the Prometheus Operator sets that to the port name
-        ep_healthy = GaugeMetricFamily("pdgate_endpoint_healthy", "1 when the engine passes health checks",
-                                       labels=ep_labels)
-        ep_in_flight = GaugeMetricFamily("pdgate_endpoint_in_flight_requests",
-                                         "Requests the gateway has open on the engine", labels=ep_labels)
+        ep_healthy = GaugeMetricFamily(
+            "pdgate_endpoint_healthy", "1 when the engine passes health checks", labels=ep_labels
+        )
+        ep_in_flight = GaugeMetricFamily(
+            "pdgate_endpoint_in_flight_requests", "Requests the gateway has open on the engine", labels=ep_labels
+        )
         for e in self._pools.all():
             ep_healthy.add_metric([e.pool, e.url], 1 if e.healthy else 0)
             ep_in_flight.add_metric([e.pool, e.url], e.in_flight)
@@ -351,14 +482,18 @@ class _DiscoveryCollector:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        synced = GaugeMetricFamily("pdgate_discovery_synced", "1 once the pool's first EndpointSlice list completed",
-                                   labels=["pool"])
-        found = GaugeMetricFamily("pdgate_discovery_endpoints", "Ready endpoints the pool's EndpointSlices list",
-                                  labels=["pool"])
-        lists = CounterMetricFamily("pdgate_discovery_lists", "Full EndpointSlice lists (the first, and one per 410)",
-                                    labels=["pool"])
-        errors = CounterMetricFamily("pdgate_discovery_errors", "Failed EndpointSlice lists or watches",
-                                     labels=["pool"])
+        synced = GaugeMetricFamily(
+            "pdgate_discovery_synced", "1 once the pool's first EndpointSlice list completed", labels=["pool"]
+        )
+        found = GaugeMetricFamily(
+            "pdgate_discovery_endpoints", "Ready endpoints the pool's EndpointSlices list", labels=["pool"]
+        )
+        lists = CounterMetricFamily(
+            "pdgate_discovery_lists", "Full EndpointSlice lists (the first, and one per 410)", labels=["pool"]
+        )
+        errors = CounterMetricFamily(
+            "pdgate_discovery_errors", "Failed EndpointSlice lists or watches", labels=["pool"]
+        )
         for w in self._watchers():
             synced.add_metric([w.pool], 1 if w.synced.is_set() else 0)
             found.add_metric([w.pool], len(w.endpoints))
@@ -370,9 +505,14 @@ class _DiscoveryCollector:
 class _RoutingStateCollector:
     """Routing state read at scrape time: the prefix index, the KV event feeds, engine signals."""
 
-    def __init__(self, pools: Pools, index: PrefixStore | None,
-                 feeds: Callable[[], Sequence[KVEventSubscriber]], shared: RedisState | None,
-                 prefill_speed: Callable[[str], float | None]) -> None:
+    def __init__(
+        self,
+        pools: Pools,
+        index: PrefixStore | None,
+        feeds: Callable[[], Sequence[KVEventSubscriber]],
+        shared: RedisState | None,
+        prefill_speed: Callable[[str], float | None],
+    ) -> None:
         self._pools, self._index, self._feeds, self._shared = pools, index, feeds, shared
         self._speed = prefill_speed
 
@@ -383,10 +523,13 @@ class _RoutingStateCollector:
         backlog = GaugeMetricFamily(
             "pdgate_endpoint_backlog_tokens",
             "Uncached prompt tokens the gateway sent to the endpoint whose prefill has not finished",
-            labels=["pool", "engine"])
+            labels=["pool", "engine"],
+        )
         speed = GaugeMetricFamily(
-            "pdgate_endpoint_prefill_seconds_per_token", "Prefill speed measured on the engine's prefill legs",
-            labels=["pool", "engine"])
+            "pdgate_endpoint_prefill_seconds_per_token",
+            "Prefill speed measured on the engine's prefill legs",
+            labels=["pool", "engine"],
+        )
         for ep in self._pools.all():
             backlog.add_metric([ep.pool, ep.url], ep.backlog_tokens)
             if (spt := self._speed(ep.url)) is not None:
@@ -395,21 +538,31 @@ class _RoutingStateCollector:
         yield speed
         if self._index is not None:
             st = self._index.stats()
-            blocks = GaugeMetricFamily("pdgate_prefix_index_blocks",
-                                       "(endpoint, block) entries in the prefix index by source", labels=["source"])
+            blocks = GaugeMetricFamily(
+                "pdgate_prefix_index_blocks",
+                "(endpoint, block) entries in the prefix index by source",
+                labels=["source"],
+            )
             blocks.add_metric(["learned"], st.approximate)
             blocks.add_metric(["kv_events"], st.precise)
             yield blocks
-        connected = GaugeMetricFamily("pdgate_kv_events_connected",
-                                      "1 while the engine's KV event feed is connected", labels=["engine"])
-        events = CounterMetricFamily("pdgate_kv_events", "KV cache events applied to the prefix index",
-                                     labels=["engine"])
-        gaps = CounterMetricFamily("pdgate_kv_events_gaps", "Sequence gaps seen on a KV event feed",
-                                   labels=["engine"])
-        invalid = CounterMetricFamily("pdgate_kv_events_invalid", "KV event messages refused: not a KV event "
-                                      "batch, or over routing.prefix.max_event_batch_blocks", labels=["engine"])
-        disconnects = CounterMetricFamily("pdgate_kv_events_disconnects", "KV event feed connections lost (also: "
-                                          "a message over routing.prefix.max_event_message_bytes)", labels=["engine"])
+        connected = GaugeMetricFamily(
+            "pdgate_kv_events_connected", "1 while the engine's KV event feed is connected", labels=["engine"]
+        )
+        events = CounterMetricFamily(
+            "pdgate_kv_events", "KV cache events applied to the prefix index", labels=["engine"]
+        )
+        gaps = CounterMetricFamily("pdgate_kv_events_gaps", "Sequence gaps seen on a KV event feed", labels=["engine"])
+        invalid = CounterMetricFamily(
+            "pdgate_kv_events_invalid",
+            "KV event messages refused: not a KV event batch, or over routing.prefix.max_event_batch_blocks",
+            labels=["engine"],
+        )
+        disconnects = CounterMetricFamily(
+            "pdgate_kv_events_disconnects",
+            "KV event feed connections lost (also: a message over routing.prefix.max_event_message_bytes)",
+            labels=["engine"],
+        )
         for feed in self._feeds():
             c = feed.counters
             connected.add_metric([feed.url], 1 if c.connected else 0)
@@ -423,16 +576,19 @@ class _RoutingStateCollector:
         yield invalid
         yield disconnects
         if self._shared is not None:
-            up = GaugeMetricFamily("pdgate_shared_state_up",
-                                   "1 while the shared state backend (Redis) answers; 0: routing on local state",
-                                   labels=["backend"])
+            up = GaugeMetricFamily(
+                "pdgate_shared_state_up",
+                "1 while the shared state backend (Redis) answers; 0: routing on local state",
+                labels=["backend"],
+            )
             up.add_metric(["redis"], 1 if self._shared.status.healthy else 0)
             yield up
             errors = CounterMetricFamily("pdgate_shared_state_errors", "Failed or timed-out Redis operations")
             errors.add_metric([], self._shared.errors)
             yield errors
-            dropped = CounterMetricFamily("pdgate_shared_state_dropped_writes",
-                                          "Learned-prefix writes dropped because Redis could not keep up")
+            dropped = CounterMetricFamily(
+                "pdgate_shared_state_dropped_writes", "Learned-prefix writes dropped because Redis could not keep up"
+            )
             dropped.add_metric([], self._shared.dropped_writes)
             yield dropped
 
@@ -447,9 +603,11 @@ class _ModelsCollector:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        missing = GaugeMetricFamily("pdgate_endpoint_model_missing",
-                                    "1 for each configured model the engine's /v1/models does not list",
-                                    labels=["pool", "engine", "model"])
+        missing = GaugeMetricFamily(
+            "pdgate_endpoint_model_missing",
+            "1 for each configured model the engine's /v1/models does not list",
+            labels=["pool", "engine", "model"],
+        )
         for ep in self._pools.all():
             for model in self._models.missing(ep):
                 missing.add_metric([ep.pool, ep.url, model], 1)
@@ -490,24 +648,34 @@ class _PlannerCollector:
         rec = self._exported()
         if rec is None:
             return
-        desired = GaugeMetricFamily("pdgate_pool_desired_engines", "Engines the pool needs for this gateway's "
-                                    "share of the traffic to meet the planner's SLOs (fractional: sum over "
-                                    "replicas)", labels=["pool"])
+        desired = GaugeMetricFamily(
+            "pdgate_pool_desired_engines",
+            "Engines the pool needs for this gateway's "
+            "share of the traffic to meet the planner's SLOs (fractional: sum over "
+            "replicas)",
+            labels=["pool"],
+        )
         desired.add_metric(["prefill"], rec["prefill"])
         desired.add_metric(["decode"], rec["decode"])
         seen = GaugeMetricFamily("pdgate_planner_window_requests", "Requests the planner's last answer was for")
         seen.add_metric([], rec["requests"])
         took = GaugeMetricFamily("pdgate_planner_compute_seconds", "How long the planner's last answer took")
         took.add_metric([], rec["compute_s"])
-        unmet = GaugeMetricFamily("pdgate_planner_unmet", "1 when the last round could not meet every SLO: "
-                                  "requests no number of engines serves in time, or none the model considers "
-                                  "(the desired figures keep the last answer)")
+        unmet = GaugeMetricFamily(
+            "pdgate_planner_unmet",
+            "1 when the last round could not meet every SLO: "
+            "requests no number of engines serves in time, or none the model considers "
+            "(the desired figures keep the last answer)",
+        )
         unmet.add_metric([], rec["unmet"])
-        unservable = GaugeMetricFamily("pdgate_planner_unservable_requests", "Requests of the window whose "
-                                       "SLO no number of engines meets (prefill alone is longer than their TTFT)")
+        unservable = GaugeMetricFamily(
+            "pdgate_planner_unservable_requests",
+            "Requests of the window whose SLO no number of engines meets (prefill alone is longer than their TTFT)",
+        )
         unservable.add_metric([], rec["unservable"])
-        failures = CounterMetricFamily("pdgate_planner_failures", "Planner rounds without an answer (an "
-                                       "error, or past interval_s)")
+        failures = CounterMetricFamily(
+            "pdgate_planner_failures", "Planner rounds without an answer (an error, or past interval_s)"
+        )
         failures.add_metric([], rec["failures"])
         yield from (desired, seen, took, unmet, unservable, failures)
 
@@ -522,16 +690,20 @@ class _AdmissionCollector:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        held = GaugeMetricFamily("pdgate_admission_in_flight", "Requests holding an admission slot (their body "
-                                 "read, not yet answered)")
+        held = GaugeMetricFamily(
+            "pdgate_admission_in_flight", "Requests holding an admission slot (their body read, not yet answered)"
+        )
         held.add_metric([], self._gate.in_flight)
         queued = GaugeMetricFamily("pdgate_admission_queued", "Requests waiting for an admission slot")
         queued.add_metric([], self._gate.queued)
         yield from (held, queued)
         if self._lag is not None:
-            lag = GaugeMetricFamily("pdgate_event_loop_lag_seconds", "How late the gateway serves: its event "
-                                    "loop's lateness or new requests' wait before they are read, the worse (smoothed; "
-                                    "admission answers 429 above admission.max_loop_lag_ms)")
+            lag = GaugeMetricFamily(
+                "pdgate_event_loop_lag_seconds",
+                "How late the gateway serves: its event "
+                "loop's lateness or new requests' wait before they are read, the worse (smoothed; "
+                "admission answers 429 above admission.max_loop_lag_ms)",
+            )
             lag.add_metric([], self._lag.behind_s)
             peak = GaugeMetricFamily("pdgate_event_loop_lag_max_seconds", "The largest event loop delay seen")
             peak.add_metric([], self._lag.peak_s)
@@ -539,8 +711,9 @@ class _AdmissionCollector:
         if self._connections is not None:
             open_ = GaugeMetricFamily("pdgate_http_connections", "Open client connections")
             open_.add_metric([], self._connections.open)
-            refused = CounterMetricFamily("pdgate_http_connections_refused", "Connections refused at "
-                                          "server.max_connections")
+            refused = CounterMetricFamily(
+                "pdgate_http_connections_refused", "Connections refused at server.max_connections"
+            )
             refused.add_metric([], self._connections.refused)
             yield from (open_, refused)
 
@@ -557,8 +730,11 @@ class _BusCollector:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        dropped = CounterMetricFamily("pdgate_worker_bus_dropped_messages", "Messages from the workers' hub "
-                                      "dropped by reason (forged, replayed, invalid)", labels=["reason"])
+        dropped = CounterMetricFamily(
+            "pdgate_worker_bus_dropped_messages",
+            "Messages from the workers' hub dropped by reason (forged, replayed, invalid)",
+            labels=["reason"],
+        )
         for reason, n in self._bus.dropped.items():
             dropped.add_metric([reason], n)
         yield dropped
@@ -575,7 +751,9 @@ class _FastTokenizerCollector:
         family = CounterMetricFamily(
             "pdgate_tokenizer_fastpath_mismatches",
             "Texts whose fast-path token ids differed from the Rust tokenizer's (load-time self-check or "
-            "run-time sample); the model's fast path is off after one", labels=["model"])
+            "run-time sample); the model's fast path is off after one",
+            labels=["model"],
+        )
         for model, count in sorted(fasttok.mismatches().items()):
             family.add_metric([model], count)
         yield family
@@ -584,23 +762,35 @@ class _FastTokenizerCollector:
 class _TenantCollector:
     """Each tenant's use of the pools, as fair queueing sees it (this replica's and the others')."""
 
-    def __init__(self, usage: Usage, labels: Callable[[str], str],
-                 queues: Callable[[], Iterable[tuple[str, int]]]) -> None:
+    def __init__(
+        self, usage: Usage, labels: Callable[[str], str], queues: Callable[[], Iterable[tuple[str, int]]]
+    ) -> None:
         self._usage, self._labels, self._queues = usage, labels, queues
 
     def describe(self) -> list[Metric]:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        decode = GaugeMetricFamily("pdgate_tenant_decode_occupancy", "Expected output tokens of the tenant's "
-                                   "running decode legs (running sequences x expected output), all replicas",
-                                   labels=["tenant"])
-        prefill = GaugeMetricFamily("pdgate_tenant_prefill_use", "Prefill tokens the tenant sent recently "
-                                    "(fading by half every fairness.half_life_s), all replicas: fair queueing's "
-                                    "order for the prefill pool", labels=["tenant"])
-        taken = GaugeMetricFamily("pdgate_tenant_decode_use", "Decode occupancy the tenant took recently (expected "
-                                  "output tokens per leg started, settled to the tokens produced at the request's "
-                                  "end; fading likewise), all replicas: the decode pool's order", labels=["tenant"])
+        decode = GaugeMetricFamily(
+            "pdgate_tenant_decode_occupancy",
+            "Expected output tokens of the tenant's "
+            "running decode legs (running sequences x expected output), all replicas",
+            labels=["tenant"],
+        )
+        prefill = GaugeMetricFamily(
+            "pdgate_tenant_prefill_use",
+            "Prefill tokens the tenant sent recently "
+            "(fading by half every fairness.half_life_s), all replicas: fair queueing's "
+            "order for the prefill pool",
+            labels=["tenant"],
+        )
+        taken = GaugeMetricFamily(
+            "pdgate_tenant_decode_use",
+            "Decode occupancy the tenant took recently (expected "
+            "output tokens per leg started, settled to the tokens produced at the request's "
+            "end; fading likewise), all replicas: the decode pool's order",
+            labels=["tenant"],
+        )
         sums: dict[str, list[float]] = {}
         for tenant in self._usage.tenants():
             row = sums.setdefault(self._labels(tenant), [0.0, 0.0, 0.0])
@@ -614,8 +804,11 @@ class _TenantCollector:
         yield decode
         yield prefill
         yield taken
-        queued = GaugeMetricFamily("pdgate_pool_queued_requests", "Requests waiting for room in a pool (its engines "
-                                   "at their admission limits)", labels=["pool"])
+        queued = GaugeMetricFamily(
+            "pdgate_pool_queued_requests",
+            "Requests waiting for room in a pool (its engines at their admission limits)",
+            labels=["pool"],
+        )
         counts = {"prefill": 0, "decode": 0}
         for pool, n in self._queues():
             counts[pool] = counts.get(pool, 0) + n

@@ -26,28 +26,60 @@ from prometheus_client.parser import text_string_to_metric_families
 
 Rule = Literal["sum", "max", "min"]
 
-_SAME_IN_EVERY_WORKER = frozenset({
-    "pdgate_pool_healthy_endpoints", "pdgate_pool_engine_waiting_requests", "pdgate_pool_engine_running_requests",
-    "pdgate_pool_kv_usage_ratio", "pdgate_pool_reporting_endpoints", "pdgate_endpoint_healthy",
-    "pdgate_endpoint_prefill_seconds_per_token", "pdgate_endpoint_model_missing", "pdgate_prefix_index_blocks",
-    "pdgate_discovery_synced", "pdgate_discovery_endpoints", "pdgate_discovery_lists", "pdgate_discovery_errors",
-    "pdgate_kv_events", "pdgate_kv_events_gaps", "pdgate_kv_events_invalid", "pdgate_kv_events_disconnects",
-    "pdgate_config_reloads", "pdgate_config_info",
-    "pdgate_endpoint_restarts", "pdgate_event_loop_lag_seconds", "pdgate_event_loop_lag_max_seconds",
-    "pdgate_planner_compute_seconds", "pdgate_planner_unmet",
-    # every worker's figure already adds the other workers' and replicas' (shared tenant use)
-    "pdgate_tenant_decode_occupancy", "pdgate_tenant_prefill_use", "pdgate_tenant_decode_use",
-    "python_info", "process_max_fds",
-})
+_SAME_IN_EVERY_WORKER = frozenset(
+    {
+        "pdgate_pool_healthy_endpoints",
+        "pdgate_pool_engine_waiting_requests",
+        "pdgate_pool_engine_running_requests",
+        "pdgate_pool_kv_usage_ratio",
+        "pdgate_pool_reporting_endpoints",
+        "pdgate_endpoint_healthy",
+        "pdgate_endpoint_prefill_seconds_per_token",
+        "pdgate_endpoint_model_missing",
+        "pdgate_prefix_index_blocks",
+        "pdgate_discovery_synced",
+        "pdgate_discovery_endpoints",
+        "pdgate_discovery_lists",
+        "pdgate_discovery_errors",
+        "pdgate_kv_events",
+        "pdgate_kv_events_gaps",
+        "pdgate_kv_events_invalid",
+        "pdgate_kv_events_disconnects",
+        "pdgate_config_reloads",
+        "pdgate_config_info",
+        "pdgate_endpoint_restarts",
+        "pdgate_event_loop_lag_seconds",
+        "pdgate_event_loop_lag_max_seconds",
+        "pdgate_planner_compute_seconds",
+        "pdgate_planner_unmet",
+        # every worker's figure already adds the other workers' and replicas' (shared tenant use)
+        "pdgate_tenant_decode_occupancy",
+        "pdgate_tenant_prefill_use",
+        "pdgate_tenant_decode_use",
+        "python_info",
+        "process_max_fds",
+    }
+)
 _ALL_MUST_HOLD = frozenset({"pdgate_kv_events_connected", "pdgate_shared_state_up", "process_start_time_seconds"})
 # Gauges of each worker's own share (counters and histograms are always summed).
-SUMMED_GAUGES = frozenset({
-    "pdgate_pool_in_flight_requests", "pdgate_pool_uncached_prompt_tokens", "pdgate_endpoint_in_flight_requests",
-    "pdgate_endpoint_backlog_tokens", "pdgate_admission_in_flight", "pdgate_admission_queued",
-    "pdgate_http_connections", "process_resident_memory_bytes", "process_virtual_memory_bytes", "process_open_fds",
-    "pdgate_pool_desired_engines", "pdgate_planner_window_requests", "pdgate_planner_unservable_requests",
-    "pdgate_pool_queued_requests",
-})
+SUMMED_GAUGES = frozenset(
+    {
+        "pdgate_pool_in_flight_requests",
+        "pdgate_pool_uncached_prompt_tokens",
+        "pdgate_endpoint_in_flight_requests",
+        "pdgate_endpoint_backlog_tokens",
+        "pdgate_admission_in_flight",
+        "pdgate_admission_queued",
+        "pdgate_http_connections",
+        "process_resident_memory_bytes",
+        "process_virtual_memory_bytes",
+        "process_open_fds",
+        "pdgate_pool_desired_engines",
+        "pdgate_planner_window_requests",
+        "pdgate_planner_unservable_requests",
+        "pdgate_pool_queued_requests",
+    }
+)
 DECLARED = _SAME_IN_EVERY_WORKER | _ALL_MUST_HOLD | SUMMED_GAUGES  # a new gauge must be placed in one (tested)
 
 

@@ -121,14 +121,26 @@ class RequestRecord:
 
     def access_line(self) -> bytes:
         line: dict[str, Any] = {
-            "ts": round(time.time(), 3), "request_id": self.request_id, "kind": self.kind, "model": self.model,
-            "stream": self.stream, "path": self.path, "reason": self.reason, "status": self.status,
-            "decode": self.decode or None, "prefill": self.prefill or None,
-            "prompt_tokens": self.prompt_tokens, "uncached_tokens": self.uncached_tokens,
+            "ts": round(time.time(), 3),
+            "request_id": self.request_id,
+            "kind": self.kind,
+            "model": self.model,
+            "stream": self.stream,
+            "path": self.path,
+            "reason": self.reason,
+            "status": self.status,
+            "decode": self.decode or None,
+            "prefill": self.prefill or None,
+            "prompt_tokens": self.prompt_tokens,
+            "uncached_tokens": self.uncached_tokens,
             "output_tokens": self.output_tokens,
-            "queue_ms": _ms(self.queue_s), "tokenize_ms": _ms(self.tokenize_s), "route_ms": _ms(self.route_s),
-            "prefill_ms": _ms(self.prefill_s), "decode_first_token_ms": _ms(self.decode_first_token_s),
-            "ttft_ms": _ms(self.ttft_s), "total_ms": _ms(self.e2e_s),
+            "queue_ms": _ms(self.queue_s),
+            "tokenize_ms": _ms(self.tokenize_s),
+            "route_ms": _ms(self.route_s),
+            "prefill_ms": _ms(self.prefill_s),
+            "decode_first_token_ms": _ms(self.decode_first_token_s),
+            "ttft_ms": _ms(self.ttft_s),
+            "total_ms": _ms(self.e2e_s),
         }
         if self.tenant:
             line["tenant"], line["priority"] = self.tenant, self.priority

@@ -142,15 +142,17 @@ class RequestTrace:
         if self._tracer is None:
             return
         end = time.time_ns()
-        child = self._tracer.start_span(name, context=self._context, start_time=end - duration_ns,
-                                        attributes=attributes)
+        child = self._tracer.start_span(
+            name, context=self._context, start_time=end - duration_ns, attributes=attributes
+        )
         child.end(end_time=end)
 
     def leg(self, name: str, url: str) -> LegSpan:
         if self._tracer is None:
             return NO_LEG if self._passed_on is None else LegSpan(None, self._passed_on)
-        span = self._tracer.start_span(name, context=self._context, kind=SpanKind.CLIENT,
-                                       attributes={"pdgate.leg": name, "server.address": url})
+        span = self._tracer.start_span(
+            name, context=self._context, kind=SpanKind.CLIENT, attributes={"pdgate.leg": name, "server.address": url}
+        )
         leg = LegSpan(span)
         self._open.append(leg)
         return leg

@@ -38,8 +38,15 @@ class Room:
         self.rt, self.svc, self.who, self.rec = rt, svc, who, rec
         self.verdict: Verdict | None = None  # the TTFT objective's last check
 
-    async def pick(self, prep: Prepared, deadline: float, *, explain: bool = False,
-                   exclude: Collection[str] = (), sheddable: bool = True) -> tuple[Route, float]:
+    async def pick(
+        self,
+        prep: Prepared,
+        deadline: float,
+        *,
+        explain: bool = False,
+        exclude: Collection[str] = (),
+        sheddable: bool = True,
+    ) -> tuple[Route, float]:
         """The route, waiting for engine capacity until ``deadline``; and how long it waited.
 
         A request that finds no room waits in the queue of the pool it needs (prefill or decode),
@@ -77,15 +84,17 @@ class Room:
                     if exclude:  # the room may be on an engine it must not use: the next one looks
                         q.wake()
                     q.requeue(w)
-                shed_in = self._check_objective(prep, None, queue=q, waiter=w, exclude=exclude) \
-                    if sheddable else math.inf
+                shed_in = (
+                    self._check_objective(prep, None, queue=q, waiter=w, exclude=exclude) if sheddable else math.inf
+                )
                 waited += await self._wait_for_room(q, w, min(left, shed_in))
         finally:
             if w is not None and queue is not None:
                 _leave(queue, w, routed)
 
-    def _route_or_wait(self, prep: Prepared, explain: bool, exclude: Collection[str], *, first: bool
-                       ) -> tuple[Route | None, str]:
+    def _route_or_wait(
+        self, prep: Prepared, explain: bool, exclude: Collection[str], *, first: bool
+    ) -> tuple[Route | None, str]:
         """The route, or the pool to wait for: a pool at its limits, or (``first`` try) one where
         someone waits who goes first."""
         adm, fair = self.rt.cfg.admission, self.rt.cfg.fairness
@@ -94,20 +103,38 @@ class Room:
         retry_after = {"Retry-After": str(math.ceil(adm.retry_after_s))}
         try:
             route = self.rt.router.route(
-                prep, explain=explain, max_decode=adm.max_per_decode_endpoint, max_prefill=adm.max_per_prefill_endpoint,
-                exclude=exclude, wait_for_prefill=fair.enabled and fair.wait_for_prefill and not explain)
+                prep,
+                explain=explain,
+                max_decode=adm.max_per_decode_endpoint,
+                max_prefill=adm.max_per_prefill_endpoint,
+                exclude=exclude,
+                wait_for_prefill=fair.enabled and fair.wait_for_prefill and not explain,
+            )
         except NotServed:
-            raise APIError(503, f"No decode engine serves the model `{prep.ctx.model}` right now (see /ready).",
-                           code="model_not_served", headers=retry_after) from None
+            raise APIError(
+                503,
+                f"No decode engine serves the model `{prep.ctx.model}` right now (see /ready).",
+                code="model_not_served",
+                headers=retry_after,
+            ) from None
         except NoEndpointError:
-            raise APIError(503, "No decode engine is available right now.", code="no_healthy_endpoint",
-                           type_="server_error", headers=retry_after) from None
+            raise APIError(
+                503,
+                "No decode engine is available right now.",
+                code="no_healthy_endpoint",
+                type_="server_error",
+                headers=retry_after,
+            ) from None
         except Saturated as sat:
             if explain:
                 raise too_busy(adm, f"every {sat.phase} engine is at its limit") from None
             return None, sat.phase
-        if first and not explain and route.decision.prefill is not None and \
-                self._queue("prefill", prep).before(self.who):
+        if (
+            first
+            and not explain
+            and route.decision.prefill is not None
+            and self._queue("prefill", prep).before(self.who)
+        ):
             return None, "prefill"
         return route, ""
 
@@ -129,9 +156,16 @@ class Room:
         """What predicts TTFT for the objectives."""
         return model_of(self.rt.router.pipeline.decider)
 
-    def _check_objective(self, prep: Prepared, decision: Decision | None, *,
-                         explain: bool = False, queue: FairQueue | None = None, waiter: Waiter | None = None,
-                         exclude: Collection[str] = ()) -> float:
+    def _check_objective(
+        self,
+        prep: Prepared,
+        decision: Decision | None,
+        *,
+        explain: bool = False,
+        queue: FairQueue | None = None,
+        waiter: Waiter | None = None,
+        exclude: Collection[str] = (),
+    ) -> float:
         """Sheds a sheddable request that cannot meet its TTFT objective (429 with Retry-After);
         returns how long it may wait before that is so (inf: it has no objective, or may not be shed).
         ``decision``: the route found; None: queued."""
@@ -163,20 +197,32 @@ class Room:
         late = math.ceil(max(self.rt.cfg.admission.retry_after_s, v.predicted_s - v.objective_s))
         # Retry-After says when a retry may succeed: none when the prompt alone misses the objective.
         retry = v.engine_s <= v.objective_s
-        hint = (f"retry after {late} s" if retry else
-                "its prompt alone is predicted to take longer than the objective: a retry will not meet it either")
-        raise APIError(429, f"This request's TTFT objective cannot be met: {v.describe()}; {hint}.",
-                       code="ttft_objective_unattainable", headers={"Retry-After": str(late)} if retry else None)
+        hint = (
+            f"retry after {late} s"
+            if retry
+            else "its prompt alone is predicted to take longer than the objective: a retry will not meet it either"
+        )
+        raise APIError(
+            429,
+            f"This request's TTFT objective cannot be met: {v.describe()}; {hint}.",
+            code="ttft_objective_unattainable",
+            headers={"Retry-After": str(late)} if retry else None,
+        )
 
     def view(self) -> dict[str, Any]:
         """For ``/debug/route``: who the request is for and its objective's check."""
         who = self.who
         if who is None:
             return {}
-        return {"tenant": who.tenant, "priority": who.cls, "priority_value": who.priority,
-                "ttft_objective_s": who.ttft_slo_s, "sheddable": who.sheddable,
-                "fairness": self.rt.cfg.fairness.enabled,
-                **_verdict_view(self.verdict if self.rt.cfg.fairness.enabled else None, who.sheddable)}
+        return {
+            "tenant": who.tenant,
+            "priority": who.cls,
+            "priority_value": who.priority,
+            "ttft_objective_s": who.ttft_slo_s,
+            "sheddable": who.sheddable,
+            "fairness": self.rt.cfg.fairness.enabled,
+            **_verdict_view(self.verdict if self.rt.cfg.fairness.enabled else None, who.sheddable),
+        }
 
 
 def _verdict_view(v: Verdict | None, sheddable: bool) -> dict[str, Any]:
@@ -185,11 +231,18 @@ def _verdict_view(v: Verdict | None, sheddable: bool) -> dict[str, Any]:
     if v.met:
         verdict_, reason = "admit", "objective met"
     else:
-        verdict_, reason = ("shed", "objective cannot be met") if sheddable else ("wait", "objective cannot be met; "
-                                                                                     "not sheddable")
-    return {"predicted_ttft_s": round(v.predicted_s, 6), "engine_ttft_s": round(v.engine_s, 6),
-            "queue_s": round(v.queue_s, 6), "waited_s": round(v.waited_s, 6), "best_path": v.path,
-            "verdict": verdict_, "reason": f"{reason}: {v.describe()}"}
+        verdict_, reason = (
+            ("shed", "objective cannot be met") if sheddable else ("wait", "objective cannot be met; not sheddable")
+        )
+    return {
+        "predicted_ttft_s": round(v.predicted_s, 6),
+        "engine_ttft_s": round(v.engine_s, 6),
+        "queue_s": round(v.queue_s, 6),
+        "waited_s": round(v.waited_s, 6),
+        "best_path": v.path,
+        "verdict": verdict_,
+        "reason": f"{reason}: {v.describe()}",
+    }
 
 
 def _leave(queue: FairQueue, w: Waiter, routed: bool) -> None:

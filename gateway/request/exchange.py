@@ -283,8 +283,9 @@ class Exchange:
         req = parse_body(body, self.kind)
         tok = rt.tokenizers.get(req.model)
         if tok is None:
-            raise APIError(404, f"The model `{clip(req.model, 256)}` does not exist.", param="model",
-                           code="model_not_found")
+            raise APIError(
+                404, f"The model `{clip(req.model, 256)}` does not exist.", param="model", code="model_not_found"
+            )
         rec.model, rec.stream = req.model, req.stream
         check_output_limit(req, rt.cfg.limits, tok.cfg.max_model_len)
         fair = rt.cfg.fairness
@@ -306,9 +307,12 @@ class Exchange:
             rec.trace.record("tokenize", t1 - t0, {"pdgate.prompt_tokens": rec.prompt_tokens})
         limit = rt.cfg.limits.max_prompt_tokens
         if limit and (longest := max(map(len, prompts))) > limit:
-            raise APIError(400, f"This gateway accepts prompts of at most {limit} tokens; this one has "
-                           f"{longest}.", param="messages" if self.kind == "chat" else "prompt",
-                           code="prompt_too_long")
+            raise APIError(
+                400,
+                f"This gateway accepts prompts of at most {limit} tokens; this one has {longest}.",
+                param="messages" if self.kind == "chat" else "prompt",
+                code="prompt_too_long",
+            )
 
     async def _route(self, req: ParsedRequest, *, explain: bool = False) -> Route:
         """Hash, look up the prefix index, run the pipeline; waits for engine capacity until the
@@ -317,8 +321,14 @@ class Exchange:
         assert self.prompts is not None
         t1 = time.perf_counter_ns()
         salt = req.body.get("cache_salt")  # vLLM mixes it into the first block's hash
-        prep = self.prep = await rt.router.prepare(req.model, rec.request_id, self.prompts[0], req.local_only(),
-                                                   self.request.headers, salt if isinstance(salt, str) else None)
+        prep = self.prep = await rt.router.prepare(
+            req.model,
+            rec.request_id,
+            self.prompts[0],
+            req.local_only(),
+            self.request.headers,
+            salt if isinstance(salt, str) else None,
+        )
         route, waited = await self._pick(prep, self._deadline, explain=explain)
         t2 = time.perf_counter_ns()
         rec.route_s = (t2 - t1) / 1e9 - waited
@@ -343,12 +353,16 @@ class Exchange:
         if why is None and migration.max_per_request > 0:
             opts = body.get("stream_options") or {}
             max_model_len = self.rt.tokenizers.get(req.model).cfg.max_model_len  # type: ignore[union-attr]
-            self.answer = Answer(req.kind, stream=req.stream, wants_ids=bool(body.get("return_token_ids")),
-                                 usage=bool(opts.get("include_usage")),
-                                 continuous=bool(opts.get("include_usage") and opts.get("continuous_usage_stats")),
-                                 prompt=self.prompts[0],
-                                 # the role chunk: the prompt's ids, and its text if asked for (escaped)
-                                 max_event_bytes=(1 << 16) + 12 * max_model_len + 6 * req.raw_size)
+            self.answer = Answer(
+                req.kind,
+                stream=req.stream,
+                wants_ids=bool(body.get("return_token_ids")),
+                usage=bool(opts.get("include_usage")),
+                continuous=bool(opts.get("include_usage") and opts.get("continuous_usage_stats")),
+                prompt=self.prompts[0],
+                # the role chunk: the prompt's ids, and its text if asked for (escaped)
+                max_event_bytes=(1 << 16) + 12 * max_model_len + 6 * req.raw_size,
+            )
             body = {**body, "return_token_ids": True}
             if not stream:
                 body.update(stream=True, stream_options={"include_usage": True})
@@ -359,8 +373,15 @@ class Exchange:
         self.parts.append(part)
         return part
 
-    async def _pick(self, prep: Prepared, deadline: float, *, explain: bool = False,
-                    exclude: Collection[str] = (), sheddable: bool = True) -> tuple[Route, float]:
+    async def _pick(
+        self,
+        prep: Prepared,
+        deadline: float,
+        *,
+        explain: bool = False,
+        exclude: Collection[str] = (),
+        sheddable: bool = True,
+    ) -> tuple[Route, float]:
         """The route, waiting for room on the engines until ``deadline`` (gateway/request/capacity.py)."""
         if self.room is None:
             self.room = Room(self.rt, self.svc, self.who, self.rec)
@@ -384,8 +405,7 @@ class Exchange:
                 if not legs.retryable(failed.err):
                     raise failed.err from None
                 ep.record(False)
-                log.warning("request %s: prefill leg on %s failed (%s)", part.request_id, ep.url,
-                            failed.err.message)
+                log.warning("request %s: prefill leg on %s failed (%s)", part.request_id, ep.url, failed.err.message)
                 other = self._other(part, "prefill", tried, decision.decode) if attempt < retries else None
                 if other is None:
                     if not self.rt.cfg.failover.fallback_to_direct:
@@ -429,9 +449,20 @@ class Exchange:
                 rec.migrations[-1].update(prefill=ep.url, prefill_ms=round(seconds * 1000, 3))
                 self.svc.metrics.prefill_attempt(rec.model, leg_outcome, seconds)
             span.end(None if outcome is LegOutcome.OK else outcome.value)
-            self._leg_done(part, LegReport("prefill", ep.url, outcome, Path.PD, seconds, uncached_tokens=tokens,
-                                           queued_tokens=ticket.ahead, status=status,
-                                           cached_tokens=answer.cached_tokens if answer else None))
+            self._leg_done(
+                part,
+                LegReport(
+                    "prefill",
+                    ep.url,
+                    outcome,
+                    Path.PD,
+                    seconds,
+                    uncached_tokens=tokens,
+                    queued_tokens=ticket.ahead,
+                    status=status,
+                    cached_tokens=answer.cached_tokens if answer else None,
+                ),
+            )
 
     async def _decode(self, part: _Part, decision: Decision, handle: PrefillAnswer | None) -> _OpenDecode:
         """Step 3 up to its first token, on the chosen decode engine, else another one."""
@@ -449,11 +480,16 @@ class Exchange:
                     source = part.prefilled_on if handle is not None else None
                     if source is None or (source.healthy and not source.ejected):
                         ep.record(False)  # else the KV's source is gone: not this engine's failure
-                    log.warning("request %s: decode leg on %s failed (%s)", part.request_id, ep.url,
-                                failed.err.message)
+                    log.warning("request %s: decode leg on %s failed (%s)", part.request_id, ep.url, failed.err.message)
                     other = self._other(part, "decode", tried) if attempt < retries else None
-                    if other is None and handle is not None and failed.reached and attempt < retries \
-                            and ep.healthy and not ep.ejected:
+                    if (
+                        other is None
+                        and handle is not None
+                        and failed.reached
+                        and attempt < retries
+                        and ep.healthy
+                        and not ep.ejected
+                    ):
                         # No other decode engine: what failed may be the KV's source (a prefill
                         # engine gone mid-pull), so this one computes the prompt itself.
                         other = ep
@@ -488,16 +524,34 @@ class Exchange:
         ep.acquire()
         try:
             head_bytes = self.answer.max_event_bytes if self.answer is not None else 0
-            stream = await legs.open_decode(self.rt.upstream, ep, part.path, body, part.request_id, part.stream,
-                                            span.headers, max_head_bytes=head_bytes)
+            stream = await legs.open_decode(
+                self.rt.upstream,
+                ep,
+                part.path,
+                body,
+                part.request_id,
+                part.stream,
+                span.headers,
+                max_head_bytes=head_bytes,
+            )
         except BaseException as err:
             self._vacate(occupancy)
             ep.release()
             outcome = _failed(err) if isinstance(err, LegFailed) else LegOutcome.ABANDONED
             span.end(outcome.value)
-            self._leg_done(part, LegReport("decode", ep.url, outcome, path, time.perf_counter() - started,
-                                           uncached_tokens=tokens, prefill_url=prefill_url,
-                                           status=err.err.status if isinstance(err, LegFailed) else 0))
+            self._leg_done(
+                part,
+                LegReport(
+                    "decode",
+                    ep.url,
+                    outcome,
+                    path,
+                    time.perf_counter() - started,
+                    uncached_tokens=tokens,
+                    prefill_url=prefill_url,
+                    status=err.err.status if isinstance(err, LegFailed) else 0,
+                ),
+            )
             raise
         finally:
             ep.end_prefill(ticket)
@@ -581,8 +635,14 @@ class Exchange:
         finally:
             self._leg_end(leg, outcome, clean, resp.status, rec.cached_tokens)
 
-    async def _relay_answer(self, client: ClientWire, req: ParsedRequest, leg: _OpenDecode,
-                            headers: list[tuple[bytes, bytes]], answer: Answer) -> None:
+    async def _relay_answer(
+        self,
+        client: ClientWire,
+        req: ParsedRequest,
+        leg: _OpenDecode,
+        headers: list[tuple[bytes, bytes]],
+        answer: Answer,
+    ) -> None:
         """A migratable answer: each engine event read, the client's written; a decode leg that
         fails mid-way is continued on another engine, as often as the config allows."""
         if req.stream:
@@ -597,8 +657,11 @@ class Exchange:
             if cut is None:
                 break
             if answer.finish is not None:  # all there but its end: the usage chunk, [DONE]
-                log.info("request %s: the decode engine's stream broke after its finish reason (%s); "
-                         "the gateway ends it", self.rec.request_id, cut.reason)
+                log.info(
+                    "request %s: the decode engine's stream broke after its finish reason (%s); the gateway ends it",
+                    self.rec.request_id,
+                    cut.reason,
+                )
                 if req.stream:
                     await client.send(answer.close())
                 break
@@ -664,12 +727,22 @@ class Exchange:
         self._vacate(leg.occupancy)
         leg.ep.release()
         leg.span.end(None if clean or outcome is LegOutcome.OK else "decode stream cut short")
-        self._leg_done(leg.part, LegReport(
-            "decode", leg.ep.url, outcome, leg.path, time.perf_counter() - leg.started,
-            first_token_s=leg.first_token_s, uncached_tokens=leg.tokens, prefill_url=leg.prefill_url,
-            status=status,
-            # on the P/D path vLLM reports the prefill engine's cache hit here, not this engine's
-            cached_tokens=cached if leg.path is Path.DIRECT else None))
+        self._leg_done(
+            leg.part,
+            LegReport(
+                "decode",
+                leg.ep.url,
+                outcome,
+                leg.path,
+                time.perf_counter() - leg.started,
+                first_token_s=leg.first_token_s,
+                uncached_tokens=leg.tokens,
+                prefill_url=leg.prefill_url,
+                status=status,
+                # on the P/D path vLLM reports the prefill engine's cache hit here, not this engine's
+                cached_tokens=cached if leg.path is Path.DIRECT else None,
+            ),
+        )
 
     # -- migration --------------------------------------------------------------------------------------
 
@@ -686,25 +759,40 @@ class Exchange:
             self._not_migrated(cut, why)
             return None
         t0 = time.perf_counter()
-        record: dict[str, Any] = {"reason": cut.reason, "from": failed.ep.url, "to": None, "path": None,
-                                  "tokens": 0, "result": "pending"}
+        record: dict[str, Any] = {
+            "reason": cut.reason,
+            "from": failed.ep.url,
+            "to": None,
+            "path": None,
+            "tokens": 0,
+            "result": "pending",
+        }
         self.rec.migrations.append(record)
-        span, trace = self.rec.trace.child("migration", {"pdgate.migration.reason": cut.reason,
-                                                         "pdgate.migration.from": failed.ep.url})
+        span, trace = self.rec.trace.child(
+            "migration", {"pdgate.migration.reason": cut.reason, "pdgate.migration.from": failed.ep.url}
+        )
         try:
             part = await self._continuation(req, answer, trace)
             record["tokens"] = kept = answer.output_tokens
             span.set("pdgate.migration.kept_tokens", kept)
             if part is None:
                 why = "no_resume_point"
-                log.warning("request %s: not migrated (%s): the text sent does not join the tokens received",
-                            self.rec.request_id, why)
+                log.warning(
+                    "request %s: not migrated (%s): the text sent does not join the tokens received",
+                    self.rec.request_id,
+                    why,
+                )
                 record["result"] = "skipped"
                 self.svc.metrics.migration(cut.reason, "skipped", why)
                 span.end(why)
                 return None
-            log.warning("request %s: decode leg on %s failed mid-answer (%s); continuing after %d tokens",
-                        self.rec.request_id, failed.ep.url, cut.reason, kept)
+            log.warning(
+                "request %s: decode leg on %s failed mid-answer (%s); continuing after %d tokens",
+                self.rec.request_id,
+                failed.ep.url,
+                cut.reason,
+                kept,
+            )
             deadline = time.monotonic() + self.rt.cfg.admission.queue_timeout_s
             route, _ = await self._pick(part.prep, deadline, exclude=self._failed_decode, sheddable=False)
             decision = part.decision = route.decision
@@ -743,8 +831,9 @@ class Exchange:
         return None
 
     def _not_migrated(self, cut: _Cut, why: str) -> None:
-        log.warning("request %s: decode leg failed mid-answer (%s); not migrated: %s", self.rec.request_id,
-                    cut.reason, why)
+        log.warning(
+            "request %s: decode leg failed mid-answer (%s); not migrated: %s", self.rec.request_id, cut.reason, why
+        )
         self.rec.migrations.append({"reason": cut.reason, "result": "skipped", "why": why})
         self.svc.metrics.migration(cut.reason, "skipped", why)
 
@@ -755,25 +844,37 @@ class Exchange:
         prompt = answer.prompt()
         budget = output_budget(req)
         point = await self.rt.tokenizers.run(
-            resume_point, tok.backend, prompt, answer.ids, answer.text_len, answer.tail(answer.tail_chars),
+            resume_point,
+            tok.backend,
+            prompt,
+            answer.ids,
+            answer.text_len,
+            answer.tail(answer.tail_chars),
             skip_special_tokens=req.body.get("skip_special_tokens") is not False,
             spaces_between_special_tokens=req.body.get("spaces_between_special_tokens") is not False,
-            max_tokens=budget)
+            max_tokens=budget,
+        )
         if point is None:
             return None
         if answer.prompt_mismatch:
-            log.warning("request %s: the engine's prompt token ids differ from the gateway's (%d vs %d tokens); "
-                        "the continuation uses the engine's", self.rec.request_id, answer.prompt_tokens,
-                        len(self.prompts[0]) if self.prompts else 0)
+            log.warning(
+                "request %s: the engine's prompt token ids differ from the gateway's (%d vs %d tokens); "
+                "the continuation uses the engine's",
+                self.rec.request_id,
+                answer.prompt_tokens,
+                len(self.prompts[0]) if self.prompts else 0,
+            )
         answer.resume(point.tokens, point.overlap)
         ids = [*prompt, *answer.ids]
-        body = continuation_body(req, ids, point.tokens, max_model_len=tok.cfg.max_model_len,
-                                 continuous=answer.continuous)
+        body = continuation_body(
+            req, ids, point.tokens, max_model_len=tok.cfg.max_model_len, continuous=answer.continuous
+        )
         number = len(self.parts)
         request_id = f"{self.rec.request_id}-m{number}"
         salt = req.body.get("cache_salt")
-        prep = await self.rt.router.prepare(req.model, request_id, ids, None, self.request.headers,
-                                            salt if isinstance(salt, str) else None)
+        prep = await self.rt.router.prepare(
+            req.model, request_id, ids, None, self.request.headers, salt if isinstance(salt, str) else None
+        )
         part = _Part(number, "/v1/completions", body, True, prep, request_id, trace)
         self.parts.append(part)
         return part
@@ -801,8 +902,7 @@ class Exchange:
 
     # -- bookkeeping ------------------------------------------------------------------------------------
 
-    def _other(self, part: _Part, pool: str, exclude: set[str], paired: EndpointView | None = None
-               ) -> Endpoint | None:
+    def _other(self, part: _Part, pool: str, exclude: set[str], paired: EndpointView | None = None) -> Endpoint | None:
         return self.rt.router.other(part.prep, pool, exclude, paired)
 
     def _failover(self, event: str, err: APIError, ep: Endpoint) -> None:
@@ -864,8 +964,7 @@ class Exchange:
             if part.number == 0:
                 result = Finished(status, rec.path, tuple(part.reports), rec.e2e_s, rec.ttft_s, rec.output_tokens)
             else:
-                result = Finished(status, part.decision.path.value, tuple(part.reports), rec.e2e_s,
-                                  continuation=True)
+                result = Finished(status, part.decision.path.value, tuple(part.reports), rec.e2e_s, continuation=True)
             call_soon(self.rt.hooks.finished, part.ctx, part.decision, result)
 
     # -- POST /debug/route ------------------------------------------------------------------------------
@@ -898,8 +997,11 @@ class Exchange:
             "config_version": self.rt.version,
             "admission": self.room.view() if self.room is not None else {},
             "trace": route.trace,
-            "endpoints": [{k: sorted(v) if isinstance(v, frozenset) else v for k, v in asdict(e).items()}
-                          for pool in (snap.prefill, snap.decode) for e in pool],
+            "endpoints": [
+                {k: sorted(v) if isinstance(v, frozenset) else v for k, v in asdict(e).items()}
+                for pool in (snap.prefill, snap.decode)
+                for e in pool
+            ],
         }
 
 
@@ -911,9 +1013,13 @@ def _failed(failed: LegFailed) -> LegOutcome:
 
 def _route_attributes(rec: RequestRecord, d: Decision, prep: Prepared, waited: float) -> dict[str, Any]:
     attrs: dict[str, Any] = {
-        "pdgate.path": rec.path, "pdgate.reason": rec.reason, "pdgate.detail": d.detail,
-        "pdgate.decode_endpoint": rec.decode, "pdgate.prompt_tokens": rec.prompt_tokens,
-        "pdgate.uncached_tokens": rec.uncached_tokens, "gen_ai.request.model": rec.model,
+        "pdgate.path": rec.path,
+        "pdgate.reason": rec.reason,
+        "pdgate.detail": d.detail,
+        "pdgate.decode_endpoint": rec.decode,
+        "pdgate.prompt_tokens": rec.prompt_tokens,
+        "pdgate.uncached_tokens": rec.uncached_tokens,
+        "gen_ai.request.model": rec.model,
         "pdgate.capacity_wait_s": waited,
     }
     if d.prefill is not None:

@@ -32,19 +32,60 @@ PRIME_TOKENS = 64  # prompt tokens a replay primes its detokenizer with (vLLM pr
 
 # Structured output makes the engine constrain decoding with a grammar over the whole output; a
 # continuation's grammar would start over at the cut.
-_GUIDED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-           "guided_decoding_backend", "guided_whitespace_pattern", "json_schema", "regex", "grammar")
+_GUIDED = (
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "json_schema",
+    "regex",
+    "grammar",
+)
 
 # Fields of the client's body a /v1/completions continuation does not take: chat-only fields (the
 # prompt is already rendered), and those the continuation sets itself.
-_NOT_CARRIED = frozenset({
-    "messages", "tools", "tool_choice", "parallel_tool_calls", "response_format", "chat_template",
-    "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "documents", "mm_processor_kwargs",
-    "media_io_kwargs", "reasoning_effort", "include_reasoning", "return_prompt_text", "logprobs", "top_logprobs",
-    "max_completion_tokens", "prompt", "prompt_embeds", "suffix", "echo", "max_tokens", "min_tokens", "stream",
-    "stream_options", "return_token_ids", "n", "best_of", "truncate_prompt_tokens", "truncation_side",
-    "add_special_tokens", "prompt_logprobs", "kv_transfer_params", "ec_transfer_params",
-})
+_NOT_CARRIED = frozenset(
+    {
+        "messages",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "response_format",
+        "chat_template",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+        "documents",
+        "mm_processor_kwargs",
+        "media_io_kwargs",
+        "reasoning_effort",
+        "include_reasoning",
+        "return_prompt_text",
+        "logprobs",
+        "top_logprobs",
+        "max_completion_tokens",
+        "prompt",
+        "prompt_embeds",
+        "suffix",
+        "echo",
+        "max_tokens",
+        "min_tokens",
+        "stream",
+        "stream_options",
+        "return_token_ids",
+        "n",
+        "best_of",
+        "truncate_prompt_tokens",
+        "truncation_side",
+        "add_special_tokens",
+        "prompt_logprobs",
+        "kv_transfer_params",
+        "ec_transfer_params",
+    }
+)
 
 
 def unmigratable(req: ParsedRequest, approximate: str | None) -> str | None:
@@ -61,12 +102,16 @@ def unmigratable(req: ParsedRequest, approximate: str | None) -> str | None:
     if body.get("echo"):
         return "echo"
     logprobs = body.get("logprobs")
-    if (logprobs if req.kind == "chat" else logprobs is not None) or body.get("top_logprobs") is not None \
-            or body.get("prompt_logprobs") is not None:
+    if (
+        (logprobs if req.kind == "chat" else logprobs is not None)
+        or body.get("top_logprobs") is not None
+        or body.get("prompt_logprobs") is not None
+    ):
         return "logprobs"
     fmt = body.get("response_format")
     if (isinstance(fmt, dict) and fmt.get("type") not in (None, "text")) or any(
-            body.get(k) is not None for k in _GUIDED):
+        body.get(k) is not None for k in _GUIDED
+    ):
         return "guided_decoding"
     if req.kind == "chat" and body.get("tools") and body.get("tool_choice") != "none":
         return "tools"
@@ -95,9 +140,17 @@ class ResumePoint:
     overlap: str  # text the client has beyond them, which the continuation reproduces first
 
 
-def resume_point(tokenizer: Tokenizer, prompt: Sequence[int], generated: Sequence[int], sent_chars: int,
-                 sent_tail: str, *, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
-                 max_tokens: int | None = None) -> ResumePoint | None:
+def resume_point(
+    tokenizer: Tokenizer,
+    prompt: Sequence[int],
+    generated: Sequence[int],
+    sent_chars: int,
+    sent_tail: str,
+    *,
+    skip_special_tokens: bool = True,
+    spaces_between_special_tokens: bool = True,
+    max_tokens: int | None = None,
+) -> ResumePoint | None:
     """Where a continuation starts (None: nowhere the text sent can be trusted to join).
 
     ``sent_chars`` characters of text went to the client, ending with ``sent_tail``; ``max_tokens``
@@ -107,17 +160,18 @@ def resume_point(tokenizer: Tokenizer, prompt: Sequence[int], generated: Sequenc
     if texts is None:
         return None
     offsets, clean, text = texts
-    if len(text) < sent_chars or (sent_tail and text[sent_chars - len(sent_tail):sent_chars] != sent_tail):
+    if len(text) < sent_chars or (sent_tail and text[sent_chars - len(sent_tail) : sent_chars] != sent_tail):
         return None  # the client has text this replay does not produce: another tokenizer
     last = len(generated) if max_tokens is None else min(len(generated), max_tokens - 1)
     for i in range(last, -1, -1):
         if clean[i] and offsets[i] <= sent_chars:
-            return ResumePoint(i, text[offsets[i]:sent_chars])
+            return ResumePoint(i, text[offsets[i] : sent_chars])
     return None
 
 
-def _replay(tokenizer: Tokenizer, prompt: Sequence[int], generated: Sequence[int], skip_special: bool,
-            spaces_between: bool) -> tuple[list[int], list[bool], str] | None:
+def _replay(
+    tokenizer: Tokenizer, prompt: Sequence[int], generated: Sequence[int], skip_special: bool, spaces_between: bool
+) -> tuple[list[int], list[bool], str] | None:
     """vLLM 0.32's FastIncrementalDetokenizer over ``generated``: the text after each token
     (``offsets[i]``: its length after i tokens), and whether everything up to there is decoded
     (``clean[i]``: no partial character or skipped token pending)."""
@@ -146,8 +200,9 @@ def _replay(tokenizer: Tokenizer, prompt: Sequence[int], generated: Sequence[int
     return offsets, clean, "".join(pieces)
 
 
-def continuation_body(req: ParsedRequest, prompt: Sequence[int], kept: int, *, max_model_len: int,
-                      continuous: bool) -> dict[str, Any]:
+def continuation_body(
+    req: ParsedRequest, prompt: Sequence[int], kept: int, *, max_model_len: int, continuous: bool
+) -> dict[str, Any]:
     """The ``/v1/completions`` request that continues ``req`` after ``kept`` generated tokens:
     ``prompt`` (the original prompt's ids and those tokens), the same sampling parameters, the
     output budget less what is kept, streamed with its token ids."""

@@ -126,8 +126,7 @@ def parse_body(raw: bytes, kind: Kind) -> ParsedRequest:
         try:
             raw.decode("utf-8")
         except UnicodeDecodeError as bad:  # orjson says "surrogates not allowed": say what is wrong
-            raise bad_request(f"The request body is not valid UTF-8 (byte {bad.start}).",
-                              code="invalid_json") from None
+            raise bad_request(f"The request body is not valid UTF-8 (byte {bad.start}).", code="invalid_json") from None
         raise bad_request(f"The request body is not valid JSON: {err}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
@@ -141,9 +140,12 @@ def parse_body(raw: bytes, kind: Kind) -> ParsedRequest:
     # The gateway owns the engines' priority field (from the API key's class): a client's own
     # would let it jump every queue on engines that run priority scheduling.
     if body.pop("priority", None) not in (None, 0):
-        raise bad_request("`priority` is set by the gateway from the API key's priority class; ask for "
-                          "another class with the x-pdgate-priority header.", param="priority",
-                          code="priority_not_allowed")
+        raise bad_request(
+            "`priority` is set by the gateway from the API key's priority class; ask for "
+            "another class with the x-pdgate-priority header.",
+            param="priority",
+            code="priority_not_allowed",
+        )
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("`model` is required and must be a non-empty string.", param="model")
@@ -189,14 +191,10 @@ def _check_messages(messages: Any) -> None:
             if isinstance(part, str):
                 continue
             if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise bad_request(
-                    f"`{where}.content[{j}]` must be an object with a `type`.", param=f"{where}.content"
-                )
+                raise bad_request(f"`{where}.content[{j}]` must be an object with a `type`.", param=f"{where}.content")
             # vLLM skips a text part whose text is missing or null, and refuses other types.
             if part["type"] == "text" and part.get("text") is not None and not isinstance(part["text"], str):
-                raise bad_request(
-                    f"`{where}.content[{j}].text` must be a string.", param=f"{where}.content"
-                )
+                raise bad_request(f"`{where}.content[{j}].text` must be a string.", param=f"{where}.content")
 
 
 def _prompt_list(prompt: Any) -> list[str] | list[list[int]]:
@@ -262,8 +260,9 @@ def check_lengths(req: ParsedRequest, prompts: list[list[int]], max_model_len: i
 
 
 def too_large(limit: int) -> APIError:
-    return APIError(413, f"The request body is larger than this gateway accepts ({limit} bytes).",
-                    code="request_too_large")
+    return APIError(
+        413, f"The request body is larger than this gateway accepts ({limit} bytes).", code="request_too_large"
+    )
 
 
 # vLLM's default max_tokens for completions (CompletionRequest); chat has none (the context's room).
@@ -285,18 +284,24 @@ def check_output_limit(req: ParsedRequest, limits: LimitsConfig, max_model_len: 
     best_of = body.get("best_of") or 1
     prompts = len(req.prompts) if req.kind == "completion" else 1
     if limits.max_prompts and prompts > limits.max_prompts:
-        raise bad_request(f"prompt must hold at most {limits.max_prompts} prompts on this gateway, got {prompts}.",
-                          param="prompt", code="too_many_prompts")
+        raise bad_request(
+            f"prompt must hold at most {limits.max_prompts} prompts on this gateway, got {prompts}.",
+            param="prompt",
+            code="too_many_prompts",
+        )
     if limits.max_n and n > limits.max_n:
-        raise bad_request(f"n must be at most {limits.max_n} on this gateway, got {n}.", param="n",
-                          code="n_too_large")
+        raise bad_request(f"n must be at most {limits.max_n} on this gateway, got {n}.", param="n", code="n_too_large")
     if limits.max_best_of and best_of > limits.max_best_of:
-        raise bad_request(f"best_of must be at most {limits.max_best_of} on this gateway, got {best_of}.",
-                          param="best_of", code="best_of_too_large")
+        raise bad_request(
+            f"best_of must be at most {limits.max_best_of} on this gateway, got {best_of}.",
+            param="best_of",
+            code="best_of_too_large",
+        )
     # What vLLM refuses anyway (older versions for best_of): refused here, before any engine is held.
     if body.get("best_of") is not None and best_of < n:
-        raise bad_request(f"best_of must be greater than or equal to n, got n={n} and best_of={best_of}.",
-                          param="best_of")
+        raise bad_request(
+            f"best_of must be greater than or equal to n, got n={n} and best_of={best_of}.", param="best_of"
+        )
     temperature = body.get("temperature")  # below vLLM's _SAMPLING_EPS: greedy, one sequence only
     if n > 1 and temperature is not None and temperature < 1e-5 and not body.get("use_beam_search"):
         raise bad_request(f"n must be 1 when using greedy sampling, got {n}.", param="n")
@@ -312,14 +317,21 @@ def check_output_limit(req: ParsedRequest, limits: LimitsConfig, max_model_len: 
     cap = limit // seqs
     if cap < 1:
         param = "best_of" if best_of > n else "n" if n > 1 else "prompt"
-        raise bad_request(f"This request asks for {asks}, more than the {limit} output tokens this gateway "
-                          "allows per request (at least 1 per sequence); ask for fewer.",
-                          param=param, code="too_many_sequences")
+        raise bad_request(
+            f"This request asks for {asks}, more than the {limit} output tokens this gateway "
+            "allows per request (at least 1 per sequence); ask for fewer.",
+            param=param,
+            code="too_many_sequences",
+        )
 
     def over(param: str, value: int, code: str) -> APIError:
         total = "" if seqs == 1 else f", and this one asks for {asks}, {value * seqs} tokens in all"
-        return bad_request(f"{param} must be at most {cap}, got {value}: this gateway allows at most {limit} "
-                           f"output tokens per request{total}.", param=param, code=code)
+        return bad_request(
+            f"{param} must be at most {cap}, got {value}: this gateway allows at most {limit} "
+            f"output tokens per request{total}.",
+            param=param,
+            code=code,
+        )
 
     # The value vLLM uses: for chat max_completion_tokens wins when both are set.
     chat_mct = req.kind == "chat" and body.get("max_completion_tokens") is not None

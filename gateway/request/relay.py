@@ -100,8 +100,13 @@ class ClientWire:
     async def whole(self, status: int, headers: Headers, body: bytes) -> None:
         """A complete response in one go."""
         self.started = True
-        await self._send({"type": "http.response.start", "status": status,
-                          "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+        await self._send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [*headers, (b"content-length", str(len(body)).encode())],
+            }
+        )
         await self._send({"type": "http.response.body", "body": body})
 
     async def start(self, status: int, headers: Headers) -> None:
@@ -124,8 +129,11 @@ class ClientWire:
         """``err`` in the OpenAI shape: the whole response if nothing went out yet, else (a stream
         under way) an error event and ``[DONE]``, as vLLM ends a stream that fails."""
         if not self.started:
-            fields = [*headers, *((k.lower().encode(), v.encode()) for k, v in err.headers.items()),
-                      (b"content-type", b"application/json")]
+            fields = [
+                *headers,
+                *((k.lower().encode(), v.encode()) for k, v in err.headers.items()),
+                (b"content-type", b"application/json"),
+            ]
             await self.whole(err.status, fields, orjson.dumps(err.body()))
             return
         await self._send({"type": "http.response.body", "body": err.sse_event() + DONE, "more_body": False})

@@ -64,8 +64,7 @@ class NotServed(RuntimeError):
     """No healthy decode engine serves the request's model (by its /v1/models)."""
 
 
-def _serving(snap: PoolSnapshot, gaps: frozenset[tuple[str, str]], model: str, *, strict: bool = True
-             ) -> PoolSnapshot:
+def _serving(snap: PoolSnapshot, gaps: frozenset[tuple[str, str]], model: str, *, strict: bool = True) -> PoolSnapshot:
     """The snapshot without the endpoints in ``gaps`` (known not to serve ``model``); ``strict``:
     raise NotServed when that leaves no healthy decode engine where there was one."""
     if not gaps:
@@ -78,6 +77,7 @@ def _serving(snap: PoolSnapshot, gaps: frozenset[tuple[str, str]], model: str, *
 
 def _with_capacity(snap: PoolSnapshot, max_prefill: int, max_decode: int) -> PoolSnapshot:
     """The snapshot without the engines at their in-flight limit (0: no limit)."""
+
     def room(views: tuple[EndpointView, ...], limit: int) -> tuple[EndpointView, ...]:
         return views if not limit else tuple(v for v in views if v.in_flight < limit)
 
@@ -98,8 +98,15 @@ class Router:
     """One config's routing: immutable after construction (a reload builds a new Router), sharing
     the pools, the prefix index, the prompts in flight and the measurements, which outlive reloads."""
 
-    def __init__(self, cfg: RoutingConfig, pools: Pools, index: PrefixIndex, shared: RedisState | None = None,
-                 in_flight: InFlightPrefixes | None = None, measured: Measured = NOTHING_MEASURED) -> None:
+    def __init__(
+        self,
+        cfg: RoutingConfig,
+        pools: Pools,
+        index: PrefixIndex,
+        shared: RedisState | None = None,
+        in_flight: InFlightPrefixes | None = None,
+        measured: Measured = NOTHING_MEASURED,
+    ) -> None:
         self.cfg = cfg
         self.pipeline = build_pipeline(cfg)
         self._pools = pools
@@ -125,8 +132,15 @@ class Router:
             self._spec = HashSpec(block_size=size, algo=p.hash_algo, seed=p.hash_seed)
         return self._spec
 
-    async def prepare(self, model: str, request_id: str, token_ids: Sequence[int], local_only: str | None,
-                      headers: Mapping[str, str], cache_salt: str | None = None) -> Prepared:
+    async def prepare(
+        self,
+        model: str,
+        request_id: str,
+        token_ids: Sequence[int],
+        local_only: str | None,
+        headers: Mapping[str, str],
+        cache_salt: str | None = None,
+    ) -> Prepared:
         spec = self.hash_spec()
         hashes: Sequence[BlockHash] = ()
         settled: Mapping[str, int] = {}
@@ -141,14 +155,33 @@ class Router:
             in_flight = self._in_flight.extend(hashes, blocks)
             off, size = self._pools.caching_off_urls, spec.block_size
             settled = {url: n * size for url, n in blocks.items() if url not in off}
-            cached = settled if in_flight is blocks else \
-                {url: n * size for url, n in in_flight.items() if url not in off}
-        ctx = RequestContext(model, request_id, token_ids, local_only, headers, cached, settled, hashes,
-                             spec.block_size if spec else 0, self._measured)
+            cached = (
+                settled if in_flight is blocks else {url: n * size for url, n in in_flight.items() if url not in off}
+            )
+        ctx = RequestContext(
+            model,
+            request_id,
+            token_ids,
+            local_only,
+            headers,
+            cached,
+            settled,
+            hashes,
+            spec.block_size if spec else 0,
+            self._measured,
+        )
         return Prepared(ctx, hashes, spec.block_size if spec else 0)
 
-    def route(self, prep: Prepared, *, explain: bool = False, max_decode: int = 0, max_prefill: int = 0,
-              exclude: Collection[str] = (), wait_for_prefill: bool = False) -> Route:
+    def route(
+        self,
+        prep: Prepared,
+        *,
+        explain: bool = False,
+        max_decode: int = 0,
+        max_prefill: int = 0,
+        exclude: Collection[str] = (),
+        wait_for_prefill: bool = False,
+    ) -> Route:
         """Raises NoEndpointError (no healthy decode engine), NotServed (none serving the model) or
         Saturated (all at ``max_decode``; with ``wait_for_prefill``, a P/D request whose prefill
         engines are all at ``max_prefill``, instead of sending it direct). ``exclude``: decode
@@ -161,8 +194,11 @@ class Router:
         if max_decode or max_prefill:
             snap = _with_capacity(snap, max_prefill, max_decode)
         route = self.pipeline.route(prep.ctx, snap, explain=explain)
-        if wait_for_prefill and route.decision.reason == "no_prefill_endpoint" and \
-                any(v.healthy and v not in snap.prefill for v in full.prefill):  # at its limit
+        if (
+            wait_for_prefill
+            and route.decision.reason == "no_prefill_endpoint"
+            and any(v.healthy and v not in snap.prefill for v in full.prefill)
+        ):  # at its limit
             # What the decider would choose with room in the prefill pool: a decider that weighs
             # both paths (the cost model) cannot without a prefill engine to price.
             roomy = self.pipeline.route(prep.ctx, PoolSnapshot(full.prefill, snap.decode), explain=explain)
@@ -171,8 +207,9 @@ class Router:
             return roomy
         return route
 
-    def other(self, prep: Prepared, pool: str, exclude: set[str], paired: EndpointView | None = None
-              ) -> Endpoint | None:
+    def other(
+        self, prep: Prepared, pool: str, exclude: set[str], paired: EndpointView | None = None
+    ) -> Endpoint | None:
         """The pool's next choice for this request without the ``exclude``d engines (failover);
         ``paired``: for the prefill pool, the decode engine that will pull the KV."""
         model = prep.ctx.model

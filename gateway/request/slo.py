@@ -25,9 +25,11 @@ class Verdict:
         return self.predicted_s <= self.objective_s
 
     def describe(self) -> str:
-        return (f"predicted TTFT {self.predicted_s * 1000:.0f} ms (waited {self.waited_s * 1000:.0f}, queue "
-                f"{self.queue_s * 1000:.0f}, engine {self.engine_s * 1000:.0f} on {self.path}) vs objective "
-                f"{self.objective_s * 1000:.0f} ms")
+        return (
+            f"predicted TTFT {self.predicted_s * 1000:.0f} ms (waited {self.waited_s * 1000:.0f}, queue "
+            f"{self.queue_s * 1000:.0f}, engine {self.engine_s * 1000:.0f} on {self.path}) vs objective "
+            f"{self.objective_s * 1000:.0f} ms"
+        )
 
 
 def model_of(decider: object) -> CostModel:
@@ -41,8 +43,9 @@ def _default_model() -> CostModel:
     return CostModel()  # immutable; validating its fields costs ~11 us, once
 
 
-def engine_ttft(model: CostModel, ctx: RequestContext, decode: EndpointView,
-                prefill: EndpointView | None) -> tuple[float, str]:
+def engine_ttft(
+    model: CostModel, ctx: RequestContext, decode: EndpointView, prefill: EndpointView | None
+) -> tuple[float, str]:
     """The engine side of the best path: (seconds, path)."""
     if prefill is None:
         spt = decode.prefill_s_per_token or model.decode_prefill_factor / model.prefill_tokens_per_s

@@ -78,8 +78,17 @@ class Answer:
     the next part.
     """
 
-    def __init__(self, kind: Kind, *, stream: bool, wants_ids: bool, usage: bool, continuous: bool,
-                 prompt: Sequence[int], max_event_bytes: int) -> None:
+    def __init__(
+        self,
+        kind: Kind,
+        *,
+        stream: bool,
+        wants_ids: bool,
+        usage: bool,
+        continuous: bool,
+        prompt: Sequence[int],
+        max_event_bytes: int,
+    ) -> None:
         self.kind: Kind = kind
         self.stream = stream  # the client streams
         self.wants_ids = wants_ids  # the client asked for return_token_ids itself
@@ -120,7 +129,7 @@ class Answer:
         what the events before it make is still returned, and ``failure`` holds the error: the
         caller sends the bytes, then raises it (``check``), so nothing recorded as sent is lost."""
         if self._raw:  # nothing left to read or rewrite: the engine's bytes as they come
-            self._last = (self._last + data)[-len(DONE):]
+            self._last = (self._last + data)[-len(DONE) :]
             self.done = self._last == DONE
             return data
         parts = []
@@ -136,7 +145,7 @@ class Answer:
             # continued, so the rest is relayed as it comes, at no cost per event.
             self._raw = True
             rest = self._events.rest()
-            self._last = rest[-len(DONE):]
+            self._last = rest[-len(DONE) :]
             out += rest
         return out
 
@@ -322,15 +331,20 @@ class Answer:
         out["total_tokens"] = self.prompt_tokens + completion
         details = out.get("prompt_tokens_details")
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-            out["prompt_tokens_details"] = {**details,
-                                            "cached_tokens": min(details["cached_tokens"], self.prompt_tokens)}
+            out["prompt_tokens_details"] = {
+                **details,
+                "cached_tokens": min(details["cached_tokens"], self.prompt_tokens),
+            }
         return out
 
     def _counted_usage(self) -> dict[str, Any]:
         """Usage from what was read, for an answer whose engine sent none."""
         completion = len(self.ids)
-        return {"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens + completion,
-                "completion_tokens": completion}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "total_tokens": self.prompt_tokens + completion,
+            "completion_tokens": completion,
+        }
 
     @property
     def output_tokens(self) -> int:
@@ -357,7 +371,7 @@ class Answer:
             self._skip_ids = dropped if self.wants_ids else []
         elif overlap:  # nothing went out yet: the continuation's text takes its place, unchecked
             text = "".join(self._pieces)
-            self._pieces = [text[:len(text) - len(overlap)]]
+            self._pieces = [text[: len(text) - len(overlap)]]
             self.text_len -= len(overlap)
         self.finish = None
         self._events = Events(self.max_event_bytes)
@@ -405,26 +419,66 @@ class Answer:
         text = "".join(self._pieces)
         usage = self._whole_usage()
         if self.kind == "chat":
-            message = {"role": self.role, "content": text, "refusal": None, "annotations": None, "audio": None,
-                       "function_call": None, "reasoning": "".join(self._reasoning) or None}
+            message = {
+                "role": self.role,
+                "content": text,
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+                "reasoning": "".join(self._reasoning) or None,
+            }
             body: dict[str, Any] = {
-                "id": head.get("id"), "object": "chat.completion", "created": head.get("created"),
+                "id": head.get("id"),
+                "object": "chat.completion",
+                "created": head.get("created"),
                 "model": head.get("model"),
-                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": fr or "stop",
-                             "stop_reason": sr, "token_ids": ids, "routed_experts": None}],
-                "service_tier": None, "system_fingerprint": self._fingerprint, "usage": usage,
-                "prompt_logprobs": None, "prompt_token_ids": prompt, "prompt_text": None,
-                "kv_transfer_params": None, "ec_transfer_params": None, "metrics": self._metrics,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": message,
+                        "logprobs": None,
+                        "finish_reason": fr or "stop",
+                        "stop_reason": sr,
+                        "token_ids": ids,
+                        "routed_experts": None,
+                    }
+                ],
+                "service_tier": None,
+                "system_fingerprint": self._fingerprint,
+                "usage": usage,
+                "prompt_logprobs": None,
+                "prompt_token_ids": prompt,
+                "prompt_text": None,
+                "kv_transfer_params": None,
+                "ec_transfer_params": None,
+                "metrics": self._metrics,
             }
         else:
             body = {
-                "id": head.get("id"), "object": "text_completion", "created": head.get("created"),
+                "id": head.get("id"),
+                "object": "text_completion",
+                "created": head.get("created"),
                 "model": head.get("model"),
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": fr, "stop_reason": sr,
-                             "token_ids": ids, "prompt_logprobs": None, "prompt_token_ids": prompt,
-                             "routed_experts": None}],
-                "service_tier": None, "system_fingerprint": self._fingerprint, "usage": usage,
-                "kv_transfer_params": None, "ec_transfer_params": None, "metrics": self._metrics,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": text,
+                        "logprobs": None,
+                        "finish_reason": fr,
+                        "stop_reason": sr,
+                        "token_ids": ids,
+                        "prompt_logprobs": None,
+                        "prompt_token_ids": prompt,
+                        "routed_experts": None,
+                    }
+                ],
+                "service_tier": None,
+                "system_fingerprint": self._fingerprint,
+                "usage": usage,
+                "kv_transfer_params": None,
+                "ec_transfer_params": None,
+                "metrics": self._metrics,
             }
         return orjson.dumps(body)
 
@@ -437,11 +491,18 @@ class Answer:
         details = seen.get("prompt_tokens_details")
         if isinstance(details, dict):  # the stream leaves out its null fields; a whole answer has them all
             created = details.get("created_cache_tokens")
-            details = {"cached_tokens": details.get("cached_tokens"), "created_cache_tokens": created,
-                       "multimodal_tokens": details.get("multimodal_tokens")}
-        return {"prompt_tokens": seen.get("prompt_tokens"), "total_tokens": seen.get("total_tokens"),
-                "completion_tokens": seen.get("completion_tokens"), "prompt_tokens_details": details,
-                "completion_tokens_details": seen.get("completion_tokens_details")}
+            details = {
+                "cached_tokens": details.get("cached_tokens"),
+                "created_cache_tokens": created,
+                "multimodal_tokens": details.get("multimodal_tokens"),
+            }
+        return {
+            "prompt_tokens": seen.get("prompt_tokens"),
+            "total_tokens": seen.get("total_tokens"),
+            "completion_tokens": seen.get("completion_tokens"),
+            "prompt_tokens_details": details,
+            "completion_tokens_details": seen.get("completion_tokens_details"),
+        }
 
 
 def _sse(obj: dict[str, Any]) -> bytes:

@@ -33,6 +33,7 @@ class ChatTemplateError(ValueError):
 
 # -- parsing templates --------------------------------------------------------------------------
 
+
 def _parse(template: str) -> nodes.Template | None:
     """The template's AST, parsed by the Jinja environment transformers renders with.
 
@@ -57,6 +58,7 @@ def template_variables(template: str) -> frozenset[str]:
 
 
 # -- content format detection (vllm/renderers/hf.py) -------------------------------------------
+
 
 class _GiveUp(Exception):
     """A construct vLLM's detector cannot follow (a tuple target): it then assumes 'string'."""
@@ -202,22 +204,63 @@ def select_template(given: str | None, tokenizer_template: str | dict[str, str] 
 
 # Text part types and the field that holds their text. A text or refusal part whose text is null
 # is skipped; the others render a null text.
-_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
-               "thinking": "thinking"}
+_TEXT_PARTS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
 _SKIP_NULL = frozenset({"text", "refusal"})
 # Media part types and the modality they become.
-_MEDIA_PARTS = {"image_url": "image", "input_image": "image", "image_pil": "image", "image_embeds": "image",
-                "audio_url": "audio", "input_audio": "audio", "audio_embeds": "audio",
-                "video_url": "video", "video_embeds": "video", "prompt_embeds": "prompt_embeds"}
+_MEDIA_PARTS = {
+    "image_url": "image",
+    "input_image": "image",
+    "image_pil": "image",
+    "image_embeds": "image",
+    "audio_url": "audio",
+    "input_audio": "audio",
+    "audio_embeds": "audio",
+    "video_url": "video",
+    "video_embeds": "video",
+    "prompt_embeds": "prompt_embeds",
+}
 # A part without a type (or with a uuid) is recognized by its keys, in this order.
-_UNTYPED_KEYS = ("image_url", "image_pil", "image_embeds", "audio_embeds", "video_embeds", "prompt_embeds",
-                 "audio_url", "input_audio", "video_url", "tool_reference")
+_UNTYPED_KEYS = (
+    "image_url",
+    "image_pil",
+    "image_embeds",
+    "audio_embeds",
+    "video_embeds",
+    "prompt_embeds",
+    "audio_url",
+    "input_audio",
+    "video_url",
+    "tool_reference",
+)
 # Fields of vLLM's content-part types; any other field of a text or media part reaches the template.
-_KNOWN_PART_FIELDS = frozenset({
-    "audio_embeds", "audio_url", "closed", "data", "file", "image_embeds", "image_pil", "image_url",
-    "input_audio", "name", "prompt_cache_breakpoint", "refusal", "text", "thinking", "type", "uuid",
-    "video_embeds", "video_url",
-})
+_KNOWN_PART_FIELDS = frozenset(
+    {
+        "audio_embeds",
+        "audio_url",
+        "closed",
+        "data",
+        "file",
+        "image_embeds",
+        "image_pil",
+        "image_url",
+        "input_audio",
+        "name",
+        "prompt_cache_breakpoint",
+        "refusal",
+        "text",
+        "thinking",
+        "type",
+        "uuid",
+        "video_embeds",
+        "video_url",
+    }
+)
 _SUPPORTED_PARTS = ", ".join(sorted({*_TEXT_PARTS, *_MEDIA_PARTS, "tool_reference"}))
 BILLING_HEADER = "x-anthropic-billing-header"
 
@@ -277,8 +320,10 @@ def _part(part: Any, fmt: ContentFormat) -> tuple[Any, bool]:
 
 def _content(msg: Mapping[str, Any], fmt: ContentFormat) -> tuple[str | list[Any], bool]:
     content = msg.get("content")
-    if isinstance(content, str) and fmt == "string" and not (
-        msg["role"] == "system" and content.startswith(BILLING_HEADER)
+    if (
+        isinstance(content, str)
+        and fmt == "string"
+        and not (msg["role"] == "system" and content.startswith(BILLING_HEADER))
     ):
         return content, False  # what the loop below makes of it (a conversation is mostly these)
     parts = [] if content is None else [content] if isinstance(content, str) else list(content)
@@ -391,8 +436,10 @@ def _arguments(args: Any) -> dict[str, Any]:
 def for_template(conversation: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
     """Developer messages become system messages when the template has no 'developer' role, and
     then every system message is merged into one at the top (some templates require that)."""
-    if not any(m["role"] == "developer" for m in conversation) or '"developer"' in template or (
-        "'developer'" in template
+    if (
+        not any(m["role"] == "developer" for m in conversation)
+        or '"developer"' in template
+        or ("'developer'" in template)
     ):
         return conversation
     converted = [
@@ -408,7 +455,8 @@ def for_template(conversation: list[dict[str, Any]], template: str) -> list[dict
         content = m.get("content", "")
         if isinstance(content, list):
             content = "\n".join(
-                p["text"] if isinstance(p, dict) else p for p in content
+                p["text"] if isinstance(p, dict) else p
+                for p in content
                 if isinstance(p, str) or (isinstance(p, dict) and "text" in p)
             )
         if content:
@@ -445,10 +493,18 @@ def normalize_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] 
 # dropped: the body goes upstream unchanged, so a gateway that dropped them would count another
 # prompt than the engine's and hand the engine the same allocation. ``truncate_prompt_tokens`` and
 # ``truncation_side`` are the request's own fields for truncation.
-TOKENIZER_CALL_KWARGS = frozenset({
-    "max_length", "padding", "return_assistant_tokens_mask", "return_dict", "return_tensors", "tokenize",
-    "tokenizer_kwargs", "truncation",
-})
+TOKENIZER_CALL_KWARGS = frozenset(
+    {
+        "max_length",
+        "padding",
+        "return_assistant_tokens_mask",
+        "return_dict",
+        "return_tensors",
+        "tokenize",
+        "tokenizer_kwargs",
+        "truncation",
+    }
+)
 # The call's own arguments, filled from the request itself; as kwargs they only fail the call.
 _CALL_ARGUMENTS = frozenset({"conversation", "messages", "self"})
 # Parameters of apply_chat_template that reach the template (or transformers' handling of its output)
@@ -508,27 +564,35 @@ def check_template_kwargs(kwargs: Any, limits: KwargsLimits) -> None:
     if len(kwargs) > limits.max_keys:
         raise ChatTemplateError(
             f"`chat_template_kwargs` has {len(kwargs)} keys; this gateway accepts at most {limits.max_keys} "
-            "(models[].chat_template_kwargs_max_keys).", param="chat_template_kwargs")
+            "(models[].chat_template_kwargs_max_keys).",
+            param="chat_template_kwargs",
+        )
     size, depth = _json_size(kwargs, limits.max_depth, limits.max_bytes)
     if depth > limits.max_depth:
         raise ChatTemplateError(
             f"`chat_template_kwargs` is nested deeper than {limits.max_depth} levels "
-            "(models[].chat_template_kwargs_max_depth).", param="chat_template_kwargs")
+            "(models[].chat_template_kwargs_max_depth).",
+            param="chat_template_kwargs",
+        )
     if size > limits.max_bytes:
         raise ChatTemplateError(
             f"`chat_template_kwargs` is larger than {limits.max_bytes} bytes "
-            "(models[].chat_template_kwargs_max_bytes).", param="chat_template_kwargs")
+            "(models[].chat_template_kwargs_max_bytes).",
+            param="chat_template_kwargs",
+        )
     tokenizing = sorted(k for k in TOKENIZER_CALL_KWARGS & kwargs.keys() if kwargs[k] not in _DEFAULTS)
     if tokenizing:
         raise ChatTemplateError(
             f"`chat_template_kwargs` may not set {', '.join(tokenizing)}: they configure the tokenizer, not the "
             "chat template. Use `truncate_prompt_tokens` and `truncation_side` to truncate a prompt.",
-            param="chat_template_kwargs")
+            param="chat_template_kwargs",
+        )
     arguments = sorted(_CALL_ARGUMENTS & kwargs.keys())
     if arguments:
         raise ChatTemplateError(
             f"`chat_template_kwargs` may not set {', '.join(arguments)}: the request's messages fill it.",
-            param="chat_template_kwargs")
+            param="chat_template_kwargs",
+        )
 
 
 def _merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:

@@ -272,8 +272,11 @@ def _self_check(serialized: str, encoder: FastEncoder, added: list[str], extra: 
     hf = Tokenizer.from_str(serialized)
     contents = [a for a in added if a]
     inside = re.compile("|".join(map(re.escape, contents))) if contents else None
-    texts = [t for t in (*_CORPUS, "".join(_CORPUS), *(t[i:] for t in _CORPUS for i in (1, 2, 3)), *extra)
-             if inside is None or not inside.search(t)]
+    texts = [
+        t
+        for t in (*_CORPUS, "".join(_CORPUS), *(t[i:] for t in _CORPUS for i in (1, 2, 3)), *extra)
+        if inside is None or not inside.search(t)
+    ]
     compared = 0
     for text in texts:
         got = encoder.encode(text)
@@ -443,8 +446,13 @@ class RunTimeCheck:
     thread (shared by all models; tiktoken and tokenizers release the GIL), so the fast path
     stays checked on the text it actually sees. ``on_mismatch(text)`` runs on that thread."""
 
-    def __init__(self, model: str, reference: Callable[[str], list[int]],
-                 on_mismatch: Callable[[str], None], every: int = SAMPLE_EVERY) -> None:
+    def __init__(
+        self,
+        model: str,
+        reference: Callable[[str], list[int]],
+        on_mismatch: Callable[[str], None],
+        every: int = SAMPLE_EVERY,
+    ) -> None:
         self.model = model
         self.every = max(every, 1)
         self.checked = 0  # samples compared

@@ -38,8 +38,9 @@ def is_local(name: str) -> bool:
     return os.path.exists(name)
 
 
-def probe(name: str, revision: str | None = None, timeout: float = PROBE_TIMEOUT_S,
-          endpoint: str | None = None) -> HubProblem | None:
+def probe(
+    name: str, revision: str | None = None, timeout: float = PROBE_TIMEOUT_S, endpoint: str | None = None
+) -> HubProblem | None:
     """None when the hub (``endpoint``, default ``HF_ENDPOINT``'s) can give ``name``'s files
     (loading then goes on as usual, downloads included); else why not. Offline mode
     (``HF_HUB_OFFLINE``) is a problem too: only the cache can serve, and if it does not hold the
@@ -65,22 +66,27 @@ def probe(name: str, revision: str | None = None, timeout: float = PROBE_TIMEOUT
         url = hf_hub_url(name, "tokenizer_config.json", revision=revision, endpoint=endpoint)
         get_hf_file_metadata(url, timeout=timeout)  # no retry unless asked (retry_on_errors)
     except HFValidationError:
-        return HubProblem("no such folder on this machine, and not a hub name (org/model)",
-                          "give an existing folder or a hub name")
+        return HubProblem(
+            "no such folder on this machine, and not a hub name (org/model)", "give an existing folder or a hub name"
+        )
     except GatedRepoError:  # before RepositoryNotFoundError: it is one
-        return HubProblem("the hub repository is gated and this machine's token has no access",
-                          f"accept its terms on the hub and set HF_TOKEN (or `hf auth login`), {local}")
+        return HubProblem(
+            "the hub repository is gated and this machine's token has no access",
+            f"accept its terms on the hub and set HF_TOKEN (or `hf auth login`), {local}",
+        )
     except RepositoryNotFoundError:
-        return HubProblem("no such repository on the hub (or it is private)",
-                          f"check the name, or set HF_TOKEN for a private one, {local}")
+        return HubProblem(
+            "no such repository on the hub (or it is private)",
+            f"check the name, or set HF_TOKEN for a private one, {local}",
+        )
     except RevisionNotFoundError:
-        return HubProblem(f"the hub repository has no revision {revision!r}",
-                          f"check tokenizer_revision, {local}")
+        return HubProblem(f"the hub repository has no revision {revision!r}", f"check tokenizer_revision, {local}")
     except EntryNotFoundError:
         return None  # reachable, the repository is there: transformers finds what it has
     except HfHubHTTPError as err:
-        return HubProblem(f"the hub ({endpoint}) answered {err.response.status_code}",
-                          f"try again later, {download}, {local}")
+        return HubProblem(
+            f"the hub ({endpoint}) answered {err.response.status_code}", f"try again later, {download}, {local}"
+        )
     except Exception as err:  # the network's errors: no route, no name resolution, a timeout, TLS
         cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         return HubProblem(f"the hub ({endpoint}) is unreachable ({cause})", f"{download}, {local}")

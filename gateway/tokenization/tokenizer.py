@@ -76,14 +76,40 @@ NEAR_LIMIT_MIN = 64
 # Components that process each piece of text on its own, whatever its position in the whole text
 # (checked against tokenizers' Rust sources, 0.20-0.23). Metaspace is listed but refused with
 # prepend_scheme "first", which looks at the piece's offset in the whole text.
-_PIECEWISE_NORMALIZERS = frozenset({
-    "BertNormalizer", "ByteLevel", "Lowercase", "NFC", "NFD", "NFKC", "NFKD", "Nmt", "Precompiled", "Prepend",
-    "Replace", "Sequence", "Strip", "StripAccents",
-})
-_PIECEWISE_PRE_TOKENIZERS = frozenset({
-    "BertPreTokenizer", "ByteLevel", "CharDelimiterSplit", "Digits", "FixedLength", "Metaspace", "Punctuation",
-    "Sequence", "Split", "UnicodeScripts", "Whitespace", "WhitespaceSplit",
-})
+_PIECEWISE_NORMALIZERS = frozenset(
+    {
+        "BertNormalizer",
+        "ByteLevel",
+        "Lowercase",
+        "NFC",
+        "NFD",
+        "NFKC",
+        "NFKD",
+        "Nmt",
+        "Precompiled",
+        "Prepend",
+        "Replace",
+        "Sequence",
+        "Strip",
+        "StripAccents",
+    }
+)
+_PIECEWISE_PRE_TOKENIZERS = frozenset(
+    {
+        "BertPreTokenizer",
+        "ByteLevel",
+        "CharDelimiterSplit",
+        "Digits",
+        "FixedLength",
+        "Metaspace",
+        "Punctuation",
+        "Sequence",
+        "Split",
+        "UnicodeScripts",
+        "Whitespace",
+        "WhitespaceSplit",
+    }
+)
 _MODELS = frozenset({"BPE", "Unigram", "WordLevel", "WordPiece"})
 # Texts the encoder checks itself on before it trusts segmenting (defense in depth: a mismatch turns
 # segmenting off). {0} and {1} are added tokens.
@@ -154,7 +180,8 @@ class _RecentTexts:
         self.max_tokens = max(max_tokens, 0)
         # A key's records are replaced, never mutated in place: the cache sizes a value when stored.
         self._data: LRUCache[str, tuple[_Encoded, ...]] = LRUCache(
-            maxsize=self.max_tokens, getsizeof=lambda recs: sum(len(r.ids) for r in recs))
+            maxsize=self.max_tokens, getsizeof=lambda recs: sum(len(r.ids) for r in recs)
+        )
 
     @property
     def tokens(self) -> int:
@@ -239,9 +266,16 @@ class SegmentEncoder:
     ``pdgate_tokenizer_fastpath_mismatches_total``; the caches, which may hold its ids, emptied).
     """
 
-    def __init__(self, backend: Any, max_tokens: int = 1 << 20, *, fast: bool = False,
-                 ranks_file: str | os.PathLike[str] | None = None, model: str = "",
-                 sample_every: int | None = None) -> None:
+    def __init__(
+        self,
+        backend: Any,
+        max_tokens: int = 1 << 20,
+        *,
+        fast: bool = False,
+        ranks_file: str | os.PathLike[str] | None = None,
+        model: str = "",
+        sample_every: int | None = None,
+    ) -> None:
         self._backend = backend
         self.max_tokens = max_tokens
         self._fast: fasttok.FastEncoder | None = None
@@ -286,7 +320,7 @@ class SegmentEncoder:
         """The sampling of a checked fast encoder's ids (None: none running)."""
         return self._check
 
-    def _setup(self) -> str | None:
+    def _setup(self) -> str | None:  # noqa: C901 - over the limit before it was set; to split
         """Check the tokenizer's settings; return why segmenting is not exact, or None."""
         try:
             serialized = self._backend.to_str()
@@ -294,6 +328,7 @@ class SegmentEncoder:
         except Exception as err:  # custom Python components do not serialize: nothing to prove with
             return f"tokenizer settings unreadable: {type(err).__name__}"
         from tokenizers import Tokenizer
+
         if getattr(self._backend, "encode_special_tokens", False):
             return "encode_special_tokens is on"
         model = spec.get("model") or {}
@@ -342,8 +377,11 @@ class SegmentEncoder:
             self._fast, self.fast_reason = None, "segmenting is off"
         elif self._fast is not None and self._fast.sampled:
             self._check = fasttok.RunTimeCheck(
-                self._model, lambda text: self._backend.encode(text, add_special_tokens=False).ids,
-                self._fast_mismatch, self._sample_every)
+                self._model,
+                lambda text: self._backend.encode(text, add_special_tokens=False).ids,
+                self._fast_mismatch,
+                self._sample_every,
+            )
             log.info("model %s: fast tokenizer %s", self._model, self.fast_reason)
         return why
 
@@ -360,9 +398,14 @@ class SegmentEncoder:
             self._generation += 1
             self._lru.clear()
             self._recent.clear()
-        log.warning("model %s: fast tokenizer turned off: its ids differed from the Rust tokenizer's on a "
-                    "sampled text (%d chars, starting %r); the routing decisions of requests "
-                    "tokenized before may have used wrong counts", self._model, len(text), text[:40])
+        log.warning(
+            "model %s: fast tokenizer turned off: its ids differed from the Rust tokenizer's on a "
+            "sampled text (%d chars, starting %r); the routing decisions of requests "
+            "tokenized before may have used wrong counts",
+            self._model,
+            len(text),
+            text[:40],
+        )
 
     def _self_check(self, serialized: str, tokens: list[str]) -> str | None:
         """Segmented and whole encodings of probe texts must agree, on a private copy of the
@@ -387,8 +430,11 @@ class SegmentEncoder:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """The ids ``backend.encode(text, add_special_tokens)`` returns. Text without added tokens
         is encoded whole and not cached (a plain completion prompt has no turns to reuse)."""
-        if (self._split is None or (add_special_tokens and self._affixes is None)
-                or (self._fast is None and self.max_tokens <= 0)):  # nothing to gain from splitting
+        if (
+            self._split is None
+            or (add_special_tokens and self._affixes is None)
+            or (self._fast is None and self.max_tokens <= 0)
+        ):  # nothing to gain from splitting
             ids: list[int] = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
             return ids
         return self._encode(text, add_special_tokens, cache=self.max_tokens > 0)
@@ -530,8 +576,13 @@ def _model_config(cfg: ModelConfig) -> dict[str, Any]:
     from transformers.utils.hub import cached_file  # where it is defined (transformers.utils re-exports it)
 
     try:
-        path = cached_file(cfg.tokenizer, "config.json", revision=cfg.tokenizer_revision,
-                           _raise_exceptions_for_missing_entries=False, local_files_only=True)
+        path = cached_file(
+            cfg.tokenizer,
+            "config.json",
+            revision=cfg.tokenizer_revision,
+            _raise_exceptions_for_missing_entries=False,
+            local_files_only=True,
+        )
         return json.loads(Path(path).read_text(encoding="utf-8")) if path else {}
     except Exception:  # no config, or one we cannot read: nothing to detect from
         return {}
@@ -544,8 +595,13 @@ def find_ranks_file(cfg: ModelConfig) -> str | None:
 
     for name in fasttok.RANKS_FILES:
         try:
-            path = cached_file(cfg.tokenizer, name, revision=cfg.tokenizer_revision,
-                               _raise_exceptions_for_missing_entries=False, local_files_only=True)
+            path = cached_file(
+                cfg.tokenizer,
+                name,
+                revision=cfg.tokenizer_revision,
+                _raise_exceptions_for_missing_entries=False,
+                local_files_only=True,
+            )
         except Exception:  # not there, or no cache to look in
             continue
         if path:
@@ -577,9 +633,16 @@ def detect_renderer(cfg: ModelConfig) -> str | None:
 class ModelTokenizer:
     """One model's tokenizer and chat template, with vLLM's prompt rules."""
 
-    def __init__(self, hf_tokenizer: Any, cfg: ModelConfig, renderer: str | None = None, *,
-                 reuse_tokens: int = 1 << 20, fast: bool = True,
-                 ranks_file: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        cfg: ModelConfig,
+        renderer: str | None = None,
+        *,
+        reuse_tokens: int = 1 << 20,
+        fast: bool = True,
+        ranks_file: str | os.PathLike[str] | None = None,
+    ) -> None:
         """``reuse_tokens``: token ids of recent text segments kept for reuse, and as many again of
         recent whole texts (0: none; about 40 bytes each, plus the texts); ``fast``: encode with
         ``fasttok`` where proven exact, or checked from ``ranks_file`` (the model's tiktoken
@@ -603,13 +666,18 @@ class ModelTokenizer:
         # tokenizes; this is the same bound, so the gateway refuses exactly that text.
         self.max_chars_per_token = max((len(t) for t in hf_tokenizer.get_vocab()), default=1)
         self.renderer = renderer
-        self.kwargs_limits = chat.KwargsLimits(cfg.chat_template_kwargs_max_keys, cfg.chat_template_kwargs_max_depth,
-                                               cfg.chat_template_kwargs_max_bytes)
+        self.kwargs_limits = chat.KwargsLimits(
+            cfg.chat_template_kwargs_max_keys, cfg.chat_template_kwargs_max_depth, cfg.chat_template_kwargs_max_bytes
+        )
         if not self.segments.enabled and reuse_tokens > 0:
             log.info("model %s: token ids are not reused across requests (%s)", cfg.name, self.segments.reason)
         if renderer is not None:
-            log.warning("model %s: vLLM renders its chat prompts with its own %r renderer; the gateway's "
-                        "chat token counts for it are approximate", cfg.name, renderer)
+            log.warning(
+                "model %s: vLLM renders its chat prompts with its own %r renderer; the gateway's "
+                "chat token counts for it are approximate",
+                cfg.name,
+                renderer,
+            )
 
     @property
     def backend(self) -> Any:
@@ -620,8 +688,9 @@ class ModelTokenizer:
     def backend(self, value: Any) -> None:
         # Every encode goes through the segment encoder: it must wrap whatever backend is set.
         self._backend = value
-        self.segments = SegmentEncoder(value, self._reuse_tokens, fast=self._fast, ranks_file=self._ranks_file,
-                                       model=self.cfg.name)
+        self.segments = SegmentEncoder(
+            value, self._reuse_tokens, fast=self._fast, ranks_file=self._ranks_file, model=self.cfg.name
+        )
 
     @classmethod
     def load(cls, cfg: ModelConfig) -> ModelTokenizer:
@@ -633,16 +702,23 @@ class ModelTokenizer:
         problem = None if hub.is_local(cfg.tokenizer) else hub.probe(cfg.tokenizer, cfg.tokenizer_revision)
         try:
             hf = AutoTokenizer.from_pretrained(
-                cfg.tokenizer, revision=cfg.tokenizer_revision, trust_remote_code=cfg.trust_remote_code,
-                truncation_side="left", local_files_only=problem is not None,
+                cfg.tokenizer,
+                revision=cfg.tokenizer_revision,
+                trust_remote_code=cfg.trust_remote_code,
+                truncation_side="left",
+                local_files_only=problem is not None,
             )
         except OSError:
             if problem is None:
                 raise
             raise problem.unavailable() from None
         if problem is not None:
-            log.log(logging.INFO if problem.chosen else logging.WARNING,
-                    "model %s: %s; its tokenizer comes from the local hub cache", cfg.name, problem.what)
+            log.log(
+                logging.INFO if problem.chosen else logging.WARNING,
+                "model %s: %s; its tokenizer comes from the local hub cache",
+                cfg.name,
+                problem.what,
+            )
         return cls(hf, cfg, detect_renderer(cfg), ranks_file=find_ranks_file(cfg))
 
     # -- both ---------------------------------------------------------------------------------

@@ -16,19 +16,24 @@ def test_the_lean_backend_and_client_measure_streams(tmp_path, tokenizer_dir):
     group = ProcGroup(tmp_path)
     try:
         port = free_port()
-        group.start("backend", [sys.executable, "-m", "bench.streams", "backend", "--port", str(port),
-                                "--rate", "100", "--tokens", "10"]).wait_http(f"http://127.0.0.1:{port}/health")
+        group.start(
+            "backend",
+            [sys.executable, "-m", "bench.streams", "backend", "--port", str(port), "--rate", "100", "--tokens", "10"],
+        ).wait_http(f"http://127.0.0.1:{port}/health")
         direct = run_load(f"http://127.0.0.1:{port}", 40, 2, 0.2, 10, 100.0)
         assert direct["errors"] == 0 and direct["streams"] == 40
         assert 5 <= direct["gap_p50_ms"] <= 30  # 10 ms apart, give or take this machine
         assert 0.09 <= direct["duration_p50_s"] <= 0.5
         gw = free_port()
-        cfg = {"server": {"host": "127.0.0.1", "port": gw, "workers": 2},
-               "models": [{"name": MODEL, "tokenizer": str(tokenizer_dir), "max_model_len": 4096}],
-               "pools": {"prefill": {"endpoints": []}, "decode": {"endpoints": [f"http://127.0.0.1:{port}"]}}}
+        cfg = {
+            "server": {"host": "127.0.0.1", "port": gw, "workers": 2},
+            "models": [{"name": MODEL, "tokenizer": str(tokenizer_dir), "max_model_len": 4096}],
+            "pools": {"prefill": {"endpoints": []}, "decode": {"endpoints": [f"http://127.0.0.1:{port}"]}},
+        }
         (tmp_path / "gw.yaml").write_text(yaml.safe_dump(cfg))
-        group.start("gateway", [sys.executable, "-m", "gateway", "serve", "--config", str(tmp_path / "gw.yaml")]
-                    ).wait_http(f"http://127.0.0.1:{gw}/ready", timeout=60)
+        group.start(
+            "gateway", [sys.executable, "-m", "gateway", "serve", "--config", str(tmp_path / "gw.yaml")]
+        ).wait_http(f"http://127.0.0.1:{gw}/ready", timeout=60)
         through = run_load(f"http://127.0.0.1:{gw}", 40, 2, 0.2, 10, 100.0)
         assert through["errors"] == 0 and through["first_chunk_p50_ms"] is not None
     finally:

@@ -29,6 +29,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "helm" / "pdgate" / "files" / "pr
 VERDICT = re.compile(r"^preflight (ok|FAILED): .+$")
 RUN_TIMEOUT_S = 120.0  # bound on one preflight process (NIXL's import and agent take a few seconds)
 
+
 def load_preflight() -> ModuleType:
     spec = importlib.util.spec_from_file_location("preflight", SCRIPT)
     assert spec and spec.loader
@@ -42,15 +43,21 @@ pf = load_preflight()
 
 # -- verdicts without NIXL -----------------------------------------------------------------------
 
-@pytest.mark.parametrize(("tls", "ok"), [
-    (None, True), ("", True), ("all", True),
-    ("sm,cuda_ipc,cuda_copy,tcp", True),  # llm-d's setting
-    ("rc,cuda", True),  # `cuda` is UCX's alias that includes cuda_copy
-    ("^cuda_ipc", True),  # excludes only what it names
-    ("tcp,self,sm", False),  # deploy/values-small.yaml's old setting
-    ("tcp,cuda_ipc", False),  # cuda_ipc alone: UCX detects GPU memory through cuda_copy
-    ("^cuda_copy", False),
-])
+
+@pytest.mark.parametrize(
+    ("tls", "ok"),
+    [
+        (None, True),
+        ("", True),
+        ("all", True),
+        ("sm,cuda_ipc,cuda_copy,tcp", True),  # llm-d's setting
+        ("rc,cuda", True),  # `cuda` is UCX's alias that includes cuda_copy
+        ("^cuda_ipc", True),  # excludes only what it names
+        ("tcp,self,sm", False),  # deploy/values-small.yaml's old setting
+        ("tcp,cuda_ipc", False),  # cuda_ipc alone: UCX detects GPU memory through cuda_copy
+        ("^cuda_copy", False),
+    ],
+)
 def test_ucx_tls_verdict(tls: str | None, ok: bool) -> None:
     problem = pf.ucx_tls_problem(tls)
     assert (problem is None) == ok, problem
@@ -81,6 +88,7 @@ def test_frames_are_bounded_in_size_and_time() -> None:
 
 # -- commands, with NIXL ------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def python() -> Path:
     venv, _model = E.venv_and_model()  # skips (a user's run) or fails (CI) when it cannot be built
@@ -104,8 +112,9 @@ def clean_env(**extra: str) -> dict[str, str]:
 def run(python: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, str, float]:
     """Run preflight.py to its end: (exit status, its one stdout line, seconds taken)."""
     start = time.monotonic()
-    done = subprocess.run([str(python), str(SCRIPT), *args], capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S, env=env or clean_env())
+    done = subprocess.run(
+        [str(python), str(SCRIPT), *args], capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env or clean_env()
+    )
     lines = done.stdout.splitlines()
     assert len(lines) == 1 and VERDICT.match(lines[0]), f"stdout: {done.stdout!r}\nstderr: {done.stderr[-3000:]}"
     return done.returncode, lines[0], time.monotonic() - start
@@ -118,8 +127,22 @@ def verdict_in_log(path: Path) -> str:
 
 
 def start_serve(group: ProcGroup, python: Path, port: int, *args: str) -> Proc:
-    argv = [str(python), str(SCRIPT), "serve", "--backend", "UCX", "--device", "cpu", "--host", "127.0.0.1",
-            "--port", str(port), "--timeout", "90", *args]
+    argv = [
+        str(python),
+        str(SCRIPT),
+        "serve",
+        "--backend",
+        "UCX",
+        "--device",
+        "cpu",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--timeout",
+        "90",
+        *args,
+    ]
     return group.start(f"serve-{port}", argv, env=clean_env())
 
 
@@ -128,11 +151,15 @@ def start_serve(group: ProcGroup, python: Path, port: int, *args: str) -> Proc:
 def test_serve_and_pull_move_the_buffer_over_ucx(python: Path, group: ProcGroup) -> None:
     port = free_port()
     serve = start_serve(group, python, port)
-    code, line, _ = run(python, "pull", "--backend", "UCX", "--device", "cpu", "--peer", f"127.0.0.1:{port}",
-                        "--timeout", "90")
+    code, line, _ = run(
+        python, "pull", "--backend", "UCX", "--device", "cpu", "--peer", f"127.0.0.1:{port}", "--timeout", "90"
+    )
     assert code == 0, line
-    assert re.fullmatch(rf"preflight ok: pulled 64 MiB from 127\.0\.0\.1:{port} over UCX in [\d.]+ ms "
-                        r"\([\d.]+ GB/s\)", line), line
+    assert re.fullmatch(
+        rf"preflight ok: pulled 64 MiB from 127\.0\.0\.1:{port} over UCX in [\d.]+ ms "
+        r"\([\d.]+ GB/s\)",
+        line,
+    ), line
     assert serve.popen.wait(timeout=30) == 0, serve.log_tail()
     assert verdict_in_log(serve.log_path).startswith("preflight ok: served 64 MiB over UCX to 1 peer(s): 127.0.0.1 in ")
 
@@ -142,8 +169,20 @@ def test_serve_and_pull_move_the_buffer_over_ucx(python: Path, group: ProcGroup)
 def test_a_failed_pull_fails_both_sides_with_the_cause(python: Path, group: ProcGroup) -> None:
     port = free_port()
     serve = start_serve(group, python, port, "--size-mib", "4")
-    code, line, _ = run(python, "pull", "--backend", "UCX", "--device", "cpu", "--peer", f"127.0.0.1:{port}",
-                        "--size-mib", "8", "--timeout", "90")
+    code, line, _ = run(
+        python,
+        "pull",
+        "--backend",
+        "UCX",
+        "--device",
+        "cpu",
+        "--peer",
+        f"127.0.0.1:{port}",
+        "--size-mib",
+        "8",
+        "--timeout",
+        "90",
+    )
     assert code == 1
     assert "serves 4 MiB over UCX" in line and "wants 8 MiB" in line and "--size-mib" in line, line
     assert serve.popen.wait(timeout=30) == 1, serve.log_tail()
@@ -154,8 +193,9 @@ def test_a_failed_pull_fails_both_sides_with_the_cause(python: Path, group: Proc
 @pytest.mark.e2e
 def test_a_pull_with_no_server_fails_within_its_timeout(python: Path) -> None:
     port = free_port()  # nothing listens there
-    code, line, took = run(python, "pull", "--backend", "UCX", "--device", "cpu", "--peer", f"127.0.0.1:{port}",
-                           "--timeout", "3")
+    code, line, took = run(
+        python, "pull", "--backend", "UCX", "--device", "cpu", "--peer", f"127.0.0.1:{port}", "--timeout", "3"
+    )
     assert code == 1
     assert line.startswith(f"preflight FAILED: could not connect to 127.0.0.1:{port} within 3 s "), line
     assert "preflight.py serve" in line
@@ -168,8 +208,11 @@ def test_libfabric_check_names_what_is_missing_here(python: Path) -> None:
     code, line, _ = run(python, "check", "--backend", "LIBFABRIC")
     assert code == 1
     # no EFA user-space libraries on this machine; where libfabric is installed, no EFA device
-    assert re.match(r"preflight FAILED: (fi_info not found: .*deploy/engine-image"
-                    r"|0 EFA devices visible .*vpc\.amazonaws\.com/efa)", line), line
+    assert re.match(
+        r"preflight FAILED: (fi_info not found: .*deploy/engine-image"
+        r"|0 EFA devices visible .*vpc\.amazonaws\.com/efa)",
+        line,
+    ), line
 
 
 @pytest.mark.realvllm
@@ -177,10 +220,17 @@ def test_libfabric_check_names_what_is_missing_here(python: Path) -> None:
 def test_the_libfabric_plugin_failure_names_the_library(python: Path) -> None:
     """Past fi_info, NIXL's own LIBFABRIC plugin: it cannot load here (no libfabric, no NVIDIA driver),
     and the verdict says which library the loader could not find."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import preflight\n"
-            "try:\n    preflight.make_agent('LIBFABRIC', 'test')\nexcept preflight.Fail as err:\n    print(err)\n")
-    done = subprocess.run([str(python), "-c", code, str(SCRIPT.parent)], capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S, env=clean_env())
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import preflight\n"
+        "try:\n    preflight.make_agent('LIBFABRIC', 'test')\nexcept preflight.Fail as err:\n    print(err)\n"
+    )
+    done = subprocess.run(
+        [str(python), "-c", code, str(SCRIPT.parent)],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        env=clean_env(),
+    )
     assert done.stdout.startswith("NIXL cannot load its LIBFABRIC plugin: "), done.stdout + done.stderr[-2000:]
     assert re.search(r"lib(fabric\.so\.1|cuda\.so\.1|hwloc\.so\.15)", done.stdout), done.stdout
 
@@ -200,7 +250,8 @@ def test_ucx_check_for_gpus_refuses_a_ucx_tls_without_cuda_copy(python: Path) ->
     assert code == 1
     assert line.startswith("preflight FAILED: UCX_TLS=tcp,self,sm has no cuda_copy"), line
     # a good setting gets past that verdict, to the next thing missing: a GPU (the venv's torch is CPU-only)
-    code, line, _ = run(python, "check", "--backend", "UCX", "--device", "cuda",
-                        env=clean_env(UCX_TLS="sm,cuda_ipc,cuda_copy,tcp"))
+    code, line, _ = run(
+        python, "check", "--backend", "UCX", "--device", "cuda", env=clean_env(UCX_TLS="sm,cuda_ipc,cuda_copy,tcp")
+    )
     assert code == 1
     assert "torch sees no CUDA GPU" in line and "UCX_TLS" not in line, line

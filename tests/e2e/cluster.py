@@ -66,14 +66,38 @@ class Cluster:
         assert line is not None
         return line
 
-    def start_sim(self, role: str, *extra: str, port: int | None = None, kv_port: int | None = None,
-                  env: dict[str, str] | None = None) -> Sim:
+    def start_sim(
+        self,
+        role: str,
+        *extra: str,
+        port: int | None = None,
+        kv_port: int | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Sim:
         port, kv_port = port or free_port(), kv_port or free_port()
         name = f"sim-{role}-{port}"
-        proc = self.group.start(name, [
-            sys.executable, "-m", "sim", "--role", role, "--port", str(port), "--kv-port", str(kv_port),
-            "--model", self.model, "--tokenizer", str(self.tokenizer), "--max-model-len", "4096", *extra,
-        ], env=env)
+        proc = self.group.start(
+            name,
+            [
+                sys.executable,
+                "-m",
+                "sim",
+                "--role",
+                role,
+                "--port",
+                str(port),
+                "--kv-port",
+                str(kv_port),
+                "--model",
+                self.model,
+                "--tokenizer",
+                str(self.tokenizer),
+                "--max-model-len",
+                "4096",
+                *extra,
+            ],
+            env=env,
+        )
         sim = Sim(proc, port, kv_port)
         proc.wait_http(sim.url + "/health")
         return sim
@@ -82,14 +106,21 @@ class Cluster:
         self.gateway_port = free_port()
         # one worker unless a test asks for more (tests/e2e/test_workers.py): most tests read state
         # that a second worker would hold apart, and this machine has few cores
-        server = {"host": "127.0.0.1", "port": self.gateway_port, "max_body_bytes": 1_000_000, "workers": 1,
-                  **overrides.pop("server", {})}  # the listening address stays the one chosen here
+        server = {
+            "host": "127.0.0.1",
+            "port": self.gateway_port,
+            "max_body_bytes": 1_000_000,
+            "workers": 1,
+            **overrides.pop("server", {}),
+        }  # the listening address stays the one chosen here
         server["port"] = self.gateway_port
         cfg = {
             "server": server,
             "models": [{"name": self.model, "tokenizer": str(self.tokenizer), "max_model_len": 4096}],
-            "pools": {"prefill": {"endpoints": [s.url for s in self.prefill]},
-                      "decode": {"endpoints": [s.url for s in self.decode]}},
+            "pools": {
+                "prefill": {"endpoints": [s.url for s in self.prefill]},
+                "decode": {"endpoints": [s.url for s in self.decode]},
+            },
             "routing": {"decider": {"name": "token_threshold", "threshold": threshold}},
             "health": {"interval_s": 0.3, "timeout_s": 0.5},
             **overrides,
@@ -97,6 +128,7 @@ class Cluster:
         path = self.group.log_dir / f"gateway-{self.gateway_port}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         self.config_path, self.config = path, cfg
-        self.gateway = self.group.start("gateway", [sys.executable, "-m", "gateway", "serve", "--config", str(path)],
-                                        env=env)
+        self.gateway = self.group.start(
+            "gateway", [sys.executable, "-m", "gateway", "serve", "--config", str(path)], env=env
+        )
         self.gateway.wait_http(self.url + "/ready", timeout=60)

@@ -28,9 +28,12 @@ def cluster(tokenizer_dir, tmp_path_factory):
     (group.log_dir / "admin").write_text(ADMIN)
     try:
         c.decode.append(c.start_sim("decode", "--decode-time-per-token", "0.02"))
-        c.start_gateway(10_000, auth={"api_keys_file": str(group.log_dir / "keys")},
-                        admin={"token_file": str(group.log_dir / "admin")},
-                        limits={"max_output_tokens": 100, "max_prompt_tokens": 300, "max_header_bytes": 4096})
+        c.start_gateway(
+            10_000,
+            auth={"api_keys_file": str(group.log_dir / "keys")},
+            admin={"token_file": str(group.log_dir / "admin")},
+            limits={"max_output_tokens": 100, "max_prompt_tokens": 300, "max_header_bytes": 4096},
+        )
         yield c
     finally:
         group.stop_all()
@@ -57,22 +60,35 @@ def reconfigure(cluster, **changes) -> None:
     cluster.config_path.write_text(yaml.safe_dump(cfg))
     cluster.config = cfg
     want = changes.get("admission", {})
-    assert wait_for(lambda: httpx.get(cluster.url + "/admin/config", headers={"authorization": f"Bearer {ADMIN}"})
-                    .json()["config"]["admission"] | want == httpx.get(
-                        cluster.url + "/admin/config", headers={"authorization": f"Bearer {ADMIN}"}
-                    ).json()["config"]["admission"], timeout=15)
+    assert wait_for(
+        lambda: (
+            httpx.get(cluster.url + "/admin/config", headers={"authorization": f"Bearer {ADMIN}"}).json()["config"][
+                "admission"
+            ]
+            | want
+            == httpx.get(cluster.url + "/admin/config", headers={"authorization": f"Bearer {ADMIN}"}).json()["config"][
+                "admission"
+            ]
+        ),
+        timeout=15,
+    )
 
 
 def test_api_keys(cluster):
-    with openai.OpenAI(base_url=cluster.url + "/v1", api_key="sk-wrong", max_retries=0) as bad, \
-            openai.OpenAI(base_url=cluster.url + "/v1", api_key=KEY, max_retries=0) as good:
+    with (
+        openai.OpenAI(base_url=cluster.url + "/v1", api_key="sk-wrong", max_retries=0) as bad,
+        openai.OpenAI(base_url=cluster.url + "/v1", api_key=KEY, max_retries=0) as good,
+    ):
         with pytest.raises(openai.AuthenticationError) as err:
             bad.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert err.value.code == "invalid_api_key"
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
-        assert good.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                            max_tokens=2).choices[0].message.content
+        assert (
+            good.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            .choices[0]
+            .message.content
+        )
         assert [m.id for m in good.models.list()] == ["tiny"]
     assert post(cluster, body(), key=None).status_code == 401
     assert post(cluster, body(), key="sk-other-key").status_code == 200
@@ -83,9 +99,11 @@ def test_api_keys(cluster):
 
 @pytest.mark.parametrize(
     ("kw", "status", "code"),
-    [({"max_tokens": 101}, 400, "max_tokens_too_large"),
-     ({"content": "many words here " * 200}, 400, "prompt_too_long"),
-     ({"headers": {"x-padding": "p" * 5000}}, 431, "headers_too_large")],
+    [
+        ({"max_tokens": 101}, 400, "max_tokens_too_large"),
+        ({"content": "many words here " * 200}, 400, "prompt_too_long"),
+        ({"headers": {"x-padding": "p" * 5000}}, 431, "headers_too_large"),
+    ],
     ids=["max_tokens", "prompt_tokens", "header_bytes"],
 )
 def test_limits_refuse_before_any_engine(cluster, kw, status, code):
@@ -97,9 +115,10 @@ def test_limits_refuse_before_any_engine(cluster, kw, status, code):
 
 def hold(cluster, seconds_of_tokens: int, results: list[int]) -> threading.Thread:
     """A request that keeps the decode engine busy (0.02 s per token)."""
+
     def run() -> None:
-        results.append(post(cluster, body("keep busy", max_tokens=seconds_of_tokens * 50, ignore_eos=True))
-                       .status_code)
+        results.append(post(cluster, body("keep busy", max_tokens=seconds_of_tokens * 50, ignore_eos=True)).status_code)
+
     t = threading.Thread(target=run, daemon=True)
     t.start()
     assert wait_for(lambda: cluster.decode[0].requests(), timeout=10)
@@ -107,8 +126,11 @@ def hold(cluster, seconds_of_tokens: int, results: list[int]) -> threading.Threa
 
 
 def test_per_engine_limit_queues_then_429(cluster):
-    reconfigure(cluster, admission={"max_per_decode_endpoint": 1, "queue_timeout_s": 0.3, "retry_after_s": 2},
-                limits={"max_output_tokens": 1000, "max_prompt_tokens": 300, "max_header_bytes": 4096})
+    reconfigure(
+        cluster,
+        admission={"max_per_decode_endpoint": 1, "queue_timeout_s": 0.3, "retry_after_s": 2},
+        limits={"max_output_tokens": 1000, "max_prompt_tokens": 300, "max_header_bytes": 4096},
+    )
     results: list[int] = []
     t = hold(cluster, 2, results)
     t0 = time.monotonic()
@@ -122,8 +144,11 @@ def test_per_engine_limit_queues_then_429(cluster):
 
 
 def test_queued_request_is_served_when_capacity_frees(cluster):
-    reconfigure(cluster, admission={"max_per_decode_endpoint": 1, "queue_timeout_s": 20},
-                limits={"max_output_tokens": 1000, "max_prompt_tokens": 300, "max_header_bytes": 4096})
+    reconfigure(
+        cluster,
+        admission={"max_per_decode_endpoint": 1, "queue_timeout_s": 20},
+        limits={"max_output_tokens": 1000, "max_prompt_tokens": 300, "max_header_bytes": 4096},
+    )
     results: list[int] = []
     t = hold(cluster, 1, results)
     r = post(cluster, body())
@@ -135,8 +160,11 @@ def test_queued_request_is_served_when_capacity_frees(cluster):
 
 
 def test_overall_limit(cluster):
-    reconfigure(cluster, admission={"max_in_flight": 1, "queue_timeout_s": 0.2},
-                limits={"max_output_tokens": 1000, "max_prompt_tokens": 300, "max_header_bytes": 4096})
+    reconfigure(
+        cluster,
+        admission={"max_in_flight": 1, "queue_timeout_s": 0.2},
+        limits={"max_output_tokens": 1000, "max_prompt_tokens": 300, "max_header_bytes": 4096},
+    )
     results: list[int] = []
     t = hold(cluster, 2, results)
     r = post(cluster, body())

@@ -33,18 +33,24 @@ def cluster(tokenizer_dir, tmp_path_factory):
     (group.log_dir / "keys").write_text(KEY)
     try:
         c.decode.append(c.start_sim("decode"))
-        c.start_gateway(10_000, auth={"api_keys_file": str(group.log_dir / "keys")},
-                        admission={"max_in_flight": 4, "queue_timeout_s": 2},
-                        server={"head_timeout_s": 1.0, "body_timeout_s": 3.0, "body_idle_timeout_s": 1.0,
-                                "max_connections": 200})
+        c.start_gateway(
+            10_000,
+            auth={"api_keys_file": str(group.log_dir / "keys")},
+            admission={"max_in_flight": 4, "queue_timeout_s": 2},
+            server={"head_timeout_s": 1.0, "body_timeout_s": 3.0, "body_idle_timeout_s": 1.0, "max_connections": 200},
+        )
         yield c
     finally:
         group.stop_all()
 
 
 def chat(cluster: Cluster) -> int:
-    r = httpx.post(cluster.url + "/v1/chat/completions", timeout=30, headers={"authorization": f"Bearer {KEY}"},
-                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    r = httpx.post(
+        cluster.url + "/v1/chat/completions",
+        timeout=30,
+        headers={"authorization": f"Bearer {KEY}"},
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
     return r.status_code
 
 
@@ -93,8 +99,10 @@ def test_stalled_bodies_get_408_and_hold_no_admission_slot(cluster):
     stalled = []
     for _ in range(4):  # as many as there are admission slots
         s = connect(cluster)
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n{\"model\":")
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b'\r\nContent-Length: 1000\r\n\r\n{"model":'
+        )
         stalled.append(s)
     time.sleep(0.2)  # let them reach the gateway; no slot may be taken while their bodies are unread
     assert metric(cluster, "pdgate_admission_in_flight") == 0

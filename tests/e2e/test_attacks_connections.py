@@ -46,11 +46,18 @@ def cluster(tokenizer_dir, tmp_path_factory):
     try:
         # 20 ms a token: a 250-token stream lasts ~5 s, past the body and keep-alive bounds
         c.decode.append(c.start_sim("decode", "--decode-time-per-token", "0.02"))
-        c.start_gateway(10_000, auth={"api_keys_file": str(group.log_dir / "keys")},
-                        admin={"token_file": str(group.log_dir / "admin-token")},
-                        server={"head_timeout_s": HEAD_S, "body_timeout_s": BODY_S,
-                                "body_idle_timeout_s": BODY_IDLE_S, "keep_alive_timeout_s": KEEP_ALIVE_S,
-                                "max_connections": MAX_CONNECTIONS})
+        c.start_gateway(
+            10_000,
+            auth={"api_keys_file": str(group.log_dir / "keys")},
+            admin={"token_file": str(group.log_dir / "admin-token")},
+            server={
+                "head_timeout_s": HEAD_S,
+                "body_timeout_s": BODY_S,
+                "body_idle_timeout_s": BODY_IDLE_S,
+                "keep_alive_timeout_s": KEEP_ALIVE_S,
+                "max_connections": MAX_CONNECTIONS,
+            },
+        )
         yield c
     finally:
         group.stop_all()
@@ -101,7 +108,7 @@ ATTACKS = {
     "health": b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n",
     "metrics": b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n",
     "chat-without-key": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: 10\r\n\r\n",
+    b"Content-Length: 10\r\n\r\n",
 }
 
 
@@ -131,8 +138,10 @@ def test_a_request_without_a_key_gets_its_401_and_the_connection_closes(cluster)
     s = connect(cluster)
     try:
         body = orjson.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body
+        )
         status, headers, answer = read_answer(s)
         assert status == 401 and orjson.loads(answer)["error"]["code"] == "invalid_api_key"
         assert headers.get("connection") == "close"
@@ -176,8 +185,11 @@ def test_a_body_nobody_reads_is_bounded_by_the_body_timeouts(cluster):
     answers 408 within the body idle bound, and closes."""
     s = connect(cluster)
     try:
-        s.sendall(b"POST /debug/route HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
-                  + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        s.sendall(
+            b"POST /debug/route HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+            + TOKEN.encode()
+            + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+        )
         started = time.monotonic()
         status, _, answer = read_answer(s)
         assert (status, orjson.loads(answer)["error"]["code"]) == (408, "request_timeout")
@@ -189,13 +201,14 @@ def test_a_body_nobody_reads_is_bounded_by_the_body_timeouts(cluster):
 
 def test_a_slow_upload_within_the_body_timeout_is_served(cluster):
     """A body trickled in pieces, each within the idle bound, the whole within the body timeout."""
-    body = orjson.dumps({"model": "tiny", "messages": [{"role": "user", "content": "slow " * 20}],
-                         "max_tokens": 2})
-    pieces = [body[i:i + len(body) // 4 + 1] for i in range(0, len(body), len(body) // 4 + 1)]
+    body = orjson.dumps({"model": "tiny", "messages": [{"role": "user", "content": "slow " * 20}], "max_tokens": 2})
+    pieces = [body[i : i + len(body) // 4 + 1] for i in range(0, len(body), len(body) // 4 + 1)]
     s = connect(cluster)
     try:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body))
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+        )
         for piece in pieces:
             time.sleep(BODY_IDLE_S / 2)
             s.sendall(piece)
@@ -209,11 +222,21 @@ def test_a_slow_upload_within_the_body_timeout_is_served(cluster):
 
 
 def test_a_stream_longer_than_every_connection_bound_is_whole(cluster):
-    with httpx.Client(timeout=60) as client, client.stream(
-        "POST", cluster.url + "/v1/chat/completions", headers={"authorization": f"Bearer {KEY}"},
-        json={"model": "tiny", "messages": [{"role": "user", "content": "long"}], "max_tokens": 250,
-              "stream": True, "ignore_eos": True},
-    ) as r:
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream(
+            "POST",
+            cluster.url + "/v1/chat/completions",
+            headers={"authorization": f"Bearer {KEY}"},
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "long"}],
+                "max_tokens": 250,
+                "stream": True,
+                "ignore_eos": True,
+            },
+        ) as r,
+    ):
         started = time.monotonic()
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
         took = time.monotonic() - started
@@ -229,8 +252,10 @@ def test_websocket_handshakes_leave_no_connection_behind(cluster):
     for _ in range(10):
         s = connect(cluster)
         try:
-            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
-                      b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+            s.sendall(
+                b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+                b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+            )
             status, headers, _ = read_answer(s)
             assert (status, headers.get("connection")) == (200, "close")
             s.sendall(b"\x81\x05hello")  # a frame nobody reads

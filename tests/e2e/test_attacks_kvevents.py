@@ -72,8 +72,6 @@ def forged(tokenizer_dir, tmp_path_factory):
         group.stop_all()
 
 
-
-
 def metrics(c: Cluster) -> str:
     return httpx.get(c.url + "/metrics", timeout=60).text
 

@@ -46,8 +46,6 @@ def post(cluster: Cluster, **body) -> httpx.Response:
     )
 
 
-
-
 def refused(r: httpx.Response) -> dict:
     assert r.status_code == 400, r.text
     error = r.json()["error"]

@@ -36,10 +36,15 @@ def cluster(tokenizer_dir, tmp_path_factory):
     try:
         c.prefill.append(c.start_sim("prefill"))
         c.decode.append(c.start_sim("decode", *DECODE_FLAGS))
-        c.start_gateway(THRESHOLD, admin={"token_file": str(token_file)},
-                        models=[{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 4096},
-                                {"name": "ghost", "tokenizer": str(tokenizer_dir), "max_model_len": 4096}],
-                        signals={"scrape_interval_s": 0.2, "scrape_timeout_s": 2.0, "max_age_s": 5.0})
+        c.start_gateway(
+            THRESHOLD,
+            admin={"token_file": str(token_file)},
+            models=[
+                {"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 4096},
+                {"name": "ghost", "tokenizer": str(tokenizer_dir), "max_model_len": 4096},
+            ],
+            signals={"scrape_interval_s": 0.2, "scrape_timeout_s": 2.0, "max_age_s": 5.0},
+        )
         yield c
     finally:
         group.stop_all()
@@ -70,10 +75,13 @@ def restart_decode(cluster: Cluster, *flags: str) -> None:
     old = cluster.decode.pop()
     old.proc.stop()
     cluster.decode.append(cluster.start_sim("decode", *flags, port=old.port, kv_port=old.kv_port))
+
     def back() -> bool:
         ready = httpx.get(cluster.url + "/ready", timeout=10).json()
-        return (ready["pools"]["decode"]["healthy"] == 1
-                and gateway_metric(cluster, "pdgate_endpoint_restarts_total", pool="decode") > before)
+        return (
+            ready["pools"]["decode"]["healthy"] == 1
+            and gateway_metric(cluster, "pdgate_endpoint_restarts_total", pool="decode") > before
+        )
 
     assert wait_for(back, timeout=15), "the gateway never noticed the decode engine's restart"
 
@@ -88,8 +96,12 @@ def test_turn_two_goes_direct_on_a_cache_the_engine_really_has(cluster):
     assert r2.status_code == 200 and r2.headers["x-pdgate-path"] == "direct"
     cached = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached > THRESHOLD  # the engine did serve the first turn from its cache
-    assert wait_for(lambda: gateway_metric(cluster, "pdgate_prefix_belief_checks_total", pool="decode",
-                                           result="exact") == exact + 1, timeout=5)
+    assert wait_for(
+        lambda: (
+            gateway_metric(cluster, "pdgate_prefix_belief_checks_total", pool="decode", result="exact") == exact + 1
+        ),
+        timeout=5,
+    )
 
 
 def test_a_restarted_decode_engine_is_not_believed_to_hold_its_old_cache(cluster):
@@ -111,8 +123,12 @@ def test_an_engine_without_prefix_caching_gets_no_prefix_credit(cluster):
         assert r1.status_code == 200 and r1.headers["x-pdgate-path"] == "pd"
         r2 = chat(cluster, next_turn(messages, r1))
         assert r2.status_code == 200 and r2.headers["x-pdgate-path"] == "pd"
-        plan = httpx.post(cluster.url + "/debug/route", headers={"authorization": f"Bearer {TOKEN}"}, timeout=30,
-                          json={"model": "tiny", "messages": next_turn(messages, r1)}).json()
+        plan = httpx.post(
+            cluster.url + "/debug/route",
+            headers={"authorization": f"Bearer {TOKEN}"},
+            timeout=30,
+            json={"model": "tiny", "messages": next_turn(messages, r1)},
+        ).json()
         assert cluster.decode[0].url not in plan["cached_tokens"]
     finally:
         restart_decode(cluster, *DECODE_FLAGS)

@@ -29,8 +29,14 @@ def test_legitimate_clients_are_served_through_attacks_and_a_redis_kill(tmp_path
     connections that send a byte after their answer, tokenizer-padding template kwargs, a forged KV
     event feed) and the shared-state Redis killed at three quarters: every legitimate request still
     ends cleanly, no attack connection outlives its answer, and the attacks are refused."""
-    attackers = {"endless_header": 1, "slowloris": 10, "stalled_body": 4, "after_answer": 5,
-                 "unauth_after_answer": 5, "template_kwargs": 1}
+    attackers = {
+        "endless_header": 1,
+        "slowloris": 10,
+        "stalled_body": 4,
+        "after_answer": 5,
+        "unauth_after_answer": 5,
+        "template_kwargs": 1,
+    }
     report = run(n=300, concurrency=32, timeout=30, logs=tmp_path, attackers=attackers, redis=True)
     assert report.killed[-1] == "redis" and report.redis_killed
     assert report.outcomes.get("hung", 0) == 0 and report.outcomes.get("unclear", 0) == 0, report

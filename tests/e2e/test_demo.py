@@ -64,8 +64,9 @@ def test_demo_routes_both_paths_and_stops_cleanly(tmp_path):
     port = free_port()
     group = ProcGroup(tmp_path)
     try:
-        demo = group.start("demo", [sys.executable, "-m", "gateway", "demo", "--port", str(port)],
-                           env=demo_env(tmp_path))
+        demo = group.start(
+            "demo", [sys.executable, "-m", "gateway", "demo", "--port", str(port)], env=demo_env(tmp_path)
+        )
         demo.wait_http(f"http://127.0.0.1:{port}/ready", timeout=120)
         banner = demo.log_path.read_text()
         assert "curl" in banner
@@ -85,7 +86,8 @@ def test_demo_routes_both_paths_and_stops_cleanly(tmp_path):
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         short = client.chat.completions.with_raw_response.create(
-            model="demo", messages=[{"role": "user", "content": "Hello!"}])
+            model="demo", messages=[{"role": "user", "content": "Hello!"}]
+        )
         assert short.headers["x-pdgate-path"] == "direct" and short.parse().choices[0].message.content
         long_text = "Summarize this. " + "The quick brown fox jumps over the lazy dog. " * 600
         with client.chat.completions.with_streaming_response.create(
@@ -99,7 +101,8 @@ def test_demo_routes_both_paths_and_stops_cleanly(tmp_path):
         feeds = httpx.get(f"http://127.0.0.1:{port}/ready").json()["kv_event_feeds"]
         assert feeds == {"connected": 4, "total": 4}
         again = client.chat.completions.with_raw_response.create(
-            model="demo", messages=[{"role": "user", "content": long_text}], max_tokens=4)
+            model="demo", messages=[{"role": "user", "content": long_text}], max_tokens=4
+        )
         assert again.headers["x-pdgate-path"] == "direct"
         # ... and says why: the demo turns the decision header on.
         assert again.headers["x-pdgate-route"].startswith("prefix_cached; uncached=")
@@ -109,8 +112,12 @@ def test_demo_routes_both_paths_and_stops_cleanly(tmp_path):
         shown = httpx.get(f"http://127.0.0.1:{port}/admin/config", headers=admin)
         assert shown.status_code == 200 and shown.json()["config"]["routing"]["debug_headers"] is True
         assert httpx.get(f"http://127.0.0.1:{port}/admin/config").status_code == 401
-        plan = httpx.post(f"http://127.0.0.1:{port}/debug/route", headers=admin, timeout=30,
-                          json={"model": "demo", "messages": [{"role": "user", "content": "Hello!"}]})
+        plan = httpx.post(
+            f"http://127.0.0.1:{port}/debug/route",
+            headers=admin,
+            timeout=30,
+            json={"model": "demo", "messages": [{"role": "user", "content": "Hello!"}]},
+        )
         assert plan.status_code == 200 and plan.json()["reason"] == "short_prompt"
         # The access log goes to a file in the demo's folder, not to the terminal.
         rid = again.headers["x-request-id"]
@@ -124,8 +131,9 @@ def test_demo_routes_both_paths_and_stops_cleanly(tmp_path):
         assert "stopped all engines" in demo.log_path.read_text()
         # every engine and worker, and multiprocessing's resource tracker (it ends as it sees its
         # parent go), within a bound
-        assert wait_for(lambda: not [pid for pid in processes if alive(pid)], timeout=5), \
-            [cmdline(pid) for pid in processes if alive(pid)]
+        assert wait_for(lambda: not [pid for pid in processes if alive(pid)], timeout=5), [
+            cmdline(pid) for pid in processes if alive(pid)
+        ]
         assert not folder.exists()  # engine logs, config and access log removed
     finally:
         group.stop_all()
@@ -135,13 +143,32 @@ def test_demo_keep_logs_and_access_log_on_the_terminal(tmp_path):
     port = free_port()
     group = ProcGroup(tmp_path)
     try:
-        demo = group.start("demo", [sys.executable, "-m", "gateway", "demo", "--port", str(port), "--prefill", "1",
-                                    "--decode", "1", "--keep-logs", "--access-log"], env=demo_env(tmp_path))
+        demo = group.start(
+            "demo",
+            [
+                sys.executable,
+                "-m",
+                "gateway",
+                "demo",
+                "--port",
+                str(port),
+                "--prefill",
+                "1",
+                "--decode",
+                "1",
+                "--keep-logs",
+                "--access-log",
+            ],
+            env=demo_env(tmp_path),
+        )
         demo.wait_http(f"http://127.0.0.1:{port}/ready", timeout=120)
         [folder] = demo_folders(tmp_path)
         assert str(folder) in demo.log_path.read_text()
-        resp = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
-                          json={"model": "demo", "messages": [{"role": "user", "content": "Hello!"}]})
+        resp = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            timeout=30,
+            json={"model": "demo", "messages": [{"role": "user", "content": "Hello!"}]},
+        )
         assert resp.status_code == 200
         rid = resp.headers["x-request-id"]
         assert wait_for(lambda: rid in demo.log_path.read_text(), timeout=10)
@@ -160,8 +187,13 @@ def test_demo_on_a_busy_port_says_so_and_starts_nothing(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "gateway", "demo", "--port", str(port)], capture_output=True,
-                              text=True, timeout=60, env={**os.environ, **demo_env(tmp_path)})
+        done = subprocess.run(
+            [sys.executable, "-m", "gateway", "demo", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, **demo_env(tmp_path)},
+        )
     assert done.returncode == 1
     assert done.stdout == ""  # no banner, no curl commands
     [line] = done.stderr.splitlines()

@@ -26,13 +26,18 @@ def cluster(tokenizer_dir, tmp_path_factory):
     c = Cluster(group, tokenizer_dir)
     try:
         c.prefill += [c.start_sim("prefill"), c.start_sim("prefill")]
-        c.decode += [c.start_sim("decode", "--decode-time-per-token", "0.005"),
-                     c.start_sim("decode", "--decode-time-per-token", "0.005")]
+        c.decode += [
+            c.start_sim("decode", "--decode-time-per-token", "0.005"),
+            c.start_sim("decode", "--decode-time-per-token", "0.005"),
+        ]
         c.start_gateway(
             THRESHOLD,
             routing={"decider": {"name": "token_threshold", "threshold": THRESHOLD}, "prefix": {"enabled": False}},
-            health={"interval_s": 0.3, "timeout_s": 0.5,
-                    "outlier": {"consecutive_failures": 3, "base_ejection_s": 0.5, "max_ejection_s": 1}},
+            health={
+                "interval_s": 0.3,
+                "timeout_s": 0.5,
+                "outlier": {"consecutive_failures": 3, "base_ejection_s": 0.5, "max_ejection_s": 1},
+            },
             timeouts={"connect_s": 1, "prefill_s": 2, "decode_first_byte_s": 2, "decode_idle_s": 1},
         )
         yield c
@@ -56,8 +61,13 @@ def clean(cluster):
     for sim in cluster.prefill + cluster.decode:
         faults(sim, None)
     # let any ejection from this test run out
-    assert wait_for(lambda: httpx.get(cluster.url + "/ready").json()["pools"]["decode"]["ejected"] == 0
-                    and httpx.get(cluster.url + "/ready").json()["pools"]["prefill"]["ejected"] == 0, timeout=5)
+    assert wait_for(
+        lambda: (
+            httpx.get(cluster.url + "/ready").json()["pools"]["decode"]["ejected"] == 0
+            and httpx.get(cluster.url + "/ready").json()["pools"]["prefill"]["ejected"] == 0
+        ),
+        timeout=5,
+    )
 
 
 def chat(cluster, content: str = LONG, **kw) -> httpx.Response:
@@ -111,14 +121,20 @@ def test_decode_failing_before_its_first_byte_is_retried(cluster):
                 break
         assert retried
 
+
 def test_stream_cut_mid_way_ends_with_an_error_event_never_silently(cluster):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "tell me"}], "max_tokens": 20}
     whole = httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=30).json()
     for sim in cluster.decode:  # every stream breaks: the migrated one too
         faults(sim, {"drop": {"after_chunks": 3}})
     rid = f"cut-{time.monotonic_ns()}"
-    with httpx.stream("POST", cluster.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=30,
-                      headers={"x-request-id": rid}) as r:
+    with httpx.stream(
+        "POST",
+        cluster.url + "/v1/chat/completions",
+        json={**body, "stream": True},
+        timeout=30,
+        headers={"x-request-id": rid},
+    ) as r:
         assert r.status_code == 200
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
     payloads = [e[6:] for e in events]
@@ -127,8 +143,11 @@ def test_stream_cut_mid_way_ends_with_an_error_event_never_silently(cluster):
     payloads = payloads[:-1]
     last = orjson.loads(payloads[-1])
     assert last["error"]["type"] == "server_error" or last["error"]["code"], last
-    contents = [orjson.loads(p)["choices"][0]["delta"].get("content") for p in payloads[:-1]
-                if "choices" in orjson.loads(p) and orjson.loads(p)["choices"]]
+    contents = [
+        orjson.loads(p)["choices"][0]["delta"].get("content")
+        for p in payloads[:-1]
+        if "choices" in orjson.loads(p) and orjson.loads(p)["choices"]
+    ]
     # What the engines sent (three events, then three more from the engine the answer migrated to),
     # once each and in order: never a duplicated token.
     assert len(contents) <= 6 and whole["choices"][0]["message"]["content"].startswith("".join(contents))
@@ -196,9 +215,11 @@ def test_failing_engine_is_ejected_then_comes_back(cluster):
     metrics = httpx.get(cluster.url + "/metrics").text
     assert sample(metrics, "pdgate_failovers_total", event="decode_retried") >= 1
 
+
 def test_client_gone_after_prefill_frees_the_prefilled_kv(cluster):
     """The decode leg never answers and the client gives up: the prefill engine's blocks for the
     request are freed at once, not held until the engine's KV lease runs out (30 s)."""
+
     def held() -> set[str]:  # (earlier tests' refused pulls may still hold theirs until expiry)
         return {rid for s in cluster.prefill for rid in httpx.get(s.url + "/sim/state").json()["held"]}
 
@@ -210,8 +231,9 @@ def test_client_gone_after_prefill_frees_the_prefilled_kv(cluster):
         httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=1.0)
     assert [q["kind"] for s in cluster.prefill for q in s.requests()] == ["prefill"]
     assert wait_for(lambda: held() <= before, timeout=3)
-    assert wait_for(lambda: sample(httpx.get(cluster.url + "/metrics").text, "pdgate_requests_total",
-                                   status="499") >= 1, timeout=3)
+    assert wait_for(
+        lambda: sample(httpx.get(cluster.url + "/metrics").text, "pdgate_requests_total", status="499") >= 1, timeout=3
+    )
 
 
 def test_stream_that_goes_silent_ends_with_a_timeout_event(cluster):

@@ -32,14 +32,23 @@ def replicas(tokenizer_dir, tmp_path_factory):
         port = free_port()
         start_redis(group, port)
         c.decode.append(c.start_sim("decode", "--decode-time-per-token", "0.02"))
-        state = {"backend": "redis", "url": f"redis://127.0.0.1:{port}/0",
-                 "key_prefix": f"pdgate-test-{uuid.uuid4().hex[:8]}", "sync_interval_s": 0.2, "retry_s": 0.5}
+        state = {
+            "backend": "redis",
+            "url": f"redis://127.0.0.1:{port}/0",
+            "key_prefix": f"pdgate-test-{uuid.uuid4().hex[:8]}",
+            "sync_interval_s": 0.2,
+            "retry_s": 0.5,
+        }
         urls = []
         for _ in range(2):
-            c.start_gateway(10_000, state=state, auth={"api_keys_file": str(group.log_dir / "keys")},
-                            admin={"token_file": str(group.log_dir / "admin")},
-                            admission={"max_per_decode_endpoint": 2, "queue_timeout_s": 30},
-                            fairness={"enabled": True})
+            c.start_gateway(
+                10_000,
+                state=state,
+                auth={"api_keys_file": str(group.log_dir / "keys")},
+                admin={"token_file": str(group.log_dir / "admin")},
+                admission={"max_per_decode_endpoint": 2, "queue_timeout_s": 30},
+                fairness={"enabled": True},
+            )
             urls.append(c.url)
         yield c, urls
     finally:
@@ -47,10 +56,17 @@ def replicas(tokenizer_dir, tmp_path_factory):
 
 
 def chat(url: str, key: str, rid: str, max_tokens: int = 2) -> httpx.Response:
-    return httpx.post(url + "/v1/chat/completions", timeout=60,
-                      headers={"authorization": f"Bearer {key}", "x-request-id": rid},
-                      json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                            "max_tokens": max_tokens, "ignore_eos": True})
+    return httpx.post(
+        url + "/v1/chat/completions",
+        timeout=60,
+        headers={"authorization": f"Bearer {key}", "x-request-id": rid},
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+        },
+    )
 
 
 def test_a_tenant_flooding_one_replica_waits_behind_others_on_another(replicas):

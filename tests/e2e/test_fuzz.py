@@ -30,8 +30,11 @@ def cluster(tokenizer_dir, tmp_path_factory):
     try:
         c.prefill.append(c.start_sim("prefill"))
         c.decode.append(c.start_sim("decode"))
-        c.start_gateway(64, limits={"max_output_tokens": 256, "max_header_bytes": 8192},
-                        server={"head_timeout_s": 2.0, "body_idle_timeout_s": 2.0})
+        c.start_gateway(
+            64,
+            limits={"max_output_tokens": 256, "max_header_bytes": 8192},
+            server={"head_timeout_s": 2.0, "body_idle_timeout_s": 2.0},
+        )
         yield c
     finally:
         group.stop_all()
@@ -39,21 +42,53 @@ def cluster(tokenizer_dir, tmp_path_factory):
 
 def value(rng: random.Random, depth: int = 0) -> object:
     kinds: list[Callable[[], object]] = [
-        lambda: None, lambda: rng.choice([True, False]), lambda: rng.randint(-(2**63), 2**64),
-        lambda: rng.random() * 10 ** rng.randint(-5, 30), lambda: "".join(chr(rng.randint(0, 0x2FFF)) for _ in
-                                                                            range(rng.randint(0, 40))),
-        lambda: "x" * rng.choice([0, 1, 1000, 100_000]), lambda: float("nan") if rng.random() < 0.1 else -1,
+        lambda: None,
+        lambda: rng.choice([True, False]),
+        lambda: rng.randint(-(2**63), 2**64),
+        lambda: rng.random() * 10 ** rng.randint(-5, 30),
+        lambda: "".join(chr(rng.randint(0, 0x2FFF)) for _ in range(rng.randint(0, 40))),
+        lambda: "x" * rng.choice([0, 1, 1000, 100_000]),
+        lambda: float("nan") if rng.random() < 0.1 else -1,
     ]
     if depth < 4:
-        kinds += [lambda: [value(rng, depth + 1) for _ in range(rng.randint(0, 4))],
-                  lambda: {rng.choice(FIELDS): value(rng, depth + 1) for _ in range(rng.randint(0, 4))}]
+        kinds += [
+            lambda: [value(rng, depth + 1) for _ in range(rng.randint(0, 4))],
+            lambda: {rng.choice(FIELDS): value(rng, depth + 1) for _ in range(rng.randint(0, 4))},
+        ]
     return rng.choice(kinds)()
 
 
-FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "min_tokens", "n", "best_of",
-          "stream", "stream_options", "temperature", "top_p", "logprobs", "top_logprobs", "echo", "tools",
-          "tool_choice", "kv_transfer_params", "vllm_xargs", "cache_salt", "chat_template", "chat_template_kwargs",
-          "role", "content", "type", "text", "add_generation_prompt", "continue_final_message", "include_usage"]
+FIELDS = [
+    "model",
+    "messages",
+    "prompt",
+    "max_tokens",
+    "max_completion_tokens",
+    "min_tokens",
+    "n",
+    "best_of",
+    "stream",
+    "stream_options",
+    "temperature",
+    "top_p",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "tools",
+    "tool_choice",
+    "kv_transfer_params",
+    "vllm_xargs",
+    "cache_salt",
+    "chat_template",
+    "chat_template_kwargs",
+    "role",
+    "content",
+    "type",
+    "text",
+    "add_generation_prompt",
+    "continue_final_message",
+    "include_usage",
+]
 
 
 def body(rng: random.Random) -> bytes:
@@ -78,8 +113,18 @@ def body(rng: random.Random) -> bytes:
 def raw_request(rng: random.Random, port: int) -> bytes:
     """An HTTP request with odd framing, sent over a raw socket; returns what came back."""
     payload = body(rng)
-    path = rng.choice([b"/v1/chat/completions", b"/v1/completions", b"/v1/models", b"/health", b"/%00", b"/" +
-                       b"a" * 3000, b"/v1/chat/completions/", b"*"])
+    path = rng.choice(
+        [
+            b"/v1/chat/completions",
+            b"/v1/completions",
+            b"/v1/models",
+            b"/health",
+            b"/%00",
+            b"/" + b"a" * 3000,
+            b"/v1/chat/completions/",
+            b"*",
+        ]
+    )
     headers = [b"Host: x", b"Content-Type: application/json"]
     framing = rng.random()
     if framing < 0.3:

@@ -52,7 +52,8 @@ def legs(cluster) -> tuple[list[dict], list[dict]]:
 
 def chat(client, content, **kw):
     return client.chat.completions.with_raw_response.create(
-        model="tiny", messages=[{"role": "user", "content": content}], max_tokens=8, **kw)
+        model="tiny", messages=[{"role": "user", "content": content}], max_tokens=8, **kw
+    )
 
 
 def test_short_chat_goes_direct(cluster, client):
@@ -66,8 +67,9 @@ def test_short_chat_goes_direct(cluster, client):
 
 
 def test_long_chat_goes_prefill_then_decode(cluster, client):
-    before = sum(sample(s.metrics(), "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-                 for s in cluster.decode)
+    before = sum(
+        sample(s.metrics(), "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") for s in cluster.decode
+    )
     raw = chat(client, LONG)
     assert raw.headers["x-pdgate-path"] == "pd"
     out = raw.parse()
@@ -77,15 +79,19 @@ def test_long_chat_goes_prefill_then_decode(cluster, client):
     assert pre["body"]["max_tokens"] == 1 and pre["body"]["stream"] is False
     assert dec["body"]["kv_transfer_params"]["remote_engine_id"]
     assert pre["headers"]["x-request-id"] == dec["headers"]["x-request-id"] == raw.headers["x-request-id"]
-    after = sum(sample(s.metrics(), "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-                for s in cluster.decode)
+    after = sum(
+        sample(s.metrics(), "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") for s in cluster.decode
+    )
     assert after > before  # the decode engine really pulled KV from the prefill engine
 
 
 @pytest.mark.parametrize("content", [SHORT, LONG])
 def test_streaming_chat_with_usage(cluster, client, content):
     with client.chat.completions.with_streaming_response.create(
-        model="tiny", messages=[{"role": "user", "content": content}], max_tokens=6, stream=True,
+        model="tiny",
+        messages=[{"role": "user", "content": content}],
+        max_tokens=6,
+        stream=True,
         stream_options={"include_usage": True},
     ) as resp:
         assert resp.headers["x-pdgate-path"] == ("pd" if content == LONG else "direct")
@@ -99,8 +105,9 @@ def test_streaming_chat_with_usage(cluster, client, content):
 def test_completions_stream_and_not(cluster, client, prompt):
     out = client.completions.create(model="tiny", prompt=prompt, max_tokens=5)
     assert out.choices[0].text and out.usage.completion_tokens == 5
-    stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, stream=True,
-                                       stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=5, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == out.choices[0].text  # deterministic
     assert chunks[-1].usage.prompt_tokens == out.usage.prompt_tokens
@@ -109,8 +116,12 @@ def test_completions_stream_and_not(cluster, client, prompt):
 @pytest.mark.parametrize(
     "messages",
     [
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "And now?"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "And now?"},
+        ],
         [{"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "two"}]}],
         [{"role": "user", "content": SHORT}, {"role": "assistant", "content": None}],
     ],
@@ -124,8 +135,14 @@ def test_gateway_token_count_equals_engine_count(cluster, client, messages):
 
 @pytest.mark.parametrize("content", [SHORT, LONG])
 def test_client_kv_transfer_params_never_reach_an_engine(cluster, client, content):
-    evil = {"do_remote_prefill": True, "remote_host": "203.0.113.7", "remote_port": 22,
-            "remote_engine_id": "attacker", "remote_block_ids": [[1]], "remote_request_id": "x"}
+    evil = {
+        "do_remote_prefill": True,
+        "remote_host": "203.0.113.7",
+        "remote_port": 22,
+        "remote_engine_id": "attacker",
+        "remote_block_ids": [[1]],
+        "remote_request_id": "x",
+    }
     chat(client, content, extra_body={"kv_transfer_params": evil})
     prefill, decode = legs(cluster)
     assert len(prefill) + len(decode) == (2 if content == LONG else 1)
@@ -135,9 +152,12 @@ def test_client_kv_transfer_params_never_reach_an_engine(cluster, client, conten
 
 @pytest.mark.parametrize(
     ("body", "status"),
-    [(b"{oops", 400), (b'{"model": "other", "prompt": "x"}', 404),
-     (b'{"model": "tiny", "prompt": "x", "max_tokens": "9"}', 400),
-     (b'{"model": "tiny", "prompt": "' + b"many words " * 3000 + b'"}', 400)],
+    [
+        (b"{oops", 400),
+        (b'{"model": "other", "prompt": "x"}', 404),
+        (b'{"model": "tiny", "prompt": "x", "max_tokens": "9"}', 400),
+        (b'{"model": "tiny", "prompt": "' + b"many words " * 3000 + b'"}', 400),
+    ],
 )
 def test_bad_input_never_reaches_an_engine(cluster, client, body, status):
     r = httpx.post(cluster.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
@@ -171,8 +191,10 @@ def _send_and_hang_up(port: int, path: str, body: dict, once: Callable[[], bool]
     """Send a request on a raw socket and close it, before any response byte, once ``once()``."""
     payload = orjson.dumps(body)
     with socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(payload), payload))
+        sock.sendall(
+            b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(payload), payload)
+        )
         assert wait_for(once, timeout=10)
 
 
@@ -185,13 +207,17 @@ def test_disconnect_during_prefill_aborts_the_prefill_leg(slow):
     for s in slow.prefill + slow.decode:
         s.clear()
     hung_up = sample(httpx.get(slow.url + "/metrics").text, "pdgate_requests_total", status="499")
-    _send_and_hang_up(slow.gateway_port, "/v1/chat/completions",
-                      {"model": "tiny", "messages": [{"role": "user", "content": LONG}], "stream": True},
-                      once=lambda: bool(slow.prefill[0].requests()))  # the prefill leg is running
+    _send_and_hang_up(
+        slow.gateway_port,
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": LONG}], "stream": True},
+        once=lambda: bool(slow.prefill[0].requests()),
+    )  # the prefill leg is running
     assert wait_for(lambda: [r["status"] for r in slow.prefill[0].requests()] == ["aborted"])
     # The gateway has finished with the request (counted as a client hang-up): no leg can start now.
-    assert wait_for(lambda: sample(httpx.get(slow.url + "/metrics").text, "pdgate_requests_total",
-                                   status="499") == hung_up + 1)
+    assert wait_for(
+        lambda: sample(httpx.get(slow.url + "/metrics").text, "pdgate_requests_total", status="499") == hung_up + 1
+    )
     assert slow.decode[0].requests() == []  # the decode leg never started
     assert wait_for(lambda: sample(slow.prefill[0].metrics(), "vllm:kv_cache_usage_perc") == 0)
 
@@ -199,12 +225,12 @@ def test_disconnect_during_prefill_aborts_the_prefill_leg(slow):
 def test_disconnect_during_decode_stream_aborts_the_decode_leg(slow):
     for s in slow.prefill + slow.decode:
         s.clear()
-    _read_first_chunk_and_leave(slow.url + "/v1/chat/completions",
-                                {"model": "tiny", "messages": [{"role": "user", "content": SHORT}],
-                                 "stream": True, "max_tokens": 200})
+    _read_first_chunk_and_leave(
+        slow.url + "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": SHORT}], "stream": True, "max_tokens": 200},
+    )
     assert wait_for(lambda: [r["status"] for r in slow.decode[0].requests()] == ["aborted"], timeout=5)
-    assert wait_for(lambda: sample(httpx.get(slow.url + "/metrics").text,
-                                   "pdgate_endpoint_in_flight_requests") == 0)
+    assert wait_for(lambda: sample(httpx.get(slow.url + "/metrics").text, "pdgate_endpoint_in_flight_requests") == 0)
 
 
 def test_unhealthy_decode_endpoint_is_skipped_until_it_recovers(cluster, client):
@@ -229,9 +255,10 @@ def _in_flight(cluster) -> float:
 def test_disconnect_during_pd_decode_aborts_the_decode_leg_and_frees_everything(slow):
     for s in slow.prefill + slow.decode:
         s.clear()
-    _read_first_chunk_and_leave(slow.url + "/v1/chat/completions",
-                                {"model": "tiny", "messages": [{"role": "user", "content": LONG}],
-                                 "stream": True, "max_tokens": 200})
+    _read_first_chunk_and_leave(
+        slow.url + "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": LONG}], "stream": True, "max_tokens": 200},
+    )
     assert wait_for(lambda: [r["status"] for r in slow.decode[0].requests()] == ["aborted"], timeout=5)
     assert [r["status"] for r in slow.prefill[0].requests()] == ["completed"]
     assert wait_for(lambda: _in_flight(slow) == 0)
@@ -242,9 +269,12 @@ def test_disconnect_during_pd_decode_aborts_the_decode_leg_and_frees_everything(
 def test_disconnect_during_a_non_streaming_request_aborts_it(slow):
     for s in slow.prefill + slow.decode:
         s.clear()
-    _send_and_hang_up(slow.gateway_port, "/v1/completions",
-                      {"model": "tiny", "prompt": SHORT, "max_tokens": 200},
-                      once=lambda: bool(slow.decode[0].requests()))  # the engine is generating
+    _send_and_hang_up(
+        slow.gateway_port,
+        "/v1/completions",
+        {"model": "tiny", "prompt": SHORT, "max_tokens": 200},
+        once=lambda: bool(slow.decode[0].requests()),
+    )  # the engine is generating
     assert wait_for(lambda: [r["status"] for r in slow.decode[0].requests()] == ["aborted"], timeout=5)
     assert wait_for(lambda: _in_flight(slow) == 0)
     assert sample(httpx.get(slow.url + "/metrics").text, "pdgate_requests_total", status="499") >= 1

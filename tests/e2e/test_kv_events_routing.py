@@ -31,14 +31,19 @@ def cluster(tokenizer_dir, tmp_path_factory):
             pub, replay = free_port(), free_port()
             # As on a real engine: the publisher binds a wildcard address (vLLM connects, instead of
             # binding, to any other address), and the gateway connects to it.
-            flag = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub}",
-                               "replay_endpoint": f"tcp://*:{replay}"})
+            flag = json.dumps(
+                {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}
+            )
             c.decode.append(c.start_sim("decode", "--kv-events-config", flag, env={"VLLM_SERVER_DEV_MODE": "1"}))
             feeds.append((f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"))
         pools = {  # endpoints as objects: each decode engine with its event feed
             "prefill": {"endpoints": [s.url for s in c.prefill]},
-            "decode": {"endpoints": [{"url": s.url, "kv_events": pub, "kv_events_replay": replay}
-                                     for s, (pub, replay) in zip(c.decode, feeds, strict=True)]},
+            "decode": {
+                "endpoints": [
+                    {"url": s.url, "kv_events": pub, "kv_events_replay": replay}
+                    for s, (pub, replay) in zip(c.decode, feeds, strict=True)
+                ]
+            },
         }
         c.start_gateway(THRESHOLD, admin={"token_file": str(token_file)}, pools=pools)
         yield c

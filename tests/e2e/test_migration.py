@@ -42,9 +42,11 @@ def cluster(tokenizer_dir, tmp_path_factory):
         c.prefill.append(c.start_sim("prefill"))
         c.decode += [c.start_sim("decode", *DECODE_ARGS), c.start_sim("decode", *DECODE_ARGS)]
         # The path follows the prompt's length alone (no prefix routing): short direct, long P/D.
-        c.start_gateway(THRESHOLD, routing={"decider": {"name": "token_threshold", "threshold": THRESHOLD},
-                                            "prefix": {"enabled": False}},
-                        health={"interval_s": 0.2, "timeout_s": 0.5})
+        c.start_gateway(
+            THRESHOLD,
+            routing={"decider": {"name": "token_threshold", "threshold": THRESHOLD}, "prefix": {"enabled": False}},
+            health={"interval_s": 0.2, "timeout_s": 0.5},
+        )
         yield c
     finally:
         group.stop_all()
@@ -58,8 +60,7 @@ def all_engines_up(cluster):
         if sim.proc.popen.poll() is not None:
             sim.proc.stop()
             cluster.decode[i] = cluster.start_sim("decode", *DECODE_ARGS, port=sim.port, kv_port=sim.kv_port)
-    assert wait_for(lambda: httpx.get(cluster.url + "/ready").json()["pools"]["decode"]["healthy"] == 2,
-                    timeout=10)
+    assert wait_for(lambda: httpx.get(cluster.url + "/ready").json()["pools"]["decode"]["healthy"] == 2, timeout=10)
 
 
 def request(kind: str, prompt: str, stream: bool, **extra) -> tuple[str, dict]:
@@ -83,8 +84,7 @@ def serving(cluster: Cluster, rid: str) -> Sim:
                 records = sim.requests()
             except httpx.HTTPError:
                 continue
-            if any(r.get("headers", {}).get("x-request-id") == rid and r.get("status") == "running"
-                   for r in records):
+            if any(r.get("headers", {}).get("x-request-id") == rid and r.get("status") == "running" for r in records):
                 found.append(sim)
                 return True
         return False
@@ -137,6 +137,7 @@ def kill_mid_answer(cluster: Cluster, route: str, body: dict, rid: str) -> tuple
     headers = {"x-request-id": rid}
     victim: list[Sim] = []
     if body["stream"]:
+
         def kill_after_some(events: list) -> None:
             if not victim and len(events) == 12:
                 victim.append(serving(cluster, rid))
@@ -162,8 +163,9 @@ def kill_mid_answer(cluster: Cluster, route: str, body: dict, rid: str) -> tuple
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 def test_a_decode_engine_killed_mid_answer_is_invisible_to_the_client(cluster, kind, stream, path):
     route, body = request(kind, LONG if path == "pd" else SHORT, stream)
-    uninterrupted = httpx.post(cluster.url + route, json={**body, "stream": False, "stream_options": None},
-                               timeout=30).json()
+    uninterrupted = httpx.post(
+        cluster.url + route, json={**body, "stream": False, "stream_options": None}, timeout=30
+    ).json()
     ok_before = gateway_metric(cluster, "pdgate_migrations_total", reason="disconnected", result="ok")
     rid = f"migrate-{uuid.uuid4().hex[:12]}"
     r, events, victim = kill_mid_answer(cluster, route, body, rid)
@@ -195,8 +197,14 @@ def test_a_decode_engine_killed_mid_answer_is_invisible_to_the_client(cluster, k
     assert cont["status"] == "completed"
     line = access_line(cluster, rid)
     [m] = line["migrations"]
-    assert (m["reason"], m["result"], m["from"], m["to"], m["path"], m["tokens"]) == \
-        ("disconnected", "ok", victim.url, survivor.url, path, kept)
+    assert (m["reason"], m["result"], m["from"], m["to"], m["path"], m["tokens"]) == (
+        "disconnected",
+        "ok",
+        victim.url,
+        survivor.url,
+        path,
+        kept,
+    )
     assert line["status"] == 200 and line["output_tokens"] == MAX_TOKENS
     assert gateway_metric(cluster, "pdgate_migrations_total", reason="disconnected", result="ok") == ok_before + 1
 
@@ -212,8 +220,9 @@ def test_a_guided_decoding_request_still_ends_with_the_error_event(cluster):
 
 def test_a_second_failure_after_one_migration_ends_with_the_error_event(cluster):
     route, body = request("completion", SHORT, True)
-    uninterrupted = httpx.post(cluster.url + route, json={**body, "stream": False, "stream_options": None},
-                               timeout=30).json()
+    uninterrupted = httpx.post(
+        cluster.url + route, json={**body, "stream": False, "stream_options": None}, timeout=30
+    ).json()
     rid = f"twice-{uuid.uuid4().hex[:12]}"
     killed: list[Sim] = []
 

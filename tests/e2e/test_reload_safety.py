@@ -29,8 +29,9 @@ def cluster(tokenizer_dir, tmp_path):
     (tmp_path / "admin").write_text(ADMIN)
     try:
         c.decode.append(c.start_sim("decode"))
-        c.start_gateway(10_000, auth={"api_keys_file": str(tmp_path / "keys")},
-                        admin={"token_file": str(tmp_path / "admin")})
+        c.start_gateway(
+            10_000, auth={"api_keys_file": str(tmp_path / "keys")}, admin={"token_file": str(tmp_path / "admin")}
+        )
         yield c
     finally:
         group.stop_all()

@@ -29,10 +29,15 @@ def cluster(tokenizer_dir, tmp_path_factory):
     token_file.write_text(TOKEN + "\n")
     try:
         c.prefill.append(c.start_sim("prefill"))
-        c.decode += [c.start_sim("decode", "--decode-time-per-token", "0.01"),
-                     c.start_sim("decode", "--decode-time-per-token", "0.01")]
-        c.start_gateway(THRESHOLD, admin={"token_file": str(token_file)},
-                        signals={"scrape_interval_s": 0.2, "scrape_timeout_s": 2.0, "max_age_s": 5.0})
+        c.decode += [
+            c.start_sim("decode", "--decode-time-per-token", "0.01"),
+            c.start_sim("decode", "--decode-time-per-token", "0.01"),
+        ]
+        c.start_gateway(
+            THRESHOLD,
+            admin={"token_file": str(token_file)},
+            signals={"scrape_interval_s": 0.2, "scrape_timeout_s": 2.0, "max_age_s": 5.0},
+        )
         yield c
     finally:
         group.stop_all()
@@ -53,8 +58,10 @@ def chat(cluster, content: str, **kw) -> httpx.Response:
 
 def engine_of(cluster, request_id: str) -> tuple[str | None, str]:
     """(prefill engine url or None, decode engine url) that served the request."""
+
     def served(sims):
         return [s.url for s in sims for r in s.requests() if r["headers"].get("x-request-id") == request_id]
+
     prefill, decode = served(cluster.prefill), served(cluster.decode)
     assert len(decode) == 1 and len(prefill) <= 1
     return (prefill[0] if prefill else None), decode[0]
@@ -75,8 +82,12 @@ def rewrite_config(cluster, **changes) -> None:
 
 def set_threshold(cluster, threshold: int) -> str:
     rewrite_config(cluster, routing={"decider": {"name": "token_threshold", "threshold": threshold}})
-    assert wait_for(lambda: admin(cluster, "GET", "/admin/config").json()["config"]["routing"]["decider"]
-                    .get("threshold") == threshold, timeout=15)
+    assert wait_for(
+        lambda: (
+            admin(cluster, "GET", "/admin/config").json()["config"]["routing"]["decider"].get("threshold") == threshold
+        ),
+        timeout=15,
+    )
     return admin(cluster, "GET", "/admin/config").json()["version"]
 
 
@@ -148,8 +159,7 @@ def test_load_shifts_traffic_away_from_a_busy_engine(cluster):
             return (views[busy.url]["running"] or 0) >= 3 and views[idle.url]["running"] == 0
 
         assert wait_for(gateway_sees_busy, timeout=10)
-        served = [engine_of(cluster, chat(cluster, f"short question {i}").headers["x-request-id"])[1]
-                  for i in range(8)]
+        served = [engine_of(cluster, chat(cluster, f"short question {i}").headers["x-request-id"])[1] for i in range(8)]
         assert served == [idle.url] * 8
     finally:
         stop.set()
@@ -192,8 +202,13 @@ def test_invalid_edit_changes_nothing(cluster):
     before = admin(cluster, "GET", "/admin/config").json()
     rejected = sample(httpx.get(cluster.url + "/metrics").text, "pdgate_config_reloads_total", result="rejected")
     rewrite_config(cluster, routing={"decider": {"name": "token_threshold", "threshold": -5}})
-    assert wait_for(lambda: sample(httpx.get(cluster.url + "/metrics").text, "pdgate_config_reloads_total",
-                                   result="rejected") == rejected + 1, timeout=15)
+    assert wait_for(
+        lambda: (
+            sample(httpx.get(cluster.url + "/metrics").text, "pdgate_config_reloads_total", result="rejected")
+            == rejected + 1
+        ),
+        timeout=15,
+    )
     after = admin(cluster, "GET", "/admin/config").json()
     assert after["version"] == before["version"] and after["config"] == before["config"]
     assert "threshold" in after["last_reload_error"]

@@ -30,8 +30,11 @@ def test_admin_config_shows_the_port_given_on_the_command_line(tmp_path, tokeniz
     config.write_text(yaml.safe_dump(data))
     group = ProcGroup(tmp_path)
     try:
-        gw = group.start("gateway", [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port",
-                                     str(port)], env={"PDGATE_TEST_OVERRIDES_TOKEN": TOKEN})
+        gw = group.start(
+            "gateway",
+            [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", str(port)],
+            env={"PDGATE_TEST_OVERRIDES_TOKEN": TOKEN},
+        )
         gw.wait_http(f"http://127.0.0.1:{port}/health", timeout=60)
 
         def shown() -> dict:

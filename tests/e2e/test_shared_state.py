@@ -26,8 +26,10 @@ DOC = "Replica notes: both gateways must agree on where each prompt lives. " * 3
 
 
 def start_redis(group: ProcGroup, port: int) -> Proc:
-    proc = group.start(f"redis-{port}", ["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                                          "--save", "", "--appendonly", "no"])
+    proc = group.start(
+        f"redis-{port}",
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+    )
     assert wait_for(lambda: _redis_answers(port), timeout=10), proc.log_tail()
     return proc
 
@@ -59,10 +61,17 @@ def replicas(tokenizer_dir, tmp_path_factory):
     try:
         r = Replicas(c, group, free_port())
         c.prefill.append(c.start_sim("prefill"))
-        c.decode += [c.start_sim("decode", "--decode-time-per-token", "0.01"),
-                     c.start_sim("decode", "--decode-time-per-token", "0.01")]
-        state = {"backend": "redis", "url": f"redis://127.0.0.1:{r.redis_port}/0",
-                 "key_prefix": f"pdgate-test-{uuid.uuid4().hex[:8]}", "sync_interval_s": 0.2, "retry_s": 0.5}
+        c.decode += [
+            c.start_sim("decode", "--decode-time-per-token", "0.01"),
+            c.start_sim("decode", "--decode-time-per-token", "0.01"),
+        ]
+        state = {
+            "backend": "redis",
+            "url": f"redis://127.0.0.1:{r.redis_port}/0",
+            "key_prefix": f"pdgate-test-{uuid.uuid4().hex[:8]}",
+            "sync_interval_s": 0.2,
+            "retry_s": 0.5,
+        }
         for _ in range(2):
             c.start_gateway(THRESHOLD, state=state, admin={"token_file": str(token_file)})
             r.urls.append(c.url)
@@ -89,10 +98,17 @@ def test_affinity_holds_across_replicas(replicas):
     assert first.headers["x-pdgate-path"] == "pd"
     home = decode_engine(replicas.cluster, first.headers["x-request-id"])
     # replica B never saw this prompt: it knows where it lives from Redis
-    assert wait_for(lambda: httpx.post(
-        b + "/debug/route", headers={"authorization": f"Bearer {TOKEN}"},
-        json={"model": "tiny", "messages": [{"role": "user", "content": "Case affinity. " + DOC}]},
-    ).json()["path"] == "direct", timeout=5)
+    assert wait_for(
+        lambda: (
+            httpx.post(
+                b + "/debug/route",
+                headers={"authorization": f"Bearer {TOKEN}"},
+                json={"model": "tiny", "messages": [{"role": "user", "content": "Case affinity. " + DOC}]},
+            ).json()["path"]
+            == "direct"
+        ),
+        timeout=5,
+    )
     again = chat(b, "Case affinity. " + DOC)
     assert again.headers["x-pdgate-path"] == "direct"
     assert decode_engine(replicas.cluster, again.headers["x-request-id"]) == home
@@ -117,8 +133,11 @@ def test_in_flight_counts_are_shared(replicas):
         assert wait_for(lambda: len(started) == 4, timeout=10)
 
         def seen_by_b() -> dict[str, int]:
-            plan = httpx.post(b + "/debug/route", headers={"authorization": f"Bearer {TOKEN}"},
-                              json={"model": "tiny", "prompt": "short"}).json()
+            plan = httpx.post(
+                b + "/debug/route",
+                headers={"authorization": f"Bearer {TOKEN}"},
+                json={"model": "tiny", "prompt": "short"},
+            ).json()
             return {e["url"]: e["in_flight"] for e in plan["endpoints"] if e["pool"] == "decode"}
 
         # B has nothing in flight itself: only the shared counts can tell it about A's streams.

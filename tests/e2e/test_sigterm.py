@@ -27,9 +27,16 @@ def cluster(tokenizer_dir, tmp_path):
     c = Cluster(group, tokenizer_dir)
     try:
         c.decode.append(c.start_sim("decode", "--decode-time-per-token", "0.05"))
-        c.start_gateway(10_000, server={"shutdown_grace_s": GRACE_S},
-                        state={"backend": "redis", "url": "redis://127.0.0.1:6379/0",
-                               "key_prefix": f"sigterm{os.getpid()}", "sync_interval_s": 0.05})
+        c.start_gateway(
+            10_000,
+            server={"shutdown_grace_s": GRACE_S},
+            state={
+                "backend": "redis",
+                "url": "redis://127.0.0.1:6379/0",
+                "key_prefix": f"sigterm{os.getpid()}",
+                "sync_interval_s": 0.05,
+            },
+        )
         yield c
     finally:
         group.stop_all()
@@ -40,8 +47,13 @@ def test_sigterm_under_load_ends_every_stream_cleanly_and_exits_in_time(cluster)
     started = threading.Barrier(9)
 
     def stream() -> None:
-        body = {"model": "tiny", "messages": [{"role": "user", "content": "a long story"}], "max_tokens": 400,
-                "stream": True, "ignore_eos": True}
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "a long story"}],
+            "max_tokens": 400,
+            "stream": True,
+            "ignore_eos": True,
+        }
         events: list[str] = []
         try:
             with httpx.stream("POST", cluster.url + "/v1/chat/completions", json=body, timeout=60) as r:

@@ -39,8 +39,12 @@ def cluster(tokenizer_dir, tmp_path_factory):
     try:
         c.prefill.append(c.start_sim("prefill"))
         c.decode.append(c.start_sim("decode", "--enable-prompt-tokens-details", "--decode-time-per-token", "0.002"))
-        c.start_gateway(THRESHOLD, server={"workers": 2}, admin={"token_file": str(token_file)},
-                        admission={"max_in_flight": LIMIT, "queue_timeout_s": 0.2})
+        c.start_gateway(
+            THRESHOLD,
+            server={"workers": 2},
+            admin={"token_file": str(token_file)},
+            admission={"max_in_flight": LIMIT, "queue_timeout_s": 0.2},
+        )
         yield c
     finally:
         group.stop_all()
@@ -68,8 +72,9 @@ def one_client_per_worker(cluster: Cluster, workers: int = 2) -> dict[int, httpx
 
 
 def chat(client: httpx.Client, cluster: Cluster, messages: list[dict], **kw) -> httpx.Response:
-    return client.post(cluster.url + "/v1/chat/completions",
-                       json={"model": "tiny", "messages": messages, "max_tokens": 4, **kw})
+    return client.post(
+        cluster.url + "/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 4, **kw}
+    )
 
 
 def test_the_second_turn_on_the_other_worker_finds_the_first_turns_prefix(cluster):
@@ -80,10 +85,18 @@ def test_the_second_turn_on_the_other_worker_finds_the_first_turns_prefix(cluste
         assert r1.status_code == 200 and r1.headers["x-pdgate-path"] == "pd"
         said = r1.json()["choices"][0]["message"]["content"]
         turn2 = [*messages, {"role": "assistant", "content": said}, {"role": "user", "content": "And then?"}]
+
         # worker 1 routed nothing of this conversation: it knows the prefix from worker 0 only
         def planned_path() -> str:
-            return clients[1].post(cluster.url + "/debug/route", headers={"authorization": f"Bearer {TOKEN}"},
-                                   json={"model": "tiny", "messages": turn2}).json()["path"]
+            return (
+                clients[1]
+                .post(
+                    cluster.url + "/debug/route",
+                    headers={"authorization": f"Bearer {TOKEN}"},
+                    json={"model": "tiny", "messages": turn2},
+                )
+                .json()["path"]
+            )
 
         ok = wait_for(lambda: planned_path() == "direct", timeout=5)
         assert ok, "worker 1 never learned what worker 0 routed"
@@ -100,8 +113,12 @@ def test_the_admission_limit_holds_across_workers(cluster):
     """Three streams on each worker's connections, LIMIT slots for the whole gateway: LIMIT are
     served, the rest get 429 with Retry-After, whichever worker they reached."""
     clients = [one_client_per_worker(cluster) for _ in range(3)]
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "hold a slot"}], "max_tokens": 400,
-            "stream": True}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hold a slot"}],
+        "max_tokens": 400,
+        "stream": True,
+    }
 
     def stream(client: httpx.Client) -> tuple[int, str | None]:
         with client.stream("POST", cluster.url + "/v1/chat/completions", json=body) as r:
@@ -126,6 +143,7 @@ def test_the_admission_limit_holds_across_workers(cluster):
 def test_one_metrics_endpoint_counts_the_whole_gateway(cluster):
     clients = one_client_per_worker(cluster)
     try:
+
         def served() -> float:
             text = clients[0].get(cluster.url + "/metrics").text
             return sample(text, "pdgate_requests_total", model="tiny", path="direct", status="200")
@@ -151,12 +169,18 @@ def test_an_edited_config_reaches_every_worker(cluster):
     messages = [{"role": "user", "content": "a short question, well under any threshold"}]
 
     def path_in(w: int) -> str:
-        return clients[w].post(cluster.url + "/debug/route", headers={"authorization": f"Bearer {TOKEN}"},
-                               json={"model": "tiny", "messages": messages}).json()["path"]
+        return (
+            clients[w]
+            .post(
+                cluster.url + "/debug/route",
+                headers={"authorization": f"Bearer {TOKEN}"},
+                json={"model": "tiny", "messages": messages},
+            )
+            .json()["path"]
+        )
 
     def reloads() -> float:
-        return sample(httpx.get(cluster.url + "/metrics", timeout=10).text, "pdgate_config_reloads_total",
-                      result="ok")
+        return sample(httpx.get(cluster.url + "/metrics", timeout=10).text, "pdgate_config_reloads_total", result="ok")
 
     try:
         assert path_in(0) == path_in(1) == "direct"
@@ -183,8 +207,11 @@ def test_a_rejected_edit_is_logged_once_for_the_gateway(cluster):
     assert cluster.gateway is not None and cluster.config_path is not None
 
     def last_error(w: int) -> str | None:
-        return clients[w].get(cluster.url + "/admin/config",
-                              headers={"authorization": f"Bearer {TOKEN}"}).json()["last_reload_error"]
+        return (
+            clients[w]
+            .get(cluster.url + "/admin/config", headers={"authorization": f"Bearer {TOKEN}"})
+            .json()["last_reload_error"]
+        )
 
     def rejections() -> int:
         return cluster.gateway.log_path.read_text().count("config reload rejected")
@@ -209,8 +236,9 @@ def test_a_rejected_edit_is_logged_once_for_the_gateway(cluster):
 
 def worker_pids(cluster: Cluster) -> list[int]:
     assert cluster.gateway is not None
-    out = subprocess.run(["pgrep", "-P", str(cluster.gateway.popen.pid), "-f", "multiprocessing.spawn"],
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["pgrep", "-P", str(cluster.gateway.popen.pid), "-f", "multiprocessing.spawn"], capture_output=True, text=True
+    ).stdout
     return [int(p) for p in out.split()]
 
 
@@ -218,8 +246,9 @@ def test_a_worker_that_dies_is_started_again(cluster):
     pids = worker_pids(cluster)
     assert len(pids) == 2
     os.kill(pids[0], signal.SIGKILL)
-    assert wait_for(lambda: len(set(worker_pids(cluster)) - {pids[0]}) == 2, timeout=30), \
+    assert wait_for(lambda: len(set(worker_pids(cluster)) - {pids[0]}) == 2, timeout=30), (
         f"no new worker:\n{cluster.gateway.log_tail()}"
+    )
     clients = one_client_per_worker(cluster)  # both serve again
     for c in clients.values():
         c.close()
@@ -247,8 +276,9 @@ def test_a_dead_workers_requests_leave_the_in_flight_gauge(cluster):
     """A worker killed mid-stream: until it is back, /metrics (from the other worker) keeps its
     counts but no longer shows its stream in flight."""
     port = int(cluster.url.rsplit(":", 1)[1])
-    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hold a slot"}],
-                       "max_tokens": 1000, "stream": True}).encode()
+    body = json.dumps(
+        {"model": "tiny", "messages": [{"role": "user", "content": "hold a slot"}], "max_tokens": 1000, "stream": True}
+    ).encode()
 
     def scrape() -> str:
         return httpx.get(cluster.url + "/metrics", timeout=10).text
@@ -258,8 +288,10 @@ def test_a_dead_workers_requests_leave_the_in_flight_gauge(cluster):
         just started may shed while its loop warms up: 429, and the test asks again.)"""
         for _ in range(50):
             conn = socket.create_connection(("127.0.0.1", port), timeout=10)
-            conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
-                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            conn.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body)
+            )
             head = conn.recv(65536)
             if head.startswith(b"HTTP/1.1 200"):  # the headers, then the stream goes on
                 return conn

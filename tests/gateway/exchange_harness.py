@@ -33,8 +33,15 @@ from policies.prefix_index import PrefixIndex
 from policies.prefix_learning import InFlightPrefixes, PrefixBeliefs
 
 P, D, D2 = "http://p:1", "http://d:1", "http://d2:1"
-KV = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [[1]], "remote_host": "h",
-      "remote_port": 1, "remote_request_id": "r", "remote_prefill_cached_tokens": 0}
+KV = {
+    "do_remote_prefill": True,
+    "remote_engine_id": "e",
+    "remote_block_ids": [[1]],
+    "remote_host": "h",
+    "remote_port": 1,
+    "remote_request_id": "r",
+    "remote_prefill_cached_tokens": 0,
+}
 
 
 @dataclass
@@ -98,8 +105,13 @@ def completion(text: str = "ok", kv: dict | None = None, cached: int | None = No
     usage: dict[str, Any] = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
     if cached is not None:
         usage["prompt_tokens_details"] = {"cached_tokens": cached}
-    return {"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": text}],
-            "usage": usage, "kv_transfer_params": kv}
+    return {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "choices": [{"index": 0, "text": text}],
+        "usage": usage,
+        "kv_transfer_params": kv,
+    }
 
 
 class FakeUpstream:
@@ -115,8 +127,9 @@ class FakeUpstream:
     def on(self, url: str, *answers: Any) -> None:
         self.script[url].extend(answers)
 
-    async def post(self, ep: Any, path: str, body: dict, request_id: str, *, leg: str,
-                   headers: dict | None = None) -> FakeResponse:
+    async def post(
+        self, ep: Any, path: str, body: dict, request_id: str, *, leg: str, headers: dict | None = None
+    ) -> FakeResponse:
         self.calls.append((ep.url, leg, body))
         self.paths.append(path)
         queue = self.script[ep.url] or self.script[leg]
@@ -187,23 +200,38 @@ class Harness:
         self.hook_errors: list[tuple[str, str]] = []
         self.gate = Gate(self.cfg.admission.max_in_flight)
         router = Router(self.cfg.routing, self.pools, self.index, None, self.beliefs.in_flight, self.estimates)
-        hooks = Hooks([("recorder", self.recorder), ("prefix_beliefs", self.beliefs),
-                       ("engine_estimates", self.estimates)], lambda *a: self.hook_errors.append(a))
+        hooks = Hooks(
+            [("recorder", self.recorder), ("prefix_beliefs", self.beliefs), ("engine_estimates", self.estimates)],
+            lambda *a: self.hook_errors.append(a),
+        )
         runtime = Runtime(self.cfg, "test", router, self.upstream, self.tokenizers, hooks)  # type: ignore[arg-type]
         self.access: list[dict] = []  # the access log's lines, parsed
         access = AccessLog(sink=lambda line: self.access.append(orjson.loads(line)))
-        services = Services(self.pools, self.metrics, Tracing(TracingConfig(), self.spans), access,
-                            self.gate,
-                            KVReleaser(self.upstream))  # type: ignore[arg-type]
+        services = Services(
+            self.pools, self.metrics, Tracing(TracingConfig(), self.spans), access, self.gate, KVReleaser(self.upstream)
+        )  # type: ignore[arg-type]
         self.gateway = Gateway(runtime, services)
 
-    async def send(self, body: dict, *, kind: str = "completion", leave: asyncio.Event | None = None,
-                   sent: list[dict] | None = None) -> Sent:
+    async def send(
+        self,
+        body: dict,
+        *,
+        kind: str = "completion",
+        leave: asyncio.Event | None = None,
+        sent: list[dict] | None = None,
+    ) -> Sent:
         """Run one request; ``leave`` set: the client disconnects then. Waits for the hooks too."""
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         raw = orjson.dumps(body)
-        scope = {"type": "http", "method": "POST", "path": path, "query_string": b"", "http_version": "1.1",
-                 "headers": [(b"content-type", b"application/json")], "state": {"gw": self.gateway}}
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": path,
+            "query_string": b"",
+            "http_version": "1.1",
+            "headers": [(b"content-type", b"application/json")],
+            "state": {"gw": self.gateway},
+        }
         delivered = False
         messages = sent if sent is not None else []
 
@@ -236,9 +264,11 @@ def make(tokenizer_dir: Path, spans: Any = None, **overrides: Any) -> Harness:
     data: dict[str, Any] = {
         "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 4096}],
         "pools": {"prefill": {"endpoints": [P]}, "decode": {"endpoints": [D, D2]}},
-        "routing": {"decider": {"name": "token_threshold", "threshold": 64},
-                    "decode": {"scorers": [{"name": "prefix_affinity"}], "picker": {"name": "max_score"}},
-                    "prefix": {"block_size": 16}},
+        "routing": {
+            "decider": {"name": "token_threshold", "threshold": 64},
+            "decode": {"scorers": [{"name": "prefix_affinity"}], "picker": {"name": "max_score"}},
+            "prefix": {"block_size": 16},
+        },
     }
     data.update(overrides)
     cfg = parse_config(data)

@@ -46,5 +46,11 @@ def test_legs_without_a_report_or_without_prefix_routing_are_not_checked():
     audit.on_leg_done(ctx({D: 512}), leg("decode", D, None, Path.PD))  # P/D decode legs report P's hit: None
     audit.on_leg_done(ctx({}, block_size=0), leg("decode", D, 0))  # prefix routing off: no belief to check
     page = metrics.render().decode()
-    assert sum(sample(page, "pdgate_prefix_belief_checks_total", pool=pool, result=r)
-               for pool in ("prefill", "decode") for r in ("exact", "over", "under")) == 0
+    assert (
+        sum(
+            sample(page, "pdgate_prefix_belief_checks_total", pool=pool, result=r)
+            for pool in ("prefill", "decode")
+            for r in ("exact", "over", "under")
+        )
+        == 0
+    )

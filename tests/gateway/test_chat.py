@@ -21,13 +21,16 @@ from gateway.tokenization import chat
 from gateway.tokenization.tokenizer import ModelTokenizer, PromptIds, Tokenizers, detect_renderer
 
 LOOPS_PARTS = "{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endfor %}"
-ALIASED = ("{% set msgs = messages %}{% for m in msgs %}{% for p in m.content | list %}{{ p.text }}"
-           "{% endfor %}{% endfor %}")
+ALIASED = (
+    "{% set msgs = messages %}{% for m in msgs %}{% for p in m.content | list %}{{ p.text }}{% endfor %}{% endfor %}"
+)
 STRING = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 # Shows what the template receives: role, content (string or parts as JSON) and extra fields.
-SHOW = ("{% for m in messages %}[{{ m.role }}|{{ m.content if m.content is string else m.content | tojson }}"
-        "{% for k in ['name', 'task', 'tool_calls', 'tool_call_id', 'reasoning'] %}{% if k in m %}|{{ k }}="
-        "{{ m[k] | tojson }}{% endif %}{% endfor %}]{% endfor %}{% if tools %}<tools {{ tools | tojson }}>{% endif %}")
+SHOW = (
+    "{% for m in messages %}[{{ m.role }}|{{ m.content if m.content is string else m.content | tojson }}"
+    "{% for k in ['name', 'task', 'tool_calls', 'tool_call_id', 'reasoning'] %}{% if k in m %}|{{ k }}="
+    "{{ m[k] | tojson }}{% endif %}{% endfor %}]{% endfor %}{% if tools %}<tools {{ tools | tojson }}>{% endif %}"
+)
 SHOW_PARTS = SHOW.replace("{% for m in messages %}", "{% for m in messages %}{% for p in m.content %}{% endfor %}")
 
 
@@ -68,20 +71,45 @@ QWEN_VL = """{%- macro render_content(content, do_vision_count) -%}
 {%- if content is string %}{{ content }}{%- else %}{%- for item in content %}{{ item.text }}{%- endfor %}{%- endif %}
 {%- endmacro -%}
 {%- for message in messages %}{{ render_content(message.content, true) }}{%- endfor %}"""
-MACRO_KWARG = ("{% macro show(x, body) %}{% for i in body %}{{ i.text }}{% endfor %}{% endmacro %}"
-               "{% for m in messages %}{{ show(1, body=m['content']) }}{% endfor %}")
-MACRO_OTHER = ("{% macro show(items) %}{% for i in items %}{{ i }}{% endfor %}{% endmacro %}"
-               "{% for m in messages %}{{ show(m.role) }}{{ m.content }}{% endfor %}")
-GENERATION = ("{% for m in messages %}{% generation %}{% for p in m.content %}{{ p.text }}{% endfor %}"
-              "{% endgeneration %}{% endfor %}{{ enable_thinking }}")
+MACRO_KWARG = (
+    "{% macro show(x, body) %}{% for i in body %}{{ i.text }}{% endfor %}{% endmacro %}"
+    "{% for m in messages %}{{ show(1, body=m['content']) }}{% endfor %}"
+)
+MACRO_OTHER = (
+    "{% macro show(items) %}{% for i in items %}{{ i }}{% endfor %}{% endmacro %}"
+    "{% for m in messages %}{{ show(m.role) }}{{ m.content }}{% endfor %}"
+)
+GENERATION = (
+    "{% for m in messages %}{% generation %}{% for p in m.content %}{{ p.text }}{% endfor %}"
+    "{% endgeneration %}{% endfor %}{{ enable_thinking }}"
+)
 
 
-@pytest.mark.parametrize(("template", "fmt"), [
-    (LOOPS_PARTS, "openai"), (ALIASED, "openai"), (STRING, "string"), ("{% broken", "string"),
-    (QWEN_VL, "openai"), (MACRO_KWARG, "openai"), (MACRO_OTHER, "string"), (GENERATION, "openai"),
-    ("{% for a, b in messages %}{% endfor %}", "string"),  # vLLM's detector gives up on tuple targets
-], ids=["parts", "aliased", "string", "broken", "qwen-vl-macro", "macro-kwarg", "macro-other-param",
-        "generation-tag", "tuple-target"])
+@pytest.mark.parametrize(
+    ("template", "fmt"),
+    [
+        (LOOPS_PARTS, "openai"),
+        (ALIASED, "openai"),
+        (STRING, "string"),
+        ("{% broken", "string"),
+        (QWEN_VL, "openai"),
+        (MACRO_KWARG, "openai"),
+        (MACRO_OTHER, "string"),
+        (GENERATION, "openai"),
+        ("{% for a, b in messages %}{% endfor %}", "string"),  # vLLM's detector gives up on tuple targets
+    ],
+    ids=[
+        "parts",
+        "aliased",
+        "string",
+        "broken",
+        "qwen-vl-macro",
+        "macro-kwarg",
+        "macro-other-param",
+        "generation-tag",
+        "tuple-target",
+    ],
+)
 def test_content_format_detection(template, fmt):
     assert chat.detect_content_format(template) == fmt
 
@@ -97,10 +125,17 @@ def test_generation_tag_keeps_template_variables(hf):
 
 # -- content parts (F4, F7) ----------------------------------------------------------------------
 
+
 def test_text_like_parts_are_text_and_null_text_is_skipped(hf):
-    parts = [{"type": "input_text", "text": "a"}, {"type": "output_text", "text": "b"},
-             {"type": "refusal", "refusal": "c"}, {"type": "thinking", "thinking": "d"},
-             {"type": "text", "text": None}, {"type": "text", "text": ""}, "e"]
+    parts = [
+        {"type": "input_text", "text": "a"},
+        {"type": "output_text", "text": "b"},
+        {"type": "refusal", "refusal": "c"},
+        {"type": "thinking", "thinking": "d"},
+        {"type": "text", "text": None},
+        {"type": "text", "text": ""},
+        "e",
+    ]
     tok = make(hf, chat_template=SHOW)
     assert tok.hf.decode(tok.prompt_ids(unchecked({"messages": user(parts)}))[0]) == "[user|a\nb\nc\nd\ne]"
     conv, media = chat.normalize_messages(user(parts), "openai")
@@ -122,10 +157,13 @@ def test_unknown_part_type_is_refused_like_vllm(tok):
 def test_claude_code_billing_header_is_stripped_from_system_messages(hf):
     tok = make(hf, chat_template=SHOW)
     header = "x-anthropic-billing-header: cc_version=1; cch=abc"
-    body = {"messages": [{"role": "system", "content": header + "\nYou help."},
-                         {"role": "system", "content": [{"type": "text", "text": header},
-                                                        {"type": "text", "text": "Be brief."}]},
-                         {"role": "user", "content": header + "\nkept for users"}]}
+    body = {
+        "messages": [
+            {"role": "system", "content": header + "\nYou help."},
+            {"role": "system", "content": [{"type": "text", "text": header}, {"type": "text", "text": "Be brief."}]},
+            {"role": "user", "content": header + "\nkept for users"},
+        ]
+    }
     assert rendered(tok, body) == f"[system|You help.][system|Be brief.][user|{header}\nkept for users]"
 
 
@@ -143,20 +181,31 @@ def test_string_content_shortcut_equals_the_parts_path():
 
 # -- message fields (F6, F8, F11) -----------------------------------------------------------------
 
+
 def test_empty_tool_calls_are_removed_and_task_is_copied(hf):
     tok = make(hf, chat_template=SHOW)
-    body = {"messages": [{"role": "user", "content": "q", "task": "summarize", "name": "ann"},
-                         {"role": "assistant", "content": "a", "tool_calls": []}]}
+    body = {
+        "messages": [
+            {"role": "user", "content": "q", "task": "summarize", "name": "ann"},
+            {"role": "assistant", "content": "a", "tool_calls": []},
+        ]
+    }
     assert rendered(tok, body) == '[user|q|name="ann"|task="summarize"][assistant|a]'
 
 
 def test_tool_call_arguments_parse_like_the_json_module():
-    calls = [{"id": "1", "type": "function", "function": {"name": "f", "arguments": a}}
-             for a in ('{"x": NaN, "y": -Infinity, "n": 123456789012345678901234567890}', "[1, 2]", "not json", "",
-                       '"text"')]
-    msgs = [{"role": "assistant", "content": None, "tool_calls": calls},
-            {"role": "tool", "tool_call_id": "1",
-             "content": [{"type": "text", "text": "r"}, {"type": "text", "text": "s"}]}]
+    calls = [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": a}}
+        for a in ('{"x": NaN, "y": -Infinity, "n": 123456789012345678901234567890}', "[1, 2]", "not json", "", '"text"')
+    ]
+    msgs = [
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {
+            "role": "tool",
+            "tool_call_id": "1",
+            "content": [{"type": "text", "text": "r"}, {"type": "text", "text": "s"}],
+        },
+    ]
     conv, _ = chat.normalize_messages(msgs, "openai")
     args = [c["function"]["arguments"] for c in conv[0]["tool_calls"]]
     assert args[0]["n"] == 123456789012345678901234567890 and args[0]["x"] != args[0]["x"]  # NaN
@@ -166,8 +215,10 @@ def test_tool_call_arguments_parse_like_the_json_module():
     assert msgs[0]["tool_calls"][0]["function"]["arguments"].startswith('{"x"')  # the request is not mutated
 
 
-@pytest.mark.parametrize(("calls", "needle"), [(["x"], "entries must be objects"),
-                                               ([{"type": "custom", "custom": {}}], "of type 'function'")])
+@pytest.mark.parametrize(
+    ("calls", "needle"),
+    [(["x"], "entries must be objects"), ([{"type": "custom", "custom": {}}], "of type 'function'")],
+)
 def test_malformed_tool_calls_are_refused(tok, calls, needle):
     with pytest.raises(APIError, match=needle):
         tok.prompt_ids(req({"messages": [{"role": "assistant", "content": "a", "tool_calls": calls}]}))
@@ -179,33 +230,54 @@ def test_reasoning_content_is_read_as_reasoning(hf):
 
 
 def test_developer_becomes_system_when_template_lacks_it():
-    conv, _ = chat.normalize_messages([{"role": "user", "content": "u"}, {"role": "developer", "content": "d"},
-                                       {"role": "system", "content": "s"}], "string")
-    assert chat.for_template(conv, STRING) == [{"role": "system", "content": "d\n\ns"},
-                                               {"role": "user", "content": "u"}]
+    conv, _ = chat.normalize_messages(
+        [{"role": "user", "content": "u"}, {"role": "developer", "content": "d"}, {"role": "system", "content": "s"}],
+        "string",
+    )
+    assert chat.for_template(conv, STRING) == [
+        {"role": "system", "content": "d\n\ns"},
+        {"role": "user", "content": "u"},
+    ]
     assert chat.for_template(conv, STRING + "{# 'developer' #}") == conv
 
 
 # -- kwargs (F5, F10) -----------------------------------------------------------------------------
 
+
 def test_kwargs_tools_replace_the_request_tools(hf):
     tok = make(hf, chat_template=SHOW)
-    body = {"messages": user("q"), "tools": [{"type": "function", "function": {"name": "from_request"}}],
-            "chat_template_kwargs": {"tools": [{"name": "from_kwargs"}]}}
+    body = {
+        "messages": user("q"),
+        "tools": [{"type": "function", "function": {"name": "from_request"}}],
+        "chat_template_kwargs": {"tools": [{"name": "from_kwargs"}]},
+    }
     assert rendered(tok, body) == '[user|q]<tools [{"name": "from_kwargs"}]>'
 
 
 def test_template_kwargs_follow_vllm_merge_rules():
     template = "{{ enable_thinking }}{{ custom }}{{ from_server }}"
-    body = {"chat_template_kwargs": {"custom": 1, "unknown_var": 2, "add_generation_prompt": False,
-                                     "from_server": None, "tokenize": "auto"},
-            "reasoning_effort": "none"}
+    body = {
+        "chat_template_kwargs": {
+            "custom": 1,
+            "unknown_var": 2,
+            "add_generation_prompt": False,
+            "from_server": None,
+            "tokenize": "auto",
+        },
+        "reasoning_effort": "none",
+    }
     merged = chat.merged_kwargs(body, None, {"from_server": "s", "tokenize": True})
     args = chat.render_args(merged, template)
     # request fields override chat_template_kwargs, which override the server's defaults unless
     # null or "auto"; unknown variables are dropped; the server cannot make vLLM tokenize in the template
-    assert args.kwargs == {"custom": 1, "add_generation_prompt": True, "continue_final_message": False,
-                           "enable_thinking": False, "from_server": "s", "return_dict": False}
+    assert args.kwargs == {
+        "custom": 1,
+        "add_generation_prompt": True,
+        "continue_final_message": False,
+        "enable_thinking": False,
+        "from_server": "s",
+        "return_dict": False,
+    }
     assert args.tools is None
     # tokenizer-call kwargs never reach the template call, even from a template that names them
     server = {"tokenize": True, "padding": "max_length", "max_length": 10**7, "truncation": True}
@@ -217,8 +289,12 @@ def test_server_flags_are_mirrored(hf):
     """F10: --default-chat-template-kwargs, --exclude-tools-when-tool-choice-none,
     --chat-template-content-format, --trust-request-chat-template."""
     tools = [{"type": "function", "function": {"name": "f"}}]
-    tok = make(hf, chat_template=SHOW + "{{ flavour }}", default_chat_template_kwargs={"flavour": "mild"},
-               exclude_tools_when_tool_choice_none=True)
+    tok = make(
+        hf,
+        chat_template=SHOW + "{{ flavour }}",
+        default_chat_template_kwargs={"flavour": "mild"},
+        exclude_tools_when_tool_choice_none=True,
+    )
     assert rendered(tok, {"messages": user("q")}) == "[user|q]mild"
     assert rendered(tok, {"messages": user("q"), "chat_template_kwargs": {"flavour": "hot"}}) == "[user|q]hot"
     assert rendered(tok, {"messages": user("q"), "tools": tools, "tool_choice": "none"}) == "[user|q]mild"
@@ -238,6 +314,7 @@ def test_server_flags_are_mirrored(hf):
 
 
 # -- templates (F9) -------------------------------------------------------------------------------
+
 
 def test_named_templates_are_chosen_by_tools(hf):
     named = copy.deepcopy(hf)
@@ -263,21 +340,28 @@ def test_chat_ids_match_transformers_rendering(tok):
     ids = tok.prompt_ids(req({"messages": messages}))[0]
     text = tok.hf.apply_chat_template(
         [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in messages],
-        tokenize=False, add_generation_prompt=True)
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert ids == tok.hf.encode(text, add_special_tokens=False)
     assert text.endswith("<|assistant|>\n")
 
 
 # -- tokenizing kwargs (F3, issue 27) ---------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs", [
-    {"tokenize": True, "padding": "max_length", "max_length": 10_000_000},
-    {"tokenize": True, "truncation": True, "max_length": 5},
-    {"tokenize": True},
-    {"padding": "longest"},
-    {"tokenizer_kwargs": {"padding": "max_length"}},
-    {"return_tensors": "np"},
-], ids=["pad-10M", "truncate", "tokenize", "padding-alone", "tokenizer-kwargs", "tensors"])
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"tokenize": True, "padding": "max_length", "max_length": 10_000_000},
+        {"tokenize": True, "truncation": True, "max_length": 5},
+        {"tokenize": True},
+        {"padding": "longest"},
+        {"tokenizer_kwargs": {"padding": "max_length"}},
+        {"return_tensors": "np"},
+    ],
+    ids=["pad-10M", "truncate", "tokenize", "padding-alone", "tokenizer-kwargs", "tensors"],
+)
 def test_tokenizer_call_kwargs_are_refused(hf, kwargs):
     """vLLM forwards these to apply_chat_template, whose tokenizer then pads or truncates: 150 bytes
     padded to 10M ids (~1 GB). The gateway refuses them before any work, naming the parameter."""
@@ -303,6 +387,7 @@ def test_tokenizer_call_kwargs_at_their_defaults_are_accepted(hf):
 
 # -- media and model-specific renderers (F12) -----------------------------------------------------
 
+
 def test_media_parts_make_the_count_approximate(hf, tok):
     parts = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
     ids = tok.prompt_ids(req({"messages": user(parts)}))
@@ -313,12 +398,15 @@ def test_media_parts_make_the_count_approximate(hf, tok):
     assert media and conv[0]["content"][1] == {"type": "image"}
 
 
-@pytest.mark.parametrize(("config", "mode", "renderer"), [
-    ({"architectures": ["DeepseekV32ForCausalLM"]}, "auto", "deepseek_v32"),
-    ({"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"]}, "auto", "harmony"),
-    ({"architectures": ["LlamaForCausalLM"]}, "cohere", "cohere"),
-    ({"architectures": ["LlamaForCausalLM"]}, "auto", None),
-])
+@pytest.mark.parametrize(
+    ("config", "mode", "renderer"),
+    [
+        ({"architectures": ["DeepseekV32ForCausalLM"]}, "auto", "deepseek_v32"),
+        ({"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"]}, "auto", "harmony"),
+        ({"architectures": ["LlamaForCausalLM"]}, "cohere", "cohere"),
+        ({"architectures": ["LlamaForCausalLM"]}, "auto", None),
+    ],
+)
 def test_model_specific_renderers_are_detected(tokenizer_dir, tmp_path, caplog, config, mode, renderer):
     folder = tmp_path / "model"
     shutil.copytree(tokenizer_dir, folder)
@@ -332,6 +420,7 @@ def test_model_specific_renderers_are_detected(tokenizer_dir, tmp_path, caplog, 
 
 
 # -- truncation and lengths (F13, F14, P7) ----------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def bos_dir(tokenizer_dir, tmp_path_factory):
@@ -412,8 +501,9 @@ def test_text_too_long_for_any_tokenization_is_refused_before_tokenizing(hf):
         tok.prompt_ids(req({"prompt": "x" * (limit + 1)}, "completion"))
     assert calls == []  # refused without tokenizing
     # with truncation vLLM cuts the text first instead
-    ids = tok.prompt_ids(req({"prompt": "x" * (limit * 3), "truncate_prompt_tokens": 4, "truncation_side": "left"},
-                             "completion"))
+    ids = tok.prompt_ids(
+        req({"prompt": "x" * (limit * 3), "truncate_prompt_tokens": 4, "truncation_side": "left"}, "completion")
+    )
     assert len(ids[0]) == 4 and calls == [limit]
 
 
@@ -430,6 +520,7 @@ class _CountingBackend:
 
 
 # -- event loop safety (P5, P6) ---------------------------------------------------------------------
+
 
 class _ThreadRecorder(ModelTokenizer):
     def __init__(self, inner: ModelTokenizer) -> None:
@@ -466,11 +557,14 @@ def test_inline_limit_config_is_in_bytes():
 def test_tokenizers_run_concurrently_without_sharing_state(tok):
     """The pool's threads share one Rust tokenizer: it is used read-only (truncation cuts each call's own
     encoding; no call configures the tokenizer, issue 27)."""
+
     async def main():
         toks = Tokenizers([tok], TokenizerConfig(inline_max_bytes=0, workers=2))
         try:
-            bodies = [{"messages": user("word " * 20), "truncate_prompt_tokens": 3},
-                      {"messages": user("word " * 20)}] * 10
+            bodies = [
+                {"messages": user("word " * 20), "truncate_prompt_tokens": 3},
+                {"messages": user("word " * 20)},
+            ] * 10
             return await asyncio.gather(*(toks.prompt_ids(tok, req(b)) for b in bodies))
         finally:
             toks.close()

@@ -32,8 +32,10 @@ def test_tokenizers_are_loaded_as_serve_would(tmp_path, capsys, tokenizer_dir):
     good = {**BASE, "models": [{"name": "m", "tokenizer": str(tokenizer_dir), "max_model_len": 100}]}
     code, out = run(tmp_path, good, capsys, tokenizers=True)
     assert code == 0 and "OK" in out
-    bad = {**BASE, "models": [*good["models"], {"name": "n", "tokenizer": str(tmp_path / "nowhere"),
-                                                 "max_model_len": 100}]}
+    bad = {
+        **BASE,
+        "models": [*good["models"], {"name": "n", "tokenizer": str(tmp_path / "nowhere"), "max_model_len": 100}],
+    }
     code, out = run(tmp_path, bad, capsys, tokenizers=True)
     assert code == 1 and "models[1].tokenizer: cannot load" in out and "nowhere" in out
     assert "Traceback" not in out and len(out.strip().splitlines()) == 1
@@ -45,8 +47,7 @@ def test_unknown_policy_is_caught_offline(tmp_path, capsys):
 
 
 def test_bad_policy_parameter(tmp_path, capsys):
-    code, out = run(tmp_path, {**BASE, "routing": {"decider": {"name": "cost_model", "kv_bandwidth_gbps": 0}}},
-                    capsys)
+    code, out = run(tmp_path, {**BASE, "routing": {"decider": {"name": "cost_model", "kv_bandwidth_gbps": 0}}}, capsys)
     assert code == 1 and "kv_bandwidth_gbps" in out
 
 
@@ -61,17 +62,21 @@ def test_missing_admin_token_file(tmp_path, capsys):
 
 
 def test_policy_errors_show_their_yaml_location(tmp_path, capsys):
-    code, out = run(tmp_path, (
-        "models: [{name: m, tokenizer: t, max_model_len: 100}]\n"
-        "pools: {decode: {endpoints: ['http://d0:8000']}}\n"
-        "routing:\n"
-        "  decider: {name: token_threshold, threshold: 0}\n"
-        "  decode:\n"
-        "    scorers:\n"
-        "      - {name: prefix_affinity, weight: 2}\n"
-        "      - {name: session_affinity, haeder: x-chat}\n"
-        "    filters: [{name: bounded_load, slack: yes}]\n"
-    ), capsys)
+    code, out = run(
+        tmp_path,
+        (
+            "models: [{name: m, tokenizer: t, max_model_len: 100}]\n"
+            "pools: {decode: {endpoints: ['http://d0:8000']}}\n"
+            "routing:\n"
+            "  decider: {name: token_threshold, threshold: 0}\n"
+            "  decode:\n"
+            "    scorers:\n"
+            "      - {name: prefix_affinity, weight: 2}\n"
+            "      - {name: session_affinity, haeder: x-chat}\n"
+            "    filters: [{name: bounded_load, slack: yes}]\n"
+        ),
+        capsys,
+    )
     assert code == 1
     assert out.splitlines() == [
         f"{tmp_path / 'c.yaml'}: invalid configuration",
@@ -82,8 +87,9 @@ def test_policy_errors_show_their_yaml_location(tmp_path, capsys):
 
 
 def test_a_policy_twice_or_in_the_wrong_place(tmp_path, capsys):
-    routing = {"decode": {"scorers": [{"name": "load"}, {"name": "load", "weight": 2}],
-                          "picker": {"name": "bounded_load"}}}
+    routing = {
+        "decode": {"scorers": [{"name": "load"}, {"name": "load", "weight": 2}], "picker": {"name": "bounded_load"}}
+    }
     code, out = run(tmp_path, {**BASE, "routing": routing}, capsys)
     assert code == 1
     assert "  routing.decode.scorers[1].name: policy 'load' is already in this list" in out

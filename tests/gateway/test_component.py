@@ -15,11 +15,25 @@ from tests.promtext import sample
 from .scripted_engine import ScriptedEngine
 
 THRESHOLD = 64
-KV = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
-      "remote_engine_id": "e-1", "remote_request_id": "r-1", "remote_host": "10.0.0.1",
-      "remote_port": 5600, "tp_size": 1, "some_future_field": {"x": 1}}
-PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-              "remote_block_ids": None, "remote_host": None, "remote_port": None}
+KV = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_block_ids": [[1, 2]],
+    "remote_engine_id": "e-1",
+    "remote_request_id": "r-1",
+    "remote_host": "10.0.0.1",
+    "remote_port": 5600,
+    "tp_size": 1,
+    "some_future_field": {"x": 1},
+}
+PREFILL_KV = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 LONG = "def handler(request):\n    return request.body\n" * 40  # well over THRESHOLD tokens
 # What a migratable non-streamed request's decode leg adds to the client's body (docs/operations.md,
 # "Mid-stream migration"): the engine streams, with the generated token ids, and the gateway
@@ -28,10 +42,14 @@ MIGRATABLE = {"stream": True, "stream_options": {"include_usage": True}, "return
 
 
 def completion(text="ok", kv=None):
-    return {"id": "cmpl-1", "object": "text_completion", "model": "tiny",
-            "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-            "kv_transfer_params": kv}
+    return {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "model": "tiny",
+        "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        "kv_transfer_params": kv,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +74,16 @@ def decode(engines):
 
 @pytest.fixture(scope="module")
 def client(tokenizer_dir, engines):
-    cfg = parse_config({
-        "server": {"max_body_bytes": 20000},
-        "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}],
-        "pools": {"prefill": {"endpoints": [engines[0].url]}, "decode": {"endpoints": [engines[1].url]}},
-        # Stateless routing: these tests are about the handshake, so a repeated prompt must not go
-        # direct because the prefix index remembers it.
-        "routing": {"decider": {"name": "token_threshold", "threshold": THRESHOLD}, "prefix": {"enabled": False}},
-    })
+    cfg = parse_config(
+        {
+            "server": {"max_body_bytes": 20000},
+            "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}],
+            "pools": {"prefill": {"endpoints": [engines[0].url]}, "decode": {"endpoints": [engines[1].url]}},
+            # Stateless routing: these tests are about the handshake, so a repeated prompt must not go
+            # direct because the prefix index remembers it.
+            "routing": {"decider": {"name": "token_threshold", "threshold": THRESHOLD}, "prefix": {"enabled": False}},
+        }
+    )
     with TestClient(create_app(cfg)) as c:
         yield c
 
@@ -83,8 +103,15 @@ def test_short_prompt_goes_direct(client, prefill, decode):
 def test_long_prompt_runs_the_nixl_handshake(client, prefill, decode):
     prefill.reply("/v1/completions", completion("x", kv=KV))
     decode.reply("/v1/completions", completion("decoded"))
-    sent = {"model": "tiny", "prompt": LONG, "max_tokens": 50, "min_tokens": 5, "stream": False,
-            "stream_options": None, "vllm_extension": {"keep": True}}
+    sent = {
+        "model": "tiny",
+        "prompt": LONG,
+        "max_tokens": 50,
+        "min_tokens": 5,
+        "stream": False,
+        "stream_options": None,
+        "vllm_extension": {"keep": True},
+    }
     r = client.post("/v1/completions", json=sent)
     assert r.status_code == 200, r.text
     assert r.headers["x-pdgate-path"] == "pd"
@@ -92,11 +119,21 @@ def test_long_prompt_runs_the_nixl_handshake(client, prefill, decode):
     [dec_leg] = decode.posts("/v1/completions")
     pre, dec = pre_leg.body, dec_leg.body
     # prefill leg: one token, not streamed, no min_tokens/stream_options, asks for remote decode
-    assert pre == {"model": "tiny", "prompt": LONG, "max_tokens": 1, "stream": False,
-                   "vllm_extension": {"keep": True},
-                   "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
-                                          "remote_engine_id": None, "remote_block_ids": None,
-                                          "remote_host": None, "remote_port": None}}
+    assert pre == {
+        "model": "tiny",
+        "prompt": LONG,
+        "max_tokens": 1,
+        "stream": False,
+        "vllm_extension": {"keep": True},
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+    }
     # decode leg: the client's body as sent, plus the prefill's params verbatim (and, for a
     # migratable request, streamed with its token ids)
     assert dec == {**sent, **MIGRATABLE, "kv_transfer_params": KV}
@@ -107,8 +144,10 @@ def test_long_prompt_runs_the_nixl_handshake(client, prefill, decode):
 def test_chat_max_completion_tokens_is_one_on_prefill(client, prefill, decode):
     prefill.reply("/v1/chat/completions", completion(kv=KV))
     decode.reply("/v1/chat/completions", completion())
-    r = client.post("/v1/chat/completions", json={
-        "model": "tiny", "max_completion_tokens": 30, "messages": [{"role": "user", "content": LONG}]})
+    r = client.post(
+        "/v1/chat/completions",
+        json={"model": "tiny", "max_completion_tokens": 30, "messages": [{"role": "user", "content": LONG}]},
+    )
     assert r.headers["x-pdgate-path"] == "pd"
     [pre] = [r.body for r in prefill.posts("/v1/chat/completions")]
     [dec] = [r.body for r in decode.posts("/v1/chat/completions")]
@@ -120,8 +159,13 @@ def test_chat_max_completion_tokens_is_one_on_prefill(client, prefill, decode):
 def test_client_kv_transfer_params_never_reach_an_engine(client, prefill, decode, prompt):
     prefill.reply("/v1/completions", completion(kv=KV))
     decode.reply("/v1/completions", completion())
-    evil = {"do_remote_prefill": True, "remote_host": "169.254.169.254", "remote_port": 80,
-            "remote_engine_id": "x", "remote_block_ids": [[1]]}
+    evil = {
+        "do_remote_prefill": True,
+        "remote_host": "169.254.169.254",
+        "remote_port": 80,
+        "remote_engine_id": "x",
+        "remote_block_ids": [[1]],
+    }
     r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "kv_transfer_params": evil})
     assert r.status_code == 200
     sent = prefill.requests + decode.requests
@@ -146,12 +190,14 @@ def test_prefill_without_kv_params_is_a_clear_502_without_fallback(tokenizer_dir
     prefill, decode = engines
     prefill.reset()
     decode.reset()
-    cfg = parse_config({
-        "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}],
-        "pools": {"prefill": {"endpoints": [prefill.url]}, "decode": {"endpoints": [decode.url]}},
-        "routing": {"decider": {"name": "token_threshold", "threshold": THRESHOLD}, "prefix": {"enabled": False}},
-        "failover": {"fallback_to_direct": False},
-    })
+    cfg = parse_config(
+        {
+            "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}],
+            "pools": {"prefill": {"endpoints": [prefill.url]}, "decode": {"endpoints": [decode.url]}},
+            "routing": {"decider": {"name": "token_threshold", "threshold": THRESHOLD}, "prefix": {"enabled": False}},
+            "failover": {"fallback_to_direct": False},
+        }
+    )
     prefill.reply("/v1/completions", completion(kv=None))
     with TestClient(create_app(cfg)) as c:
         r = c.post("/v1/completions", json={"model": "tiny", "prompt": LONG})
@@ -161,8 +207,11 @@ def test_prefill_without_kv_params_is_a_clear_502_without_fallback(tokenizer_dir
 
 
 def test_engine_errors(client, decode):
-    decode.reply("/v1/completions", {"error": {"message": "temperature is bad", "type": "BadRequestError",
-                                               "code": 400}}, status=400)
+    decode.reply(
+        "/v1/completions",
+        {"error": {"message": "temperature is bad", "type": "BadRequestError", "code": 400}},
+        status=400,
+    )
     r = client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
     assert r.status_code == 400 and r.json()["error"]["message"] == "temperature is bad"
     decode.reply("/v1/completions", status=500, raw=b"boom")
@@ -248,12 +297,16 @@ def test_prompt_tokens_header(client, decode):
 
 
 def _app(tokenizer_dir, decode_urls, **routing):
-    return create_app(parse_config({
-        "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}],
-        "pools": {"decode": {"endpoints": decode_urls}},
-        "health": {"interval_s": 60},
-        **({"routing": routing} if routing else {}),
-    }))
+    return create_app(
+        parse_config(
+            {
+                "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}],
+                "pools": {"decode": {"endpoints": decode_urls}},
+                "health": {"interval_s": 60},
+                **({"routing": routing} if routing else {}),
+            }
+        )
+    )
 
 
 def test_not_ready_without_a_healthy_decode_endpoint(tokenizer_dir):
@@ -348,11 +401,13 @@ def test_middleware_added_to_the_app_sees_inference_traffic(tokenizer_dir, engin
 @pytest.fixture(scope="module")
 def limited(tokenizer_dir, engines):
     """A gateway with an output limit of 100 tokens per request and the default caps."""
-    cfg = parse_config({
-        "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}],
-        "pools": {"decode": {"endpoints": [engines[1].url]}},
-        "limits": {"max_output_tokens": 100},
-    })
+    cfg = parse_config(
+        {
+            "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}],
+            "pools": {"decode": {"endpoints": [engines[1].url]}},
+            "limits": {"max_output_tokens": 100},
+        }
+    )
     with TestClient(create_app(cfg)) as c:
         yield c
 
@@ -371,11 +426,13 @@ def test_engine_receives_the_output_share_when_none_was_asked(limited, decode):
 
 @pytest.mark.parametrize(
     ("body", "param", "code"),
-    [({"max_tokens": 100, "n": 50}, "n", "n_too_large"),
-     ({"max_tokens": 100, "n": 2}, "max_tokens", "max_tokens_too_large"),
-     ({"min_tokens": 101}, "min_tokens", "min_tokens_too_large"),
-     ({"n": 100000}, "n", "n_too_large"),
-     ({"prompt": ["p"] * 65}, "prompt", "too_many_prompts")],
+    [
+        ({"max_tokens": 100, "n": 50}, "n", "n_too_large"),
+        ({"max_tokens": 100, "n": 2}, "max_tokens", "max_tokens_too_large"),
+        ({"min_tokens": 101}, "min_tokens", "min_tokens_too_large"),
+        ({"n": 100000}, "n", "n_too_large"),
+        ({"prompt": ["p"] * 65}, "prompt", "too_many_prompts"),
+    ],
 )
 def test_a_request_over_a_cap_never_reaches_an_engine(limited, decode, body, param, code):
     r = limited.post("/v1/completions", json={"model": "tiny", "prompt": "x", **body})

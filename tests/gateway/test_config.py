@@ -61,18 +61,24 @@ def test_missing_file(tmp_path):
 
 
 def test_endpoint_objects_with_kv_events_and_pipeline_per_pool():
-    cfg = parse_config({
-        **BASE,
-        "pools": {"decode": {"endpoints": [
-            "http://d0:8000",
-            {"url": "http://d1:8000/", "kv_events": "tcp://d1:5557", "kv_events_replay": "tcp://d1:5558"},
-        ]}},
-        "routing": {
-            "decider": {"name": "cost_model", "kv_bandwidth_gbps": 100},
-            "decode": {"scorers": [{"name": "session_affinity", "weight": 3, "header": "x-chat"}]},
-            "prefix": {"block_size": 128, "hash_seed": "0"},
-        },
-    })
+    cfg = parse_config(
+        {
+            **BASE,
+            "pools": {
+                "decode": {
+                    "endpoints": [
+                        "http://d0:8000",
+                        {"url": "http://d1:8000/", "kv_events": "tcp://d1:5557", "kv_events_replay": "tcp://d1:5558"},
+                    ]
+                }
+            },
+            "routing": {
+                "decider": {"name": "cost_model", "kv_bandwidth_gbps": 100},
+                "decode": {"scorers": [{"name": "session_affinity", "weight": 3, "header": "x-chat"}]},
+                "prefix": {"block_size": 128, "hash_seed": "0"},
+            },
+        }
+    )
     assert cfg.pools.decode.urls == ["http://d0:8000", "http://d1:8000"]
     assert cfg.pools.decode.endpoints[1].kv_events == "tcp://d1:5557"
     scorer = cfg.routing.decode.scorers[0]
@@ -83,9 +89,11 @@ def test_endpoint_objects_with_kv_events_and_pipeline_per_pool():
 
 @pytest.mark.parametrize(
     ("routing", "where"),
-    [({"prefix": {"hash_algo": "md5"}}, "routing.prefix.hash_algo"),
-     ({"decode": {"scorers": [{"name": "load", "weight": -1}]}}, "routing.decode.scorers[0].weight"),
-     ({"prefix": {"block_size": 0}}, "routing.prefix.block_size")],
+    [
+        ({"prefix": {"hash_algo": "md5"}}, "routing.prefix.hash_algo"),
+        ({"decode": {"scorers": [{"name": "load", "weight": -1}]}}, "routing.decode.scorers[0].weight"),
+        ({"prefix": {"block_size": 0}}, "routing.prefix.block_size"),
+    ],
 )
 def test_bad_routing_values_name_their_place(routing, where):
     with pytest.raises(ConfigError, match=re.escape(where)):
@@ -106,43 +114,77 @@ def routing_errors(routing: dict) -> list[str]:
     return [line.strip() for line in lines]
 
 
-@pytest.mark.parametrize(("routing", "error"), [
-    ({"decode": {"scorers": [{"name": "prefix_affinity"}, {"name": "session_affinity", "haeder": "x-chat"}]}},
-     "routing.decode.scorers[1].haeder: unknown parameter (did you mean 'header'?)"),
-    ({"decider": {"name": "token_threshold", "treshold": 2048}},
-     "routing.decider.treshold: unknown parameter (did you mean 'threshold'?)"),
-    ({"prefill": {"scorers": [{"name": "load", "wieght": 2}]}},  # the scorer's own key is suggested too
-     "routing.prefill.scorers[0].wieght: unknown parameter (did you mean 'weight'?)"),
-    ({"decode": {"filters": [{"name": "bounded_load", "limit": 2}]}},
-     "routing.decode.filters[0].limit: unknown parameter of policy 'bounded_load' (known: load_factor, slack)"),
-    ({"decode": {"picker": {"name": "least_inflight", "tie_margin": 0.1}}},
-     "routing.decode.picker.tie_margin: unknown parameter: policy 'least_inflight' takes none"),
-    ({"decider": {"name": "token_threshold", "threshold": 0}},
-     "routing.decider.threshold: Input should be greater than 0"),
-    ({"decider": {"name": "cost_model", "min_gain_s": -1}},
-     "routing.decider.min_gain_s: Input should be greater than or equal to 0"),
-    ({"decode": {"filters": [{"name": "bounded_load", "load_factor": 0.8}]}},
-     "routing.decode.filters[0].load_factor: Input should be greater than or equal to 1"),
-    ({"decode": {"scorers": [{"name": "prefix_afinity"}]}},
-     "routing.decode.scorers[0].name: unknown policy 'prefix_afinity' (known: bounded_load, cost_model, "
-     "least_inflight, load, max_score, prefix_affinity, same_zone, session_affinity, token_threshold, topology)"),
-])
+@pytest.mark.parametrize(
+    ("routing", "error"),
+    [
+        (
+            {"decode": {"scorers": [{"name": "prefix_affinity"}, {"name": "session_affinity", "haeder": "x-chat"}]}},
+            "routing.decode.scorers[1].haeder: unknown parameter (did you mean 'header'?)",
+        ),
+        (
+            {"decider": {"name": "token_threshold", "treshold": 2048}},
+            "routing.decider.treshold: unknown parameter (did you mean 'threshold'?)",
+        ),
+        (
+            {"prefill": {"scorers": [{"name": "load", "wieght": 2}]}},  # the scorer's own key is suggested too
+            "routing.prefill.scorers[0].wieght: unknown parameter (did you mean 'weight'?)",
+        ),
+        (
+            {"decode": {"filters": [{"name": "bounded_load", "limit": 2}]}},
+            "routing.decode.filters[0].limit: unknown parameter of policy 'bounded_load' (known: load_factor, slack)",
+        ),
+        (
+            {"decode": {"picker": {"name": "least_inflight", "tie_margin": 0.1}}},
+            "routing.decode.picker.tie_margin: unknown parameter: policy 'least_inflight' takes none",
+        ),
+        (
+            {"decider": {"name": "token_threshold", "threshold": 0}},
+            "routing.decider.threshold: Input should be greater than 0",
+        ),
+        (
+            {"decider": {"name": "cost_model", "min_gain_s": -1}},
+            "routing.decider.min_gain_s: Input should be greater than or equal to 0",
+        ),
+        (
+            {"decode": {"filters": [{"name": "bounded_load", "load_factor": 0.8}]}},
+            "routing.decode.filters[0].load_factor: Input should be greater than or equal to 1",
+        ),
+        (
+            {"decode": {"scorers": [{"name": "prefix_afinity"}]}},
+            "routing.decode.scorers[0].name: unknown policy 'prefix_afinity' (known: bounded_load, cost_model, "
+            "least_inflight, load, max_score, prefix_affinity, same_zone, session_affinity, token_threshold, topology)",
+        ),
+    ],
+)
 def test_policy_errors_name_their_yaml_location(routing, error):
     assert routing_errors(routing) == [error]
 
 
-@pytest.mark.parametrize(("routing", "error"), [
-    ({"decider": {"name": "token_threshold", "threshold": True}},
-     "routing.decider.threshold: Input should be a valid integer"),
-    ({"decider": {"name": "cost_model", "itl_budget_s": False}},
-     "routing.decider.itl_budget_s: Input should be a valid number"),
-    ({"decode": {"filters": [{"name": "bounded_load", "slack": True}]}},
-     "routing.decode.filters[0].slack: Input should be a valid number"),
-    ({"decode": {"scorers": [{"name": "load", "weight": True}]}},
-     "routing.decode.scorers[0].weight: Input should be a valid number"),
-    ({"decode": {"scorers": [{"name": "session_affinity", "vnodes": True}]}},
-     "routing.decode.scorers[0].vnodes: Input should be a valid integer"),
-])
+@pytest.mark.parametrize(
+    ("routing", "error"),
+    [
+        (
+            {"decider": {"name": "token_threshold", "threshold": True}},
+            "routing.decider.threshold: Input should be a valid integer",
+        ),
+        (
+            {"decider": {"name": "cost_model", "itl_budget_s": False}},
+            "routing.decider.itl_budget_s: Input should be a valid number",
+        ),
+        (
+            {"decode": {"filters": [{"name": "bounded_load", "slack": True}]}},
+            "routing.decode.filters[0].slack: Input should be a valid number",
+        ),
+        (
+            {"decode": {"scorers": [{"name": "load", "weight": True}]}},
+            "routing.decode.scorers[0].weight: Input should be a valid number",
+        ),
+        (
+            {"decode": {"scorers": [{"name": "session_affinity", "vnodes": True}]}},
+            "routing.decode.scorers[0].vnodes: Input should be a valid integer",
+        ),
+    ],
+)
 def test_yaml_booleans_are_not_numbers(routing, error):
     assert routing_errors(routing) == [error]
 
@@ -159,25 +201,36 @@ def test_yaml_yes_is_refused_where_a_number_is_expected(tmp_path):
 
 
 def test_every_bad_parameter_is_reported_at_once():
-    assert routing_errors({
-        "decider": {"name": "cost_model", "kv_bandwidth_gbps": 0, "min_gain": 1},
-        "decode": {"scorers": [{"name": "load", "kv_weight": -1}]},
-    }) == [
+    assert routing_errors(
+        {
+            "decider": {"name": "cost_model", "kv_bandwidth_gbps": 0, "min_gain": 1},
+            "decode": {"scorers": [{"name": "load", "kv_weight": -1}]},
+        }
+    ) == [
         "routing.decider.kv_bandwidth_gbps: Input should be greater than 0",
         "routing.decider.min_gain: unknown parameter (did you mean 'min_gain_s'?)",
         "routing.decode.scorers[0].kv_weight: Input should be greater than or equal to 0",
     ]
 
 
-@pytest.mark.parametrize(("routing", "error"), [
-    ({"decode": {"filters": [{"name": "load"}]}},
-     "routing.decode.filters[0].name: policy 'load' is a scorer, not a filter"),
-    ({"prefill": {"scorers": [{"name": "bounded_load"}]}},
-     "routing.prefill.scorers[0].name: policy 'bounded_load' is a filter, not a scorer"),
-    ({"decode": {"picker": {"name": "prefix_affinity"}}},
-     "routing.decode.picker.name: policy 'prefix_affinity' is a scorer, not a picker"),
-    ({"decider": {"name": "max_score"}}, "routing.decider.name: policy 'max_score' is a picker, not a decider"),
-])
+@pytest.mark.parametrize(
+    ("routing", "error"),
+    [
+        (
+            {"decode": {"filters": [{"name": "load"}]}},
+            "routing.decode.filters[0].name: policy 'load' is a scorer, not a filter",
+        ),
+        (
+            {"prefill": {"scorers": [{"name": "bounded_load"}]}},
+            "routing.prefill.scorers[0].name: policy 'bounded_load' is a filter, not a scorer",
+        ),
+        (
+            {"decode": {"picker": {"name": "prefix_affinity"}}},
+            "routing.decode.picker.name: policy 'prefix_affinity' is a scorer, not a picker",
+        ),
+        ({"decider": {"name": "max_score"}}, "routing.decider.name: policy 'max_score' is a picker, not a decider"),
+    ],
+)
 def test_a_policy_in_the_wrong_place(routing, error):
     assert routing_errors(routing) == [error]
 
@@ -186,22 +239,34 @@ def test_another_kind_as_the_decider_is_said_before_its_parameters():
     """``name: load`` where the decider goes, the decider's parameter left in (issue 28): the kind
     is the mistake, not "unknown parameter of policy 'load'"."""
     assert routing_errors({"decider": {"name": "load", "threshold": 4096}}) == [
-        "routing.decider.name: policy 'load' is a scorer, not a decider"]
+        "routing.decider.name: policy 'load' is a scorer, not a decider"
+    ]
     assert routing_errors({"decider": {"name": "token_threshold", "treshold": 1}}) == [  # a decider's own typo
-        "routing.decider.treshold: unknown parameter (did you mean 'threshold'?)"]
+        "routing.decider.treshold: unknown parameter (did you mean 'threshold'?)"
+    ]
 
 
-@pytest.mark.parametrize(("patch", "error"), [
-    ({"sever": {"port": 1}}, "sever: unknown key (did you mean 'server'?)"),
-    ({"routng": {}}, "routng: unknown key (did you mean 'routing'?)"),
-    ({"routing": {"decidr": {"name": "token_threshold"}}}, "routing.decidr: unknown key (did you mean 'decider'?)"),
-    ({"models": [{"name": "m", "tokenizer": "/t", "max_model_len": 64, "tokeniser": "/u"}]},
-     "models[0].tokeniser: unknown key (did you mean 'tokenizer'?)"),
-    ({"fairness": {"tenants": {"team-a": {"weigth": 2}}}},
-     "fairness.tenants.team-a.weigth: unknown key (did you mean 'weight'?)"),
-    ({"colour": "red"}, "colour: unknown key (known: admin, admission, auth, engines, failover, fairness, health, "
-     "limits, models, planner, pools, routing, server, signals, state, telemetry, timeouts, tokenizer)"),
-])
+@pytest.mark.parametrize(
+    ("patch", "error"),
+    [
+        ({"sever": {"port": 1}}, "sever: unknown key (did you mean 'server'?)"),
+        ({"routng": {}}, "routng: unknown key (did you mean 'routing'?)"),
+        ({"routing": {"decidr": {"name": "token_threshold"}}}, "routing.decidr: unknown key (did you mean 'decider'?)"),
+        (
+            {"models": [{"name": "m", "tokenizer": "/t", "max_model_len": 64, "tokeniser": "/u"}]},
+            "models[0].tokeniser: unknown key (did you mean 'tokenizer'?)",
+        ),
+        (
+            {"fairness": {"tenants": {"team-a": {"weigth": 2}}}},
+            "fairness.tenants.team-a.weigth: unknown key (did you mean 'weight'?)",
+        ),
+        (
+            {"colour": "red"},
+            "colour: unknown key (known: admin, admission, auth, engines, failover, fairness, health, "
+            "limits, models, planner, pools, routing, server, signals, state, telemetry, timeouts, tokenizer)",
+        ),
+    ],
+)
 def test_an_unknown_key_names_the_closest_known_one(patch, error):
     with pytest.raises(ConfigError) as info:
         parse_config({**BASE, **patch}, "gw.yaml")
@@ -209,20 +274,29 @@ def test_an_unknown_key_names_the_closest_known_one(patch, error):
 
 
 def test_a_policy_named_twice_in_one_list():
-    assert routing_errors({"decode": {
-        "filters": [{"name": "bounded_load"}, {"name": "bounded_load", "slack": 4}],
-        "scorers": [{"name": "load"}, {"name": "prefix_affinity"}, {"name": "load", "weight": 3}],
-    }}) == [
+    assert routing_errors(
+        {
+            "decode": {
+                "filters": [{"name": "bounded_load"}, {"name": "bounded_load", "slack": 4}],
+                "scorers": [{"name": "load"}, {"name": "prefix_affinity"}, {"name": "load", "weight": 3}],
+            }
+        }
+    ) == [
         "routing.decode.filters[1].name: policy 'bounded_load' is already in this list",
         "routing.decode.scorers[2].name: policy 'load' is already in this list (give it more weight instead)",
     ]
 
 
 def test_the_same_policy_in_different_lists_and_pools_is_fine():
-    cfg = parse_config({**BASE, "routing": {
-        "decode": {"scorers": [{"name": "load"}, {"name": "session_affinity"}]},
-        "prefill": {"scorers": [{"name": "load"}, {"name": "session_affinity"}]},
-    }})
+    cfg = parse_config(
+        {
+            **BASE,
+            "routing": {
+                "decode": {"scorers": [{"name": "load"}, {"name": "session_affinity"}]},
+                "prefill": {"scorers": [{"name": "load"}, {"name": "session_affinity"}]},
+            },
+        }
+    )
     assert [s.name for s in cfg.routing.decode.scorers] == [s.name for s in cfg.routing.prefill.scorers]
 
 
@@ -267,12 +341,14 @@ def third_party(monkeypatch):
 def test_third_party_policies_get_the_same_checks(third_party):
     assert parse_config({**BASE, "routing": {"decider": {"name": "margin", "margin_tokens": 5}}})
     assert routing_errors({"decider": {"name": "margin", "margin_token": 5}}) == [
-        "routing.decider.margin_token: unknown parameter (did you mean 'margin_tokens'?)"]
+        "routing.decider.margin_token: unknown parameter (did you mean 'margin_tokens'?)"
+    ]
     # Without Params only building it can tell: the error is the constructor's, at the policy's place.
     [error] = routing_errors({"decode": {"scorers": [{"name": "plain", "p": True}]}})
     assert error.startswith("routing.decode.scorers[0]: policy 'plain': ") and "'p'" in error
     assert routing_errors({"decider": {"name": "plain"}}) == [
-        "routing.decider.name: policy 'plain' is a scorer, not a decider"]
+        "routing.decider.name: policy 'plain' is a scorer, not a decider"
+    ]
 
 
 # -- configs that would turn authentication off without saying so (issue 27) ----------------------
@@ -302,9 +378,11 @@ def test_a_key_given_twice_in_one_mapping_is_refused_at_any_depth(tmp_path, tail
 
 def test_a_merge_key_still_overrides_what_it_merges(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text(YAML_BASE + "health: &h {interval_s: 1, timeout_s: 0.5}\nsignals:\n  max_age_s: 3\n"
-                    "routing:\n  prefix: {block_size: 16}\n" + "admission:\n  <<: {max_in_flight: 5}\n"
-                    "  max_in_flight: 7\n")
+    path.write_text(
+        YAML_BASE + "health: &h {interval_s: 1, timeout_s: 0.5}\nsignals:\n  max_age_s: 3\n"
+        "routing:\n  prefix: {block_size: 16}\n" + "admission:\n  <<: {max_in_flight: 5}\n"
+        "  max_in_flight: 7\n"
+    )
     assert load_config(path).admission.max_in_flight == 7
 
 
@@ -337,10 +415,14 @@ def test_an_auth_section_says_keys_or_disabled():
 def test_switching_keys_or_the_admin_token_off_must_be_said(tmp_path):
     (tmp_path / "keys").write_text("sk-a\n")
     (tmp_path / "token").write_text("t\n")
-    on = parse_config({**BASE, "auth": {"api_keys_file": str(tmp_path / "keys")},
-                       "admin": {"token_file": str(tmp_path / "token")}})
-    with pytest.raises(ValueError, match=r"switches off API keys \(from auth.api_keys_file .*keys'\) and the admin "
-                       r"token .* must say auth.disabled: true and admin.disabled: true"):
+    on = parse_config(
+        {**BASE, "auth": {"api_keys_file": str(tmp_path / "keys")}, "admin": {"token_file": str(tmp_path / "token")}}
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"switches off API keys \(from auth.api_keys_file .*keys'\) and the admin "
+        r"token .* must say auth.disabled: true and admin.disabled: true",
+    ):
         access_switched_off(on, parse_config(BASE))
     with pytest.raises(ValueError, match=r"must say admin\.disabled: true"):
         access_switched_off(on, parse_config({**BASE, "auth": {"disabled": True}}))
@@ -351,16 +433,22 @@ def test_switching_keys_or_the_admin_token_off_must_be_said(tmp_path):
     emptied = tmp_path / "empty"
     emptied.write_text("\n")
     with pytest.raises(ValueError, match="the admin token"):
-        access_switched_off(on, parse_config({**BASE, "auth": on.auth.model_dump(),
-                                              "admin": {"token_file": str(emptied)}}))
+        access_switched_off(
+            on, parse_config({**BASE, "auth": on.auth.model_dump(), "admin": {"token_file": str(emptied)}})
+        )
 
 
 def test_a_pinned_config_reads_its_files_as_pinned(tmp_path):
     keys, template = tmp_path / "keys", tmp_path / "t.jinja"
     keys.write_text("sk-a tenant=x\n")
     template.write_text("{{ messages }}")
-    cfg = parse_config({**BASE, "auth": {"api_keys_file": str(keys)},
-                        "models": [{**BASE["models"][0], "chat_template": str(template)}]})
+    cfg = parse_config(
+        {
+            **BASE,
+            "auth": {"api_keys_file": str(keys)},
+            "models": [{**BASE["models"][0], "chat_template": str(template)}],
+        }
+    )
     assert cfg.named_files() == {str(keys): "auth.api_keys_file", str(template): "models[0].chat_template"}
     pinned = cfg.pin(PinnedFiles.read(cfg.named_files()))
     keys.write_text("sk-b\n")

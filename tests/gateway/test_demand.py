@@ -80,9 +80,16 @@ def test_threshold_follows_routing_unless_set():
     [
         ({"enabled": True, "profile": "no-such-profile"}, "unknown profile"),
         ({"slos": [{"max_prompt_tokens": 100, "ttft_s": 1, "itl_p90_s": 0.05}]}, "the last SLO"),
-        ({"slos": [{"max_prompt_tokens": 100, "ttft_s": 1, "itl_p90_s": 0.05},
-                   {"max_prompt_tokens": 50, "ttft_s": 1, "itl_p90_s": 0.05},
-                   {"ttft_s": 1, "itl_p90_s": 0.05}]}, "must increase"),
+        (
+            {
+                "slos": [
+                    {"max_prompt_tokens": 100, "ttft_s": 1, "itl_p90_s": 0.05},
+                    {"max_prompt_tokens": 50, "ttft_s": 1, "itl_p90_s": 0.05},
+                    {"ttft_s": 1, "itl_p90_s": 0.05},
+                ]
+            },
+            "must increase",
+        ),
         ({"window_s": 1}, "planner.window_s"),
     ],
 )

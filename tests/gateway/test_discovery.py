@@ -41,30 +41,66 @@ from .scripted_engine import ScriptedEngine
 
 NS = "llm"
 SELECTOR = "app.kubernetes.io/name=pdgate,app.kubernetes.io/component=decode"
-LABELS = {"app.kubernetes.io/name": "pdgate", "app.kubernetes.io/component": "decode",
-          "kubernetes.io/service-name": "pdgate-decode",
-          "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}
+LABELS = {
+    "app.kubernetes.io/name": "pdgate",
+    "app.kubernetes.io/component": "decode",
+    "kubernetes.io/service-name": "pdgate-decode",
+    "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
+}
 
 
-def endpoint(address: str, ready: bool | None = True, terminating: bool = False, pod: str = "",
-             zone: str = "us-east-1a", node: str = "ip-10-0-1-5.ec2.internal") -> dict:
+def endpoint(
+    address: str,
+    ready: bool | None = True,
+    terminating: bool = False,
+    pod: str = "",
+    zone: str = "us-east-1a",
+    node: str = "ip-10-0-1-5.ec2.internal",
+) -> dict:
     conditions: dict[str, Any] = {"serving": ready is not False, "terminating": terminating}
     if ready is not None:
         conditions["ready"] = ready
-    return {"addresses": [address], "conditions": conditions, "nodeName": node,
-            "zone": zone, "targetRef": {"kind": "Pod", "namespace": NS, "name": pod or f"decode-{address}",
-                                        "uid": "0b7a4c1e-0000-4000-8000-000000000000"}}
-
-
-def endpoint_slice(name: str, endpoints: list[dict], port: int = 8000, address_type: str = "IPv4",
-                   labels: dict | None = None, port_name: str = "http") -> dict:
     return {
-        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-        "metadata": {"name": name, "namespace": NS, "generateName": "pdgate-decode-",
-                     "labels": dict(LABELS if labels is None else labels),
-                     "ownerReferences": [{"apiVersion": "v1", "kind": "Service", "name": "pdgate-decode",
-                                          "uid": "5d1f0f4e-0000-4000-8000-000000000000", "controller": True,
-                                          "blockOwnerDeletion": True}]},
+        "addresses": [address],
+        "conditions": conditions,
+        "nodeName": node,
+        "zone": zone,
+        "targetRef": {
+            "kind": "Pod",
+            "namespace": NS,
+            "name": pod or f"decode-{address}",
+            "uid": "0b7a4c1e-0000-4000-8000-000000000000",
+        },
+    }
+
+
+def endpoint_slice(
+    name: str,
+    endpoints: list[dict],
+    port: int = 8000,
+    address_type: str = "IPv4",
+    labels: dict | None = None,
+    port_name: str = "http",
+) -> dict:
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": name,
+            "namespace": NS,
+            "generateName": "pdgate-decode-",
+            "labels": dict(LABELS if labels is None else labels),
+            "ownerReferences": [
+                {
+                    "apiVersion": "v1",
+                    "kind": "Service",
+                    "name": "pdgate-decode",
+                    "uid": "5d1f0f4e-0000-4000-8000-000000000000",
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        },
         "addressType": address_type,
         "endpoints": endpoints,
         "ports": [{"name": port_name, "port": port, "protocol": "TCP", "appProtocol": "http"}],
@@ -112,6 +148,7 @@ class FakeKubeAPI:
                 out = fn(*args)
                 self._cond.notify_all()
                 return out
+
         return asyncio.run_coroutine_threadsafe(run(), self._loop).result(10)
 
     def put(self, slice_: dict, *, silent: bool = False) -> None:
@@ -136,8 +173,17 @@ class FakeKubeAPI:
 
     def fail_open_watches(self, code: int, message: str) -> None:
         """Open watch streams end with an ERROR event carrying this status (not kept in history)."""
-        self._call(self._fail_open, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                                     "message": message, "code": code})
+        self._call(
+            self._fail_open,
+            {
+                "kind": "Status",
+                "apiVersion": "v1",
+                "metadata": {},
+                "status": "Failure",
+                "message": message,
+                "code": code,
+            },
+        )
 
     def watches(self) -> list[dict]:
         return [r for r in self.requests if r["watch"]]
@@ -169,8 +215,15 @@ class FakeKubeAPI:
         self._oldest = self._rv + 1
         self._history.clear()
         if event:
-            status = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                      "message": "too old resource version: 101 (250)", "reason": "Expired", "code": 410}
+            status = {
+                "kind": "Status",
+                "apiVersion": "v1",
+                "metadata": {},
+                "status": "Failure",
+                "message": "too old resource version: 101 (250)",
+                "reason": "Expired",
+                "code": 410,
+            }
             # reaches the watches open now, not one started from a list made after this
             self._history.append((self._rv, {"type": "ERROR", "object": status}, None))
         else:
@@ -220,8 +273,11 @@ class FakeKubeAPI:
                 rv, items = self._pages.pop(q["continue"])
             else:
                 rv = str(self._rv)
-                items = [s for s in self._slices.values()
-                         if not self.filter_selector or _matches(selector, s["metadata"]["labels"])]
+                items = [
+                    s
+                    for s in self._slices.values()
+                    if not self.filter_selector or _matches(selector, s["metadata"]["labels"])
+                ]
             size = min(int(q.get("limit") or len(items) or 1), self.page_size or len(items) or 1)
             page, rest = items[:size], items[size:]
             meta: dict[str, Any] = {"resourceVersion": rv}
@@ -230,16 +286,25 @@ class FakeKubeAPI:
                 self._pages[token] = (rv, rest)
                 meta["continue"] = token
                 meta["remainingItemCount"] = len(rest)
-            return web.json_response({"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
-                                      "metadata": meta, "items": page})
+            return web.json_response(
+                {"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1", "metadata": meta, "items": page}
+            )
         if self.fail_watches:
             self.fail_watches -= 1
             return web.json_response({"kind": "Status", "code": 500, "message": "etcd leader changed"}, status=500)
         since = int(q.get("resourceVersion") or self._rv)
         if since < self._oldest - 1:
-            return web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                                      "message": f"too old resource version: {since}", "reason": "Expired",
-                                      "code": 410}, status=410)
+            return web.json_response(
+                {
+                    "kind": "Status",
+                    "apiVersion": "v1",
+                    "status": "Failure",
+                    "message": f"too old resource version: {since}",
+                    "reason": "Expired",
+                    "code": 410,
+                },
+                status=410,
+            )
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
         await resp.prepare(request)
         cut = self._cut
@@ -270,13 +335,21 @@ class FakeKubeAPI:
         name = request.match_info["name"]
         self.node_reads.append(name)
         if self.nodes_forbidden:
-            return web.json_response({"kind": "Status", "code": 403, "reason": "Forbidden",
-                                      "message": f'nodes "{name}" is forbidden: User "system:serviceaccount:llm:'
-                                      'pdgate-gateway" cannot get resource "nodes"'}, status=403)
+            return web.json_response(
+                {
+                    "kind": "Status",
+                    "code": 403,
+                    "reason": "Forbidden",
+                    "message": f'nodes "{name}" is forbidden: User "system:serviceaccount:llm:'
+                    'pdgate-gateway" cannot get resource "nodes"',
+                },
+                status=403,
+            )
         if name not in self.nodes:
             return web.json_response({"kind": "Status", "code": 404, "reason": "NotFound"}, status=404)
-        return web.json_response({"kind": "Node", "apiVersion": "v1",
-                                  "metadata": {"name": name, "labels": self.nodes[name]}, "spec": {}})
+        return web.json_response(
+            {"kind": "Node", "apiVersion": "v1", "metadata": {"name": name, "labels": self.nodes[name]}, "spec": {}}
+        )
 
     def start(self) -> FakeKubeAPI:
         self._loop = asyncio.new_event_loop()
@@ -314,9 +387,16 @@ def api():
 
 
 def discovery_cfg(api: FakeKubeAPI, token_file: Path | None = None, **kw) -> DiscoveryConfig:
-    return DiscoveryConfig(label_selector=SELECTOR, namespace=NS, api_url=api.url,
-                           token_file=str(token_file) if token_file else None, ca_file=None,
-                           retry_s=0.05, max_retry_s=0.2, **kw)
+    return DiscoveryConfig(
+        label_selector=SELECTOR,
+        namespace=NS,
+        api_url=api.url,
+        token_file=str(token_file) if token_file else None,
+        ca_file=None,
+        retry_s=0.05,
+        max_retry_s=0.2,
+        **kw,
+    )
 
 
 def urls(watcher: SliceWatcher) -> list[str]:
@@ -330,9 +410,17 @@ async def test_list_then_watch_follows_added_modified_deleted(api, tmp_path, fil
     api.filter_selector = filter_selector
     token = tmp_path / "token"
     token.write_text("tok-1\n")
-    api.put(endpoint_slice("pdgate-decode-a", [
-        endpoint("10.0.0.1"), endpoint("10.0.0.2", ready=False), endpoint("10.0.0.3", ready=False, terminating=True),
-        endpoint("10.0.0.4", ready=None)]))
+    api.put(
+        endpoint_slice(
+            "pdgate-decode-a",
+            [
+                endpoint("10.0.0.1"),
+                endpoint("10.0.0.2", ready=False),
+                endpoint("10.0.0.3", ready=False, terminating=True),
+                endpoint("10.0.0.4", ready=None),
+            ],
+        )
+    )
     api.put(endpoint_slice("other-x", [endpoint("10.9.9.9")], labels={"app.kubernetes.io/name": "other"}))
     changes = []
     watcher = SliceWatcher("decode", discovery_cfg(api, token, port="http"), lambda: changes.append(1))
@@ -352,8 +440,7 @@ async def test_list_then_watch_follows_added_modified_deleted(api, tmp_path, fil
         api.put(endpoint_slice("pdgate-decode-b", [endpoint("10.0.0.5")]))  # ADDED
         await until(lambda: "http://10.0.0.5:8000" in urls(watcher))
         api.put(endpoint_slice("pdgate-decode-a", [endpoint("10.0.0.1"), endpoint("10.0.0.2")]))  # MODIFIED
-        await until(lambda: urls(watcher) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000",
-                                              "http://10.0.0.5:8000"])
+        await until(lambda: urls(watcher) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.5:8000"])
         api.delete("pdgate-decode-b")  # DELETED
         await until(lambda: urls(watcher) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"])
         api.put(endpoint_slice("other-y", [endpoint("10.9.9.8")], labels={"app.kubernetes.io/name": "other"}))
@@ -464,8 +551,7 @@ async def test_a_failed_watch_resumes_from_the_last_version_without_relisting(ap
         await until(lambda: len(api.watches()) >= 5)
         assert api.watches()[-1]["params"]["resourceVersion"] == seen
         api.put(endpoint_slice("pdgate-decode-c", [endpoint("10.0.0.3")]))
-        await until(lambda: urls(watcher) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000",
-                                              "http://10.0.0.3:8000"])
+        await until(lambda: urls(watcher) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"])
         assert len(api.lists()) == 1 and watcher.lists == 1  # never listed again
     finally:
         await watcher.stop()
@@ -480,11 +566,15 @@ def test_dual_stack_service_counts_each_pod_once():
         "fqdn": endpoint_slice("fqdn", [endpoint("decode.example.com")], address_type="FQDN"),
     }
     v4 = ready_endpoints(slices, DiscoveryConfig(label_selector="x=y", kv_events_port=5557))
-    assert [(e.url, e.kv_events) for e in v4] == [("http://10.0.0.1:8000", "tcp://10.0.0.1:5557"),
-                                                  ("http://10.0.0.2:8000", "tcp://10.0.0.2:5557")]
+    assert [(e.url, e.kv_events) for e in v4] == [
+        ("http://10.0.0.1:8000", "tcp://10.0.0.1:5557"),
+        ("http://10.0.0.2:8000", "tcp://10.0.0.2:5557"),
+    ]
     v6 = ready_endpoints(slices, DiscoveryConfig(label_selector="x=y", address_type="IPv6", kv_events_port=5557))
-    assert [(e.url, e.kv_events) for e in v6] == [("http://[fd00::1]:8000", "tcp://[fd00::1]:5557"),
-                                                  ("http://[fd00::2]:8000", "tcp://[fd00::2]:5557")]
+    assert [(e.url, e.kv_events) for e in v6] == [
+        ("http://[fd00::1]:8000", "tcp://[fd00::1]:5557"),
+        ("http://[fd00::2]:8000", "tcp://[fd00::2]:5557"),
+    ]
     with pytest.raises(ValueError, match="address_type"):
         DiscoveryConfig(label_selector="x=y", address_type="FQDN")
 
@@ -501,8 +591,12 @@ async def test_a_reload_that_changes_discovery_keeps_the_engines_until_the_new_l
 
     def gateway_cfg(**kw) -> GatewayConfig:
         d = discovery_cfg(api, **kw).model_dump()
-        return parse_config({"models": [{"name": "tiny", "tokenizer": "unused", "max_model_len": 64}],
-                             "pools": {"decode": {"discovery": d}}})
+        return parse_config(
+            {
+                "models": [{"name": "tiny", "tokenizer": "unused", "max_model_len": 64}],
+                "pools": {"decode": {"discovery": d}},
+            }
+        )
 
     discovery = Discovery(applied)
     cfgs.append(gateway_cfg())
@@ -527,8 +621,14 @@ async def test_a_reload_that_changes_discovery_keeps_the_engines_until_the_new_l
         assert seen[-1] == ["http://10.0.0.2:8000"]
         assert discovery.effective(cfgs[-1]).pools.decode.endpoints[0].kv_events == "tcp://10.0.0.2:5557"
         # a pool whose discovery section is gone drops what discovery found
-        cfgs.append(parse_config({"models": [{"name": "tiny", "tokenizer": "unused", "max_model_len": 64}],
-                                  "pools": {"decode": {"endpoints": ["http://10.0.0.9:8000"]}}}))
+        cfgs.append(
+            parse_config(
+                {
+                    "models": [{"name": "tiny", "tokenizer": "unused", "max_model_len": 64}],
+                    "pools": {"decode": {"endpoints": ["http://10.0.0.9:8000"]}},
+                }
+            )
+        )
         await discovery.configure(cfgs[-1])
         await discovery.settle()
         assert seen[-1] == ["http://10.0.0.9:8000"] and not discovery.watchers
@@ -544,7 +644,10 @@ def test_ready_endpoints_ports_and_kv_event_addresses():
     cfg = DiscoveryConfig(label_selector="x=y", port="http", kv_events_port=5557, kv_events_replay_port=5558)
     [ep] = ready_endpoints(slices, cfg)  # slice b has no port named http; duplicates collapse
     assert (ep.url, ep.kv_events, ep.kv_events_replay) == (
-        "http://10.0.0.1:8000", "tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558")
+        "http://10.0.0.1:8000",
+        "tcp://10.0.0.1:5557",
+        "tcp://10.0.0.1:5558",
+    )
     by_number = ready_endpoints(slices, DiscoveryConfig(label_selector="x=y", port=8100, scheme="https"))
     assert [e.url for e in by_number] == ["https://10.0.0.1:8100", "https://10.0.0.2:8100"]
     first_port = ready_endpoints(slices, DiscoveryConfig(label_selector="x=y"))
@@ -566,9 +669,13 @@ def test_config_decode_may_rely_on_discovery_alone(tokenizer_dir):
 
 
 def _completion(text: str) -> dict:
-    return {"id": "cmpl-1", "object": "text_completion", "model": "tiny",
-            "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+    return {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "model": "tiny",
+        "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
 
 
 def test_gateway_routing_set_follows_endpointslices(api, tokenizer_dir, tmp_path):
@@ -580,9 +687,18 @@ def test_gateway_routing_set_follows_endpointslices(api, tokenizer_dir, tmp_path
         api.put(endpoint_slice("pdgate-decode-1", [endpoint("127.0.0.1")], port=d1.port))
         data = {
             "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}],
-            "pools": {"prefill": {"endpoints": [prefill.url]},
-                      "decode": {"discovery": {"label_selector": SELECTOR, "namespace": NS, "api_url": api.url,
-                                               "token_file": None, "retry_s": 0.05}}},
+            "pools": {
+                "prefill": {"endpoints": [prefill.url]},
+                "decode": {
+                    "discovery": {
+                        "label_selector": SELECTOR,
+                        "namespace": NS,
+                        "api_url": api.url,
+                        "token_file": None,
+                        "retry_s": 0.05,
+                    }
+                },
+            },
             "routing": {"decider": {"name": "token_threshold", "threshold": 100000}},
             "health": {"interval_s": 0.1},
         }
@@ -604,7 +720,8 @@ def test_gateway_routing_set_follows_endpointslices(api, tokenizer_dir, tmp_path
             # the first list completes before the app serves
             assert decode_pool() == {"healthy": 1, "ejected": 0, "total": 1}
             assert client.get("/ready").json()["discovery"] == {
-                "decode": {"synced": True, "endpoints": 1, "errors": 0, "last_error": None}}
+                "decode": {"synced": True, "endpoints": 1, "errors": 0, "last_error": None}
+            }
             assert sample(client.get("/metrics").text, "pdgate_discovery_endpoints", pool="decode") == 1
             assert client.get("/ready").json()["pools"]["prefill"]["total"] == 1
             d1.reply("/v1/completions", _completion("from d1"))
@@ -614,8 +731,9 @@ def test_gateway_routing_set_follows_endpointslices(api, tokenizer_dir, tmp_path
             api.put(endpoint_slice("pdgate-decode-2", [endpoint("127.0.0.1")], port=d2.port))
             wait(lambda: decode_pool()["total"] == 2)
             assert sample(client.get("/metrics").text, "pdgate_discovery_endpoints", pool="decode") == 2
-            api.put(endpoint_slice("pdgate-decode-1", [endpoint("127.0.0.1", ready=False, terminating=True)],
-                                   port=d1.port))
+            api.put(
+                endpoint_slice("pdgate-decode-1", [endpoint("127.0.0.1", ready=False, terminating=True)], port=d1.port)
+            )
             wait(lambda: decode_pool() == {"healthy": 1, "ejected": 0, "total": 1})
             d2.reply("/v1/completions", _completion("from d2"))
             assert complete() == "from d2"
@@ -701,16 +819,31 @@ def test_a_ca_file_named_in_the_config_must_exist(tmp_path, certs):
 
 # -- label selectors ---------------------------------------------------------------------------------
 
+
 def test_label_selector_matches_as_the_api_server_does():
     from gateway.engines.discovery import LabelSelector
 
     labels = {"app": "vllm", "tier": "decode", "example.com/zone": "a"}
     cases = {
-        "app=vllm": True, "app==vllm": True, "app=other": False, "app!=other": True, "app!=vllm": False,
-        "missing!=x": True, "tier in (prefill, decode)": True, "tier in (prefill)": False,
-        "tier notin (prefill,x)": True, "missing notin (x)": True, "tier notin (decode)": False,
-        "app": True, "missing": False, "!missing": True, "! app": False, "example.com/zone=a": True,
-        "app=vllm,tier in (decode),!gpu": True, "app=vllm, tier=prefill": False, "app=": False,
+        "app=vllm": True,
+        "app==vllm": True,
+        "app=other": False,
+        "app!=other": True,
+        "app!=vllm": False,
+        "missing!=x": True,
+        "tier in (prefill, decode)": True,
+        "tier in (prefill)": False,
+        "tier notin (prefill,x)": True,
+        "missing notin (x)": True,
+        "tier notin (decode)": False,
+        "app": True,
+        "missing": False,
+        "!missing": True,
+        "! app": False,
+        "example.com/zone=a": True,
+        "app=vllm,tier in (decode),!gpu": True,
+        "app=vllm, tier=prefill": False,
+        "app=": False,
     }
     for text, expected in cases.items():
         assert LabelSelector.parse(text).matches(labels) is expected, text
@@ -745,6 +878,7 @@ async def test_a_slice_relabelled_out_of_the_selector_leaves_the_pool(api, filte
 
 
 # -- the watch stream --------------------------------------------------------------------------------
+
 
 class _Scanned(bytes):
     """A chunk that counts the bytes ``find`` scans (all chunks share one counter)."""
@@ -804,6 +938,7 @@ async def test_an_oversized_watch_event_ends_the_watch_and_lists_again(api, capl
 
 # -- kubeconfig ----------------------------------------------------------------------------------------
 
+
 def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
@@ -813,26 +948,68 @@ def certs(tmp_path_factory) -> dict[str, str]:
     """A CA, a server certificate for 127.0.0.1 and a client certificate it signed (openssl CLI)."""
     d = tmp_path_factory.mktemp("certs")
     ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "3650", "-subj", "/CN=test-ca",
-             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=d)
-    for name, ext in (("server", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth"),
-                      ("client", "extendedKeyUsage=clientAuth")):
+    _openssl(
+        "req",
+        "-x509",
+        *ec,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "3650",
+        "-subj",
+        "/CN=test-ca",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+        cwd=d,
+    )
+    for name, ext in (
+        ("server", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ):
         (d / f"{name}.ext").write_text(f"{ext}\nauthorityKeyIdentifier=keyid\nsubjectKeyIdentifier=hash\n")
         _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{name}.crt", "-days", "3650", "-extfile", f"{name}.ext", cwd=d)
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.crt",
+            "-days",
+            "3650",
+            "-extfile",
+            f"{name}.ext",
+            cwd=d,
+        )
     return {"ca": str(d / "ca.crt")} | {
-        f"{n}_{kind}": str(d / f"{n}.{kind}") for n in ("server", "client") for kind in ("crt", "key")}
+        f"{n}_{kind}": str(d / f"{n}.{kind}") for n in ("server", "client") for kind in ("crt", "key")
+    }
 
 
-def write_kubeconfig(path: Path, server: str, user: dict, *, cluster: dict | None = None, namespace: str = NS,
-                     context: str = "dev") -> Path:
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": context,
-        "clusters": [{"name": "c1", "cluster": {"server": server, **(cluster or {})}}],
-        "users": [{"name": "u1", "user": user}],
-        "contexts": [{"name": "dev", "context": {"cluster": "c1", "user": "u1", "namespace": namespace}}],
-    }))
+def write_kubeconfig(
+    path: Path, server: str, user: dict, *, cluster: dict | None = None, namespace: str = NS, context: str = "dev"
+) -> Path:
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": context,
+                "clusters": [{"name": "c1", "cluster": {"server": server, **(cluster or {})}}],
+                "users": [{"name": "u1", "user": user}],
+                "contexts": [{"name": "dev", "context": {"cluster": "c1", "user": "u1", "namespace": namespace}}],
+            }
+        )
+    )
     return path
 
 
@@ -845,9 +1022,12 @@ def test_kubeconfig_access(tmp_path, certs, monkeypatch):
 
     (tmp_path / "token").write_text("from-file\n")
     (tmp_path / "ca.crt").write_bytes(Path(certs["ca"]).read_bytes())
-    kc = write_kubeconfig(tmp_path / "config", "https://kube.example.com:6443/",
-                          {"token": "static-token", "tokenFile": "token"},
-                          cluster={"certificate-authority": "ca.crt"})  # relative: next to the kubeconfig
+    kc = write_kubeconfig(
+        tmp_path / "config",
+        "https://kube.example.com:6443/",
+        {"token": "static-token", "tokenFile": "token"},
+        cluster={"certificate-authority": "ca.crt"},
+    )  # relative: next to the kubeconfig
     cfg = DiscoveryConfig(label_selector="a=b", kubeconfig=str(kc))
     access = _access(cfg)
     assert (access.url, access.namespace) == ("https://kube.example.com:6443", NS)
@@ -857,13 +1037,19 @@ def test_kubeconfig_access(tmp_path, certs, monkeypatch):
     (tmp_path / "other-token").write_text("mine")
     mine = _access(cfg.model_copy(update={"namespace": "n2", "token_file": str(tmp_path / "other-token")}))
     assert (mine.namespace, mine.token_file) == ("n2", str(tmp_path / "other-token"))
-    inline = write_kubeconfig(tmp_path / "inline", "https://kube.example.com", {"token": "t"},
-                              cluster={"certificate-authority-data": _b64(certs["ca"])}, namespace="")
+    inline = write_kubeconfig(
+        tmp_path / "inline",
+        "https://kube.example.com",
+        {"token": "t"},
+        cluster={"certificate-authority-data": _b64(certs["ca"])},
+        namespace="",
+    )
     access = _access(cfg.model_copy(update={"kubeconfig": str(inline)}))
     assert (access.token, access.token_file, access.namespace) == ("t", None, "default")
     assert access.ssl.cert_store_stats()["x509_ca"] == 1
-    insecure = write_kubeconfig(tmp_path / "insecure", "https://kind.local:6443", {"token": "t"},
-                                cluster={"insecure-skip-tls-verify": True})
+    insecure = write_kubeconfig(
+        tmp_path / "insecure", "https://kind.local:6443", {"token": "t"}, cluster={"insecure-skip-tls-verify": True}
+    )
     unverified = _access(cfg.model_copy(update={"kubeconfig": str(insecure)})).ssl
     assert unverified.verify_mode == ssl_.CERT_NONE and not unverified.check_hostname
 
@@ -883,8 +1069,9 @@ def test_kubeconfig_access(tmp_path, certs, monkeypatch):
     other = write_kubeconfig(tmp_path / "ctx", "https://x.example.com", {"token": "t"}, context="prod")
     with pytest.raises(ConfigError, match=r"kubeconfig: .*context 'prod' not found"):
         config(kubeconfig=str(other))
-    gone = write_kubeconfig(tmp_path / "gone", "https://x.example.com", {"token": "t"},
-                            cluster={"certificate-authority": "missing-ca.crt"})
+    gone = write_kubeconfig(
+        tmp_path / "gone", "https://x.example.com", {"token": "t"}, cluster={"certificate-authority": "missing-ca.crt"}
+    )
     with pytest.raises(ConfigError, match=r"kubeconfig: .*certificate-authority .*missing-ca.crt does not exist"):
         config(kubeconfig=str(gone))
     assert config(kubeconfig=str(kc)).pools.decode.discovery.kubeconfig == str(kc)
@@ -906,9 +1093,12 @@ async def test_watcher_with_a_kubeconfig_client_certificate_over_https(certs):
     server = FakeKubeAPI(ssl=tls).start()
     try:
         server.put(endpoint_slice("pdgate-decode-a", [endpoint("10.0.0.1")]))
-        kc = write_kubeconfig(Path(certs["ca"]).parent / "kubeconfig", server.url, {
-            "client-certificate-data": _b64(certs["client_crt"]), "client-key-data": _b64(certs["client_key"])},
-            cluster={"certificate-authority-data": _b64(certs["ca"])})
+        kc = write_kubeconfig(
+            Path(certs["ca"]).parent / "kubeconfig",
+            server.url,
+            {"client-certificate-data": _b64(certs["client_crt"]), "client-key-data": _b64(certs["client_key"])},
+            cluster={"certificate-authority-data": _b64(certs["ca"])},
+        )
         cfg = DiscoveryConfig(label_selector=SELECTOR, kubeconfig=str(kc), retry_s=0.05, max_retry_s=0.2)
         watcher = SliceWatcher("decode", cfg, lambda: None)
         await watcher.start()
@@ -927,10 +1117,17 @@ async def test_watcher_with_a_kubeconfig_client_certificate_over_https(certs):
 async def test_watcher_from_the_kubeconfig_environment_variable(api, tmp_path, monkeypatch):
     """Not in a cluster, no api_url: $KUBECONFIG's files, merged as kubectl merges them."""
     first = tmp_path / "a.yaml"
-    first.write_text(yaml.safe_dump({"current-context": "dev", "contexts": [
-        {"name": "dev", "context": {"cluster": "c1", "user": "u1", "namespace": NS}}]}))
-    second = write_kubeconfig(tmp_path / "b.yaml", api.url, {"token": "kube-token"}, namespace="ignored",
-                              context="other")
+    first.write_text(
+        yaml.safe_dump(
+            {
+                "current-context": "dev",
+                "contexts": [{"name": "dev", "context": {"cluster": "c1", "user": "u1", "namespace": NS}}],
+            }
+        )
+    )
+    second = write_kubeconfig(
+        tmp_path / "b.yaml", api.url, {"token": "kube-token"}, namespace="ignored", context="other"
+    )
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("KUBECONFIG", f"{first}:{tmp_path / 'missing.yaml'}:{second}")
     api.put(endpoint_slice("pdgate-decode-a", [endpoint("10.0.0.1")]))
@@ -952,9 +1149,16 @@ SPINE = "topology.k8s.aws/network-node-layer-3"
 
 
 def test_ready_endpoints_carry_the_slices_zone_and_the_nodes_labels():
-    slices = {"a": endpoint_slice("a", [endpoint("10.0.0.1", zone="us-east-1a", node="n1"),
-                                        endpoint("10.0.0.2", zone="us-east-1b", node="n2"),
-                                        endpoint("10.0.0.3", zone="", node="")])}
+    slices = {
+        "a": endpoint_slice(
+            "a",
+            [
+                endpoint("10.0.0.1", zone="us-east-1a", node="n1"),
+                endpoint("10.0.0.2", zone="us-east-1b", node="n2"),
+                endpoint("10.0.0.3", zone="", node=""),
+            ],
+        )
+    }
     cfg = DiscoveryConfig(label_selector="x=y", node_labels=[SPINE])
     eps = ready_endpoints(slices, cfg, {"n1": {SPINE: "nn-1"}})
     assert [e.topology for e in eps] == [{ZONE: "us-east-1a", SPINE: "nn-1"}, {ZONE: "us-east-1b"}, {}]
@@ -962,14 +1166,21 @@ def test_ready_endpoints_carry_the_slices_zone_and_the_nodes_labels():
 
 async def test_node_labels_are_read_once_per_node_and_follow_the_slices(api):
     api.nodes = {"n1": {SPINE: "nn-1", "other": "x"}, "n2": {SPINE: "nn-2"}}
-    api.put(endpoint_slice("pdgate-decode-1", [endpoint("10.0.0.1", node="n1"), endpoint("10.0.0.2", node="n2"),
-                                               endpoint("10.0.0.3", node="n1")]))
+    api.put(
+        endpoint_slice(
+            "pdgate-decode-1",
+            [endpoint("10.0.0.1", node="n1"), endpoint("10.0.0.2", node="n2"), endpoint("10.0.0.3", node="n1")],
+        )
+    )
     watcher = SliceWatcher("decode", discovery_cfg(api, node_labels=[SPINE]), lambda: None)
     await watcher.start()
     try:
         await until(lambda: all(SPINE in e.topology for e in watcher.endpoints) and len(watcher.endpoints) == 3)
         assert {e.url: e.topology[SPINE] for e in watcher.endpoints} == {
-            "http://10.0.0.1:8000": "nn-1", "http://10.0.0.2:8000": "nn-2", "http://10.0.0.3:8000": "nn-1"}
+            "http://10.0.0.1:8000": "nn-1",
+            "http://10.0.0.2:8000": "nn-2",
+            "http://10.0.0.3:8000": "nn-1",
+        }
         assert all(e.topology[ZONE] == "us-east-1a" for e in watcher.endpoints)
         assert sorted(api.node_reads) == ["n1", "n2"]  # once per Node, only the labels asked for
         # a new engine on a new Node: that Node is read, the others are not again
@@ -990,8 +1201,15 @@ async def test_without_rbac_for_nodes_the_endpoints_keep_their_zone_and_the_erro
         await until(lambda: watcher.errors > 0)
         assert [e.topology for e in watcher.endpoints] == [{ZONE: "us-east-1b"}]
         assert "cannot read node n1" in watcher.last_error and "403" in watcher.last_error
-        api.put(endpoint_slice("pdgate-decode-1", [endpoint("10.0.0.1", node="n1", zone="us-east-1b"),
-                                                   endpoint("10.0.0.5", node="n1", zone="us-east-1b")]))
+        api.put(
+            endpoint_slice(
+                "pdgate-decode-1",
+                [
+                    endpoint("10.0.0.1", node="n1", zone="us-east-1b"),
+                    endpoint("10.0.0.5", node="n1", zone="us-east-1b"),
+                ],
+            )
+        )
         await until(lambda: len(watcher.endpoints) == 2)
         await asyncio.sleep(0.3)
         assert api.node_reads == ["n1"]  # a refused Node is not asked again until the next list
@@ -1000,11 +1218,21 @@ async def test_without_rbac_for_nodes_the_endpoints_keep_their_zone_and_the_erro
 
 
 def _prefill_answer(engine: str) -> dict:
-    return {"id": "cmpl-p", "object": "text_completion", "model": "tiny",
-            "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-            "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine,
-                                   "remote_block_ids": [[1]], "remote_host": "127.0.0.1", "remote_port": 5600}}
+    return {
+        "id": "cmpl-p",
+        "object": "text_completion",
+        "model": "tiny",
+        "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": engine,
+            "remote_block_ids": [[1]],
+            "remote_host": "127.0.0.1",
+            "remote_port": 5600,
+        },
+    }
 
 
 def test_gateway_pairs_prefill_and_decode_engines_inside_their_zone(api, tokenizer_dir, tmp_path):
@@ -1016,15 +1244,25 @@ def test_gateway_pairs_prefill_and_decode_engines_inside_their_zone(api, tokeniz
         for name, eng in engines.items():
             pool = "prefill" if name.startswith("p") else "decode"
             labels = {**LABELS, "app.kubernetes.io/component": pool, "kubernetes.io/service-name": f"pdgate-{pool}"}
-            api.put(endpoint_slice(f"pdgate-{name}", [endpoint("127.0.0.1", zone=f"us-east-1{name[1]}", pod=name)],
-                                   port=eng.port, labels=labels))
+            api.put(
+                endpoint_slice(
+                    f"pdgate-{name}",
+                    [endpoint("127.0.0.1", zone=f"us-east-1{name[1]}", pod=name)],
+                    port=eng.port,
+                    labels=labels,
+                )
+            )
         disc = {"namespace": NS, "api_url": api.url, "token_file": None, "retry_s": 0.05}
         data = {
             "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}],
-            "pools": {pool: {"discovery": {**disc, "label_selector": f"kubernetes.io/service-name=pdgate-{pool}"}}
-                      for pool in ("prefill", "decode")},
-            "routing": {"decider": {"name": "token_threshold", "threshold": 1},
-                        "prefill": {"filters": [{"name": "same_zone"}]}},
+            "pools": {
+                pool: {"discovery": {**disc, "label_selector": f"kubernetes.io/service-name=pdgate-{pool}"}}
+                for pool in ("prefill", "decode")
+            },
+            "routing": {
+                "decider": {"name": "token_threshold", "threshold": 1},
+                "prefill": {"filters": [{"name": "same_zone"}]},
+            },
             "health": {"interval_s": 0.1},
         }
         path = tmp_path / "gateway.yaml"
@@ -1047,8 +1285,11 @@ def test_gateway_pairs_prefill_and_decode_engines_inside_their_zone(api, tokeniz
                 return paths
 
             first = send(8)
-            pulls = {(d, rec.body["kv_transfer_params"]["remote_engine_id"])
-                     for d in ("da", "db") for rec in engines[d].posts("/v1/completions")}
+            pulls = {
+                (d, rec.body["kv_transfer_params"]["remote_engine_id"])
+                for d in ("da", "db")
+                for rec in engines[d].posts("/v1/completions")
+            }
             assert {d for _, d in first} == {"da", "db"} and all(p == "pd" for p, _ in first)
             assert pulls == {("da", "pa"), ("db", "pb")}  # never across zones
 
@@ -1059,8 +1300,9 @@ def test_gateway_pairs_prefill_and_decode_engines_inside_their_zone(api, tokeniz
             second = send(8)
             assert {(p, d) for p, d in second} == {("pd", "da"), ("direct", "db")}
             assert all("kv_transfer_params" not in rec.body for rec in engines["db"].posts("/v1/completions"))
-            assert sample(client.get("/metrics").text, "pdgate_route_decisions_total", path="direct",
-                          reason="no_prefill_in_zone") == sum(1 for p, _ in second if p == "direct")
+            assert sample(
+                client.get("/metrics").text, "pdgate_route_decisions_total", path="direct", reason="no_prefill_in_zone"
+            ) == sum(1 for p, _ in second if p == "direct")
     finally:
         for e in engines.values():
             e.stop()

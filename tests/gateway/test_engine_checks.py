@@ -44,8 +44,10 @@ class Engine:
             return web.Response(text=PAGE % self.started_at)
 
         async def models(request: web.Request) -> web.Response:
-            return web.Response(body=orjson.dumps({"object": "list", "data": [{"id": m} for m in self.models]}),
-                                content_type="application/json")
+            return web.Response(
+                body=orjson.dumps({"object": "list", "data": [{"id": m} for m in self.models]}),
+                content_type="application/json",
+            )
 
         app = web.Application()
         app.router.add_get("/health", health)
@@ -127,7 +129,9 @@ async def test_served_models_are_compared_with_the_configured_names(engine, capl
     status = models.status()
     assert status["configured"] == ["tiny", "big"] and status["unchecked"] == []
     assert [(m["pool"], m["missing"], m["served"]) for m in status["mismatched"]] == [
-        ("prefill", ["big"], ["tiny"]), ("decode", ["big"], ["tiny"])]
+        ("prefill", ["big"], ["tiny"]),
+        ("decode", ["big"], ["tiny"]),
+    ]
     assert sum("does not serve big" in r.message for r in caplog.records) == 2
 
 

@@ -38,11 +38,14 @@ def test_a_page_without_vllm_signals_is_not_stats():
     assert parse_stats("# nothing\nprocess_cpu_seconds_total 1.0\n", at=0.0) is None
 
 
-RUN_PAGE = V1_PAGE + """\
+RUN_PAGE = (
+    V1_PAGE
+    + """\
 process_start_time_seconds 1.796144996e+09
 vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 5.0
 vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 2.0
 """
+)
 
 
 def test_the_engine_run_and_its_prefix_caching_are_read():

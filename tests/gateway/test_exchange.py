@@ -173,11 +173,14 @@ async def test_a_client_leaving_during_prefill_abandons_it_and_learns_nothing(h)
     settled(h)
 
 
-@pytest.mark.parametrize(("fields", "streamed"), [
-    ({"stream": True}, True),
-    ({}, True),  # migratable: its engine streams (the client gets a whole answer), so the first token shows
-    ({"logprobs": 1}, False),  # not migratable: the engine sends a whole answer
-])
+@pytest.mark.parametrize(
+    ("fields", "streamed"),
+    [
+        ({"stream": True}, True),
+        ({}, True),  # migratable: its engine streams (the client gets a whole answer), so the first token shows
+        ({"logprobs": 1}, False),  # not migratable: the engine sends a whole answer
+    ],
+)
 async def test_a_direct_stream_is_decode_backlog_until_its_first_token(h, fields, streamed):
     """A stream's first token shows when its prefill is done; a whole answer's does not, so it never counts."""
     gate = asyncio.Event()
@@ -220,8 +223,13 @@ async def _plan(h, prompt: str) -> dict:
     from starlette.requests import Request
 
     raw = orjson.dumps({"model": "tiny", "prompt": prompt})
-    scope = {"type": "http", "method": "POST", "path": "/debug/route", "query_string": b"kind=completion",
-             "headers": []}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/debug/route",
+        "query_string": b"kind=completion",
+        "headers": [],
+    }
 
     async def receive() -> dict:
         return {"type": "http.request", "body": raw, "more_body": False}
@@ -266,7 +274,6 @@ async def test_an_engine_serving_other_models_is_left_out(h):
     h.pools.set_served(h.pools.decode[1], frozenset({"other"}))
     r = await h.send({"model": "tiny", "prompt": "hello"})
     assert r.status == 503 and r.json()["error"]["code"] == "model_not_served"
-
 
 
 async def test_an_overloaded_loop_answers_429_and_sends_nothing(h):
@@ -319,17 +326,26 @@ async def test_loop_lag_is_measured_on_the_running_loop():
 async def test_a_chat_stream_failing_right_after_its_role_chunk_is_retried(h, stream):
     """vLLM's chat streams send the role chunk before anything else, a failed KV load too (then the
     error event): that is a failure before the first token, retried on another engine."""
-    role = b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant",' \
-           b'"content":""},"logprobs":null,"finish_reason":null}]}\n\n'
+    role = (
+        b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant",'
+        b'"content":""},"logprobs":null,"finish_reason":null}]}\n\n'
+    )
     error = b'data: {"error": {"message": "Internal server error", "code": 500}}\n\n'
     # the role chunk arrives in two reads (a long prompt's ids make it large), the error with the second
     failed = FakeResponse([role[:40], role[40:] + error, b"data: [DONE]\n\n"], content_type=b"text/event-stream")
-    ok = FakeResponse([role, b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"hi"},'
-                       b'"finish_reason":"length","token_ids":[5]}]}\n\n', b"data: [DONE]\n\n"],
-                      content_type=b"text/event-stream")
+    ok = FakeResponse(
+        [
+            role,
+            b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"hi"},'
+            b'"finish_reason":"length","token_ids":[5]}]}\n\n',
+            b"data: [DONE]\n\n",
+        ],
+        content_type=b"text/event-stream",
+    )
     h.upstream.on("decode", failed, ok)
-    r = await h.send({"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "stream": stream},
-                     kind="chat")
+    r = await h.send(
+        {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "stream": stream}, kind="chat"
+    )
     assert r.status == 200 and r.headers["x-pdgate-failover"] == "decode_retried"
     assert b'"error"' not in r.body and ok.released
     assert [leg.outcome for leg in h.recorder.legs()] == [LegOutcome.FAILED, LegOutcome.OK]
@@ -360,8 +376,9 @@ async def test_a_pd_decode_leg_failing_with_no_other_engine_left_is_retried_ther
     KV source, the prefill engine, may be what died): the same engine computes the prompt itself."""
     next(ep for ep in h.pools.decode if ep.url == D2).mark_down("connect failed")
     h.upstream.on(P, answer(completion("x", kv=KV)))
-    h.upstream.on(D, EngineError(502, "The decode engine failed (HTTP 500).", code="engine_error"),
-                  answer(completion("served")))
+    h.upstream.on(
+        D, EngineError(502, "The decode engine failed (HTTP 500).", code="engine_error"), answer(completion("served"))
+    )
     r = await h.send({"model": "tiny", "prompt": LONG})
     assert r.status == 200 and r.json()["choices"][0]["text"] == "served"
     assert r.headers["x-pdgate-failover"] == "decode_retried" and r.headers["x-pdgate-path"] == "direct"
@@ -375,14 +392,22 @@ async def test_a_pd_decode_engine_gone_before_its_first_byte_is_unreachable_yet_
     """An engine killed while it held the request: counted as unreachable (its next connect
     fails too), but it may have pulled the prompt's KV, so the next engine computes it itself."""
     h.upstream.on(P, answer(completion("x", kv=KV)))
-    h.upstream.on("decode", EngineGone(502, "The decode engine closed the connection before answering.",
-                                       code="engine_unreachable"), answer(completion("served")))
-    before = sample(h.metrics.render().decode(), "pdgate_failovers_total", event="decode_retried",
-                    cause="engine_unreachable")
+    h.upstream.on(
+        "decode",
+        EngineGone(502, "The decode engine closed the connection before answering.", code="engine_unreachable"),
+        answer(completion("served")),
+    )
+    before = sample(
+        h.metrics.render().decode(), "pdgate_failovers_total", event="decode_retried", cause="engine_unreachable"
+    )
     r = await h.send({"model": "tiny", "prompt": LONG})
     assert r.status == 200 and r.headers["x-pdgate-failover"] == "decode_retried"
     first, second = [c for c in h.upstream.calls if c[1] == "decode"]
     assert first[0] != second[0] and "kv_transfer_params" not in second[2]
-    assert sample(h.metrics.render().decode(), "pdgate_failovers_total", event="decode_retried",
-                  cause="engine_unreachable") == before + 1
+    assert (
+        sample(
+            h.metrics.render().decode(), "pdgate_failovers_total", event="decode_retried", cause="engine_unreachable"
+        )
+        == before + 1
+    )
     settled(h)

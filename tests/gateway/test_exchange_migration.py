@@ -46,18 +46,21 @@ def prompt_ids(h: Harness, body: dict, kind: str) -> list[int]:
 
 def breaking(tok: Tokenizer, prompt: list[int], gen: list[int], kind: str, after: int, **kw) -> FakeResponse:
     """The first engine: streams, then its connection breaks after ``after`` events."""
-    return FakeResponse(events(tok, prompt, gen, kind=kind, **kw), content_type=b"text/event-stream",
-                        break_after=after)
+    return FakeResponse(events(tok, prompt, gen, kind=kind, **kw), content_type=b"text/event-stream", break_after=after)
 
 
 def greedy(tok: Tokenizer, prompt: list[int], gen: list[int], **kw) -> Callable[[dict], FakeResponse]:
     """A continuation's engine: from the prompt it is sent (the original plus kept tokens), the
     rest of ``gen``, as a completions stream."""
+
     def respond(body: dict) -> FakeResponse:
-        kept = body["prompt"][len(prompt):]
-        assert body["prompt"][:len(prompt)] == prompt and kept == gen[:len(kept)]
-        return FakeResponse(events(tok, body["prompt"], gen[len(kept):], kind="completion", rid="other", **kw),
-                            content_type=b"text/event-stream")
+        kept = body["prompt"][len(prompt) :]
+        assert body["prompt"][: len(prompt)] == prompt and kept == gen[: len(kept)]
+        return FakeResponse(
+            events(tok, body["prompt"], gen[len(kept) :], kind="completion", rid="other", **kw),
+            content_type=b"text/event-stream",
+        )
+
     return respond
 
 
@@ -68,8 +71,11 @@ def migrations(h: Harness, result: str, reason: str = "disconnected") -> float:
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 @pytest.mark.parametrize("stream", [True, False])
 async def test_a_decode_leg_broken_mid_answer_goes_on_on_the_other_engine(h, tok, kind, stream):
-    body = ({"model": "tiny", "messages": [{"role": "user", "content": "Write a handler."}]} if kind == "chat"
-            else {"model": "tiny", "prompt": "Write a handler."})
+    body = (
+        {"model": "tiny", "messages": [{"role": "user", "content": "Write a handler."}]}
+        if kind == "chat"
+        else {"model": "tiny", "prompt": "Write a handler."}
+    )
     gen = tok.encode(TEXT, add_special_tokens=False).ids
     body.update(max_tokens=len(gen), stream=stream)
     prompt = prompt_ids(h, body, kind)
@@ -151,8 +157,12 @@ async def test_a_request_that_cannot_migrate_ends_with_the_error_event(h, tok):
 
 
 async def test_a_second_failure_after_one_migration_ends_with_the_error_event(h, tok):
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "Write a handler."}], "max_tokens": 60,
-            "stream": True}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Write a handler."}],
+        "max_tokens": 60,
+        "stream": True,
+    }
     prompt = prompt_ids(h, body, "chat")
     gen = tok.encode(TEXT, add_special_tokens=False).ids[:60]
 
@@ -175,8 +185,7 @@ async def test_a_second_failure_after_one_migration_ends_with_the_error_event(h,
     token_chunks = [e for e in sent[:-2] if orjson.loads(e[6:])["choices"]]
     assert (line["status"], line["error_status"]) == (200, 502) and line["error"]
     assert line["output_tokens"] == len(token_chunks) - 1
-    assert sample(h.metrics.render().decode(), "pdgate_requests_total", model="tiny", path="direct",
-                  status="200") == 1
+    assert sample(h.metrics.render().decode(), "pdgate_requests_total", model="tiny", path="direct", status="200") == 1
     settled(h)
 
 
@@ -192,8 +201,7 @@ async def test_a_migrated_pd_requests_record_keeps_each_parts_prefill(h, tok):
         asyncio.get_running_loop().call_later(0.3, slow.set)
         return answer(completion("x", kv=KV), gate=slow)
 
-    h.upstream.on(P, held,
-                  answer(completion("x", kv={**KV, "remote_request_id": "r2"})))
+    h.upstream.on(P, held, answer(completion("x", kv={**KV, "remote_request_id": "r2"})))
     h.upstream.on("decode", breaking(tok, prompt, gen, "completion", after=6), greedy(tok, prompt, gen))
     r = await h.send(body)
     assert r.status == 200 and r.headers["x-pdgate-path"] == "pd"
@@ -203,8 +211,9 @@ async def test_a_migrated_pd_requests_record_keeps_each_parts_prefill(h, tok):
     assert m["result"] == "ok" and m["path"] == "pd" and m["prefill"] == P and m["prefill_ms"] > 0
     assert line["status"] == 200 and "error_status" not in line
     # both prefill legs are in the prefill histogram
-    prefills = sample(h.metrics.render().decode(), "pdgate_prefill_leg_duration_seconds_count", model="tiny",
-                      outcome="ok")
+    prefills = sample(
+        h.metrics.render().decode(), "pdgate_prefill_leg_duration_seconds_count", model="tiny", outcome="ok"
+    )
     assert prefills == 2
     settled(h)
 
@@ -213,8 +222,9 @@ async def test_no_other_decode_engine_ends_with_the_error_event(h, tok):
     body = {"model": "tiny", "prompt": "Write a handler.", "max_tokens": 30, "stream": True}
     prompt = prompt_ids(h, body, "completion")
     gen = tok.encode(TEXT, add_special_tokens=False).ids[:30]
-    h.upstream.on("decode", breaking(tok, prompt, gen, "completion", after=5),
-                  EngineError(503, "busy", code="engine_error"))
+    h.upstream.on(
+        "decode", breaking(tok, prompt, gen, "completion", after=5), EngineError(503, "busy", code="engine_error")
+    )
     r = await h.send(body)
     assert b'"error"' in r.body and r.body.endswith(b"data: [DONE]\n\n")
     assert migrations(h, "failed") == 1
@@ -245,8 +255,10 @@ async def test_a_client_leaving_during_the_continuations_prefill_frees_everythin
 
 
 async def test_migration_off_relays_every_answer_untouched(tokenizer_dir, tok):
-    h = make(tokenizer_dir, routing={"decider": {"name": "token_threshold", "threshold": 64},
-                                     "migration": {"enabled": False}})
+    h = make(
+        tokenizer_dir,
+        routing={"decider": {"name": "token_threshold", "threshold": 64}, "migration": {"enabled": False}},
+    )
     try:
         body = {"model": "tiny", "prompt": "Write a handler.", "max_tokens": 30, "stream": True}
         prompt = prompt_ids(h, body, "completion")
@@ -291,12 +303,15 @@ async def test_the_migration_is_a_span_holding_the_continuations_legs(tokenizer_
 async def test_whole_answers_can_keep_their_engines_whole_answer(tokenizer_dir, tok):
     """routing.migration.non_streaming: false: a non-streamed request goes as sent (cheaper); its
     decode leg failing mid-answer is retried from the start on the other engine."""
-    h = make(tokenizer_dir, routing={"decider": {"name": "token_threshold", "threshold": 64},
-                                     "migration": {"non_streaming": False}})
+    h = make(
+        tokenizer_dir,
+        routing={"decider": {"name": "token_threshold", "threshold": 64}, "migration": {"non_streaming": False}},
+    )
     try:
         body = {"model": "tiny", "prompt": "Write a handler.", "max_tokens": 30}
-        h.upstream.on("decode", FakeResponse([b'{"choices": [{"text": "ha'], break_after=1),
-                      answer(completion("served whole")))
+        h.upstream.on(
+            "decode", FakeResponse([b'{"choices": [{"text": "ha'], break_after=1), answer(completion("served whole"))
+        )
         r = await h.send(body)
         assert r.status == 200 and r.json()["choices"][0]["text"] == "served whole"
         assert [c[2] for c in h.upstream.calls] == [body, body] and r.headers["x-pdgate-failover"] == "decode_retried"
@@ -320,8 +335,11 @@ async def test_a_stream_broken_after_its_finish_reason_is_ended_by_the_gateway(h
     if stream:
         sent = [orjson.loads(e[6:]) for e in r.body.split(b"\n\n") if e.startswith(b"data: {")]
         assert [c["finish_reason"] for e in sent for c in e["choices"] if c["finish_reason"]] == ["length"]
-        assert sent[-1]["usage"] == {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + 20,
-                                     "completion_tokens": 20}
+        assert sent[-1]["usage"] == {
+            "prompt_tokens": len(prompt),
+            "total_tokens": len(prompt) + 20,
+            "completion_tokens": 20,
+        }
         assert r.body.endswith(b"data: [DONE]\n\n") and b'"error"' not in r.body
     else:
         assert r.json()["choices"][0]["text"] == full_text(tok, prompt, gen)
@@ -337,8 +355,9 @@ async def test_a_continuation_waits_for_room_on_an_engine_at_its_limit(tokenizer
         body = {"model": "tiny", "prompt": "Write a handler.", "max_tokens": 30, "stream": True}
         prompt = prompt_ids(h, body, "completion")
         gen = tok.encode(TEXT, add_special_tokens=False).ids[:30]
-        other = FakeResponse(events(tok, prompt, gen, kind="completion"), content_type=b"text/event-stream",
-                             hold_after=2)
+        other = FakeResponse(
+            events(tok, prompt, gen, kind="completion"), content_type=b"text/event-stream", hold_after=2
+        )
         h.upstream.on("decode", other, breaking(tok, prompt, gen, "completion", after=6), greedy(tok, prompt, gen))
         busy = asyncio.create_task(h.send(body))  # holds one decode engine
         await until(lambda: len(h.upstream.calls) == 1)

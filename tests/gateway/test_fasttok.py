@@ -26,15 +26,38 @@ from gateway.tokenization.tokenizer import ModelTokenizer, find_ranks_file
 
 LLAMA3_PATTERN = fasttok._LLAMA3
 ADVERSARIAL = [
-    "", " ", "  ", "\n", "\r\n", "\t \n", " " * 100, "\n" * 33, "'s", "'S", "'\u017f", "''s", "x's'll'D",
-    "a1b22c333d4444", "1234567890" * 5, "=" * 300, "ab" * 300, "é" * 50, "hello\u00a0world\u2003x",
+    "",
+    " ",
+    "  ",
+    "\n",
+    "\r\n",
+    "\t \n",
+    " " * 100,
+    "\n" * 33,
+    "'s",
+    "'S",
+    "'\u017f",
+    "''s",
+    "x's'll'D",
+    "a1b22c333d4444",
+    "1234567890" * 5,
+    "=" * 300,
+    "ab" * 300,
+    "é" * 50,
+    "hello\u00a0world\u2003x",
     "\x0b\x0c\x85\u2028\u2029",
-    "don't STOP'RE 'VE 'Ll", "  def f():\n\t\treturn  x  \n\n\n", "ﬁ ǅ ẞ ß İ \u0131",
+    "don't STOP'RE 'VE 'Ll",
+    "  def f():\n\t\treturn  x  \n\n\n",
+    "ﬁ ǅ ẞ ß İ \u0131",
     "Ελληνικά Кириллица עברית العربية",
-    "中文🙂 mixed", "emoji 👍🏽 only beyond", "trailing spaces   ", "   leading",
+    "中文🙂 mixed",
+    "emoji 👍🏽 only beyond",
+    "trailing spaces   ",
+    "   leading",
 ]
 ALPHABET = (
-    [chr(c) for c in range(32, 127)] + list("\n\r\t \u00a0\u2003\u2028éüß\u017fİ\u0131Ωжשع\u0966ไ—…“”\u2019€½²")
+    [chr(c) for c in range(32, 127)]
+    + list("\n\r\t \u00a0\u2003\u2028éüß\u017fİ\u0131Ωжשع\u0966ไ—…“”\u2019€½²")
     + ["  ", "\n\n", "'s", "'ll", "123", "    "]
 )
 
@@ -52,13 +75,17 @@ def corpus() -> list[str]:
 def small_bpe(pattern: str = LLAMA3_PATTERN, alphabet: bool = True) -> Tokenizer:
     """A small byte-level BPE shaped like Llama 3's (Split regex, then ByteLevel without regex)."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=600, special_tokens=["<|begin|>", "<|eot|>"], show_progress=False,
+        vocab_size=600,
+        special_tokens=["<|begin|>", "<|eot|>"],
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if alphabet else [],
     )
     tok.train_from_iterator(corpus(), trainer=trainer)
@@ -124,8 +151,9 @@ def test_prompt_ids_equal_hf(name: str, request: pytest.FixtureRequest) -> None:
         mixed = text + (specials[i % len(specials)] + texts[-i]) if specials else text
         for prompt in (text, mixed) if text else (mixed,):
             for add in (True, False):
-                req = parse_body(orjson.dumps({"model": "m", "prompt": prompt, "add_special_tokens": add}),
-                                 "completion")
+                req = parse_body(
+                    orjson.dumps({"model": "m", "prompt": prompt, "add_special_tokens": add}), "completion"
+                )
                 assert on.prompt_ids(req) == off.prompt_ids(req), prompt
         messages = [{"role": "system", "content": text}, {"role": "user", "content": mixed}]
         req = parse_body(orjson.dumps({"model": "m", "messages": messages}), "chat")
@@ -155,6 +183,7 @@ def _set(path: tuple[str, ...], value: Any) -> Any:
         for key in path[:-1]:
             node = node[key]
         node[path[-1]] = value
+
     return change
 
 
@@ -194,8 +223,10 @@ REFUSALS = {
     "prefix": (_set(("model", "continuing_subword_prefix"), "##"), "continuing_subword_prefix"),
     "byte_fallback": (_set(("model", "byte_fallback"), True), "byte_fallback"),
     "model": (_set(("model", "type"), "WordLevel"), "model 'WordLevel'"),
-    "regex": (_set(("pre_tokenizer", "pretokenizers", 0, "pattern", "Regex"), r"\w+|\s+|[^\w\s]+"),
-              "unknown pre-tokenizer regex"),
+    "regex": (
+        _set(("pre_tokenizer", "pretokenizers", 0, "pattern", "Regex"), r"\w+|\s+|[^\w\s]+"),
+        "unknown pre-tokenizer regex",
+    ),
     "split_behavior": (_set(("pre_tokenizer", "pretokenizers", 0, "behavior"), "Removed"), "isolating Split"),
     "prefix_space": (_set(("pre_tokenizer", "pretokenizers", 1, "add_prefix_space"), True), "ByteLevel"),
     "bytelevel_regex": (_set(("pre_tokenizer", "pretokenizers", 1, "use_regex"), True), "ByteLevel"),
@@ -244,8 +275,9 @@ def test_self_check_failure_refuses(base: dict[str, Any], monkeypatch: pytest.Mo
 def test_gpt2_style_byte_level() -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=500, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=500, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     tok.train_from_iterator(corpus(), trainer=trainer)
     encoder, why = load(json.loads(tok.to_str()))
     assert encoder is not None, why
@@ -274,27 +306,52 @@ def test_long_or_failing_text_goes_to_hf(base: dict[str, Any]) -> None:
 VARIED = [
     # code
     "def f(x):\n    return {k: v for k, v in x.items() if v is not None}  # noqa\n\n\nclass A(B):\n\tpass\n",
-    "#include <stdio.h>\nint main(void) {\n    printf(\"%d\\n\", 42);\n    return 0;\n}\n",
+    '#include <stdio.h>\nint main(void) {\n    printf("%d\\n", 42);\n    return 0;\n}\n',
     "SELECT id, name FROM users WHERE age >= 18 AND name LIKE '%o''neil%';\n",
     "const x = () => { return a?.b ?? c; };\n// TODO: fix\n/* block */\n",
-    "<div class=\"x\">&nbsp;&lt;tag&gt;</div>\n<?xml version=\"1.0\"?>",
+    '<div class="x">&nbsp;&lt;tag&gt;</div>\n<?xml version="1.0"?>',
     # unicode (below and beyond the range the regex engines are compared on)
     "Ünïcödé àéîõü ßẞ ſ Straße Ελληνικά Кириллица עברית العربية हिन्दी ไทย ქართული Ǆǅǆ ﬁ",  # noqa: RUF001
     "Việt Nam, Tiếng Việt, naïve café, résumé, Ångström, Øre, İstanbul, ıi",  # noqa: RUF001
-    "中文 日本語 한국어 🙂👍🏽 mixed with ASCII", "emoji only 🎉🎉🎉", "\u200b\u200d\ufeff zero width",
+    "中文 日本語 한국어 🙂👍🏽 mixed with ASCII",
+    "emoji only 🎉🎉🎉",
+    "\u200b\u200d\ufeff zero width",
     # long whitespace runs
-    " " * 1000, "\n" * 300, "\t" * 200, " \n" * 150, "\r\n" * 100, "   \n\n\t\t  \n" * 40,
-    "x" + " " * 517 + "y", "a\n" + "    " * 64 + "b", " " * 33 + "\n" + " " * 65 + "\n\n\n",
+    " " * 1000,
+    "\n" * 300,
+    "\t" * 200,
+    " \n" * 150,
+    "\r\n" * 100,
+    "   \n\n\t\t  \n" * 40,
+    "x" + " " * 517 + "y",
+    "a\n" + "    " * 64 + "b",
+    " " * 33 + "\n" + " " * 65 + "\n\n\n",
     # numbers
-    "0 1 12 123 1234 12345 123456 1234567 " * 5, "3.14159265358979 -2.5e-10 1,000,000.00 0xDEADbeef 0b1010",
-    "١٢٣٤٥ ५६७ ½ ² ³ ⅷ ① Ⅻ", "2024-01-01T00:00:00.000Z 192.168.0.1 +1 (555) 010-9999",
-    "9" * 400, "10" * 300,
+    "0 1 12 123 1234 12345 123456 1234567 " * 5,
+    "3.14159265358979 -2.5e-10 1,000,000.00 0xDEADbeef 0b1010",
+    "١٢٣٤٥ ५६७ ½ ² ³ ⅷ ① Ⅻ",
+    "2024-01-01T00:00:00.000Z 192.168.0.1 +1 (555) 010-9999",
+    "9" * 400,
+    "10" * 300,
     # special-looking strings (only exact added tokens are special)
-    "<|eot_id|> <|start_header_id|>user<|end_header_id|>", "<|eot_id|", "|eot_id|>", "<|EOT_ID|>",
-    "<|reserved_special_token_250|> <|reserved_special_token_256|>", "<|begin_of_text|><|begin_of_text|>",
-    "<s>[INST] <<SYS>>\nhi\n<</SYS>> [/INST]</s>", "<|im_start|>system\n<|im_end|>", "<｜begin▁of▁sentence｜>",  # noqa: RUF001
-    "{{ bos_token }}{% if x %}", "\\u0000 \x00 \x01\x7f", "''''s'll'LL'Re ''' 's 'S",
-    "-" * 300, "=" * 257, "*" * 100 + "#" * 100, "_" * 129, "." * 1000, "/" * 64 + "\\" * 64,
+    "<|eot_id|> <|start_header_id|>user<|end_header_id|>",
+    "<|eot_id|",
+    "|eot_id|>",
+    "<|EOT_ID|>",
+    "<|reserved_special_token_250|> <|reserved_special_token_256|>",
+    "<|begin_of_text|><|begin_of_text|>",
+    "<s>[INST] <<SYS>>\nhi\n<</SYS>> [/INST]</s>",
+    "<|im_start|>system\n<|im_end|>",
+    "<｜begin▁of▁sentence｜>",  # noqa: RUF001
+    "{{ bos_token }}{% if x %}",
+    "\\u0000 \x00 \x01\x7f",
+    "''''s'll'LL'Re ''' 's 'S",
+    "-" * 300,
+    "=" * 257,
+    "*" * 100 + "#" * 100,
+    "_" * 129,
+    "." * 1000,
+    "/" * 64 + "\\" * 64,
 ]
 
 
@@ -360,15 +417,23 @@ def meta_style_files(out: Path, spec: dict[str, Any] | None = None) -> Path:
     added = {t["content"] for t in spec["added_tokens"]}
     decoder = fasttok._byte_decoder()
     ranks = {bytes(decoder[c] for c in tok): i for tok, i in vocab.items() if tok not in added}
-    merges = sorted(((a, b) for t in vocab if t not in added for a, b in ((t[:k], t[k:]) for k in range(1, len(t)))
-                     if a in vocab and b in vocab and a not in added and b not in added),
-                    key=lambda ab: (vocab[ab[0] + ab[1]], vocab[ab[0]], vocab[ab[1]]))
+    merges = sorted(
+        (
+            (a, b)
+            for t in vocab
+            if t not in added
+            for a, b in ((t[:k], t[k:]) for k in range(1, len(t)))
+            if a in vocab and b in vocab and a not in added and b not in added
+        ),
+        key=lambda ab: (vocab[ab[0] + ab[1]], vocab[ab[0]], vocab[ab[1]]),
+    )
     model["merges"] = [list(m) for m in merges]
     model["ignore_merges"] = True
     (out / "original").mkdir(parents=True, exist_ok=True)
     (out / "tokenizer.json").write_text(json.dumps(spec))
     (out / "original" / "tokenizer.model").write_bytes(
-        b"".join(base64.b64encode(tok) + b" %d\n" % rank for tok, rank in sorted(ranks.items(), key=lambda x: x[1])))
+        b"".join(base64.b64encode(tok) + b" %d\n" % rank for tok, rank in sorted(ranks.items(), key=lambda x: x[1]))
+    )
     (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     return out
 
@@ -388,7 +453,8 @@ def meta_style_model(folder: Path, name: str, max_model_len: int = 1 << 20, **kw
 
 def test_ranks_file_is_found_where_meta_puts_it(meta_style: Path, tmp_path: Path) -> None:
     assert find_ranks_file(ModelConfig(name="m", tokenizer=str(meta_style), max_model_len=64)) == str(
-        meta_style / "original" / "tokenizer.model")
+        meta_style / "original" / "tokenizer.model"
+    )
     assert find_ranks_file(ModelConfig(name="m", tokenizer=str(tmp_path), max_model_len=64)) is None
     tok = meta_style_model(meta_style, "meta-style")
     assert tok.segments.fast and tok.segments.fast_checked, tok.segments.fast_reason
@@ -402,6 +468,7 @@ def _rewrite_ranks(change: Any) -> Any:
         path = folder / "original" / "tokenizer.model"
         lines = path.read_bytes().splitlines()
         path.write_bytes(b"\n".join(change(lines)) + b"\n")
+
     return apply
 
 
@@ -410,6 +477,7 @@ def _rewrite_spec(change: Any) -> Any:
         spec = json.loads((folder / "tokenizer.json").read_text())
         change(spec)
         (folder / "tokenizer.json").write_text(json.dumps(spec))
+
     return apply
 
 
@@ -419,17 +487,23 @@ def _swap_ranks(lines: list[bytes]) -> list[bytes]:
 
 
 RANKS_REFUSALS = {
-    "sentencepiece": (lambda folder: (folder / "original" / "tokenizer.model").write_bytes(b"\n\x0e\n\x05<unk>\x15"),
-                      "not in tiktoken's format"),
+    "sentencepiece": (
+        lambda folder: (folder / "original" / "tokenizer.model").write_bytes(b"\n\x0e\n\x05<unk>\x15"),
+        "not in tiktoken's format",
+    ),
     "swapped_ranks": (_rewrite_ranks(_swap_ranks), "has another rank"),
-    "extra_token": (_rewrite_ranks(lambda lines: [*lines, base64.b64encode(b"zzzq") + b" 9999"]),
-                    "tokens the vocabulary lacks"),
+    "extra_token": (
+        _rewrite_ranks(lambda lines: [*lines, base64.b64encode(b"zzzq") + b" 9999"]),
+        "tokens the vocabulary lacks",
+    ),
     "missing_merge": (_rewrite_spec(lambda spec: spec["model"]["merges"].pop(40)), "not every split"),
     "merge_order": (_rewrite_spec(lambda spec: spec["model"]["merges"].reverse()), "not ordered"),
     "ignore_merges": (_rewrite_spec(lambda spec: spec["model"].update(ignore_merges=False)), "ignore_merges is off"),
     "normalizer": (_rewrite_spec(lambda spec: spec.update(normalizer={"type": "Lowercase"})), "a normalizer"),
-    "regex": (_rewrite_spec(lambda spec: spec["pre_tokenizer"]["pretokenizers"][0]["pattern"].update(Regex=r"\w+|\s+")),
-              "unknown pre-tokenizer regex"),
+    "regex": (
+        _rewrite_spec(lambda spec: spec["pre_tokenizer"]["pretokenizers"][0]["pattern"].update(Regex=r"\w+|\s+")),
+        "unknown pre-tokenizer regex",
+    ),
 }
 
 
@@ -444,8 +518,9 @@ def test_ranks_file_refused(name: str, tmp_path: Path) -> None:
     assert reason in why
 
 
-def test_load_time_mismatch_refuses_and_counts(meta_style: Path, monkeypatch: pytest.MonkeyPatch,
-                                               caplog: pytest.LogCaptureFixture) -> None:
+def test_load_time_mismatch_refuses_and_counts(
+    meta_style: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setattr(fasttok.FastEncoder, "encode", lambda self, text: [0] * len(text))
     before = fasttok.mismatches().get("load-mismatch", 0)
     with caplog.at_level(logging.WARNING, logger="gateway.tokenization.tokenizer"):
@@ -456,8 +531,9 @@ def test_load_time_mismatch_refuses_and_counts(meta_style: Path, monkeypatch: py
     assert [r for r in caplog.records if r.levelno == logging.WARNING and "no fast tokenizer" in r.getMessage()]
 
 
-def test_run_time_mismatch_turns_the_fast_path_off(meta_style: Path, monkeypatch: pytest.MonkeyPatch,
-                                                    caplog: pytest.LogCaptureFixture) -> None:
+def test_run_time_mismatch_turns_the_fast_path_off(
+    meta_style: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setattr(fasttok, "SAMPLE_EVERY", 1)
     tok = meta_style_model(meta_style, "run-mismatch")
     seg = tok.segments

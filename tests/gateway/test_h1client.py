@@ -23,8 +23,15 @@ def event_loop_policy(request: pytest.FixtureRequest) -> asyncio.AbstractEventLo
 
 def test_its_exceptions_are_the_interfaces_own():
     """Callers catch ``transport``'s exceptions; nothing here poses as aiohttp any more."""
-    for name in ("ClientError", "ConnectError", "ServerDisconnected", "ProtocolError", "HeadTooLarge",
-                 "FirstTimeout", "Timeouts"):
+    for name in (
+        "ClientError",
+        "ConnectError",
+        "ServerDisconnected",
+        "ProtocolError",
+        "HeadTooLarge",
+        "FirstTimeout",
+        "Timeouts",
+    ):
         assert getattr(h1client, name) is getattr(transport, name)
     assert not issubclass(h1client.ClientError, aiohttp.ClientError)
     assert not hasattr(h1client.Response, "headers") and not hasattr(h1client.Response, "content")
@@ -32,6 +39,7 @@ def test_its_exceptions_are_the_interfaces_own():
 
 async def test_any_unasked_byte_on_an_idle_connection_retires_it():
     """Stricter than the contract (a whole unasked response): half a response is enough."""
+
     async def handler(ex: Exchange) -> None:
         await ex.answer(ok() + b"HTTP/1.1 200 OK\r\n")  # the start of one answer too many
 

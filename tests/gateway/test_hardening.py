@@ -26,12 +26,14 @@ def engine():
 
 
 def config(tokenizer_dir, engine_url: str, **overrides):
-    return parse_config({
-        "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}],
-        "pools": {"decode": {"endpoints": [engine_url]}},
-        "admin": {"token_env": "PDGATE_TEST_ADMIN_TOKEN"},
-        **overrides,
-    })
+    return parse_config(
+        {
+            "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}],
+            "pools": {"decode": {"endpoints": [engine_url]}},
+            "admin": {"token_env": "PDGATE_TEST_ADMIN_TOKEN"},
+            **overrides,
+        }
+    )
 
 
 @pytest.fixture
@@ -71,8 +73,9 @@ def test_urls_lose_their_passwords_and_keep_the_rest():
 
 def test_ready_names_the_redis_failure_but_not_its_address(tokenizer_dir, engine):
     port = free_port()  # nothing listens there
-    cfg = config(tokenizer_dir, engine.url, state={"backend": "redis", "url": f"redis://10.255.0.1:{port}/0",
-                                                   "timeout_s": 0.05})
+    cfg = config(
+        tokenizer_dir, engine.url, state={"backend": "redis", "url": f"redis://10.255.0.1:{port}/0", "timeout_s": 0.05}
+    )
     with TestClient(create_app(cfg)) as c:
         body = c.get("/ready").json()
     state = body["shared_state"]
@@ -80,8 +83,9 @@ def test_ready_names_the_redis_failure_but_not_its_address(tokenizer_dir, engine
     assert str(port) not in str(state) and "10.255.0.1" not in str(state)
 
 
-@pytest.mark.parametrize(("header", "ok"), [(f"Bearer {TOKEN}", True), (f"bearer {TOKEN}", True),
-                                            (TOKEN, False), (f"Basic {TOKEN}", False)])
+@pytest.mark.parametrize(
+    ("header", "ok"), [(f"Bearer {TOKEN}", True), (f"bearer {TOKEN}", True), (TOKEN, False), (f"Basic {TOKEN}", False)]
+)
 def test_the_admin_token_takes_the_bearer_scheme_in_any_case(client, header, ok):
     r = client.get("/admin/config", headers={"authorization": header})
     assert r.status_code == (200 if ok else 401)
@@ -94,8 +98,9 @@ def test_no_healthy_engine_says_when_to_retry(tokenizer_dir, monkeypatch):
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
 
 
-async def test_debug_route_quietly_drops_a_client_gone_while_its_body_is_read(tokenizer_dir, engine, caplog,
-                                                                                  monkeypatch):
+async def test_debug_route_quietly_drops_a_client_gone_while_its_body_is_read(
+    tokenizer_dir, engine, caplog, monkeypatch
+):
     monkeypatch.setenv("PDGATE_TEST_ADMIN_TOKEN", TOKEN)
     app = create_app(config(tokenizer_dir, engine.url))
     sent: list[dict] = []
@@ -108,9 +113,17 @@ async def test_debug_route_quietly_drops_a_client_gone_while_its_body_is_read(to
 
     with TestClient(app) as c:  # runs the lifespan; the request below goes to the ASGI app itself
         state = c.app_state
-        scope = {"type": "http", "method": "POST", "path": "/debug/route", "query_string": b"", "root_path": "",
-                 "headers": [(b"authorization", f"Bearer {TOKEN}".encode())], "state": state,
-                 "scheme": "http", "server": ("test", 80)}
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/debug/route",
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"authorization", f"Bearer {TOKEN}".encode())],
+            "state": state,
+            "scheme": "http",
+            "server": ("test", 80),
+        }
         with caplog.at_level(logging.ERROR):
             await app(scope, gone, send)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

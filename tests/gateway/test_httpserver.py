@@ -20,15 +20,26 @@ import uvicorn
 from gateway.fairness.admission import LoopLag
 from gateway.http.server import BODY_GRACE_S, LINGER_S, SMOOTHING, Connections, Limits, guarded_protocol, quiet_upgrades
 
-LIMITS = Limits(max_head_bytes=4096, max_headers=20, head_timeout_s=0.5, max_connections=8, body_timeout_s=3.0,
-                body_idle_timeout_s=0.5)
+LIMITS = Limits(
+    max_head_bytes=4096,
+    max_headers=20,
+    head_timeout_s=0.5,
+    max_connections=8,
+    body_timeout_s=3.0,
+    body_idle_timeout_s=0.5,
+)
 KEEP_ALIVE_S = 1.0
 LATE_S = 2.0  # /hang answers this late: past the guard's body idle bound (0.5 s + the grace), within its linger
 
 
 async def respond(send, status: int, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -69,8 +80,14 @@ async def server(limits: Limits = LIMITS) -> AsyncIterator[tuple[int, Connection
     sock.bind(("127.0.0.1", 0))
     connections = Connections(limits.max_connections)
     # as gateway/http/server.py's make_server: no WebSockets, uvicorn's upgrade warnings dropped
-    config = uvicorn.Config(app, http=guarded_protocol(limits, connections), lifespan="off", log_level="warning",
-                            timeout_keep_alive=KEEP_ALIVE_S, ws="none")
+    config = uvicorn.Config(
+        app,
+        http=guarded_protocol(limits, connections),
+        lifespan="off",
+        log_level="warning",
+        timeout_keep_alive=KEEP_ALIVE_S,
+        ws="none",
+    )
     quiet_upgrades()
     srv = uvicorn.Server(config)
     task = asyncio.create_task(srv.serve(sockets=[sock]))
@@ -135,8 +152,11 @@ async def test_too_many_headers_get_431():
         assert status_and_error(await read_all(reader))[0] == 431
 
 
-@pytest.mark.parametrize("sent", [b"", b"GET /x HT", b"GET /x HTTP/1.1\r\nHost: a\r\n"],
-                         ids=["nothing", "half-a-request-line", "unterminated-headers"])
+@pytest.mark.parametrize(
+    "sent",
+    [b"", b"GET /x HT", b"GET /x HTTP/1.1\r\nHost: a\r\n"],
+    ids=["nothing", "half-a-request-line", "unterminated-headers"],
+)
 async def test_a_head_that_does_not_arrive_in_time_gets_408(sent):
     async with server() as (port, _):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -381,8 +401,10 @@ async def test_pipelined_requests_a_head_and_expect_continue_keep_their_framing(
     after them still closes the connection, and the ones before do not."""
     async with server() as (port, _):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\nHEAD /x HTTP/1.1\r\nHost: a\r\n\r\n"
-                     b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\n\r\nabc")
+        writer.write(
+            b"GET /x HTTP/1.1\r\nHost: a\r\n\r\nHEAD /x HTTP/1.1\r\nHost: a\r\n\r\n"
+            b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 3\r\n\r\nabc"
+        )
         assert (await read_response(reader))[2] == b"ok 0"
         async with asyncio.timeout(5):
             head = await reader.readuntil(b"\r\n\r\n")  # HEAD: a content-length, and no body
@@ -408,8 +430,10 @@ async def test_an_upgrade_request_is_answered_as_http_and_closes_the_connection(
     async with server() as (port, connections):
         with caplog.at_level(logging.WARNING):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(b"GET /x HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
-                         b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+            writer.write(
+                b"GET /x HTTP/1.1\r\nHost: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+                b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+            )
             status, headers, body = await read_response(reader)
             assert (status, body, headers[b"connection"]) == (200, b"ok 0", b"close")
             writer.write(b"\x81\x05hello")  # a WebSocket frame: nobody here reads it

@@ -94,9 +94,13 @@ def check_config(config: Path, tmp_path: Path, **env: str) -> subprocess.Complet
     """``pdgate check-config`` with a hub that refuses connections, HF_HUB_OFFLINE unset and an empty
     (or given) hub cache. Before the probe it took ~50 s of retries: the timeout is the test."""
     base = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    return subprocess.run([sys.executable, "-m", "gateway", "check-config", str(config)], capture_output=True,
-                          text=True, timeout=20, env={**base, "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}",
-                                                      "HF_HOME": str(tmp_path / "hf"), **env})
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", "check-config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        env={**base, "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}", "HF_HOME": str(tmp_path / "hf"), **env},
+    )
 
 
 def test_check_config_on_the_readme_example_offline_is_one_line_with_what_to_do(tmp_path):
@@ -118,7 +122,13 @@ def test_a_tokenizer_in_the_hub_cache_serves_while_the_hub_is_unreachable(tmp_pa
     (repo / ".no_exist" / commit).mkdir(parents=True)
     (repo / ".no_exist" / commit / "config.json").touch()
     config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump({"models": [{"name": "m", "tokenizer": "pdgate-test/tiny", "max_model_len": 100}],
-                                      "pools": {"decode": {"endpoints": ["http://d0:8000"]}}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "models": [{"name": "m", "tokenizer": "pdgate-test/tiny", "max_model_len": 100}],
+                "pools": {"decode": {"endpoints": ["http://d0:8000"]}},
+            }
+        )
+    )
     done = check_config(config, tmp_path)
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr

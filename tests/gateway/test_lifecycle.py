@@ -12,8 +12,12 @@ from gateway.lifecycle import Lifecycle
 
 
 def config() -> GatewayConfig:
-    return parse_config({"models": [{"name": "m", "tokenizer": "t", "max_model_len": 8}],
-                         "pools": {"decode": {"endpoints": ["http://127.0.0.1:1"]}}})
+    return parse_config(
+        {
+            "models": [{"name": "m", "tokenizer": "t", "max_model_len": 8}],
+            "pools": {"decode": {"endpoints": ["http://127.0.0.1:1"]}},
+        }
+    )
 
 
 async def test_parts_start_in_order_and_stop_services_then_resources_in_reverse() -> None:
@@ -23,6 +27,7 @@ async def test_parts_start_in_order_and_stop_services_then_resources_in_reverse(
     def step(what: str):
         async def run() -> None:
             seen.append(what)
+
         return run
 
     life.add("session", start=step("start session"), stop=step("close session"), resource=True)
@@ -45,6 +50,7 @@ async def test_services_stop_together() -> None:
             events.append(f"begin {i}")
             await asyncio.sleep(0.05)
             events.append(f"end {i}")
+
         return stop
 
     for i in range(4):

@@ -38,11 +38,14 @@ def refused(req: ParsedRequest, lim: LimitsConfig, max_model_len: int | None = N
 
 # -- the bypasses -------------------------------------------------------------------------------
 
+
 def test_n_cannot_multiply_max_tokens_past_the_limit():
     err = refused(parse(prompt="x", max_tokens=100, n=10), limits(max_output_tokens=100))
     assert (err.param, err.code) == ("max_tokens", "max_tokens_too_large")
-    assert err.message == ("max_tokens must be at most 10, got 100: this gateway allows at most 100 output tokens "
-                           "per request, and this one asks for 10 sequences (n=10), 1000 tokens in all.")
+    assert err.message == (
+        "max_tokens must be at most 10, got 100: this gateway allows at most 100 output tokens "
+        "per request, and this one asks for 10 sequences (n=10), 1000 tokens in all."
+    )
     check_output_limit(parse(prompt="x", max_tokens=10, n=10), limits(max_output_tokens=100))  # exactly fits
 
 
@@ -68,13 +71,15 @@ def test_chat_without_max_tokens_gets_its_share(field):
 def test_min_tokens_without_max_tokens_is_bounded():
     err = refused(chat(min_tokens=101), limits(max_output_tokens=100))
     assert (err.param, err.code) == ("min_tokens", "min_tokens_too_large")
-    assert err.message == ("min_tokens must be at most 100, got 101: this gateway allows at most 100 output tokens "
-                           "per request.")
+    assert err.message == (
+        "min_tokens must be at most 100, got 101: this gateway allows at most 100 output tokens per request."
+    )
     err = refused(parse(prompt="x", min_tokens=30, n=4), limits(max_output_tokens=100))
     assert "min_tokens must be at most 25, got 30" in err.message and "4 sequences (n=4)" in err.message
 
 
 # -- the rule in detail -------------------------------------------------------------------------
+
 
 def test_chat_max_completion_tokens_wins_as_in_vllm():
     lim = limits(max_output_tokens=100)
@@ -108,8 +113,10 @@ def test_the_share_never_exceeds_the_context():
 def test_more_sequences_than_tokens_is_a_clear_400():
     err = refused(parse(prompt="x", n=16, best_of=16, max_tokens=1), limits(max_output_tokens=10))
     assert (err.param, err.code) == ("n", "too_many_sequences")
-    assert err.message == ("This request asks for 16 sequences (n=16), more than the 10 output tokens this gateway "
-                           "allows per request (at least 1 per sequence); ask for fewer.")
+    assert err.message == (
+        "This request asks for 16 sequences (n=16), more than the 10 output tokens this gateway "
+        "allows per request (at least 1 per sequence); ask for fewer."
+    )
     err = refused(parse(prompt=["a"] * 11), limits(max_output_tokens=10))
     assert err.param == "prompt" and "11 sequences (11 prompts)" in err.message
 
@@ -127,13 +134,20 @@ def test_within_limits_the_body_is_untouched():
 
 # -- caps on n, best_of and prompts -------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("body", "param", "code", "message"),
-    [({"n": 17}, "n", "n_too_large", "n must be at most 16 on this gateway, got 17."),
-     ({"n": 100000}, "n", "n_too_large", "n must be at most 16 on this gateway, got 100000."),
-     ({"best_of": 17}, "best_of", "best_of_too_large", "best_of must be at most 16 on this gateway, got 17."),
-     ({"prompt": ["p"] * 65}, "prompt", "too_many_prompts", "prompt must hold at most 64 prompts on this gateway, "
-                                                             "got 65.")],
+    [
+        ({"n": 17}, "n", "n_too_large", "n must be at most 16 on this gateway, got 17."),
+        ({"n": 100000}, "n", "n_too_large", "n must be at most 16 on this gateway, got 100000."),
+        ({"best_of": 17}, "best_of", "best_of_too_large", "best_of must be at most 16 on this gateway, got 17."),
+        (
+            {"prompt": ["p"] * 65},
+            "prompt",
+            "too_many_prompts",
+            "prompt must hold at most 64 prompts on this gateway, got 65.",
+        ),
+    ],
 )
 def test_default_caps(body, param, code, message):
     err = refused(parse(**{"prompt": "x", **body}), limits())
@@ -149,8 +163,10 @@ def test_caps_at_the_edge_and_zero_means_none():
 
 @pytest.mark.parametrize(
     ("body", "param", "message"),
-    [({"n": 4, "best_of": 2}, "best_of", "best_of must be greater than or equal to n, got n=4 and best_of=2."),
-     ({"n": 2, "temperature": 0}, "n", "n must be 1 when using greedy sampling, got 2.")],
+    [
+        ({"n": 4, "best_of": 2}, "best_of", "best_of must be greater than or equal to n, got n=4 and best_of=2."),
+        ({"n": 2, "temperature": 0}, "n", "n must be 1 when using greedy sampling, got 2."),
+    ],
 )
 def test_what_vllm_refuses_is_refused_first(body, param, message):
     err = refused(parse(prompt="x", **body), limits(max_n=0, max_best_of=0))
@@ -162,8 +178,12 @@ def test_beam_search_may_be_greedy():
 
 
 def test_config_defaults_and_bounds():
-    lim = parse_config({"models": [{"name": "m", "tokenizer": "t", "max_model_len": 10}],
-                        "pools": {"decode": {"endpoints": ["http://d:8000"]}}}).limits
+    lim = parse_config(
+        {
+            "models": [{"name": "m", "tokenizer": "t", "max_model_len": 10}],
+            "pools": {"decode": {"endpoints": ["http://d:8000"]}},
+        }
+    ).limits
     assert (lim.max_output_tokens, lim.max_n, lim.max_best_of, lim.max_prompts) == (0, 16, 16, 64)
     for key in ("max_n", "max_best_of", "max_prompts"):
         assert LimitsConfig.model_fields[key].description

@@ -33,34 +33,43 @@ def llama3(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 
 
 def req(kind: str, **body):
-    base = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]} if kind == "chat" else \
-        {"model": "tiny", "prompt": "hi"}
+    base = (
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+        if kind == "chat"
+        else {"model": "tiny", "prompt": "hi"}
+    )
     return parse_body(orjson.dumps({**base, **body}), kind)  # type: ignore[arg-type]
 
 
 # -- which requests ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("kind", "body", "why"), [
-    ("chat", {}, None),
-    ("completion", {"stop": ["\n"], "seed": 3, "temperature": 0.7}, None),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}, None),
-    ("chat", {"response_format": {"type": "text"}}, None),
-    ("chat", {"response_format": {"type": "json_object"}}, "guided_decoding"),
-    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-     "guided_decoding"),
-    ("completion", {"structured_outputs": {"regex": "a+"}}, "guided_decoding"),
-    ("chat", {"guided_json": {"type": "object"}}, "guided_decoding"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("chat", {"n": 2}, "multiple_sequences"),
-    ("completion", {"best_of": 2}, "multiple_sequences"),
-    ("chat", {"logprobs": True}, "logprobs"),
-    ("chat", {"logprobs": False}, None),
-    ("completion", {"logprobs": 0}, "logprobs"),
-    ("completion", {"prompt_logprobs": 1}, "logprobs"),
-    ("completion", {"echo": True}, "echo"),
-    ("completion", {"prompt": ["a", "b"]}, "batch_prompts"),
-])
+@pytest.mark.parametrize(
+    ("kind", "body", "why"),
+    [
+        ("chat", {}, None),
+        ("completion", {"stop": ["\n"], "seed": 3, "temperature": 0.7}, None),
+        ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}, None),
+        ("chat", {"response_format": {"type": "text"}}, None),
+        ("chat", {"response_format": {"type": "json_object"}}, "guided_decoding"),
+        (
+            "chat",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+            "guided_decoding",
+        ),
+        ("completion", {"structured_outputs": {"regex": "a+"}}, "guided_decoding"),
+        ("chat", {"guided_json": {"type": "object"}}, "guided_decoding"),
+        ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("chat", {"n": 2}, "multiple_sequences"),
+        ("completion", {"best_of": 2}, "multiple_sequences"),
+        ("chat", {"logprobs": True}, "logprobs"),
+        ("chat", {"logprobs": False}, None),
+        ("completion", {"logprobs": 0}, "logprobs"),
+        ("completion", {"prompt_logprobs": 1}, "logprobs"),
+        ("completion", {"echo": True}, "echo"),
+        ("completion", {"prompt": ["a", "b"]}, "batch_prompts"),
+    ],
+)
 def test_what_may_migrate(kind, body, why):
     assert unmigratable(req(kind, **body), None) == why
 
@@ -74,24 +83,56 @@ def test_a_prompt_with_media_may_not_migrate():
 
 
 def test_a_chat_continues_as_a_completion_of_its_prompt_and_output():
-    chat = req("chat", max_completion_tokens=100, min_tokens=30, temperature=0, seed=7, stop=["END"],
-               stream=True, stream_options={"include_usage": True}, tools=[], tool_choice="none",
-               chat_template_kwargs={"x": 1}, skip_special_tokens=False, cache_salt="s",
-               vllm_xargs={"k": 1}, logprobs=False, return_token_ids=False)
+    chat = req(
+        "chat",
+        max_completion_tokens=100,
+        min_tokens=30,
+        temperature=0,
+        seed=7,
+        stop=["END"],
+        stream=True,
+        stream_options={"include_usage": True},
+        tools=[],
+        tool_choice="none",
+        chat_template_kwargs={"x": 1},
+        skip_special_tokens=False,
+        cache_salt="s",
+        vllm_xargs={"k": 1},
+        logprobs=False,
+        return_token_ids=False,
+    )
     chat.body["priority"] = 3  # the gateway's, from the key's class: the continuation keeps it
     body = continuation_body(chat, [1, 2, 3, 9, 9], 2, max_model_len=4096, continuous=False)
-    assert body == {"model": "tiny", "temperature": 0, "seed": 7, "stop": ["END"], "skip_special_tokens": False,
-                    "priority": 3, "cache_salt": "s", "vllm_xargs": {"k": 1},
-                    "prompt": [1, 2, 3, 9, 9], "max_tokens": 98, "min_tokens": 28, "stream": True,
-                    "stream_options": {"include_usage": True, "continuous_usage_stats": False},
-                    "return_token_ids": True}
+    assert body == {
+        "model": "tiny",
+        "temperature": 0,
+        "seed": 7,
+        "stop": ["END"],
+        "skip_special_tokens": False,
+        "priority": 3,
+        "cache_salt": "s",
+        "vllm_xargs": {"k": 1},
+        "prompt": [1, 2, 3, 9, 9],
+        "max_tokens": 98,
+        "min_tokens": 28,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": False},
+        "return_token_ids": True,
+    }
 
 
-@pytest.mark.parametrize(("kind", "body", "budget"), [
-    ("chat", {}, None), ("chat", {"max_tokens": 9}, 9), ("chat", {"max_tokens": 9, "max_completion_tokens": 5}, 5),
-    # vLLM 0.32: a completions request's null max_tokens is its default, 16 (normalize_null_max_tokens)
-    ("completion", {}, 16), ("completion", {"max_tokens": None}, 16), ("completion", {"max_tokens": 40}, 40),
-])
+@pytest.mark.parametrize(
+    ("kind", "body", "budget"),
+    [
+        ("chat", {}, None),
+        ("chat", {"max_tokens": 9}, 9),
+        ("chat", {"max_tokens": 9, "max_completion_tokens": 5}, 5),
+        # vLLM 0.32: a completions request's null max_tokens is its default, 16 (normalize_null_max_tokens)
+        ("completion", {}, 16),
+        ("completion", {"max_tokens": None}, 16),
+        ("completion", {"max_tokens": 40}, 40),
+    ],
+)
 def test_the_output_budget_is_vllms(kind, body, budget):
     r = req(kind, **body)
     assert output_budget(r) == budget
@@ -118,8 +159,8 @@ def test_resuming_where_the_text_sent_ends(name, request):
         assert point is not None
         # the ids kept decode to exactly the text sent, and what follows them is only held-back bytes
         assert point.overlap == ""
-        assert full_text(tok, prompt, gen[:point.tokens]) == sent
-        assert all(d == "" for d in deltas[point.tokens:k])
+        assert full_text(tok, prompt, gen[: point.tokens]) == sent
+        assert all(d == "" for d in deltas[point.tokens : k])
 
 
 def test_text_held_back_for_a_stop_string_is_reproduced_then_dropped(tiny):
@@ -130,7 +171,7 @@ def test_text_held_back_for_a_stop_string_is_reproduced_then_dropped(tiny):
     sent = "".join(deltas[:k])
     point = resume_point(tiny, prompt, gen[:k], len(sent), sent)
     assert point is not None and point.tokens < k
-    kept = full_text(tiny, prompt, gen[:point.tokens])
+    kept = full_text(tiny, prompt, gen[: point.tokens])
     assert kept + point.overlap == sent and sent.startswith(kept)
 
 
@@ -158,8 +199,8 @@ def test_priming_with_the_prompts_end_is_priming_with_all_of_it(name, request):
     tok: Tokenizer = request.getfixturevalue(name)
     rng = random.Random(5)
     for _ in range(20):
-        prompt = tok.encode(TEXT[rng.randrange(len(TEXT)):] * 3).ids
-        gen = tok.encode(TEXT[rng.randrange(len(TEXT)):], add_special_tokens=False).ids
+        prompt = tok.encode(TEXT[rng.randrange(len(TEXT)) :] * 3).ids
+        gen = tok.encode(TEXT[rng.randrange(len(TEXT)) :], add_special_tokens=False).ids
         whole = DecodeStream(ids=prompt, skip_special_tokens=True)
         expected = "".join(whole.step(tok, t) or "" for t in gen)
         sent = full_text(tok, prompt[-64:], gen)
@@ -180,18 +221,26 @@ def feed(answer: Answer, data: bytes) -> bytes:
 def _cut_and_continue(tok, prompt, gen, cut, kind, stop_buffer, stream, wants_ids=False):
     """The client's answer when the engine dies after ``cut`` events and another engine continues
     greedily (so it regenerates the same tokens) from the resume point."""
-    answer = Answer(kind, stream=stream, wants_ids=wants_ids, usage=stream, continuous=False, prompt=prompt,
-                    max_event_bytes=1 << 20)
+    answer = Answer(
+        kind, stream=stream, wants_ids=wants_ids, usage=stream, continuous=False, prompt=prompt, max_event_bytes=1 << 20
+    )
     first = events(tok, prompt, gen, kind=kind, stop_buffer=stop_buffer, usage=True)
     out = b"".join(feed(answer, e) for e in first[:cut])
     assert not answer.done
-    point = resume_point(tok, prompt, answer.ids, answer.text_len, answer.tail(answer.tail_chars),
-                         max_tokens=len(gen))
+    point = resume_point(tok, prompt, answer.ids, answer.text_len, answer.tail(answer.tail_chars), max_tokens=len(gen))
     assert point is not None
     answer.resume(point.tokens, point.overlap)
     kept = list(answer.ids)
-    rest = events(tok, [*prompt, *kept], gen[len(kept):], kind="completion", rid="r1-m1", created=2000,
-                  stop_buffer=stop_buffer, usage=True)
+    rest = events(
+        tok,
+        [*prompt, *kept],
+        gen[len(kept) :],
+        kind="completion",
+        rid="r1-m1",
+        created=2000,
+        stop_buffer=stop_buffer,
+        usage=True,
+    )
     for e in rest:
         out += feed(answer, e)
     answer.ended()
@@ -216,8 +265,11 @@ def test_a_stream_cut_anywhere_reads_as_one_uninterrupted_stream(tiny, kind, sto
         assert all(c.get("token_ids") is None for e in sent for c in e["choices"])  # the client did not ask
         assert all(e.get("prompt_token_ids") is None for e in sent)
         [usage] = [e["usage"] for e in sent if not e["choices"]]
-        assert usage == {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + len(gen),
-                         "completion_tokens": len(gen)}
+        assert usage == {
+            "prompt_tokens": len(prompt),
+            "total_tokens": len(prompt) + len(gen),
+            "completion_tokens": len(gen),
+        }
         assert out.endswith(b"data: [DONE]\n\n") and out.count(b"[DONE]") == 1
 
 
@@ -248,8 +300,15 @@ def test_a_whole_answer_cut_mid_way_is_the_uninterrupted_answer(tiny, kind):
 def test_a_continuation_that_does_not_reproduce_the_text_sent_is_refused(tiny):
     prompt = tiny.encode("Go:").ids
     gen = tiny.encode("alpha beta gamma delta", add_special_tokens=False).ids
-    answer = Answer("completion", stream=True, wants_ids=False, usage=False, continuous=False, prompt=prompt,
-                    max_event_bytes=1 << 20)
+    answer = Answer(
+        "completion",
+        stream=True,
+        wants_ids=False,
+        usage=False,
+        continuous=False,
+        prompt=prompt,
+        max_event_bytes=1 << 20,
+    )
     for e in events(tiny, prompt, gen, kind="completion", stop_buffer=4)[:3]:
         answer.feed(e)
     point = resume_point(tiny, prompt, answer.ids, answer.text_len, answer.tail(answer.tail_chars))
@@ -262,8 +321,9 @@ def test_a_continuation_that_does_not_reproduce_the_text_sent_is_refused(tiny):
 
 
 def test_an_engine_error_event_breaks_the_stream(tiny):
-    answer = Answer("chat", stream=True, wants_ids=False, usage=False, continuous=False, prompt=[1],
-                    max_event_bytes=1 << 20)
+    answer = Answer(
+        "chat", stream=True, wants_ids=False, usage=False, continuous=False, prompt=[1], max_event_bytes=1 << 20
+    )
     with pytest.raises(Broken) as err:
         feed(answer, b'data: {"error": {"message": "Internal server error", "code": 500}}\n\ndata: [DONE]\n\n')
     assert err.value.cause == "error_event"
@@ -274,8 +334,15 @@ def test_a_whole_answers_overlap_need_not_be_reproduced(tiny):
     whatever sampling chose."""
     prompt = tiny.encode("Go:").ids
     gen = tiny.encode("alpha beta gamma delta", add_special_tokens=False).ids
-    answer = Answer("completion", stream=False, wants_ids=False, usage=False, continuous=False, prompt=prompt,
-                    max_event_bytes=1 << 20)
+    answer = Answer(
+        "completion",
+        stream=False,
+        wants_ids=False,
+        usage=False,
+        continuous=False,
+        prompt=prompt,
+        max_event_bytes=1 << 20,
+    )
     for e in events(tiny, prompt, gen, kind="completion", stop_buffer=4)[:3]:
         feed(answer, e)
     point = resume_point(tiny, prompt, answer.ids, answer.text_len, answer.tail(answer.tail_chars))
@@ -285,12 +352,15 @@ def test_a_whole_answers_overlap_need_not_be_reproduced(tiny):
     for e in events(tiny, [*prompt, *answer.ids], other, kind="completion"):
         feed(answer, e)
     text = orjson.loads(answer.whole())["choices"][0]["text"]
-    assert text == full_text(tiny, prompt, gen[:point.tokens]) + full_text(tiny, [*prompt, *gen[:point.tokens]], other)
+    assert text == full_text(tiny, prompt, gen[: point.tokens]) + full_text(
+        tiny, [*prompt, *gen[: point.tokens]], other
+    )
 
 
 def test_a_continuation_ending_before_it_reproduced_the_overlap_diverged(tiny):
-    answer = Answer("completion", stream=True, wants_ids=False, usage=False, continuous=False, prompt=[1],
-                    max_event_bytes=1 << 20)
+    answer = Answer(
+        "completion", stream=True, wants_ids=False, usage=False, continuous=False, prompt=[1], max_event_bytes=1 << 20
+    )
     feed(answer, events(tiny, [1], [300], kind="completion")[0])
     answer.resume(0, "and more text")
     with pytest.raises(Diverged):

@@ -66,12 +66,16 @@ def access_lines() -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def client(tokenizer_dir, engines, exporter, access_lines):
-    cfg = parse_config({
-        "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 4096}],
-        "pools": {"prefill": {"endpoints": [engines[0].url, engines[1].url]},
-                  "decode": {"endpoints": [engines[2].url]}},
-        "routing": {"decider": {"name": "token_threshold", "threshold": THRESHOLD}, "prefix": {"enabled": False}},
-    })
+    cfg = parse_config(
+        {
+            "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 4096}],
+            "pools": {
+                "prefill": {"endpoints": [engines[0].url, engines[1].url]},
+                "decode": {"endpoints": [engines[2].url]},
+            },
+            "routing": {"decider": {"name": "token_threshold", "threshold": THRESHOLD}, "prefix": {"enabled": False}},
+        }
+    )
     with TestClient(create_app(cfg, span_exporter=exporter, access_sink=access_lines.append)) as c:
         yield c
 
@@ -141,8 +145,11 @@ def test_pd_request_spans_tokenize_route_and_both_legs(client, eng, spans):
 
 def test_the_clients_traceparent_is_joined(client, eng, spans):
     eng[2].reply("/v1/completions", completion("hi"))
-    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hello"},
-                    headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_PARENT}-01"})
+    r = client.post(
+        "/v1/completions",
+        json={"model": "tiny", "prompt": "hello"},
+        headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_PARENT}-01"},
+    )
     assert r.status_code == 200 and r.headers["x-pdgate-path"] == "direct"
     server, kids = tree(spans)
     assert f"{server.context.trace_id:032x}" == CLIENT_TRACE
@@ -188,12 +195,19 @@ def test_a_refused_request_still_ends_its_span(client, eng, spans):
 
 def test_streams_count_ttft_itl_and_usage_tokens(client, eng):
     decode = eng[2]
-    body = sse(chunk("a"), chunk("b"), chunk("c"),
-               {"id": "cmpl-1", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3}})
+    body = sse(
+        chunk("a"),
+        chunk("b"),
+        chunk("c"),
+        {"id": "cmpl-1", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3}},
+    )
     decode.reply("/v1/completions", raw=body)
     before = client.get("/metrics").text
-    with client.stream("POST", "/v1/completions", json={
-            "model": "tiny", "prompt": "hello", "stream": True, "stream_options": {"include_usage": True}}) as r:
+    with client.stream(
+        "POST",
+        "/v1/completions",
+        json={"model": "tiny", "prompt": "hello", "stream": True, "stream_options": {"include_usage": True}},
+    ) as r:
         assert r.status_code == 200
         r.read()
     after = client.get("/metrics").text
@@ -239,8 +253,8 @@ def test_pool_signals_drop_stale_engine_reports_and_removed_endpoints():
     assert sample(text, "pdgate_pool_kv_usage_ratio", pool="decode") == 0.5
     assert sample(text, "pdgate_pool_reporting_endpoints", pool="decode") == 1
     # No fresh report from the prefill pool: no value at all (an autoscaler keeps its scale), not 0.
-    assert "pdgate_pool_kv_usage_ratio{pool=\"prefill\"}" not in text
-    assert "pdgate_pool_engine_waiting_requests{pool=\"prefill\"}" not in text
+    assert 'pdgate_pool_kv_usage_ratio{pool="prefill"}' not in text
+    assert 'pdgate_pool_engine_waiting_requests{pool="prefill"}' not in text
     pools.update(["http://p:1"], ["http://d:1"])
     text = metrics.render().decode()
     assert 'engine="http://d:2"' not in text  # an engine that left leaves no series behind
@@ -252,10 +266,14 @@ def test_pd_metrics_and_pool_signals(client, eng):
     before = client.get("/metrics").text
     assert client.post("/v1/completions", json={"model": "tiny", "prompt": LONG}).status_code == 200
     after = client.get("/metrics").text
-    assert (sample(after, "pdgate_prefill_leg_duration_seconds_count", model="tiny", outcome="ok")
-            == sample(before, "pdgate_prefill_leg_duration_seconds_count", model="tiny", outcome="ok") + 1)
-    assert (sample(after, "pdgate_output_tokens_total", model="tiny", path="pd")
-            == sample(before, "pdgate_output_tokens_total", model="tiny", path="pd") + 1)  # usage of the body
+    assert (
+        sample(after, "pdgate_prefill_leg_duration_seconds_count", model="tiny", outcome="ok")
+        == sample(before, "pdgate_prefill_leg_duration_seconds_count", model="tiny", outcome="ok") + 1
+    )
+    assert (
+        sample(after, "pdgate_output_tokens_total", model="tiny", path="pd")
+        == sample(before, "pdgate_output_tokens_total", model="tiny", path="pd") + 1
+    )  # usage of the body
     assert sample(after, "pdgate_pool_healthy_endpoints", pool="prefill") == 2
     assert sample(after, "pdgate_pool_healthy_endpoints", pool="decode") == 1
     # Nothing in flight any more: no request, no prompt tokens waiting for prefill.
@@ -283,14 +301,19 @@ def test_one_json_access_line_per_request(client, eng, access_lines):
 
 def test_tracing_off_passes_the_clients_trace_on_unchanged(tokenizer_dir, engines):
     engines[2].reset()
-    cfg = parse_config({
-        "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 4096}],
-        "pools": {"decode": {"endpoints": [engines[2].url]}},
-    })
+    cfg = parse_config(
+        {
+            "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 4096}],
+            "pools": {"decode": {"endpoints": [engines[2].url]}},
+        }
+    )
     client_parent = f"00-{CLIENT_TRACE}-{CLIENT_PARENT}-01"
     with TestClient(create_app(cfg, access_sink=lambda line: None)) as c:
-        for headers in ({"traceparent": client_parent, "tracestate": "vendor=abc"},
-                        {"traceparent": "00-not-a-trace\r\nx-evil: 1"}, {}):
+        for headers in (
+            {"traceparent": client_parent, "tracestate": "vendor=abc"},
+            {"traceparent": "00-not-a-trace\r\nx-evil: 1"},
+            {},
+        ):
             engines[2].reply("/v1/completions", completion("hi"))
             r = c.post("/v1/completions", json={"model": "tiny", "prompt": "hello"}, headers=headers)
             assert r.status_code == 200
@@ -307,12 +330,16 @@ def test_cost_model_predictions_are_route_attributes(tokenizer_dir, engines, exp
     engines[0].reply("/v1/completions", completion(kv=KV))
     engines[1].reply("/v1/completions", completion(kv=KV))
     engines[2].reply("/v1/completions", completion("hi"))
-    cfg = parse_config({
-        "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 4096}],
-        "pools": {"prefill": {"endpoints": [engines[0].url, engines[1].url]},
-                  "decode": {"endpoints": [engines[2].url]}},
-        "routing": {"decider": {"name": "cost_model"}, "prefix": {"enabled": False}},
-    })
+    cfg = parse_config(
+        {
+            "models": [{"name": "tiny", "tokenizer": str(tokenizer_dir), "max_model_len": 4096}],
+            "pools": {
+                "prefill": {"endpoints": [engines[0].url, engines[1].url]},
+                "decode": {"endpoints": [engines[2].url]},
+            },
+            "routing": {"decider": {"name": "cost_model"}, "prefix": {"enabled": False}},
+        }
+    )
     exporter.clear()
     with TestClient(create_app(cfg, span_exporter=exporter)) as c:
         r = c.post("/v1/completions", json={"model": "tiny", "prompt": LONG})
@@ -322,18 +349,27 @@ def test_cost_model_predictions_are_route_attributes(tokenizer_dir, engines, exp
     assert attrs["pdgate.reason"] in ("pd_faster", "direct_faster")
     assert attrs["pdgate.predicted_ttft_direct_s"] >= 0 and attrs["pdgate.predicted_ttft_pd_s"] >= 0
     assert (attrs["pdgate.predicted_ttft_pd_s"] < attrs["pdgate.predicted_ttft_direct_s"]) == (
-        attrs["pdgate.path"] == "pd")
+        attrs["pdgate.path"] == "pd"
+    )
 
 
-@pytest.mark.parametrize("telemetry, where", [
-    ({"tracing": {"exporter": "jaeger"}}, "telemetry.tracing.exporter"),
-    ({"tracing": {"sample_ratio": 1.5}}, "telemetry.tracing.sample_ratio"),
-    ({"access_log": "sometimes"}, "telemetry.access_log"),
-])
+@pytest.mark.parametrize(
+    "telemetry, where",
+    [
+        ({"tracing": {"exporter": "jaeger"}}, "telemetry.tracing.exporter"),
+        ({"tracing": {"sample_ratio": 1.5}}, "telemetry.tracing.sample_ratio"),
+        ({"access_log": "sometimes"}, "telemetry.access_log"),
+    ],
+)
 def test_bad_telemetry_settings_are_refused_with_their_location(telemetry, where):
     with pytest.raises(ConfigError, match=where):
-        parse_config({"models": [{"name": "m", "tokenizer": "t", "max_model_len": 8}],
-                      "pools": {"decode": {"endpoints": ["http://127.0.0.1:1"]}}, "telemetry": telemetry})
+        parse_config(
+            {
+                "models": [{"name": "m", "tokenizer": "t", "max_model_len": 8}],
+                "pools": {"decode": {"endpoints": ["http://127.0.0.1:1"]}},
+                "telemetry": telemetry,
+            }
+        )
 
 
 def test_otlp_export_carries_headers_from_config_and_environment(monkeypatch):
@@ -354,8 +390,14 @@ def test_otlp_export_carries_headers_from_config_and_environment(monkeypatch):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         monkeypatch.setenv("OTLP_HEADERS_TEST", "authorization=Bearer s3cret, x-team = llm")
-        tracing = Tracing(TracingConfig(exporter="otlp", endpoint=f"http://127.0.0.1:{server.server_port}/v1/traces",
-                                        headers={"x-from-file": "1"}, headers_env="OTLP_HEADERS_TEST"))
+        tracing = Tracing(
+            TracingConfig(
+                exporter="otlp",
+                endpoint=f"http://127.0.0.1:{server.server_port}/v1/traces",
+                headers={"x-from-file": "1"},
+                headers_env="OTLP_HEADERS_TEST",
+            )
+        )
         tracing.start("POST /v1/completions", {}, {}).end(200)
         tracing.shutdown()  # flushes the batch
     finally:

@@ -76,6 +76,7 @@ async def test_in_place_edit_invalid_edit_and_same_content(tmp_path):
 async def test_configmap_symlink_swap(tmp_path):
     """Kubernetes mounts a ConfigMap as FILE -> ..data/FILE, ..data -> ..<timestamp>/; an update
     writes a new timestamped directory and atomically renames a new ..data symlink over the old."""
+
     def publish(name: str, data: dict) -> bytes:
         d = tmp_path / name
         d.mkdir()
@@ -116,7 +117,7 @@ async def test_a_file_caught_half_written_is_never_applied(tmp_path):
             f.write(half)
             f.flush()
             await asyncio.sleep(0.3)
-            f.write(whole[len(half):])
+            f.write(whole[len(half) :])
         await until(lambda: rec.applied)
         rounds = w.rounds
         await until(lambda: w.rounds >= rounds + 2)  # what a later check could still apply

@@ -28,10 +28,12 @@ def make(block_size: int | None = None, threshold: int = 64) -> tuple[Router, Po
     for ep in pools.all():
         ep.healthy = True
     index = PrefixIndex()
-    cfg = RoutingConfig.model_validate({
-        "decider": {"name": "token_threshold", "threshold": threshold},
-        "prefix": {"block_size": block_size},
-    })
+    cfg = RoutingConfig.model_validate(
+        {
+            "decider": {"name": "token_threshold", "threshold": threshold},
+            "prefix": {"block_size": block_size},
+        }
+    )
     return Router(cfg, pools, index), pools, index
 
 

@@ -34,8 +34,7 @@ def make(index: PrefixIndex) -> Router:
 async def test_turns_decide_as_with_the_full_walk() -> None:
     rng = random.Random(3)
     now = [1000.0]
-    kwargs: dict[str, Any] = {"max_approx_entries": 400, "approx_ttl_s": 60.0, "young_s": 5.0,
-                              "clock": lambda: now[0]}
+    kwargs: dict[str, Any] = {"max_approx_entries": 400, "approx_ttl_s": 60.0, "young_s": 5.0, "clock": lambda: now[0]}
     reusing, full = PrefixIndex(**kwargs), FullWalk(**kwargs)
     routers = [(make(reusing), reusing), (make(full), full)]
     spec = routers[0][0].hash_spec()

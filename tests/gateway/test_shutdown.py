@@ -54,6 +54,7 @@ def _redis_answers() -> bool:
 
 # -- the helper ------------------------------------------------------------------------------------
 
+
 async def test_a_task_that_swallows_its_first_cancel_is_cancelled_again():
     swallowed = asyncio.Event()
 
@@ -160,6 +161,7 @@ async def test_a_cancel_that_is_not_a_stop_does_not_end_a_loop_at_its_checkpoint
 
 # -- RedisState: stops at random moments -----------------------------------------------------------
 
+
 async def test_redis_state_stops_within_the_bound_at_any_moment():
     """Hundreds of start/stop cycles at random moments (the original hang: ~5% of stops with a
     0.05 s sync interval); five replicas at a time, so the test stays well under 20 s."""
@@ -173,8 +175,12 @@ async def test_redis_state_stops_within_the_bound_at_any_moment():
     async def lane() -> None:
         nonlocal stops
         for _ in range(per_lane):
-            cfg = StateConfig(backend="redis", url=f"redis://{REDIS_HOST}:{REDIS_PORT}/0", key_prefix=prefix,
-                              sync_interval_s=rng.uniform(0.01, 0.05))
+            cfg = StateConfig(
+                backend="redis",
+                url=f"redis://{REDIS_HOST}:{REDIS_PORT}/0",
+                key_prefix=prefix,
+                sync_interval_s=rng.uniform(0.01, 0.05),
+            )
             state = RedisState(cfg, 60.0, Pools(["http://p-0:8000"], ["http://d-0:8000", "http://d-1:8000"]))
             await state.start()
             tasks = list(state._tasks)
@@ -204,8 +210,13 @@ async def test_redis_state_stop_is_bounded_when_redis_is_gone():
     """Redis answering nothing at all (accepts, never replies): stop's last round trip and close
     cannot hold shutdown up."""
     async with StuckServer() as (port, _):
-        cfg = StateConfig(backend="redis", url=f"redis://127.0.0.1:{port}/0", key_prefix="pdgate-test-gone",
-                          sync_interval_s=0.01, timeout_s=0.05)
+        cfg = StateConfig(
+            backend="redis",
+            url=f"redis://127.0.0.1:{port}/0",
+            key_prefix="pdgate-test-gone",
+            sync_interval_s=0.01,
+            timeout_s=0.05,
+        )
         state = RedisState(cfg, 60.0, Pools([], ["http://d-0:8000"]))
         await state.start()  # fails (times out), routes on local state
         await asyncio.sleep(0.1)
@@ -213,6 +224,7 @@ async def test_redis_state_stop_is_bounded_when_redis_is_gone():
 
 
 # -- probes stuck on a server that accepts and never answers -----------------------------------------
+
 
 class StuckServer:
     """A TCP server that accepts, reads, and never answers."""
@@ -232,10 +244,12 @@ class StuckServer:
 
     async def connections(self, n: int) -> None:
         """Return once ``n`` connections came in (bounded, so a broken test fails, not hangs)."""
+
         async def wait() -> None:
             while self.accepted < n:
                 self._accept.clear()
                 await self._accept.wait()
+
         await returns_within(wait(), MARGIN_S, f"{n} connection(s) to the stuck server")
 
     async def __aenter__(self) -> tuple[int, StuckServer]:

@@ -22,14 +22,22 @@ CHAT_WHOLE = orjson.loads((STREAMS / "chat-whole.json").read_bytes())
 CHAT_PROMPT = [1, 31, 95, 1516, 95, 33, 202, 285, 79, 337, 1418, 2, 202, 31, 95, 68, 323, 638, 857, 95, 33, 202]
 
 
-def answer(kind: str = "chat", *, stream: bool = True, wants_ids: bool = False, prompt=CHAT_PROMPT,
-           limit: int = 1 << 20) -> Answer:
-    return Answer(kind, stream=stream, wants_ids=wants_ids, usage=True, continuous=False,  # type: ignore[arg-type]
-                  prompt=prompt, max_event_bytes=limit)
+def answer(
+    kind: str = "chat", *, stream: bool = True, wants_ids: bool = False, prompt=CHAT_PROMPT, limit: int = 1 << 20
+) -> Answer:
+    return Answer(
+        kind,
+        stream=stream,
+        wants_ids=wants_ids,
+        usage=True,
+        continuous=False,  # type: ignore[arg-type]
+        prompt=prompt,
+        max_event_bytes=limit,
+    )
 
 
 def reads(raw: bytes, size: int) -> list[bytes]:
-    return [raw[i:i + size] for i in range(0, len(raw), size)]
+    return [raw[i : i + size] for i in range(0, len(raw), size)]
 
 
 def _id(stream: bytes) -> bytes:
@@ -37,10 +45,13 @@ def _id(stream: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("size", [7, 100, 100_000])  # events split across reads, several per read, all in one
-@pytest.mark.parametrize(("kind", "with_ids", "without", "prompt"), [
-    ("chat", CHAT_WITH_IDS, CHAT_WITHOUT, CHAT_PROMPT),
-    ("completion", COMPLETION_WITH_IDS, COMPLETION_WITHOUT, [285, 79, 337, 1418]),
-])
+@pytest.mark.parametrize(
+    ("kind", "with_ids", "without", "prompt"),
+    [
+        ("chat", CHAT_WITH_IDS, CHAT_WITHOUT, CHAT_PROMPT),
+        ("completion", COMPLETION_WITH_IDS, COMPLETION_WITHOUT, [285, 79, 337, 1418]),
+    ],
+)
 def test_the_client_gets_the_bytes_the_engine_sends_without_token_ids(size, kind, with_ids, without, prompt):
     a = answer(kind, prompt=prompt)
     sent = b"".join(a.feed(chunk) for chunk in reads(with_ids, size))
@@ -80,17 +91,24 @@ def test_tokens_without_ids_cannot_be_continued_and_go_through_untouched(size):
 
 def test_reasoning_deltas_cannot_be_continued_and_go_into_the_whole_answer():
     a = answer(stream=False)
-    a.feed(b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"tiny","choices":[{"index":0,'
-           b'"delta":{"reasoning":"hm","content":null},"logprobs":null,"finish_reason":null,"token_ids":[5]}]}\n\n')
+    a.feed(
+        b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"tiny","choices":[{"index":0,'
+        b'"delta":{"reasoning":"hm","content":null},"logprobs":null,"finish_reason":null,"token_ids":[5]}]}\n\n'
+    )
     assert a.unresumable == "parsed_output"
 
 
-@pytest.mark.parametrize(("raw", "cause"), [
-    (b'data: {"error": {"message": "Internal server error", "type": "InternalServerError", "code": 500}}\n\n',
-     "error_event"),
-    (b"data: {not json\n\n", "bad_event"),
-    (b"data: [1, 2]\n\n", "bad_event"),
-])
+@pytest.mark.parametrize(
+    ("raw", "cause"),
+    [
+        (
+            b'data: {"error": {"message": "Internal server error", "type": "InternalServerError", "code": 500}}\n\n',
+            "error_event",
+        ),
+        (b"data: {not json\n\n", "bad_event"),
+        (b"data: [1, 2]\n\n", "bad_event"),
+    ],
+)
 def test_a_stream_that_fails_is_broken(raw, cause):
     a = answer()
     a.feed(CHAT_WITH_IDS.split(b"\n\n")[0] + b"\n\n")
@@ -141,7 +159,13 @@ def test_a_continuation_reads_as_the_client_answer():
     sent = [orjson.loads(e[6:]) for e in out.split(b"\n\n") if e.startswith(b"data: {")]
     assert [e["id"] for e in sent] == [_id(CHAT_WITH_IDS).decode()] * 3  # the reproduced text's event is dropped
     assert [c["delta"]["content"] for e in sent for c in e["choices"]] == ["open", "open", "open"]
-    assert sent[-1]["choices"][0] == {"index": 0, "delta": {"content": "open"}, "logprobs": None,
-                                      "finish_reason": "length", "stop_reason": None, "token_ids": None}
+    assert sent[-1]["choices"][0] == {
+        "index": 0,
+        "delta": {"content": "open"},
+        "logprobs": None,
+        "finish_reason": "length",
+        "stop_reason": None,
+        "token_ids": None,
+    }
     assert sent[-1]["system_fingerprint"] == "vllm-0.32.0-747d385c"
     assert a.output_tokens == 5 and list(a.ids) == [1337, 747, 1217, 1217, 1217]

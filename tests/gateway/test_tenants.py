@@ -33,8 +33,9 @@ def test_a_keys_line_names_tenant_weight_and_classes(tmp_path) -> None:
     assert AuthConfig(api_keys_file=str(tmp_path / "keys")).api_keys() == ["sk-a", "sk-b"]
 
 
-@pytest.mark.parametrize("line", ["sk x=1", "sk weight=0", "sk weight=abc", "sk tenant=a/b", "sk tenant=a tenant=b",
-                                  "sk tenant=other"])
+@pytest.mark.parametrize(
+    "line", ["sk x=1", "sk weight=0", "sk weight=abc", "sk tenant=a/b", "sk tenant=a tenant=b", "sk tenant=other"]
+)
 def test_bad_key_lines_are_config_errors(tmp_path, line) -> None:
     with pytest.raises(ValueError):
         keys(tmp_path, line)

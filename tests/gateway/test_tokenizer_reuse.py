@@ -16,8 +16,38 @@ from gateway.config import ModelConfig
 from gateway.request.protocol import parse_body
 from gateway.tokenization.tokenizer import ModelTokenizer, SegmentEncoder
 
-WORDS = ["hello", "world", " the", "  ", "\n", "\n\n", "\t", "é", "ü", "日本", "🙂", "x=1", "def f():", "'s", "123456",
-         "<", "|", ">", "<|", "|>", "eot", "_id", "<|eot", "id|>", "\r\n", " ", ".", ",", "don't", "ÀÉ"]
+WORDS = [
+    "hello",
+    "world",
+    " the",
+    "  ",
+    "\n",
+    "\n\n",
+    "\t",
+    "é",
+    "ü",
+    "日本",
+    "🙂",
+    "x=1",
+    "def f():",
+    "'s",
+    "123456",
+    "<",
+    "|",
+    ">",
+    "<|",
+    "|>",
+    "eot",
+    "_id",
+    "<|eot",
+    "id|>",
+    "\r\n",
+    " ",
+    ".",
+    ",",
+    "don't",
+    "ÀÉ",
+]
 
 
 def random_text(rng: random.Random, specials: list[str], n: int = 30) -> str:
@@ -82,8 +112,10 @@ def test_reused_ids_equal_whole_text_ids(name: str, request: pytest.FixtureReque
 
 def test_llama3_style_reuses_previous_turns(llama3: tuple[ModelTokenizer, ModelTokenizer]) -> None:
     on, off = llama3
-    messages = [{"role": "system", "content": "You are helpful. " * 50},
-                {"role": "user", "content": "Explain this code:\n" + "def f(x):\n    return x * 2\n" * 40}]
+    messages = [
+        {"role": "system", "content": "You are helpful. " * 50},
+        {"role": "user", "content": "Explain this code:\n" + "def f(x):\n    return x * 2\n" * 40},
+    ]
     spy = Spy(on.hf.backend_tokenizer)
     tok = ModelTokenizer(on.hf, on.cfg)
     tok.segments = SegmentEncoder(spy)
@@ -114,16 +146,21 @@ class Spy:
 CORPUS = ["hello world <a> the quick brown fox", "don't stop 123 é ü 日本 🙂", "def f(x):\n\treturn x\n"] * 20
 
 
-def build(*, normalizer: Any = None, pre_tokenizer: Any = None, model: Any = None, added: list[AddedToken]
-          ) -> Tokenizer:
+def build(
+    *, normalizer: Any = None, pre_tokenizer: Any = None, model: Any = None, added: list[AddedToken]
+) -> Tokenizer:
     tok = Tokenizer(model or models.BPE(unk_token="[UNK]"))
     tok.normalizer = normalizer
     tok.pre_tokenizer = pre_tokenizer or pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet() if tok.pre_tokenizer.__class__.__name__ != "Metaspace" else []
     if isinstance(tok.model, models.BPE):
-        tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=["[UNK]"],
-                                                            initial_alphabet=alphabet, show_progress=False))
+        tok.train_from_iterator(
+            CORPUS,
+            trainers.BpeTrainer(
+                vocab_size=400, special_tokens=["[UNK]"], initial_alphabet=alphabet, show_progress=False
+            ),
+        )
     tok.add_tokens(added)
     return tok
 
@@ -149,8 +186,11 @@ def test_overlapping_added_tokens_match_leftmost_longest() -> None:
 
 
 def test_normalizer_and_normalized_added_tokens() -> None:
-    added = [AddedToken("[SEP]", special=True, normalized=False), AddedToken("Hello", normalized=True),
-             AddedToken("wor", normalized=True)]
+    added = [
+        AddedToken("[SEP]", special=True, normalized=False),
+        AddedToken("Hello", normalized=True),
+        AddedToken("wor", normalized=True),
+    ]
     norm = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase(), normalizers.Strip()])
     tok = build(normalizer=norm, added=added)
     enc = check_equal(tok, ["HELLO", "hello", " ", "[SEP]", "[sep]", "World", "ﬁ", "  x ", "\n", "wor"])
@@ -168,7 +208,8 @@ def test_metaspace_always_is_reused_and_first_is_refused() -> None:
     # Why: encoded alone, the text after <s> would get a leading ▁ it does not get in place.
     text = "<s>hi"
     assert first.encode(text, add_special_tokens=False).ids != (
-        first.encode("<s>", add_special_tokens=False).ids + first.encode("hi", add_special_tokens=False).ids)
+        first.encode("<s>", add_special_tokens=False).ids + first.encode("hi", add_special_tokens=False).ids
+    )
 
 
 @pytest.mark.parametrize("flag", ["lstrip", "rstrip", "single_word"])
@@ -186,13 +227,20 @@ def test_encode_special_tokens_and_dropout_are_refused() -> None:
     assert SegmentEncoder(dropout).reason == "BPE dropout"
 
 
-@pytest.mark.parametrize("post", [
-    lambda s, e: processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", s), ("</s>", e)]),
-    lambda s, e: processors.BertProcessing(("</s>", e), ("<s>", s)),
-    lambda s, e: processors.RobertaProcessing(("</s>", e), ("<s>", s)),
-    lambda s, e: processors.Sequence([processors.ByteLevel(), processors.TemplateProcessing(
-        single="<s> <s> $A </s>", special_tokens=[("<s>", s), ("</s>", e)])]),
-])
+@pytest.mark.parametrize(
+    "post",
+    [
+        lambda s, e: processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", s), ("</s>", e)]),
+        lambda s, e: processors.BertProcessing(("</s>", e), ("<s>", s)),
+        lambda s, e: processors.RobertaProcessing(("</s>", e), ("<s>", s)),
+        lambda s, e: processors.Sequence(
+            [
+                processors.ByteLevel(),
+                processors.TemplateProcessing(single="<s> <s> $A </s>", special_tokens=[("<s>", s), ("</s>", e)]),
+            ]
+        ),
+    ],
+)
 def test_post_processor_affixes(post: Any) -> None:
     added = [AddedToken(t, special=True, normalized=False) for t in ("<s>", "</s>")]
     tok = build(added=added)
@@ -238,6 +286,7 @@ def test_reuse_off() -> None:
 
 # -- reusing a recent text's ids up to one of its added tokens -----------------------------------------
 
+
 def test_common_prefix() -> None:
     from gateway.tokenization.tokenizer import _common_prefix
 
@@ -252,13 +301,18 @@ def test_common_prefix() -> None:
 def test_next_text_reuses_the_previous_ones_ids_exactly() -> None:
     """Texts growing (and branching) piece by piece, with added tokens that overlap and one that
     starts inside the previous text and ends past it: always the whole text's ids."""
-    added = [AddedToken(t, special=True, normalized=False)
-             for t in ("<a>", "<a><b>", "a><", "<b>", "b", "<a><b><c>", "<c>")]
+    added = [
+        AddedToken(t, special=True, normalized=False) for t in ("<a>", "<a><b>", "a><", "<b>", "b", "<a><b><c>", "<c>")
+    ]
     tok = build(added=added)
     pieces = ["<", "a", ">", "b", "c", " ", "<a>", "<b>", "<c>", "x", "\n", "hello", " world"]
     rng = random.Random(8)
-    for post in (None, processors.TemplateProcessing(single="<c> $A <b>", special_tokens=[
-            ("<c>", tok.token_to_id("<c>")), ("<b>", tok.token_to_id("<b>"))])):
+    for post in (
+        None,
+        processors.TemplateProcessing(
+            single="<c> $A <b>", special_tokens=[("<c>", tok.token_to_id("<c>")), ("<b>", tok.token_to_id("<b>"))]
+        ),
+    ):
         tok.post_processor = post
         enc = SegmentEncoder(tok)
         assert enc.enabled

@@ -103,7 +103,10 @@ class Exchange:
 
 def ok(body: bytes = b'{"ok": true}', extra: bytes = b"") -> bytes:
     return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s" % (
-        len(body), extra, body)
+        len(body),
+        extra,
+        body,
+    )
 
 
 class Server:
@@ -150,8 +153,9 @@ class Server:
 
 
 async def post(client: EngineTransport, server: Server, timeouts: Timeouts = T, body: bytes = b'{"a": 1}'):
-    return await client.post(server.url, "/v1/completions", body, {"Content-Type": "application/json",
-                                                                  "X-Request-Id": "req-1"}, timeouts)
+    return await client.post(
+        server.url, "/v1/completions", body, {"Content-Type": "application/json", "X-Request-Id": "req-1"}, timeouts
+    )
 
 
 async def test_request_bytes_and_content_length_response(make: Make):
@@ -213,8 +217,9 @@ async def test_chunked_body_is_handed_over_as_it_arrives(make: Make):
     go_on = asyncio.Event()
 
     async def handler(ex: Exchange) -> None:
-        await ex.answer(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-                        b"7\r\ndata: 1\r\n")
+        await ex.answer(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n7\r\ndata: 1\r\n"
+        )
         await go_on.wait()
         await ex.answer(b"7\r\ndata: 2\r\n0\r\n\r\n")
 
@@ -246,7 +251,7 @@ async def test_an_informational_response_is_skipped(make: Make):
 
 async def test_body_ended_by_connection_close(make: Make):
     async def handler(ex: Exchange) -> None:
-        await ex.answer(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{\"long\": ")
+        await ex.answer(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{"long": ')
         await ex.answer(b"true}")
         ex.writer.close()
 
@@ -318,15 +323,19 @@ async def test_idle_connections_are_dropped_after_the_keepalive_time(make: Make)
 
 # ---- the response head's limits
 
+
 def fields(count: int, size: int) -> bytes:
     return b"".join(b"X-H%03d: %s\r\n" % (i, b"v" * (size - 12)) for i in range(count))
 
 
-@pytest.mark.parametrize("head", [
-    pytest.param(b"X-Big: " + b"a" * 70_000 + b"\r\n", id="one-field"),
-    pytest.param(fields(100, 1000), id="many-fields"),  # each within any per-line limit, 100 kB in all
-    pytest.param(fields(MAX_HEADERS, 20), id="too-many-fields"),  # + Content-Length: one too many
-])
+@pytest.mark.parametrize(
+    "head",
+    [
+        pytest.param(b"X-Big: " + b"a" * 70_000 + b"\r\n", id="one-field"),
+        pytest.param(fields(100, 1000), id="many-fields"),  # each within any per-line limit, 100 kB in all
+        pytest.param(fields(MAX_HEADERS, 20), id="too-many-fields"),  # + Content-Length: one too many
+    ],
+)
 async def test_a_response_head_over_the_limits_is_an_error(make: Make, head: bytes):
     async def handler(ex: Exchange) -> None:
         await ex.answer(b"HTTP/1.1 200 OK\r\n" + head + b"Content-Length: 2\r\n\r\nok")
@@ -363,6 +372,7 @@ async def test_a_head_within_the_limits_is_fine(make: Make):
 
 # ---- broken connections
 
+
 async def test_engine_hanging_up_mid_answer_and_garbage(make: Make):
     answers = [b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly part", b"SMTP ready\r\n\r\n"]
 
@@ -382,8 +392,13 @@ async def test_engine_hanging_up_mid_answer_and_garbage(make: Make):
 
 async def test_a_malformed_chunk_mid_body_is_a_protocol_error(make: Make, kind: str, request: pytest.FixtureRequest):
     if kind == "aiohttp":
-        request.applymarker(pytest.mark.xfail(strict=True, raises=TimeoutError, reason=(
-            "aiohttp 3.14 drops a body parse error on the floor: the read waits for the idle timeout")))
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                raises=TimeoutError,
+                reason=("aiohttp 3.14 drops a body parse error on the floor: the read waits for the idle timeout"),
+            )
+        )
 
     async def handler(ex: Exchange) -> None:
         await ex.answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
@@ -412,8 +427,11 @@ async def test_a_connection_reset_mid_body_is_a_client_error(make: Make, chunked
     reset = asyncio.Event()
 
     async def handler(ex: Exchange) -> None:
-        await ex.answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\npart\r\n" if chunked
-                        else b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npart")
+        await ex.answer(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\npart\r\n"
+            if chunked
+            else b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npart"
+        )
         await reset.wait()
         ex.reset()
 
@@ -434,6 +452,7 @@ async def test_connect_refused_is_a_connect_error(make: Make):
 async def test_an_unasked_response_on_an_idle_connection_retires_it(make: Make):
     """Never taken for the next request's answer. (H1Client retires a connection on any unasked
     byte: tests/gateway/test_h1client.py.)"""
+
     async def handler(ex: Exchange) -> None:
         await ex.answer(ok() + ok(b'{"unasked": true}'))  # one answer too many
 
@@ -448,6 +467,7 @@ async def test_an_unasked_response_on_an_idle_connection_retires_it(make: Make):
 
 
 # ---- timeouts
+
 
 async def test_silence_past_the_idle_timeout(make: Make):
     async def handler(ex: Exchange) -> None:
@@ -545,6 +565,7 @@ async def test_no_answer_at_all_times_out_and_drops_the_connection(make: Make):
 
 # ---- HTTPS: a throwaway CA, a server and a client certificate
 
+
 @dataclass(frozen=True)
 class Pki:
     ca: str
@@ -567,38 +588,54 @@ def _pki_with_cryptography(folder: Path) -> Pki:
 
     def write(stem: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> tuple[str, str]:
         (folder / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        (folder / f"{stem}.key").write_bytes(key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        (folder / f"{stem}.key").write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
         return str(folder / f"{stem}.pem"), str(folder / f"{stem}.key")
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (x509.CertificateBuilder().subject_name(name("pdgate-test-ca")).issuer_name(name("pdgate-test-ca"))
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=2))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
-          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(name("pdgate-test-ca"))
+        .issuer_name(name("pdgate-test-ca"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     ca_file, _ = write("ca", ca, ca_key)
 
     def leaf(cn: str, usage: x509.ObjectIdentifier, san: list[x509.GeneralName]) -> tuple[str, str]:
         key = ec.generate_private_key(ec.SECP256R1())
-        builder = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(ca.subject)
-                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(hours=1))
-                   .not_valid_after(now + datetime.timedelta(days=2))
-                   .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                   .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-                   .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
-                                  critical=False))
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(name(cn))
+            .issuer_name(ca.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        )
         if san:
             builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
         return write(cn, builder.sign(ca_key, hashes.SHA256()), key)
 
     import ipaddress
 
-    server = leaf("pdgate-test-server", ExtendedKeyUsageOID.SERVER_AUTH,
-                  [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")])
+    server = leaf(
+        "pdgate-test-server",
+        ExtendedKeyUsageOID.SERVER_AUTH,
+        [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")],
+    )
     client = leaf("pdgate-test-client", ExtendedKeyUsageOID.CLIENT_AUTH, [])
     return Pki(ca_file, *server, *client)
 
@@ -608,19 +645,61 @@ def _pki_with_openssl(folder: Path) -> Pki:
         subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True, timeout=60)
 
     ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=pdgate-test-ca",
-        "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
-    for stem, ext in (("pdgate-test-server", "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
-                                             "extendedKeyUsage=serverAuth\n"),
-                      ("pdgate-test-client", "extendedKeyUsage=clientAuth\n")):
-        (folder / f"{stem}.ext").write_text("basicConstraints=critical,CA:FALSE\nsubjectKeyIdentifier=hash\n"
-                                            "authorityKeyIdentifier=keyid,issuer\n" + ext)
+    run(
+        "req",
+        "-x509",
+        *ec,
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=pdgate-test-ca",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+    )
+    for stem, ext in (
+        ("pdgate-test-server", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n"),
+        ("pdgate-test-client", "extendedKeyUsage=clientAuth\n"),
+    ):
+        (folder / f"{stem}.ext").write_text(
+            "basicConstraints=critical,CA:FALSE\nsubjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n" + ext
+        )
         run("req", *ec, "-keyout", f"{stem}.key", "-out", f"{stem}.csr", "-subj", f"/CN={stem}")
-        run("x509", "-req", "-in", f"{stem}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-set_serial",
-            str(secrets.randbits(63)), "-days", "2", "-extfile", f"{stem}.ext",
-            "-out", f"{stem}.pem")
-    return Pki(*(str(folder / f) for f in ("ca.pem", "pdgate-test-server.pem", "pdgate-test-server.key",
-                                          "pdgate-test-client.pem", "pdgate-test-client.key")))
+        run(
+            "x509",
+            "-req",
+            "-in",
+            f"{stem}.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-set_serial",
+            str(secrets.randbits(63)),
+            "-days",
+            "2",
+            "-extfile",
+            f"{stem}.ext",
+            "-out",
+            f"{stem}.pem",
+        )
+    return Pki(
+        *(
+            str(folder / f)
+            for f in (
+                "ca.pem",
+                "pdgate-test-server.pem",
+                "pdgate-test-server.key",
+                "pdgate-test-client.pem",
+                "pdgate-test-client.key",
+            )
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -646,8 +725,9 @@ async def test_https_with_a_ca_file_and_a_client_certificate(kind: str, pki: Pki
         await ex.answer(ok())
 
     async with Server(handler, tls=server_tls(pki)) as server:
-        client = make_client(EnginesConfig(transport=kind, ca_file=pki.ca, cert_file=pki.client_cert,
-                                           key_file=pki.client_key))
+        client = make_client(
+            EnginesConfig(transport=kind, ca_file=pki.ca, cert_file=pki.client_cert, key_file=pki.client_key)
+        )
         assert isinstance(client, KINDS[kind])
         try:
             for _ in range(2):
@@ -691,19 +771,24 @@ async def test_the_control_plane_session_can_use_the_engines_tls_too(pki: Pki):
 
 
 def test_the_engines_section_picks_the_transport():
-    base = {"models": [{"name": "m", "tokenizer": "t", "max_model_len": 8}], "pools": {"decode": {"endpoints": ["http://d:1"]}}}
+    base = {
+        "models": [{"name": "m", "tokenizer": "t", "max_model_len": 8}],
+        "pools": {"decode": {"endpoints": ["http://d:1"]}},
+    }
     assert parse_config(base).engines == EnginesConfig(transport="h1")
     assert parse_config({**base, "engines": {"transport": "aiohttp"}}).engines.transport == "aiohttp"
-    for wrong, message in (({"transport": "httpx"}, "engines.transport"),
-                           ({"key_file": "k.pem"}, "key_file is set without cert_file"),
-                           ({"ca_file": "/nonexistent/ca.pem"}, "engines.ca_file: /nonexistent/ca.pem is not a "
-                                                                "readable file")):
+    for wrong, message in (
+        ({"transport": "httpx"}, "engines.transport"),
+        ({"key_file": "k.pem"}, "key_file is set without cert_file"),
+        ({"ca_file": "/nonexistent/ca.pem"}, "engines.ca_file: /nonexistent/ca.pem is not a readable file"),
+    ):
         with pytest.raises(ConfigError, match=message):
             parse_config({**base, "engines": wrong})
     assert "engines" in RESTART_ONLY  # the client and its warm connections outlive reloads
 
 
 # ---- Upstream on top of either transport
+
 
 @pytest.fixture
 async def upstream(kind: str) -> AsyncIterator[Callable[..., Upstream]]:
@@ -733,8 +818,9 @@ async def test_oversized_json_answers_are_refused(upstream: Callable[..., Upstre
 
     async def handler(ex: Exchange) -> None:
         if chunked:
-            await ex.answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
-                            % (len(big), big))
+            await ex.answer(
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(big), big)
+            )
         else:
             await ex.answer(ok(big))
 
@@ -770,7 +856,8 @@ async def test_upstream_maps_timeouts_and_disconnects(upstream: Callable[..., Up
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_decode_first_byte_timeout_is_a_504_from_an_engine_that_got_the_request(
-        upstream: Callable[..., Upstream], stream: bool):
+    upstream: Callable[..., Upstream], stream: bool
+):
     """timeouts.decode_first_byte_s bounds the decode leg up to its first token (the whole answer
     when not streaming): a 504 engine_timeout the failover may retry, the connection dropped."""
     from gateway.engines import legs
@@ -785,8 +872,15 @@ async def test_decode_first_byte_timeout_is_a_504_from_an_engine_that_got_the_re
         ep = Pools([], [server.url]).decode[0]
         started = asyncio.get_running_loop().time()
         with pytest.raises(legs.LegFailed) as info:
-            await legs.open_decode(upstream(decode_first_byte_s=0.1, decode_idle_s=5), ep, "/v1/completions",
-                                   {"model": "m", "prompt": "x"}, "r", stream, {})
+            await legs.open_decode(
+                upstream(decode_first_byte_s=0.1, decode_idle_s=5),
+                ep,
+                "/v1/completions",
+                {"model": "m", "prompt": "x"},
+                "r",
+                stream,
+                {},
+            )
         assert 0.09 <= asyncio.get_running_loop().time() - started < 2  # uvloop: millisecond clock
         err = info.value.err
         assert (err.status, err.code) == (504, "engine_timeout")
@@ -795,8 +889,7 @@ async def test_decode_first_byte_timeout_is_a_504_from_an_engine_that_got_the_re
         await asyncio.wait_for(server.closed_by_client.wait(), 10)  # dropped: the engine aborts
 
 
-async def test_decode_stream_outlives_decode_first_byte_once_its_first_token_is_in(
-        upstream: Callable[..., Upstream]):
+async def test_decode_stream_outlives_decode_first_byte_once_its_first_token_is_in(upstream: Callable[..., Upstream]):
     from gateway.engines import legs
     from gateway.engines.pools import Pools
 
@@ -807,8 +900,15 @@ async def test_decode_stream_outlives_decode_first_byte_once_its_first_token_is_
 
     async with Server(handler) as server:
         ep = Pools([], [server.url]).decode[0]
-        up = await legs.open_decode(upstream(decode_first_byte_s=0.25, decode_idle_s=5), ep, "/v1/completions",
-                                    {"model": "m", "prompt": "x", "stream": True}, "r", True, {})
+        up = await legs.open_decode(
+            upstream(decode_first_byte_s=0.25, decode_idle_s=5),
+            ep,
+            "/v1/completions",
+            {"model": "m", "prompt": "x", "stream": True},
+            "r",
+            True,
+            {},
+        )
         assert up.head == b"data:"
         assert await up.resp.read() == b"x"
         up.close(reuse=True)

@@ -112,8 +112,11 @@ def test_a_silent_workers_last_answer_keeps_its_counts_but_not_its_gauges() -> N
 
 def test_merging_one_exposition_changes_no_value() -> None:
     one = exposition(3, 2, 10, 1, 4)
-    for name, labels in (("pdgate_requests_total", {"status": "200"}), ("pdgate_kv_events_total", {"engine": "e1"}),
-                         ("pdgate_request_duration_seconds_sum", {})):
+    for name, labels in (
+        ("pdgate_requests_total", {"status": "200"}),
+        ("pdgate_kv_events_total", {"engine": "e1"}),
+        ("pdgate_request_duration_seconds_sum", {}),
+    ):
         assert sample(merge([one]).decode(), name, **labels) == sample(one.decode(), name, **labels)
 
 
@@ -125,14 +128,16 @@ def hub():
     h.stop()
 
 
-async def buses(hub: Hub, share_routing: bool = True, usages: list | None = None
-                ) -> list[tuple[WorkerBus, Pools, PrefixIndex]]:
+async def buses(
+    hub: Hub, share_routing: bool = True, usages: list | None = None
+) -> list[tuple[WorkerBus, Pools, PrefixIndex]]:
     made = []
     for w in range(2):
         pools = Pools([], ["http://d1", "http://d2"])
         index = PrefixIndex()
-        bus = WorkerBus(hub.address, w, 2, pools, index, share_routing=share_routing,
-                        usage=usages[w] if usages else None)
+        bus = WorkerBus(
+            hub.address, w, 2, pools, index, share_routing=share_routing, usage=usages[w] if usages else None
+        )
         await bus.start(lambda w=w: exposition(w + 1, 1, 0, 1, 0))
         made.append((bus, pools, index))
     await asyncio.sleep(0.3)  # subscriptions reach the hub (ZMQ's slow joiner)
@@ -183,8 +188,9 @@ async def test_each_worker_orders_its_queues_by_every_workers_tenant_use(hub) ->
     try:
         key = ua.decode_started("flood", 300)
         ua.prefill_sent("flood", 5000)
-        assert await until(lambda: ub.of("decode", "flood") == pytest.approx(300, rel=0.05)
-                           and ub.of("occupancy", "flood") == 300)
+        assert await until(
+            lambda: ub.of("decode", "flood") == pytest.approx(300, rel=0.05) and ub.of("occupancy", "flood") == 300
+        )
         assert ub.of("prefill", "flood") == pytest.approx(5000, rel=0.05)
         assert ua.others["decode"] == {}  # not its own
         ua.decode_ended(key, 300)
@@ -251,8 +257,11 @@ def test_every_gauge_the_gateway_exports_has_a_declared_merge_rule() -> None:
     usage.decode_started("t", 1)
     usage.prefill_sent("t", 1)
     metrics.watch_tenants(usage, str, lambda: [("decode", 1)])
-    gauges = {f.name for f in text_string_to_metric_families(metrics.render().decode())
-              if f.type == "gauge" and not f.name.endswith("_created")}
+    gauges = {
+        f.name
+        for f in text_string_to_metric_families(metrics.render().decode())
+        if f.type == "gauge" and not f.name.endswith("_created")
+    }
     assert "pdgate_pool_healthy_endpoints" in gauges and "pdgate_admission_in_flight" in gauges
     assert gauges - DECLARED == set()
 
@@ -261,8 +270,12 @@ def test_the_default_worker_count_fits_a_containers_memory_limit(tmp_path) -> No
     from gateway.cluster.workers import WORKER_BYTES, worker_count
     from gateway.config import parse_config
 
-    cfg = parse_config({"models": [{"name": "m", "tokenizer": "t", "max_model_len": 10}],
-                        "pools": {"decode": {"endpoints": ["http://d:8000"]}}})
+    cfg = parse_config(
+        {
+            "models": [{"name": "m", "tokenizer": "t", "max_model_len": 10}],
+            "pools": {"decode": {"endpoints": ["http://d:8000"]}},
+        }
+    )
     cores = len(os.sched_getaffinity(0))
     (tmp_path / "cpu.max").write_text("max 100000\n")
     (tmp_path / "memory.max").write_text("max\n")
@@ -279,9 +292,13 @@ def test_the_default_worker_count_fits_a_containers_memory_limit(tmp_path) -> No
 def _config(threshold: int):
     from gateway.config import PinnedFiles, parse_config
 
-    cfg = parse_config({"models": [{"name": "m", "tokenizer": "t", "max_model_len": 100}],
-                        "pools": {"decode": {"endpoints": ["http://127.0.0.1:9"]}},
-                        "routing": {"decider": {"name": "token_threshold", "threshold": threshold}}})
+    cfg = parse_config(
+        {
+            "models": [{"name": "m", "tokenizer": "t", "max_model_len": 100}],
+            "pools": {"decode": {"endpoints": ["http://127.0.0.1:9"]}},
+            "routing": {"decider": {"name": "token_threshold", "threshold": threshold}},
+        }
+    )
     return cfg.pin(PinnedFiles({}))
 
 

@@ -33,19 +33,39 @@ def full_text(tok: Tokenizer, prompt: Sequence[int], generated: Sequence[int]) -
     return "".join(texts(tok, prompt, generated))
 
 
-def events(tok: Tokenizer, prompt: Sequence[int], generated: Sequence[int], *, kind: str, rid: str = "r1",
-           created: int = 1000, stop_buffer: int = 0, finish: str = "length", usage: bool = False,
-           ids: bool = True) -> list[bytes]:
+def events(
+    tok: Tokenizer,
+    prompt: Sequence[int],
+    generated: Sequence[int],
+    *,
+    kind: str,
+    rid: str = "r1",
+    created: int = 1000,
+    stop_buffer: int = 0,
+    finish: str = "length",
+    usage: bool = False,
+    ids: bool = True,
+) -> list[bytes]:
     """Each SSE event (``data: ...\\n\\n``) of the stream, ``[DONE]`` last."""
     chat = kind == "chat"
-    head: dict[str, Any] = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
-                            "object": "chat.completion.chunk" if chat else "text_completion",
-                            "created": created, "model": "tiny"}
+    head: dict[str, Any] = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": "tiny",
+    }
     out: list[dict[str, Any]] = []
     if chat:
-        out.append({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}],
-                    "prompt_token_ids": list(prompt) if ids else None, "prompt_text": None})
+        out.append(
+            {
+                **head,
+                "choices": [
+                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                ],
+                "prompt_token_ids": list(prompt) if ids else None,
+                "prompt_text": None,
+            }
+        )
     deltas = texts(tok, prompt, generated, stop_buffer)
     for i, (tid, text) in enumerate(zip(generated, deltas, strict=True)):
         last = i == len(generated) - 1
@@ -56,15 +76,29 @@ def events(tok: Tokenizer, prompt: Sequence[int], generated: Sequence[int], *, k
                 choice["stop_reason"] = None
             choice["token_ids"] = [tid] if ids else None
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": fr, "stop_reason": None,
-                      "prompt_token_ids": list(prompt) if ids and i == 0 else None,
-                      "token_ids": [tid] if ids else None}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": fr,
+                "stop_reason": None,
+                "prompt_token_ids": list(prompt) if ids and i == 0 else None,
+                "token_ids": [tid] if ids else None,
+            }
         out.append({**head, "choices": [choice]})
     if usage:
-        out.append({**head, "choices": [], "usage": {"prompt_tokens": len(prompt),
-                                                    "total_tokens": len(prompt) + len(generated),
-                                                    "completion_tokens": len(generated)},
-                    "system_fingerprint": "vllm-0.32.0-test"})
+        out.append(
+            {
+                **head,
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": len(prompt),
+                    "total_tokens": len(prompt) + len(generated),
+                    "completion_tokens": len(generated),
+                },
+                "system_fingerprint": "vllm-0.32.0-test",
+            }
+        )
     return [b"data: " + orjson.dumps(o) + b"\n\n" for o in out] + [b"data: [DONE]\n\n"]
 
 

@@ -35,8 +35,12 @@ class Tools:
 def _pypi_reachable() -> tuple[bool, str]:
     """Ask pip's own configured index about one of the packages, as the script would."""
     try:
-        out = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "kubernetes-validate"],
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "pip", "index", "versions", "kubernetes-validate"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     except subprocess.TimeoutExpired:
         return False, "pip index versions timed out"
     return out.returncode == 0, (out.stderr or out.stdout).strip()[-500:]

@@ -26,8 +26,7 @@ NAMESPACE = "llm"
 
 
 def helm_template(tools: Tools, *args: str, values: Path | None = None) -> subprocess.CompletedProcess:
-    cmd = [str(tools.helm), "template", "pdgate", str(CHART), "--namespace", NAMESPACE,
-           "--kube-version", KUBE_VERSION]
+    cmd = [str(tools.helm), "template", "pdgate", str(CHART), "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION]
     if values is not None:
         cmd += ["-f", str(values)]
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120)
@@ -67,8 +66,12 @@ def test_rendered_manifests_pass_the_kubernetes_schemas(tools: Tools, case, tmp_
     assert out.returncode == 0, out.stderr
     manifest = tmp_path / "rendered.yaml"
     manifest.write_text(out.stdout)
-    check = subprocess.run([str(tools.kubernetes_validate), "--strict", "-k", KUBE_VERSION, str(manifest)],
-                           capture_output=True, text=True, timeout=300)
+    check = subprocess.run(
+        [str(tools.kubernetes_validate), "--strict", "-k", KUBE_VERSION, str(manifest)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert check.returncode == 0, check.stdout + check.stderr
     assert "ERROR" not in check.stdout + check.stderr
     # every built-in kind was really checked (custom resources only get a warning)
@@ -131,8 +134,9 @@ def test_discovery_finds_the_engine_services_with_rbac(rendered, case):
         assert {p["name"] for p in vllm["ports"]} >= set(ports)
     if discovered:
         role = find(docs, "Role", "pdgate-gateway")  # (ClusterRole for nodes: placement.pairing spine only)
-        assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                                  "verbs": ["get", "list", "watch"]}]
+        assert role["rules"] == [
+            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}
+        ]
         binding = find(docs, "RoleBinding", "pdgate-gateway")
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "pdgate-gateway", "namespace": NAMESPACE}]
         pod = find(docs, "Deployment", "pdgate-gateway")["spec"]["template"]["spec"]
@@ -195,25 +199,37 @@ def test_replicas_share_state_on_redis(rendered, tools: Tools):
 
 
 def _hpa_metrics(hpa: dict) -> list[tuple[str, dict, dict]]:
-    return [(m["external"]["metric"]["name"], m["external"]["metric"]["selector"]["matchLabels"],
-             m["external"]["target"]) for m in hpa["spec"]["metrics"]]
+    return [
+        (m["external"]["metric"]["name"], m["external"]["metric"]["selector"]["matchLabels"], m["external"]["target"])
+        for m in hpa["spec"]["metrics"]
+    ]
 
 
 def test_each_pool_scales_on_its_own_signal(rendered, tools: Tools):
     docs = rendered[ROOT / "deploy" / "values-llama-3.3-70b.yaml"]
-    prefill, decode = find(docs, "HorizontalPodAutoscaler", "pdgate-prefill"), find(
-        docs, "HorizontalPodAutoscaler", "pdgate-decode")
+    prefill, decode = (
+        find(docs, "HorizontalPodAutoscaler", "pdgate-prefill"),
+        find(docs, "HorizontalPodAutoscaler", "pdgate-decode"),
+    )
     target = {"apiVersion": "apps/v1", "kind": "Deployment", "name": "pdgate-prefill"}
     assert prefill["spec"]["scaleTargetRef"] == target
     assert (prefill["spec"]["minReplicas"], prefill["spec"]["maxReplicas"]) == (2, 6)
     # this release's series only (the ServiceMonitor copies the pods' app.kubernetes.io/instance)
     mine = {"app_kubernetes_io_instance": "pdgate"}
-    assert _hpa_metrics(prefill) == [("pdgate_pool_uncached_prompt_tokens", {**mine, "pool": "prefill"},
-                                      {"type": "AverageValue", "averageValue": "32768"})]
+    assert _hpa_metrics(prefill) == [
+        (
+            "pdgate_pool_uncached_prompt_tokens",
+            {**mine, "pool": "prefill"},
+            {"type": "AverageValue", "averageValue": "32768"},
+        )
+    ]
     assert _hpa_metrics(decode) == [
         ("pdgate_pool_kv_usage_ratio", {**mine, "pool": "decode"}, {"type": "Value", "value": "0.75"}),
-        ("pdgate_pool_engine_running_requests", {**mine, "pool": "decode"},
-         {"type": "AverageValue", "averageValue": "192"}),
+        (
+            "pdgate_pool_engine_running_requests",
+            {**mine, "pool": "decode"},
+            {"type": "AverageValue", "averageValue": "192"},
+        ),
     ]
     # the HPA owns the replica count
     assert "replicas" not in find(docs, "Deployment", "pdgate-prefill")["spec"]
@@ -223,18 +239,34 @@ def test_each_pool_scales_on_its_own_signal(rendered, tools: Tools):
     so = find(docs, "ScaledObject", "pdgate-decode")
     assert so["spec"]["scaleTargetRef"] == {"name": "pdgate-decode"}
     assert [(t["metricType"], t["metadata"]["query"], t["metadata"]["threshold"]) for t in so["spec"]["triggers"]] == [
-        ("Value", 'max(max by (pool, pod) (pdgate_pool_kv_usage_ratio{'
-                  'app_kubernetes_io_instance="pdgate",namespace="llm",pool="decode"}))', "0.75"),
-        ("AverageValue", 'max(max by (pool, pod) (pdgate_pool_engine_running_requests{'
-                         'app_kubernetes_io_instance="pdgate",namespace="llm",pool="decode"}))', "192"),
+        (
+            "Value",
+            "max(max by (pool, pod) (pdgate_pool_kv_usage_ratio{"
+            'app_kubernetes_io_instance="pdgate",namespace="llm",pool="decode"}))',
+            "0.75",
+        ),
+        (
+            "AverageValue",
+            "max(max by (pool, pod) (pdgate_pool_engine_running_requests{"
+            'app_kubernetes_io_instance="pdgate",namespace="llm",pool="decode"}))',
+            "192",
+        ),
     ]
     # a gateway pod scraped twice counts once: max by (pool, pod) before the sum over pods
     query = find(docs, "ScaledObject", "pdgate-prefill")["spec"]["triggers"][0]["metadata"]["query"]
-    assert query == ('sum(max by (pool, pod) (pdgate_pool_uncached_prompt_tokens{'
-                     'app_kubernetes_io_instance="pdgate",namespace="llm",pool="prefill"}))')
+    assert query == (
+        "sum(max by (pool, pod) (pdgate_pool_uncached_prompt_tokens{"
+        'app_kubernetes_io_instance="pdgate",namespace="llm",pool="prefill"}))'
+    )
     # turned off: no autoscaler, a fixed replica count
-    docs = render(tools, "--set", "decode.autoscaling.enabled=false", "--set", "decode.replicas=3",
-                  values=ROOT / "deploy" / "values-llama-3.3-70b.yaml")
+    docs = render(
+        tools,
+        "--set",
+        "decode.autoscaling.enabled=false",
+        "--set",
+        "decode.replicas=3",
+        values=ROOT / "deploy" / "values-llama-3.3-70b.yaml",
+    )
     assert [h["metadata"]["name"] for h in of_kind(docs, "HorizontalPodAutoscaler")] == ["pdgate-prefill"]
     assert find(docs, "Deployment", "pdgate-decode")["spec"]["replicas"] == 3
 
@@ -260,15 +292,23 @@ def test_prometheus_adapter_rules_cover_the_hpa_metrics():
     # one series per gateway pod first (a pod scraped by two Prometheus replicas or two jobs counts
     # once), keeping the release label the HPAs select on; then over the pods
     inner = "(max by (pool, app_kubernetes_io_instance, pod) (<<.Series>>{<<.LabelMatchers>>}))"
-    for summed in ("pdgate_pool_uncached_prompt_tokens", "pdgate_pool_in_flight_requests",
-                   "pdgate_pool_desired_engines"):  # per gateway replica
+    for summed in (
+        "pdgate_pool_uncached_prompt_tokens",
+        "pdgate_pool_in_flight_requests",
+        "pdgate_pool_desired_engines",
+    ):  # per gateway replica
         assert by_name[summed] == f"sum by (pool, app_kubernetes_io_instance) {inner}"
-    for engine_scraped in ("pdgate_pool_kv_usage_ratio", "pdgate_pool_engine_running_requests",
-                           "pdgate_pool_engine_waiting_requests", "pdgate_pool_healthy_endpoints"):
+    for engine_scraped in (
+        "pdgate_pool_kv_usage_ratio",
+        "pdgate_pool_engine_running_requests",
+        "pdgate_pool_engine_waiting_requests",
+        "pdgate_pool_healthy_endpoints",
+    ):
         assert by_name[engine_scraped] == f"max by (pool, app_kubernetes_io_instance) {inner}"  # same on every replica
     schema = json.loads((CHART / "values.schema.json").read_text())
     metric_names = schema["properties"]["prefill"]["properties"]["autoscaling"]["properties"]["metrics"]["items"][
-        "properties"]["name"]["enum"]
+        "properties"
+    ]["name"]["enum"]
     assert set(metric_names) == set(by_name)
 
 
@@ -291,8 +331,11 @@ def test_engines_nixl_over_efa_with_lmcache_tiers(rendered):
         kv = json.loads(_flag(args, "--kv-transfer-config"))
         assert kv["kv_connector"] == "MultiConnector" and kv["kv_role"] == "kv_both"
         nixl, lm = kv["kv_connector_extra_config"]["connectors"]  # NIXL first: P/D transfer wins
-        assert nixl == {"kv_connector": "NixlConnector", "kv_role": "kv_both",
-                        "kv_connector_extra_config": {"backends": ["LIBFABRIC"]}}  # NIXL's EFA path
+        assert nixl == {
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"backends": ["LIBFABRIC"]},
+        }  # NIXL's EFA path
         assert lm == {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
         events = json.loads(_flag(args, "--kv-events-config"))
         assert events["endpoint"] == "tcp://*:5557" and events["replay_endpoint"] == "tcp://*:5558"
@@ -311,8 +354,13 @@ def test_engines_nixl_over_efa_with_lmcache_tiers(rendered):
     for pool in ("prefill", "decode"):
         lmcache = yaml.safe_load(find(docs, "ConfigMap", "pdgate-lmcache")["data"][f"{pool}.yaml"])
         # LMCache allocates max_local_cpu_size in each of the 8 GPU workers: 45 GB each, 360 GB a pod
-        assert lmcache == {"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": 45,
-                           "remote_url": "redis://lmcache-l2.llm.svc.cluster.local:6379", "remote_serde": "naive"}
+        assert lmcache == {
+            "chunk_size": 256,
+            "local_cpu": True,
+            "max_local_cpu_size": 45,
+            "remote_url": "redis://lmcache-l2.llm.svc.cluster.local:6379",
+            "remote_serde": "naive",
+        }
         c = _vllm(docs, pool)
         assert c["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"add": ["IPC_LOCK"]}}
     # the gateway hashes prefixes with the engines' seed and algorithm
@@ -323,8 +371,11 @@ def test_engines_nixl_over_efa_with_lmcache_tiers(rendered):
 def test_small_example_has_plain_nixl_and_no_autoscaler(rendered):
     docs = rendered[ROOT / "deploy" / "values-small.yaml"]
     kv = json.loads(_flag(_vllm(docs, "decode")["args"], "--kv-transfer-config"))
-    assert kv == {"kv_connector": "NixlConnector", "kv_role": "kv_both",
-                  "kv_connector_extra_config": {"backends": ["UCX"]}}
+    assert kv == {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"backends": ["UCX"]},
+    }
     assert not of_kind(docs, "HorizontalPodAutoscaler")
     # no LMCache
     assert [c["metadata"]["name"] for c in of_kind(docs, "ConfigMap")] == ["pdgate-gateway", "pdgate-preflight"]
@@ -350,8 +401,10 @@ def test_network_policy_only_lets_the_gateway_and_engines_reach_engines(rendered
 def test_network_policy_with_service_monitor_needs_the_monitoring_namespace(tools: Tools):
     out = helm_template(tools, "--set", "networkPolicy.enabled=true", "--set", "monitoring.serviceMonitor.enabled=true")
     assert out.returncode != 0
-    assert "networkPolicy.enabled with monitoring.serviceMonitor.enabled needs networkPolicy." \
-           "monitoringNamespaceSelector" in out.stderr
+    assert (
+        "networkPolicy.enabled with monitoring.serviceMonitor.enabled needs networkPolicy."
+        "monitoringNamespaceSelector" in out.stderr
+    )
     docs = render(tools, "--set", "networkPolicy.enabled=true")  # no ServiceMonitor: nothing to let in
     assert len(find(docs, "NetworkPolicy", "pdgate-decode")["spec"]["ingress"]) == 1
 
@@ -375,9 +428,20 @@ def test_efa_needs_libfabric_and_efa_devices(tools: Tools):
 
 
 def test_lmcache_l1_is_split_over_the_gpu_workers_and_fits_the_pod(tools: Tools):
-    base = ["--set", "lmcache.enabled=true", "--set", "lmcache.l1.sizeGB=100",
-            "--set", "prefill.tensorParallelSize=4", "--set", "prefill.gpus=4",
-            "--set", "prefill.resources.limits.memory=256Gi", "--set", "decode.resources.limits.memory=200G"]
+    base = [
+        "--set",
+        "lmcache.enabled=true",
+        "--set",
+        "lmcache.l1.sizeGB=100",
+        "--set",
+        "prefill.tensorParallelSize=4",
+        "--set",
+        "prefill.gpus=4",
+        "--set",
+        "prefill.resources.limits.memory=256Gi",
+        "--set",
+        "decode.resources.limits.memory=200G",
+    ]
     docs = render(tools, *base)
     data = find(docs, "ConfigMap", "pdgate-lmcache")["data"]
     assert yaml.safe_load(data["prefill.yaml"])["max_local_cpu_size"] == 25  # 100 GB over 4 workers
@@ -386,8 +450,10 @@ def test_lmcache_l1_is_split_over_the_gpu_workers_and_fits_the_pod(tools: Tools)
     for pool in ("prefill", "decode"):
         env = {e["name"]: e.get("value") for e in _vllm(docs, pool)["env"]}
         assert env["LMCACHE_CONFIG_FILE"] == f"/etc/lmcache/{pool}.yaml"
-    annotations = [find(docs, "Deployment", f"pdgate-{p}")["spec"]["template"]["metadata"]["annotations"]
-                   for p in ("prefill", "decode")]
+    annotations = [
+        find(docs, "Deployment", f"pdgate-{p}")["spec"]["template"]["metadata"]["annotations"]
+        for p in ("prefill", "decode")
+    ]
     assert annotations[0]["checksum/lmcache"] != annotations[1]["checksum/lmcache"]
     # a pod whose memory limit cannot hold its L1 plus /dev/shm is refused
     out = helm_template(tools, *base, "--set", "decode.resources.limits.memory=100Gi")
@@ -400,8 +466,14 @@ def test_lmcache_l1_is_split_over_the_gpu_workers_and_fits_the_pod(tools: Tools)
 
 
 def test_lmcache_l2_url_from_a_secret_never_lands_in_a_configmap(tools: Tools):
-    secret_url = ["--set", "lmcache.enabled=true", "--set", "lmcache.l2.enabled=true",
-                  "--set", "lmcache.l2.urlSecret.name=lmcache-l2"]
+    secret_url = [
+        "--set",
+        "lmcache.enabled=true",
+        "--set",
+        "lmcache.l2.enabled=true",
+        "--set",
+        "lmcache.l2.urlSecret.name=lmcache-l2",
+    ]
     out = helm_template(tools, *secret_url)
     assert out.returncode == 0, out.stderr
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
@@ -429,25 +501,37 @@ def test_engines_drain_before_sigterm_and_roll_without_an_outage(rendered, tools
         assert c["securityContext"] == {"allowPrivilegeEscalation": False}
         # a single engine is replaced surge-first: the pool is never empty during an upgrade
         assert dep["spec"]["replicas"] == 1
-        assert dep["spec"]["strategy"] == {"type": "RollingUpdate",
-                                           "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+        assert dep["spec"]["strategy"] == {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+        }
     assert not of_kind(small, "PodDisruptionBudget")
     big = rendered[ROOT / "deploy" / "values-llama-3.3-70b.yaml"]  # minReplicas 2: one at a time, no spare GPUs
     assert find(big, "Deployment", "pdgate-decode")["spec"]["strategy"]["rollingUpdate"] == {
-        "maxSurge": 0, "maxUnavailable": 1}
+        "maxSurge": 0,
+        "maxUnavailable": 1,
+    }
     pdb = find(big, "PodDisruptionBudget", "pdgate-prefill")
     selector = find(big, "Deployment", "pdgate-prefill")["spec"]["selector"]
     assert pdb["spec"] == {"maxUnavailable": 1, "selector": selector}
-    docs = render(tools, "--set", "engines.preStopSleepSeconds=0", "--set", "decode.replicas=2",
-                  "--set", "decode.strategy.type=Recreate")
+    docs = render(
+        tools,
+        "--set",
+        "engines.preStopSleepSeconds=0",
+        "--set",
+        "decode.replicas=2",
+        "--set",
+        "decode.strategy.type=Recreate",
+    )
     assert "lifecycle" not in _vllm(docs, "decode")
     assert find(docs, "Deployment", "pdgate-decode")["spec"]["strategy"] == {"type": "Recreate"}
     assert find(docs, "Deployment", "pdgate-prefill")["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 1
 
 
 def test_gpu_count_comes_from_gpus_only(tools: Tools):
-    out = helm_template(tools, "--set", "prefill.resources.limits.nvidia\\.com/gpu=1", "--show-only",
-                        "templates/engines.yaml")
+    out = helm_template(
+        tools, "--set", "prefill.resources.limits.nvidia\\.com/gpu=1", "--show-only", "templates/engines.yaml"
+    )
     assert out.returncode == 0, out.stderr
     prefill = [d for d in out.stdout.split("\n---") if "kind: Deployment" in d and "name: pdgate-prefill" in d]
     assert prefill[0].count("nvidia.com/gpu:") == 2  # requests and limits, no duplicate key
@@ -456,17 +540,25 @@ def test_gpu_count_comes_from_gpus_only(tools: Tools):
     assert "prefill.resources.limits sets nvidia.com/gpu to 2 but prefill.gpus is 1" in out.stderr
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--set", "gateway.replicas=two"], "gateway.replicas: Invalid type. Expected: integer, given: string"),
-    (["--set", "prefill.gpus=0"], "prefill.gpus: Must be greater than or equal to 1"),
-    (["--set", "decode.autoscaling.metrics[0].name=gpu_busy,decode.autoscaling.metrics[0].aggregate=max,"
-      "decode.autoscaling.metrics[0].type=Value,decode.autoscaling.metrics[0].target=1"],
-     "decode.autoscaling.metrics.0.name: decode.autoscaling.metrics.0.name must be one of the following"),
-    (["--set", "gateway.replica=3"], "Additional property replica is not allowed"),
-    (["--set", "lmcache.enabled=true,lmcache.l2.enabled=true"], "lmcache.l2.url: String length must be greater"),
-    (["--set", "nixl.backends={EFA}"], "nixl.backends.0: nixl.backends.0 must be one of the following"),
-    (["--set", "model.cache.type=hostPath"], "model.cache.hostPath: String length must be greater"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "gateway.replicas=two"], "gateway.replicas: Invalid type. Expected: integer, given: string"),
+        (["--set", "prefill.gpus=0"], "prefill.gpus: Must be greater than or equal to 1"),
+        (
+            [
+                "--set",
+                "decode.autoscaling.metrics[0].name=gpu_busy,decode.autoscaling.metrics[0].aggregate=max,"
+                "decode.autoscaling.metrics[0].type=Value,decode.autoscaling.metrics[0].target=1",
+            ],
+            "decode.autoscaling.metrics.0.name: decode.autoscaling.metrics.0.name must be one of the following",
+        ),
+        (["--set", "gateway.replica=3"], "Additional property replica is not allowed"),
+        (["--set", "lmcache.enabled=true,lmcache.l2.enabled=true"], "lmcache.l2.url: String length must be greater"),
+        (["--set", "nixl.backends={EFA}"], "nixl.backends.0: nixl.backends.0 must be one of the following"),
+        (["--set", "model.cache.type=hostPath"], "model.cache.hostPath: String length must be greater"),
+    ],
+)
 def test_schema_rejects_wrong_values_with_a_clear_message(tools: Tools, args, message):
     out = helm_template(tools, *args)
     assert out.returncode != 0
@@ -509,15 +601,31 @@ def render_notes(tools: Tools, tmp_path: Path, values: Path) -> str:
     a cluster, so a copy of the chart renders the same text as a template."""
     chart = tmp_path / "pdgate"
     shutil.copytree(CHART, chart)
-    notes = (chart / "templates" / "NOTES.txt")
+    notes = chart / "templates" / "NOTES.txt"
     (chart / "templates" / "_notes.tpl").write_text('{{- define "notes" -}}\n' + notes.read_text() + "{{- end -}}\n")
     notes.unlink()
     (chart / "templates" / "notes.yaml").write_text(
-        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n"
-        "data:\n  notes: {{ include \"notes\" . | toJson }}\n")
-    out = subprocess.run([str(tools.helm), "template", "pdgate", str(chart), "--namespace", NAMESPACE,
-                          "--kube-version", KUBE_VERSION, "-f", str(values), "--show-only", "templates/notes.yaml"],
-                         capture_output=True, text=True, timeout=120)
+        'apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\ndata:\n  notes: {{ include "notes" . | toJson }}\n'
+    )
+    out = subprocess.run(
+        [
+            str(tools.helm),
+            "template",
+            "pdgate",
+            str(chart),
+            "--namespace",
+            NAMESPACE,
+            "--kube-version",
+            KUBE_VERSION,
+            "-f",
+            str(values),
+            "--show-only",
+            "templates/notes.yaml",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     return yaml.safe_load(out.stdout)["data"]["notes"]
 
@@ -551,17 +659,25 @@ def test_hyperpod_example_turns_dpd_on_with_pdspec():
     assert set(pd["topologySpec"]) <= {"sameAZ", "availabilityZone", "placementGroup"}
     readme = (ROOT / "deploy" / "hyperpod" / "README.md").read_text()
     assert "**Confirmed from source.**" in readme and "**From AWS documentation only**" in readme
-    for field in ("pdSpec.prefillSpec.replicas", "pdSpec.routingThreshold", "pdSpec.autoScalingSpec",
-                  "kvCacheSpec.enableL1Cache", "pdSpec.topologySpec.sameAZ"):
+    for field in (
+        "pdSpec.prefillSpec.replicas",
+        "pdSpec.routingThreshold",
+        "pdSpec.autoScalingSpec",
+        "kvCacheSpec.enableL1Cache",
+        "pdSpec.topologySpec.sameAZ",
+    ):
         assert field in readme
 
 
-@pytest.mark.parametrize(("values", "workers"), [
-    ((), 2),  # the default CPU request, "2"
-    (("--set-string", "gateway.resources.requests.cpu=1500m"), 2),
-    (("--set-string", "gateway.resources.requests.cpu=500m"), 1),
-    (("--set", "gateway.workers=3"), 3),
-])
+@pytest.mark.parametrize(
+    ("values", "workers"),
+    [
+        ((), 2),  # the default CPU request, "2"
+        (("--set-string", "gateway.resources.requests.cpu=1500m"), 2),
+        (("--set-string", "gateway.resources.requests.cpu=500m"), 1),
+        (("--set", "gateway.workers=3"), 3),
+    ],
+)
 def test_gateway_workers_follow_the_cpu_request(tools: Tools, values, workers):
     """Inside a container the gateway may see every core of the node: the chart sets the count."""
     docs = render(tools, *values)
@@ -580,14 +696,23 @@ def test_planner_signal_scales_each_pool_toward_the_desired_split(tools: Tools, 
     assert cfg.planner.enabled and cfg.planner.tail and cfg.planner.profile == "llama-3.3-70b-tp8-h100"
     for pool in ("prefill", "decode"):
         hpa = find(docs, "HorizontalPodAutoscaler", f"pdgate-{pool}")
-        assert _hpa_metrics(hpa) == [("pdgate_pool_desired_engines", {"app_kubernetes_io_instance": "pdgate",
-                                                                       "pool": pool},
-                                      {"type": "AverageValue", "averageValue": "1"})]
+        assert _hpa_metrics(hpa) == [
+            (
+                "pdgate_pool_desired_engines",
+                {"app_kubernetes_io_instance": "pdgate", "pool": pool},
+                {"type": "AverageValue", "averageValue": "1"},
+            )
+        ]
     docs = render(tools, "--set", "autoscaling.signal=planner", "--set", "autoscaling.backend=keda", values=big)
     trigger = find(docs, "ScaledObject", "pdgate-decode")["spec"]["triggers"]
     assert [(t["metricType"], t["metadata"]["query"], t["metadata"]["threshold"]) for t in trigger] == [
-        ("AverageValue", 'sum(max by (pool, pod) (pdgate_pool_desired_engines{'
-                         'app_kubernetes_io_instance="pdgate",namespace="llm",pool="decode"}))', "1")]
+        (
+            "AverageValue",
+            "sum(max by (pool, pod) (pdgate_pool_desired_engines{"
+            'app_kubernetes_io_instance="pdgate",namespace="llm",pool="decode"}))',
+            "1",
+        )
+    ]
     # the default: the pools' own signals, and no planner in the gateway
     cfg = yaml.safe_load(find(render(tools, values=big), "ConfigMap", "pdgate-gateway")["data"]["config.yaml"])
     assert "planner" not in cfg

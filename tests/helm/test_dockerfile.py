@@ -19,8 +19,9 @@ ENGINE_DOCKERFILE = ROOT / "deploy" / "engine-image" / "Dockerfile"
 
 @pytest.mark.parametrize("dockerfile", [ROOT / "Dockerfile", ENGINE_DOCKERFILE], ids=["gateway", "engine"])
 def test_hadolint_finds_nothing(tools: Tools, dockerfile: Path):
-    out = subprocess.run([str(tools.hadolint), "--no-color", str(dockerfile)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [str(tools.hadolint), "--no-color", str(dockerfile)], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.strip() == ""
 

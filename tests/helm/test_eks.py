@@ -50,6 +50,7 @@ def refused(tools: Tools, *args: str, values=None) -> str:
 
 # 1. the three defects ------------------------------------------------------------------------------
 
+
 def test_70b_example_runs_the_efa_engine_image_with_hugepages_and_the_preflight(tools: Tools):
     docs = render(tools, values=BIG)
     for pool in ("prefill", "decode"):
@@ -58,15 +59,25 @@ def test_70b_example_runs_the_efa_engine_image_with_hugepages_and_the_preflight(
         assert c["image"] == "ACCOUNT.dkr.ecr.REGION.amazonaws.com/pdgate-vllm-efa:v0.32.0-efa1.51.0"
         kv = json.loads(c["args"][c["args"].index("--kv-transfer-config") + 1])
         assert kv["kv_connector_extra_config"]["connectors"][0]["kv_connector_extra_config"] == {
-            "backends": ["LIBFABRIC"]}
+            "backends": ["LIBFABRIC"]
+        }
         for section in ("requests", "limits"):  # hugetlb allowance: AWS's EFA pod examples' 5120Mi
             assert c["resources"][section]["hugepages-2Mi"] == "5120Mi"
         assert "FI_EFA_USE_HUGE_PAGE" not in env(c)
         # the init check: the engine image, the same GPUs / EFA devices / huge pages as vLLM
         [init] = spec["initContainers"]
         assert init["name"] == "preflight" and init["image"] == c["image"]
-        assert init["command"] == ["python3", SCRIPT, "check", "--backend", "LIBFABRIC",
-                                   "--efa-devices", "32", "--device", "cuda"]
+        assert init["command"] == [
+            "python3",
+            SCRIPT,
+            "check",
+            "--backend",
+            "LIBFABRIC",
+            "--efa-devices",
+            "32",
+            "--device",
+            "cuda",
+        ]
         for section in ("requests", "limits"):
             for res in ("nvidia.com/gpu", "vpc.amazonaws.com/efa", "hugepages-2Mi"):
                 assert init["resources"][section][res] == c["resources"][section][res]
@@ -92,8 +103,16 @@ def test_without_hugepages_libfabric_is_told_not_to_use_them(tools: Tools):
         assert env(spec["initContainers"][0])["FI_EFA_USE_HUGE_PAGE"] == "0"
         assert "hugepages" not in {v["name"] for v in spec["volumes"]}
     # the user's own setting is not duplicated
-    docs = render(tools, *EFA, "--set", "efa.hugepages2Mi=", "--set", "decode.extraEnv[0].name=FI_EFA_USE_HUGE_PAGE",
-                  "--set-string", "decode.extraEnv[0].value=1")
+    docs = render(
+        tools,
+        *EFA,
+        "--set",
+        "efa.hugepages2Mi=",
+        "--set",
+        "decode.extraEnv[0].name=FI_EFA_USE_HUGE_PAGE",
+        "--set-string",
+        "decode.extraEnv[0].value=1",
+    )
     names = [e["name"] for e in container(docs, "decode")["env"]]
     assert names.count("FI_EFA_USE_HUGE_PAGE") == 1 and env(container(docs, "decode"))["FI_EFA_USE_HUGE_PAGE"] == "1"
 
@@ -105,11 +124,13 @@ def test_ucx_needs_a_cuda_transport(tools: Tools):
     err = refused(tools, "--set", "nixl.env[0].name=UCX_TLS", "--set", "nixl.env[0].value=tcp\\,self\\,sm")
     assert "prefill: UCX_TLS=tcp,self,sm has no CUDA transport" in err and "cuda_copy" in err
     # the value the container ends with counts: a pool's extraEnv overrides nixl.env
-    err = refused(tools, "--set", "decode.extraEnv[0].name=UCX_TLS", "--set", "decode.extraEnv[0].value=tcp",
-                  values=SMALL)
+    err = refused(
+        tools, "--set", "decode.extraEnv[0].name=UCX_TLS", "--set", "decode.extraEnv[0].value=tcp", values=SMALL
+    )
     assert "decode: UCX_TLS=tcp has no CUDA transport" in err
-    assert "UCX_TLS=^cuda_copy" in refused(tools, "--set", "engines.extraEnv[0].name=UCX_TLS",
-                                           "--set", "engines.extraEnv[0].value=^cuda_copy")
+    assert "UCX_TLS=^cuda_copy" in refused(
+        tools, "--set", "engines.extraEnv[0].name=UCX_TLS", "--set", "engines.extraEnv[0].value=^cuda_copy"
+    )
     for fine in ("all", "^rc\\,ud", "tcp\\,cuda"):
         render(tools, "--set", "nixl.env[0].name=UCX_TLS", "--set", f"nixl.env[0].value={fine}")
     # EFA with LIBFABRIC: UCX_TLS does not matter
@@ -118,37 +139,60 @@ def test_ucx_needs_a_cuda_transport(tools: Tools):
 
 # 2. the gateway behind an NLB ----------------------------------------------------------------------
 
+
 def test_gateway_waits_for_the_load_balancer_before_stopping(tools: Tools):
     docs = render(tools)
     spec = find(docs, "Deployment", "pdgate-gateway")["spec"]["template"]["spec"]
     [c] = spec["containers"]
     assert c["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", "10"]}}
     assert spec["terminationGracePeriodSeconds"] == 50  # preStop + 40 s of draining
-    spec = find(render(tools, "--set", "gateway.preStopSleepSeconds=0"), "Deployment", "pdgate-gateway")[
-        "spec"]["template"]["spec"]
+    spec = find(render(tools, "--set", "gateway.preStopSleepSeconds=0"), "Deployment", "pdgate-gateway")["spec"][
+        "template"
+    ]["spec"]
     assert "lifecycle" not in spec["containers"][0] and spec["terminationGracePeriodSeconds"] == 40
     readme = (ROOT / "deploy" / "eks" / "README.md").read_text()
     assert "elbv2.k8s.aws/pod-readiness-gate-inject=enabled" in readme
 
 
 def test_pod_annotations_override_the_scrape_hints_without_duplicate_keys(tools: Tools):
-    out = helm_template(tools, "--set-string", "gateway.podAnnotations.prometheus\\.io/scrape=false",
-                        "--set-string", "gateway.podAnnotations.team=llm", "--show-only",
-                        "templates/gateway-deployment.yaml")
+    out = helm_template(
+        tools,
+        "--set-string",
+        "gateway.podAnnotations.prometheus\\.io/scrape=false",
+        "--set-string",
+        "gateway.podAnnotations.team=llm",
+        "--show-only",
+        "templates/gateway-deployment.yaml",
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("prometheus.io/scrape") == 1  # a YAML mapping with one key, not two
     annotations = yaml.safe_load(out.stdout)["spec"]["template"]["metadata"]["annotations"]
-    assert annotations == {"prometheus.io/scrape": "false", "prometheus.io/port": "8000",
-                           "prometheus.io/path": "/metrics", "team": "llm"}
+    assert annotations == {
+        "prometheus.io/scrape": "false",
+        "prometheus.io/port": "8000",
+        "prometheus.io/path": "/metrics",
+        "team": "llm",
+    }
 
 
 # 3. autoscaling signals ----------------------------------------------------------------------------
 
+
 def test_autoscalers_follow_their_own_release_only(tools: Tools):
     out = helm_template(tools, values=BIG).stdout
     # another release of the chart in the same namespace
-    cmd = [str(tools.helm), "template", "other", str(CHART), "--namespace", "llm", "--kube-version", KUBE_VERSION,
-           "-f", str(BIG)]
+    cmd = [
+        str(tools.helm),
+        "template",
+        "other",
+        str(CHART),
+        "--namespace",
+        "llm",
+        "--kube-version",
+        KUBE_VERSION,
+        "-f",
+        str(BIG),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     for text, release in ((out, "pdgate"), (run.stdout, "other")):
@@ -165,36 +209,74 @@ def test_autoscalers_follow_their_own_release_only(tools: Tools):
 
 # 4. validation -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--set", "prefill.tensorParallelSize=2"],
-     "prefill: gpus is 1 but tensorParallelSize 2 x pipelineParallelSize 1 = 2"),
-    (["--set", "decode.gpus=8", "--set", "decode.tensorParallelSize=4"],
-     "decode: gpus is 8 but tensorParallelSize 4 x pipelineParallelSize 1 = 4"),
-    (["--set", "decode.extraArgs={--tensor-parallel-size,2}"], "decode.extraArgs sets --tensor-parallel-size"),
-    (["--set", "decode.extraArgs={-tp=2}"], "decode.extraArgs sets -tp"),
-    (["--set", "prefill.autoscaling.enabled=true", "--set", "prefill.autoscaling.minReplicas=5"],
-     "prefill.autoscaling: minReplicas 5 is above maxReplicas 4"),
-    (["--set", "decode.terminationGracePeriodSeconds=15"], "must stay below decode.terminationGracePeriodSeconds (15)"),
-    (["--set", "prefill.podLabels.app\\.kubernetes\\.io/component=decode"],
-     "prefill.podLabels sets app.kubernetes.io/component"),
-    (["--set", "prefill.multiNode.enabled=true", "--set", "prefill.gpus=8", "--set", "prefill.tensorParallelSize=8"],
-     "prefill: 8 GPUs per pod x multiNode.size 2 = 16 GPUs, but tensorParallelSize 8 x pipelineParallelSize 1 = 8"),
-])
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--set", "prefill.tensorParallelSize=2"],
+            "prefill: gpus is 1 but tensorParallelSize 2 x pipelineParallelSize 1 = 2",
+        ),
+        (
+            ["--set", "decode.gpus=8", "--set", "decode.tensorParallelSize=4"],
+            "decode: gpus is 8 but tensorParallelSize 4 x pipelineParallelSize 1 = 4",
+        ),
+        (["--set", "decode.extraArgs={--tensor-parallel-size,2}"], "decode.extraArgs sets --tensor-parallel-size"),
+        (["--set", "decode.extraArgs={-tp=2}"], "decode.extraArgs sets -tp"),
+        (
+            ["--set", "prefill.autoscaling.enabled=true", "--set", "prefill.autoscaling.minReplicas=5"],
+            "prefill.autoscaling: minReplicas 5 is above maxReplicas 4",
+        ),
+        (
+            ["--set", "decode.terminationGracePeriodSeconds=15"],
+            "must stay below decode.terminationGracePeriodSeconds (15)",
+        ),
+        (
+            ["--set", "prefill.podLabels.app\\.kubernetes\\.io/component=decode"],
+            "prefill.podLabels sets app.kubernetes.io/component",
+        ),
+        (
+            [
+                "--set",
+                "prefill.multiNode.enabled=true",
+                "--set",
+                "prefill.gpus=8",
+                "--set",
+                "prefill.tensorParallelSize=8",
+            ],
+            "prefill: 8 GPUs per pod x multiNode.size 2 = 16 GPUs, "
+            "but tensorParallelSize 8 x pipelineParallelSize 1 = 8",
+        ),
+    ],
+)
 def test_values_that_cannot_work_together_are_refused(tools: Tools, args, message):
     assert message in refused(tools, *args)
 
 
 def test_pipeline_parallel_counts_in_the_gpu_check(tools: Tools):
-    docs = render(tools, "--set", "decode.gpus=4", "--set", "decode.tensorParallelSize=2",
-                  "--set", "decode.pipelineParallelSize=2")
+    docs = render(
+        tools,
+        "--set",
+        "decode.gpus=4",
+        "--set",
+        "decode.tensorParallelSize=2",
+        "--set",
+        "decode.pipelineParallelSize=2",
+    )
     args = container(docs, "decode")["args"]
     assert args[args.index("--pipeline-parallel-size") + 1] == "2"
     assert "--pipeline-parallel-size" not in container(docs, "prefill")["args"]  # 1: vLLM's default, unchanged
 
 
-@pytest.mark.parametrize(("flag", "value", "rendered"), [
-    ("--set", "0.85", "0.85"), ("--set-string", "0.85", "0.85"), ("--set-string", ".8", ".8"), ("--set", "1", "1"),
-])
+@pytest.mark.parametrize(
+    ("flag", "value", "rendered"),
+    [
+        ("--set", "0.85", "0.85"),
+        ("--set-string", "0.85", "0.85"),
+        ("--set-string", ".8", ".8"),
+        ("--set", "1", "1"),
+    ],
+)
 def test_gpu_memory_utilization_as_number_or_string(tools: Tools, flag, value, rendered):
     args = container(render(tools, flag, f"decode.gpuMemoryUtilization={value}"), "decode")["args"]
     assert args[args.index("--gpu-memory-utilization") + 1] == rendered
@@ -217,9 +299,21 @@ def test_planner_target_given_as_a_string_reaches_the_gateway_as_a_number(tools:
 
 def test_decimals_given_with_set_reach_the_gateway_and_lmcache_as_numbers(tools: Tools, tmp_path):
     """helm --set passes 1.5 as a string: the schema takes it, the rendered configs carry numbers."""
-    docs = render(tools, "--set", "planner.enabled=true", "--set", "planner.windowSeconds=120.5",
-                  "--set", "planner.slos[0].ttft_s=1.5", "--set", "planner.slos[0].itl_p90_s=0.05",
-                  "--set", "lmcache.enabled=true", "--set", "lmcache.l1.sizeGB=1.5")
+    docs = render(
+        tools,
+        "--set",
+        "planner.enabled=true",
+        "--set",
+        "planner.windowSeconds=120.5",
+        "--set",
+        "planner.slos[0].ttft_s=1.5",
+        "--set",
+        "planner.slos[0].itl_p90_s=0.05",
+        "--set",
+        "lmcache.enabled=true",
+        "--set",
+        "lmcache.l1.sizeGB=1.5",
+    )
     path = tmp_path / "config.yaml"
     path.write_text(find(docs, "ConfigMap", "pdgate-gateway")["data"]["config.yaml"])
     planner = load_config(path).planner
@@ -238,21 +332,28 @@ def test_a_hash_seed_of_0_given_with_set_still_reaches_the_gateway(tools: Tools)
 
 # 5. engines: identity, disk, grace, probes --------------------------------------------------------
 
+
 def test_engine_service_account_for_irsa_and_pod_identity(tools: Tools):
     docs = render(tools)
     assert "serviceAccountName" not in pod(docs, "decode")
     assert pod(docs, "decode")["automountServiceAccountToken"] is False
     role = "arn:aws:iam::111122223333:role/pdgate-engines"
-    docs = render(tools, "--set", "engines.serviceAccount.create=true",
-                  "--set", f"engines.serviceAccount.annotations.eks\\.amazonaws\\.com/role-arn={role}")
+    docs = render(
+        tools,
+        "--set",
+        "engines.serviceAccount.create=true",
+        "--set",
+        f"engines.serviceAccount.annotations.eks\\.amazonaws\\.com/role-arn={role}",
+    )
     sa = find(docs, "ServiceAccount", "pdgate-engines")
     assert sa["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": role}
     assert sa["automountServiceAccountToken"] is False  # IRSA / Pod Identity mount their own token
     for pool in ("prefill", "decode"):
         assert pod(docs, pool)["serviceAccountName"] == "pdgate-engines"
         assert pod(docs, pool)["automountServiceAccountToken"] is False
-    docs = render(tools, "--set", "engines.serviceAccount.name=s3-reader",
-                  "--set", "engines.serviceAccount.automountToken=true")
+    docs = render(
+        tools, "--set", "engines.serviceAccount.name=s3-reader", "--set", "engines.serviceAccount.automountToken=true"
+    )
     created = sorted(s["metadata"]["name"] for s in of_kind(docs, "ServiceAccount"))
     assert created == ["pdgate-gateway", "pdgate-preflight-test"]  # the existing one is used, not made
     assert pod(docs, "prefill")["serviceAccountName"] == "s3-reader"
@@ -273,16 +374,23 @@ def test_engine_grace_period_and_probes_are_configurable_and_patient(tools: Tool
     ready = c["readinessProbe"]
     # a busy engine's slow /health: ~30 s of failures before it leaves the pools
     assert ready["timeoutSeconds"] >= 10 and ready["periodSeconds"] * ready["failureThreshold"] >= 30
-    docs = render(tools, "--set", "decode.terminationGracePeriodSeconds=300",
-                  "--set", "engines.probes.readiness.failureThreshold=10",
-                  "--set", "engines.probes.liveness.timeoutSeconds=30")
+    docs = render(
+        tools,
+        "--set",
+        "decode.terminationGracePeriodSeconds=300",
+        "--set",
+        "engines.probes.readiness.failureThreshold=10",
+        "--set",
+        "engines.probes.liveness.timeoutSeconds=30",
+    )
     assert pod(docs, "decode")["terminationGracePeriodSeconds"] == 300
     assert pod(docs, "prefill")["terminationGracePeriodSeconds"] == 120
     assert container(docs, "decode")["readinessProbe"]["failureThreshold"] == 10
     assert container(docs, "decode")["livenessProbe"]["timeoutSeconds"] == 30
     # the API server takes a liveness probe only with successThreshold 1: refused at install
     assert "engines.probes.liveness.successThreshold" in refused(
-        tools, "--set", "engines.probes.liveness.successThreshold=2")
+        tools, "--set", "engines.probes.liveness.successThreshold=2"
+    )
 
 
 # 6. extension points ------------------------------------------------------------------------------
@@ -293,8 +401,9 @@ EXTENSIONS = {
     "schedulerName": "gpu-scheduler",
     "runtimeClassName": "nvidia",
     "priorityClassName": "inference-high",
-    "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
-                                   "whenUnsatisfiable": "ScheduleAnyway"}],
+    "topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway"}
+    ],
     "initContainers": [{"name": "warm", "image": "busybox:1.36", "command": ["true"]}],
     "extraVolumes": [{"name": "extra", "emptyDir": {}}],
     "extraVolumeMounts": [{"name": "extra", "mountPath": "/extra"}],
@@ -321,8 +430,13 @@ def test_extension_points_have_the_same_names_everywhere_and_render_when_set(too
     assert [c["name"] for c in pod(docs, "decode")["initContainers"]] == ["warm", "preflight"]
     # none of them by default
     spec = pod(render(tools), "decode")
-    assert not {"schedulerName", "runtimeClassName", "priorityClassName", "topologySpreadConstraints",
-                "initContainers"} & set(spec)
+    assert not {
+        "schedulerName",
+        "runtimeClassName",
+        "priorityClassName",
+        "topologySpreadConstraints",
+        "initContainers",
+    } & set(spec)
     # the schema knows each of them on each component
     schema = json.loads((CHART / "values.schema.json").read_text())["properties"]
     for name in ("gateway", "prefill", "decode"):
@@ -344,16 +458,37 @@ def test_placement_keeps_both_pools_in_one_zone(tools: Tools, tmp_path):
         assert spec["nodeSelector"] == {"pg": "pd-1"}
     # the zone joins each of the pool's own (ORed) terms, and its other affinity stays
     values = tmp_path / "aff.yaml"
-    values.write_text(yaml.safe_dump({"decode": {"nodeSelector": {"node.kubernetes.io/instance-type": "p5.48xlarge"},
-        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-            {"matchExpressions": [{"key": "a", "operator": "Exists"}]},
-            {"matchExpressions": [{"key": "b", "operator": "Exists"}]}]}},
-            "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}}}}))
-    spec = pod(render(tools, "-f", str(values), "--set", "placement.zone=us-east-1a",
-                      "--set", "placement.nodeSelector.pg=pd-1"), "decode")
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "decode": {
+                    "nodeSelector": {"node.kubernetes.io/instance-type": "p5.48xlarge"},
+                    "affinity": {
+                        "nodeAffinity": {
+                            "requiredDuringSchedulingIgnoredDuringExecution": {
+                                "nodeSelectorTerms": [
+                                    {"matchExpressions": [{"key": "a", "operator": "Exists"}]},
+                                    {"matchExpressions": [{"key": "b", "operator": "Exists"}]},
+                                ]
+                            }
+                        },
+                        "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []},
+                    },
+                }
+            }
+        )
+    )
+    spec = pod(
+        render(
+            tools, "-f", str(values), "--set", "placement.zone=us-east-1a", "--set", "placement.nodeSelector.pg=pd-1"
+        ),
+        "decode",
+    )
     terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    assert [t["matchExpressions"] for t in terms] == [[{"key": "a", "operator": "Exists"}, ZONE],
-                                                      [{"key": "b", "operator": "Exists"}, ZONE]]
+    assert [t["matchExpressions"] for t in terms] == [
+        [{"key": "a", "operator": "Exists"}, ZONE],
+        [{"key": "b", "operator": "Exists"}, ZONE],
+    ]
     assert "podAntiAffinity" in spec["affinity"]
     assert spec["nodeSelector"] == {"pg": "pd-1", "node.kubernetes.io/instance-type": "p5.48xlarge"}
     assert "placement.zone" in refused(tools, "--set", "placement.zone=not a zone")
@@ -370,8 +505,10 @@ def test_pairing_modes_in_the_gateway_config_and_rbac(tools: Tools, tmp_path):
     docs = render(tools, "--set", "placement.pairing=spine")
     cfg = gateway_config(docs)
     spine = "topology.k8s.aws/network-node-layer-3"
-    assert cfg["routing"]["prefill"]["scorers"] == [*DEFAULT_SCORERS, {
-        "name": "topology", "weight": 2, "levels": ["topology.kubernetes.io/zone", spine]}]
+    assert cfg["routing"]["prefill"]["scorers"] == [
+        *DEFAULT_SCORERS,
+        {"name": "topology", "weight": 2, "levels": ["topology.kubernetes.io/zone", spine]},
+    ]
     assert cfg["routing"]["prefill"]["filters"] == [{"name": "same_zone"}]
     for p in cfg["pools"].values():
         assert p["discovery"]["node_labels"] == [spine]
@@ -383,19 +520,30 @@ def test_pairing_modes_in_the_gateway_config_and_rbac(tools: Tools, tmp_path):
     # the gateway's own loader takes each mode's config
     for mode in ("zone", "spine", "off"):
         path = tmp_path / f"{mode}.yaml"
-        path.write_text(find(render(tools, "--set", f"placement.pairing={mode}"), "ConfigMap", "pdgate-gateway")[
-            "data"]["config.yaml"])
+        path.write_text(
+            find(render(tools, "--set", f"placement.pairing={mode}"), "ConfigMap", "pdgate-gateway")["data"][
+                "config.yaml"
+            ]
+        )
         load_config(path)
     docs = render(tools, "--set", "placement.pairing=off")
     assert "prefill" not in gateway_config(docs)["routing"] and not of_kind(docs, "ClusterRole")
     assert not of_kind(render(tools), "ClusterRole")
     # gateway.config is merged over (lists replace)
-    cfg = gateway_config(render(tools, "--set", "gateway.config.routing.prefill.filters[0].name=same_zone",
-                                "--set", "gateway.config.routing.prefill.filters[0].strict=false"))
+    cfg = gateway_config(
+        render(
+            tools,
+            "--set",
+            "gateway.config.routing.prefill.filters[0].name=same_zone",
+            "--set",
+            "gateway.config.routing.prefill.filters[0].strict=false",
+        )
+    )
     assert cfg["routing"]["prefill"]["filters"] == [{"name": "same_zone", "strict": False}]
 
 
 # 10. preflight -------------------------------------------------------------------------------------
+
 
 def test_helm_test_pairs_decode_with_prefill_engines_over_the_pools_backend(tools: Tools):
     docs = render(tools, values=BIG)
@@ -418,14 +566,16 @@ def test_helm_test_pairs_decode_with_prefill_engines_over_the_pools_backend(tool
     args = "--backend LIBFABRIC --size-mib 64 --timeout 120 --device cuda"
     assert f'exec "$p" -c vllm -- python3 {SCRIPT} serve {args} --port "$PORT"' in script
     assert f'exec "$d" -c vllm -- python3 {SCRIPT} pull {args} --peer "$ip:$PORT"' in script
-    assert 'head -n "$MAX_PAIRS"' in script and "exit \"$failed\"" in script
+    assert 'head -n "$MAX_PAIRS"' in script and 'exit "$failed"' in script
     assert c["securityContext"]["readOnlyRootFilesystem"] is True and test["spec"]["securityContext"]["runAsNonRoot"]
     # the NetworkPolicy lets engines reach each other on every port (the test port included)
     for pool in ("prefill", "decode"):
         rule = find(docs, "NetworkPolicy", f"pdgate-{pool}")["spec"]["ingress"][0]
         assert "ports" not in rule
         assert {p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in rule["from"]} >= {
-            "prefill", "decode"}
+            "prefill",
+            "decode",
+        }
     # UCX without EFA; no init check unless asked for
     docs = render(tools, values=SMALL)
     assert "--backend UCX" in find(docs, "Pod", "pdgate-preflight-test")["spec"]["containers"][0]["command"][2]
@@ -443,6 +593,7 @@ def test_helm_test_pairs_decode_with_prefill_engines_over_the_pools_backend(tool
 
 
 # 11. model loading ---------------------------------------------------------------------------------
+
 
 def test_preload_job_fills_the_shared_cache_before_install(tools: Tools):
     docs = render(tools, "--set", "model.preload.enabled=true", values=BIG)
@@ -468,12 +619,14 @@ def test_run_ai_streamer_from_s3(tools: Tools):
     assert env(c)["RUNAI_STREAMER_CONCURRENCY"] == "32"
     assert gateway_config(docs)["models"][0]["tokenizer"] == "meta-llama/Llama-3.3-70B-Instruct"
     assert "loadFormat runai_streamer" in refused(tools, *s3)
-    assert "set model.tokenizer" in refused(tools, "--set", "model.id=s3://m/x",
-                                            "--set", "model.loadFormat=runai_streamer")
+    assert "set model.tokenizer" in refused(
+        tools, "--set", "model.id=s3://m/x", "--set", "model.loadFormat=runai_streamer"
+    )
     assert "--load-format" not in container(render(tools), "decode")["args"]
 
 
 # 12. multi-node engines ----------------------------------------------------------------------------
+
 
 def test_multinode_engines_are_leaderworkersets_with_leaders_in_the_service(tools: Tools):
     docs = render(tools, values=MULTI)
@@ -496,6 +649,7 @@ def test_multinode_engines_are_leaderworkersets_with_leaders_in_the_service(tool
 
         def flag(args, name):
             return args[args.index(name) + 1]
+
         for c in (lc, wc):
             a = c["args"]
             assert (flag(a, "--tensor-parallel-size"), flag(a, "--pipeline-parallel-size")) == ("8", "2")
@@ -524,21 +678,39 @@ def test_multinode_autoscaling_targets_the_leaderworkerset(tools: Tools):
     on = ["--set", "decode.autoscaling.enabled=true", "--set", "monitoring.serviceMonitor.enabled=true"]
     docs = render(tools, *on, values=MULTI)
     hpa = find(docs, "HorizontalPodAutoscaler", "pdgate-decode")
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
-                                             "name": "pdgate-decode"}
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "name": "pdgate-decode",
+    }
     assert "replicas" not in find(docs, "LeaderWorkerSet", "pdgate-decode")["spec"]
     so = find(render(tools, *on, "--set", "autoscaling.backend=keda", values=MULTI), "ScaledObject", "pdgate-decode")
-    assert so["spec"]["scaleTargetRef"] == {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
-                                            "name": "pdgate-decode"}
+    assert so["spec"]["scaleTargetRef"] == {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "name": "pdgate-decode",
+    }
     assert "multiNode" in refused(tools, "--set", "decode.strategy.type=Recreate", values=MULTI)
     assert "multiNode.size" in refused(tools, "--set", "decode.multiNode.size=1", values=MULTI)
 
 
 def test_readme_covers_what_the_chart_does():
     readme = (ROOT / "deploy" / "eks" / "README.md").read_text()
-    for needed in ("helm test", "--timeout 60m", "pod-security.kubernetes.io/enforce=privileged", "IPC_LOCK",
-                   "restricted", "LeaderWorkerSet", "runai_streamer", "placement.zone", "hugepages-2Mi",
-                   "preflight FAILED", "fi_info not found", "eks.amazonaws.com/role-arn", "deploy/engine-image"):
+    for needed in (
+        "helm test",
+        "--timeout 60m",
+        "pod-security.kubernetes.io/enforce=privileged",
+        "IPC_LOCK",
+        "restricted",
+        "LeaderWorkerSet",
+        "runai_streamer",
+        "placement.zone",
+        "hugepages-2Mi",
+        "preflight FAILED",
+        "fi_info not found",
+        "eks.amazonaws.com/role-arn",
+        "deploy/engine-image",
+    ):
         assert needed in readme, needed
     assert not re.search(r"/(work|root)/", readme)
 
@@ -551,13 +723,22 @@ def test_leaderworkerset_pod_templates_pass_the_pod_schema(tools: Tools, tmp_pat
     for lws in of_kind(docs, "LeaderWorkerSet"):
         for role in ("leaderTemplate", "workerTemplate"):
             tpl = lws["spec"]["leaderWorkerTemplate"][role]
-            pods.append({"apiVersion": "v1", "kind": "Pod",
-                         "metadata": {"name": f"{lws['metadata']['name']}-{role.lower()}", **tpl["metadata"]},
-                         "spec": tpl["spec"]})
+            pods.append(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {"name": f"{lws['metadata']['name']}-{role.lower()}", **tpl["metadata"]},
+                    "spec": tpl["spec"],
+                }
+            )
     assert len(pods) == 4
     manifest = tmp_path / "pods.yaml"
     manifest.write_text(yaml.safe_dump_all(pods))
-    check = subprocess.run([str(tools.kubernetes_validate), "--strict", "-k", KUBE_VERSION, str(manifest)],
-                           capture_output=True, text=True, timeout=300)
+    check = subprocess.run(
+        [str(tools.kubernetes_validate), "--strict", "-k", KUBE_VERSION, str(manifest)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert check.returncode == 0, check.stdout + check.stderr
     assert check.stdout.count(" passed for resource ") == 4

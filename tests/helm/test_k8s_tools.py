@@ -25,8 +25,9 @@ def test_script_refuses_an_unsupported_platform_without_fetching(tmp_path):
         case = tmp_path / f"{system}-{machine}"
         case.mkdir()
         env = _fake_uname(case, system, machine)
-        run = subprocess.run(["bash", str(ROOT / "scripts" / "k8s-tools.sh")], capture_output=True, text=True,
-                             env=env, timeout=60)
+        run = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "k8s-tools.sh")], capture_output=True, text=True, env=env, timeout=60
+        )
         assert run.returncode == conftest.UNSUPPORTED, run.stderr
         assert f"unsupported platform {system}/{machine}" in run.stderr and run.stdout == ""
         assert not (case / "cache").exists()

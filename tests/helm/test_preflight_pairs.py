@@ -29,7 +29,7 @@ SCRIPT = ROOT / "helm" / "pdgate" / "files" / "preflight.py"
 # A stand-in for kubectl: the two calls the test pod makes. `get endpointslices` prints what the
 # rendered jsonpath prints (pod|zone|address|ready per endpoint); `exec POD -c vllm -- python3
 # SCRIPT ARGS` runs the real preflight locally (serve on loopback), or fails for a broken pod.
-FAKE_KUBECTL = r'''
+FAKE_KUBECTL = r"""
 import json, os, sys
 cluster = json.load(open(os.environ["FAKE_CLUSTER"]))
 args = sys.argv[1:]
@@ -53,7 +53,7 @@ if "exec" in args:
         cmd += ["--host", "127.0.0.1"]
     os.execv(cmd[0], cmd)
 sys.exit(f"fake kubectl: unexpected call {args}")
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +63,24 @@ def python() -> Path:
 
 
 def helm_test_pod(tools: Tools, *args: str) -> dict:
-    docs = render(tools, "--set", "preflight.device=cpu", "--set", "preflight.test.timeoutSeconds=20",
-                  "--set", "preflight.test.sizeMiB=8", *args, values=ROOT / "deploy" / "values-small.yaml")
+    docs = render(
+        tools,
+        "--set",
+        "preflight.device=cpu",
+        "--set",
+        "preflight.test.timeoutSeconds=20",
+        "--set",
+        "preflight.test.sizeMiB=8",
+        *args,
+        values=ROOT / "deploy" / "values-small.yaml",
+    )
     [pod] = [d for d in docs if d["kind"] == "Pod" and d["metadata"]["name"] == "pdgate-preflight-test"]
     return pod
 
 
-def run_pod(pod: dict, tmp_path: Path, python: Path, slices: dict, broken: tuple[str, ...] = ()
-            ) -> tuple[int, str, list[str]]:
+def run_pod(
+    pod: dict, tmp_path: Path, python: Path, slices: dict, broken: tuple[str, ...] = ()
+) -> tuple[int, str, list[str]]:
     [c] = pod["spec"]["containers"]
     assert c["command"][:2] == ["sh", "-c"]
     bin_dir = tmp_path / "bin"
@@ -79,21 +89,31 @@ def run_pod(pod: dict, tmp_path: Path, python: Path, slices: dict, broken: tuple
     kubectl.write_text(f"#!{sys.executable}\n{FAKE_KUBECTL}")
     kubectl.chmod(kubectl.stat().st_mode | stat.S_IXUSR)
     cluster = tmp_path / "cluster.json"
-    cluster.write_text(json.dumps({"slices": slices, "broken": list(broken), "python": str(python),
-                                   "script": str(SCRIPT)}))
+    cluster.write_text(
+        json.dumps({"slices": slices, "broken": list(broken), "python": str(python), "script": str(SCRIPT)})
+    )
     calls = tmp_path / "calls"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("UCX_", "FI_", "NIXL_"))}
     env.update({e["name"]: str(e["value"]) for e in c["env"]})
-    env.update({"PATH": f"{bin_dir}{os.pathsep}{env['PATH']}", "FAKE_CLUSTER": str(cluster),
-                "FAKE_CALLS": str(calls), "PORT": str(free_port()), "TMPDIR": str(tmp_path)})
+    env.update(
+        {
+            "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}",
+            "FAKE_CLUSTER": str(cluster),
+            "FAKE_CALLS": str(calls),
+            "PORT": str(free_port()),
+            "TMPDIR": str(tmp_path),
+        }
+    )
     done = subprocess.run(c["command"], capture_output=True, text=True, timeout=300, env=env)
     return done.returncode, done.stdout + done.stderr, calls.read_text().splitlines()
 
 
 def slices(prefill: list[tuple[str, str | None]], decode: list[tuple[str, str | None]], **ready: bool) -> dict:
     def eps(pods: list[tuple[str, str | None]]) -> list[dict]:
-        return [{"pod": p, "ip": "127.0.0.1", "ready": ready.get(p, True), **({"zone": z} if z else {})}
-                for p, z in pods]
+        return [
+            {"pod": p, "ip": "127.0.0.1", "ready": ready.get(p, True), **({"zone": z} if z else {})} for p, z in pods
+        ]
+
     return {"pdgate-prefill": eps(prefill), "pdgate-decode": eps(decode)}
 
 
@@ -114,9 +134,16 @@ def pairs(out: str) -> list[tuple[str, str]]:
 
 def test_every_decode_engine_pulls_from_a_prefill_engine_of_its_zone(tools: Tools, tmp_path: Path, python: Path):
     pod = helm_test_pod(tools)
-    code, out, calls = run_pod(pod, tmp_path, python, slices(
-        prefill=[("prefill-a", "us-east-1a"), ("prefill-b", "us-east-1b"), ("prefill-gone", "us-east-1b")],
-        decode=[("decode-b", "us-east-1b"), ("decode-a", "us-east-1a")], **{"prefill-gone": False}))
+    code, out, calls = run_pod(
+        pod,
+        tmp_path,
+        python,
+        slices(
+            prefill=[("prefill-a", "us-east-1a"), ("prefill-b", "us-east-1b"), ("prefill-gone", "us-east-1b")],
+            decode=[("decode-b", "us-east-1b"), ("decode-a", "us-east-1a")],
+            **{"prefill-gone": False},
+        ),
+    )
     assert code == 0, out
     assert pairs(out) == [("decode-b", "prefill-b"), ("decode-a", "prefill-a")]  # never prefill-gone
     assert execs(calls) == [("decode-a", "pull"), ("decode-b", "pull"), ("prefill-a", "serve"), ("prefill-b", "serve")]
@@ -125,28 +152,45 @@ def test_every_decode_engine_pulls_from_a_prefill_engine_of_its_zone(tools: Tool
     # the list the pod reads is the pools' EndpointSlices, as the gateway's discovery reads them
     lists = [c for c in calls if "endpointslices" in c]
     assert [c.split("-l ")[1].split()[0] for c in lists] == [
-        "kubernetes.io/service-name=pdgate-prefill", "kubernetes.io/service-name=pdgate-decode"]
+        "kubernetes.io/service-name=pdgate-prefill",
+        "kubernetes.io/service-name=pdgate-decode",
+    ]
 
 
-def test_a_decode_engine_without_a_prefill_engine_in_its_zone_fails_the_test(tools: Tools, tmp_path: Path,
-                                                                            python: Path):
-    code, out, calls = run_pod(helm_test_pod(tools), tmp_path, python, slices(
-        prefill=[("prefill-a", "us-east-1a")], decode=[("decode-a", "us-east-1a"), ("decode-c", "us-east-1c")]))
+def test_a_decode_engine_without_a_prefill_engine_in_its_zone_fails_the_test(
+    tools: Tools, tmp_path: Path, python: Path
+):
+    code, out, calls = run_pod(
+        helm_test_pod(tools),
+        tmp_path,
+        python,
+        slices(prefill=[("prefill-a", "us-east-1a")], decode=[("decode-a", "us-east-1a"), ("decode-c", "us-east-1c")]),
+    )
     assert code == 1, out
-    assert ("preflight FAILED: decode engine decode-c (zone us-east-1c) has no ready prefill engine in its zone"
-            in out), out
+    assert (
+        "preflight FAILED: decode engine decode-c (zone us-east-1c) has no ready prefill engine in its zone" in out
+    ), out
     assert pairs(out) == [("decode-a", "prefill-a")]  # the other pair still ran
     assert execs(calls) == [("decode-a", "pull"), ("prefill-a", "serve")]
     # with placement.pairing off, any prefill engine serves any decode engine
     (tmp_path / "off").mkdir()
-    code, out, calls = run_pod(helm_test_pod(tools, "--set", "placement.pairing=off"), tmp_path / "off", python, slices(
-        prefill=[("prefill-a", "us-east-1a")], decode=[("decode-c", "us-east-1c")]))
+    code, out, calls = run_pod(
+        helm_test_pod(tools, "--set", "placement.pairing=off"),
+        tmp_path / "off",
+        python,
+        slices(prefill=[("prefill-a", "us-east-1a")], decode=[("decode-c", "us-east-1c")]),
+    )
     assert code == 0 and pairs(out) == [("decode-c", "prefill-a")], out
 
 
 def test_a_pair_that_cannot_move_kv_fails_with_the_preflights_words(tools: Tools, tmp_path: Path, python: Path):
-    code, out, _calls = run_pod(helm_test_pod(tools), tmp_path, python, slices(
-        prefill=[("prefill-broken", None)], decode=[("decode-a", "us-east-1a")]), broken=("prefill-broken",))
+    code, out, _calls = run_pod(
+        helm_test_pod(tools),
+        tmp_path,
+        python,
+        slices(prefill=[("prefill-broken", None)], decode=[("decode-a", "us-east-1a")]),
+        broken=("prefill-broken",),
+    )
     assert code == 1, out
     assert "preflight FAILED: NIXL cannot load its UCX plugin" in out  # the serving side's own message
     assert "preflight FAILED: could not connect" in out, out  # the puller, bounded by the test's timeout

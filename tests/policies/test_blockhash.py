@@ -72,8 +72,9 @@ def test_bytes_hashes(algo: str, seed: str | None) -> None:
 @pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
 def test_extra_keys_equal_vllm(algo: str) -> None:
     assert block_hashes(TOKENS, HashSpec(16, algo, "42"), cache_salt="s1") == SALTED[algo]
-    assert block_hashes(TOKENS, HashSpec(16, algo, "7"), cache_salt="s1", lora=("adp", "/models/adp")) == (
-        LORA_SALTED[algo]
+    assert (
+        block_hashes(TOKENS, HashSpec(16, algo, "7"), cache_salt="s1", lora=("adp", "/models/adp"))
+        == (LORA_SALTED[algo])
     )
 
 
@@ -141,8 +142,9 @@ def test_cbor_digest_is_vllms_call() -> None:
     spec = HashSpec(16, "sha256_cbor", "7")
     key = (spec.none_hash, tuple(TOKENS[:16]), (("lora", "adp", "/models/adp"), ("cache_salt", "s1")))
     assert spec._digest(key) == hashlib.sha256(cbor2.dumps(key, canonical=True)).digest()
-    digest = block_digests(TOKENS[:16], spec, first_extra=(("cache_salt", "s1"),),
-                           every_extra=(("lora", "adp", "/models/adp"),))
+    digest = block_digests(
+        TOKENS[:16], spec, first_extra=(("cache_salt", "s1"),), every_extra=(("lora", "adp", "/models/adp"),)
+    )
     assert digest == [spec._digest(key)]
     assert int.from_bytes(digest[0][-8:], "big") == LORA_SALTED["sha256_cbor"][0]
 

@@ -33,12 +33,15 @@ def test_never_leaves_no_candidate():
     assert [e.url for e in BoundedLoad(load_factor=1, slack=0).filter(ctx(1), views)] == ["a", "b"]
 
 
-@pytest.mark.parametrize(("bad", "message"), [
-    ({"load_factor": 0.5}, "load_factor: Input should be greater than or equal to 1"),
-    ({"slack": -1}, "slack: Input should be greater than or equal to 0"),
-    ({"load_factor": "x"}, "load_factor: Input should be a valid number"),
-    ({"slack": True}, "slack: Input should be a valid number"),
-])
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"load_factor": 0.5}, "load_factor: Input should be greater than or equal to 1"),
+        ({"slack": -1}, "slack: Input should be greater than or equal to 0"),
+        ({"load_factor": "x"}, "load_factor: Input should be a valid number"),
+        ({"slack": True}, "slack: Input should be a valid number"),
+    ],
+)
 def test_rejects_bad_params(bad, message):
     with pytest.raises(ValueError, match=message):
         BoundedLoad(**bad)
@@ -47,10 +50,12 @@ def test_rejects_bad_params(bad, message):
 def test_a_hot_prefix_spreads_once_its_engine_is_overloaded(tokenizer_dir):
     """In the default decode pipeline the cache-holding engine keeps winning until it is busier
     than the bound; then the others take the prefix (and prefill it)."""
-    cfg = parse_config({
-        "models": [{"name": "m", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}],
-        "pools": {"prefill": {"endpoints": []}, "decode": {"endpoints": ["http://a", "http://b", "http://c"]}},
-    })
+    cfg = parse_config(
+        {
+            "models": [{"name": "m", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}],
+            "pools": {"prefill": {"endpoints": []}, "decode": {"endpoints": ["http://a", "http://b", "http://c"]}},
+        }
+    )
     pipe = build_pipeline(cfg.routing)
     request = ctx(64, cached_tokens={"http://a": 64})
     assert PrefixAffinity().score(request, [ep("http://a"), ep("http://b")])[0] > 0

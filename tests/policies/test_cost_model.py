@@ -8,8 +8,7 @@ from policies.cost_model import CostModel
 from .helpers import ctx, ep
 
 # 10k tokens/s everywhere, 1 MB of KV per token over 80 Gbit/s = 0.1 ms per token transferred
-MODEL = CostModel(kv_bytes_per_token=1_000_000, kv_bandwidth_gbps=80, prefill_tokens_per_s=10_000,
-                  pd_overhead_s=0.0)
+MODEL = CostModel(kv_bytes_per_token=1_000_000, kv_bandwidth_gbps=80, prefill_tokens_per_s=10_000, pd_overhead_s=0.0)
 
 
 def test_predictions_follow_the_formula():
@@ -50,13 +49,16 @@ def test_min_gain():
     assert choice.path is Path.DIRECT  # P/D is 0.5 s faster, less than the 1 s it must win by
 
 
-@pytest.mark.parametrize(("bad", "message"), [
-    ({"kv_bandwidth_gbps": 0}, "kv_bandwidth_gbps: Input should be greater than 0"),
-    ({"min_gain_s": -1}, "min_gain_s: Input should be greater than or equal to 0"),
-    ({"kv_bytes_per_token": "x"}, "kv_bytes_per_token: Input should be a valid number"),
-    ({"itl_budget_s": True}, "itl_budget_s: Input should be a valid number"),
-    ({"itl_budget": 0}, "unexpected keyword argument 'itl_budget'"),
-])
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"kv_bandwidth_gbps": 0}, "kv_bandwidth_gbps: Input should be greater than 0"),
+        ({"min_gain_s": -1}, "min_gain_s: Input should be greater than or equal to 0"),
+        ({"kv_bytes_per_token": "x"}, "kv_bytes_per_token: Input should be a valid number"),
+        ({"itl_budget_s": True}, "itl_budget_s: Input should be a valid number"),
+        ({"itl_budget": 0}, "unexpected keyword argument 'itl_budget'"),
+    ],
+)
 def test_rejects_bad_params(bad, message):
     with pytest.raises((ValueError, TypeError), match=message):
         CostModel(**bad)
@@ -77,8 +79,13 @@ def test_a_direct_prefill_that_would_stall_running_streams_goes_pd():
     assert short.path is Path.DIRECT
     # Engine metrics stale: the gateway's own open requests there stand for its streams.
     assert MODEL.decide(ctx(1000), ep("d", in_flight=2), prefill).reason == "protect_itl"
-    ttft_only = CostModel(kv_bytes_per_token=1_000_000, kv_bandwidth_gbps=80, prefill_tokens_per_s=10_000,
-                          pd_overhead_s=0.0, itl_budget_s=0)
+    ttft_only = CostModel(
+        kv_bytes_per_token=1_000_000,
+        kv_bandwidth_gbps=80,
+        prefill_tokens_per_s=10_000,
+        pd_overhead_s=0.0,
+        itl_budget_s=0,
+    )
     assert ttft_only.decide(ctx(1000), ep("d", running=4), prefill).path is Path.DIRECT
 
 

@@ -16,15 +16,25 @@ def prompt(n: int) -> RequestContext:
     return RequestContext("m", "r", list(range(n)))
 
 
-def prefill_leg(seconds: float, uncached: int, *, queued: int = 0, cached: int | None = None,
-                outcome: LegOutcome = LegOutcome.OK) -> LegReport:
-    return LegReport("prefill", P, outcome, Path.PD, seconds, uncached_tokens=uncached, queued_tokens=queued,
-                     cached_tokens=cached)
+def prefill_leg(
+    seconds: float, uncached: int, *, queued: int = 0, cached: int | None = None, outcome: LegOutcome = LegOutcome.OK
+) -> LegReport:
+    return LegReport(
+        "prefill", P, outcome, Path.PD, seconds, uncached_tokens=uncached, queued_tokens=queued, cached_tokens=cached
+    )
 
 
 def handover_leg(prefill: str, tokens: int, first_token_s: float) -> LegReport:
-    return LegReport("decode", D, LegOutcome.OK, Path.PD, first_token_s + 1.0, first_token_s=first_token_s,
-                     uncached_tokens=tokens, prefill_url=prefill)
+    return LegReport(
+        "decode",
+        D,
+        LegOutcome.OK,
+        Path.PD,
+        first_token_s + 1.0,
+        first_token_s=first_token_s,
+        uncached_tokens=tokens,
+        prefill_url=prefill,
+    )
 
 
 def test_prefill_speed_counts_the_queue_ahead_and_the_engines_own_cache_hit():
@@ -81,6 +91,7 @@ def test_the_cost_model_uses_the_measured_handover_and_says_so():
         est.on_leg_done(ctx, handover_leg(P, 4000, 2.0))
     measured = model.decide(ctx, decode, lambda: prefill)
     assert "measured on the pair, n=3" in measured.detail
-    assert dict(measured.predicted_ttft)["pd"] == pytest.approx(dict(configured.predicted_ttft)["pd"]
-                                                                 - model.transfer_s(4000) - 0.005 + 2.0)
+    assert dict(measured.predicted_ttft)["pd"] == pytest.approx(
+        dict(configured.predicted_ttft)["pd"] - model.transfer_s(4000) - 0.005 + 2.0
+    )
     assert (configured.path, measured.path) == (Path.PD, Path.DIRECT)

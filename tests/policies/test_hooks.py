@@ -41,8 +41,13 @@ def test_each_subscriber_gets_the_hooks_it_defines_in_order():
     hooks.routed(CTX, DECISION)
     hooks.leg_done(CTX, LEG)
     hooks.finished(CTX, DECISION, DONE)
-    assert seen == [("a", "routed", "short_prompt"), ("b", "routed", "short_prompt"),
-                    ("a", "leg", "ok"), ("b", "leg", "ok"), ("finished", 200)]
+    assert seen == [
+        ("a", "routed", "short_prompt"),
+        ("b", "routed", "short_prompt"),
+        ("a", "leg", "ok"),
+        ("b", "leg", "ok"),
+        ("finished", 200),
+    ]
 
 
 def test_a_failing_hook_is_counted_and_the_rest_still_run(caplog):

@@ -61,8 +61,12 @@ def test_same_zone_reads_the_configured_key():
 
 def test_topology_scores_shared_levels_from_the_broadest_down():
     d = at("d", "decode", "a", "spine-1")
-    cands = [at("same", "prefill", "a", "spine-1"), at("zone", "prefill", "a", "spine-2"),
-             at("far", "prefill", "b", "spine-1"), at("unknown", "prefill")]
+    cands = [
+        at("same", "prefill", "a", "spine-1"),
+        at("zone", "prefill", "a", "spine-2"),
+        at("far", "prefill", "b", "spine-1"),
+        at("unknown", "prefill"),
+    ]
     # a spine name in another zone counts nothing
     assert TopologyAffinity().score(paired(d), cands) == [1.0, 0.5, 0.0, 0.0]
     # decode spine unknown: only the zone can count
@@ -74,8 +78,11 @@ def pd_pipeline(strict: bool = True) -> RoutingPipeline:
     return RoutingPipeline(
         decider=TokenThreshold(threshold=5),
         decode=PoolPipeline(MaxScore()),
-        prefill=PoolPipeline(MaxScore(), filters=(("same_zone", SameZone(strict=strict)),),
-                             scorers=(Weighted("topology", TopologyAffinity(), 1.0),)),
+        prefill=PoolPipeline(
+            MaxScore(),
+            filters=(("same_zone", SameZone(strict=strict)),),
+            scorers=(Weighted("topology", TopologyAffinity(), 1.0),),
+        ),
     )
 
 
@@ -98,15 +105,25 @@ def test_no_prefill_engine_in_the_zone_sends_the_request_direct_and_says_why():
 
 
 def test_prefill_failover_stays_in_the_decode_engines_zone(tokenizer_dir):
-    cfg = parse_config({
-        "models": [{"name": "m", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}],
-        "pools": {"prefill": {"endpoints": [{"url": "http://pa1", "topology": {ZONE: "a"}},
-                                            {"url": "http://pa2", "topology": {ZONE: "a"}},
-                                            {"url": "http://pb", "topology": {ZONE: "b"}}]},
-                  "decode": {"endpoints": [{"url": "http://da", "topology": {ZONE: "a"}}]}},
-        "routing": {"decider": {"name": "token_threshold", "threshold": 5},
-                    "prefill": {"filters": [{"name": "same_zone"}]}},
-    })
+    cfg = parse_config(
+        {
+            "models": [{"name": "m", "tokenizer": str(tokenizer_dir), "max_model_len": 1024}],
+            "pools": {
+                "prefill": {
+                    "endpoints": [
+                        {"url": "http://pa1", "topology": {ZONE: "a"}},
+                        {"url": "http://pa2", "topology": {ZONE: "a"}},
+                        {"url": "http://pb", "topology": {ZONE: "b"}},
+                    ]
+                },
+                "decode": {"endpoints": [{"url": "http://da", "topology": {ZONE: "a"}}]},
+            },
+            "routing": {
+                "decider": {"name": "token_threshold", "threshold": 5},
+                "prefill": {"filters": [{"name": "same_zone"}]},
+            },
+        }
+    )
     pools = Pools(cfg.pools.prefill.urls, cfg.pools.decode.urls, topology=cfg.pools.topology)
     for e in pools.all():
         e.mark_up()

@@ -14,16 +14,32 @@ from policies.base import Decider, Filter, Path, PathChoice, Picker, Scorer
 
 from .helpers import ctx, ep
 
-KIND = {"token_threshold": Decider, "cost_model": Decider, "bounded_load": Filter, "prefix_affinity": Scorer,
-        "load": Scorer, "session_affinity": Scorer, "max_score": Picker, "least_inflight": Picker,
-        "same_zone": Filter, "topology": Scorer}
+KIND = {
+    "token_threshold": Decider,
+    "cost_model": Decider,
+    "bounded_load": Filter,
+    "prefix_affinity": Scorer,
+    "load": Scorer,
+    "session_affinity": Scorer,
+    "max_score": Picker,
+    "least_inflight": Picker,
+    "same_zone": Filter,
+    "topology": Scorer,
+}
 
 # The defaults docs/configuration.md's policy table documents.
 DOCUMENTED = {
     "token_threshold": {"threshold": 4096},
-    "cost_model": {"kv_bytes_per_token": 327680, "kv_bandwidth_gbps": 400, "prefill_tokens_per_s": 10000,
-                   "decode_prefill_factor": 1.0, "pd_overhead_s": 0.005, "min_gain_s": 0, "itl_budget_s": 0.05,
-                   "prefill_chunk_tokens": 8192},
+    "cost_model": {
+        "kv_bytes_per_token": 327680,
+        "kv_bandwidth_gbps": 400,
+        "prefill_tokens_per_s": 10000,
+        "decode_prefill_factor": 1.0,
+        "pd_overhead_s": 0.005,
+        "min_gain_s": 0,
+        "itl_budget_s": 0.05,
+        "prefill_chunk_tokens": 8192,
+    },
     "bounded_load": {"load_factor": 1.25, "slack": 2},
     "prefix_affinity": {},
     "load": {"inflight_weight": 1, "waiting_weight": 1, "running_weight": 0.25, "kv_weight": 1},
@@ -35,8 +51,12 @@ DOCUMENTED = {
 }
 
 COUNTS = {("token_threshold", "threshold"), ("session_affinity", "vnodes")}  # integers only
-NUMERIC = [(name, key) for name, defaults in DOCUMENTED.items() for key, v in defaults.items()
-           if isinstance(v, int | float) and not isinstance(v, bool)]
+NUMERIC = [
+    (name, key)
+    for name, defaults in DOCUMENTED.items()
+    for key, v in defaults.items()
+    if isinstance(v, int | float) and not isinstance(v, bool)
+]
 
 
 def test_every_builtin_policy_is_covered():
@@ -63,20 +83,23 @@ def test_numbers_refuse_bools_and_strings(name, key, value):
         registry.BUILTIN[name](**{key: value})
 
 
-@pytest.mark.parametrize(("name", "params", "message"), [
-    ("token_threshold", {"threshold": 0}, "threshold: Input should be greater than 0"),
-    ("token_threshold", {"threshold": 1.5}, "threshold: Input should be a valid integer"),
-    ("cost_model", {"kv_bandwidth_gbps": 0}, "kv_bandwidth_gbps: Input should be greater than 0"),
-    ("cost_model", {"pd_overhead_s": -0.1}, "pd_overhead_s: Input should be greater than or equal to 0"),
-    ("bounded_load", {"load_factor": 0.99}, "load_factor: Input should be greater than or equal to 1"),
-    ("bounded_load", {"slack": -1}, "slack: Input should be greater than or equal to 0"),
-    ("load", {"kv_weight": -1}, "kv_weight: Input should be greater than or equal to 0"),
-    ("session_affinity", {"header": ""}, "header: String should have at least 1 character"),
-    ("session_affinity", {"header": 5}, "header: Input should be a valid string"),
-    ("session_affinity", {"vnodes": 0}, "vnodes: Input should be greater than 0"),
-    ("session_affinity", {"load_factor": 0.5}, "load_factor: Input should be greater than or equal to 1"),
-    ("max_score", {"tie_margin": -1e-3}, "tie_margin: Input should be greater than or equal to 0"),
-])
+@pytest.mark.parametrize(
+    ("name", "params", "message"),
+    [
+        ("token_threshold", {"threshold": 0}, "threshold: Input should be greater than 0"),
+        ("token_threshold", {"threshold": 1.5}, "threshold: Input should be a valid integer"),
+        ("cost_model", {"kv_bandwidth_gbps": 0}, "kv_bandwidth_gbps: Input should be greater than 0"),
+        ("cost_model", {"pd_overhead_s": -0.1}, "pd_overhead_s: Input should be greater than or equal to 0"),
+        ("bounded_load", {"load_factor": 0.99}, "load_factor: Input should be greater than or equal to 1"),
+        ("bounded_load", {"slack": -1}, "slack: Input should be greater than or equal to 0"),
+        ("load", {"kv_weight": -1}, "kv_weight: Input should be greater than or equal to 0"),
+        ("session_affinity", {"header": ""}, "header: String should have at least 1 character"),
+        ("session_affinity", {"header": 5}, "header: Input should be a valid string"),
+        ("session_affinity", {"vnodes": 0}, "vnodes: Input should be greater than 0"),
+        ("session_affinity", {"load_factor": 0.5}, "load_factor: Input should be greater than or equal to 1"),
+        ("max_score", {"tie_margin": -1e-3}, "tie_margin: Input should be greater than or equal to 0"),
+    ],
+)
 def test_out_of_range_values_name_the_parameter(name, params, message):
     with pytest.raises(registry.PolicyError, match=f"^policy '{name}': {re.escape(message)}$"):
         registry.build(name, params, KIND[name])
@@ -84,15 +107,22 @@ def test_out_of_range_values_name_the_parameter(name, params, message):
         registry.BUILTIN[name](**params)
 
 
-@pytest.mark.parametrize(("name", "params", "message"), [
-    ("token_threshold", {"treshold": 7}, "treshold: unknown parameter (did you mean 'threshold'?)"),
-    ("load", {"waiting": 1}, "waiting: unknown parameter (did you mean 'waiting_weight'?)"),
-    ("cost_model", {"speed": 1}, "speed: unknown parameter of policy 'cost_model' (known: decode_prefill_factor, "
-     "itl_budget_s, kv_bandwidth_gbps, kv_bytes_per_token, min_gain_s, pd_overhead_s, prefill_chunk_tokens, "
-     "prefill_tokens_per_s)"),
-    ("prefix_affinity", {"min_blocks": 2}, "min_blocks: unknown parameter: policy 'prefix_affinity' takes none"),
-    ("least_inflight", {"_turns": {}}, "_turns: unknown parameter: policy 'least_inflight' takes none"),
-])
+@pytest.mark.parametrize(
+    ("name", "params", "message"),
+    [
+        ("token_threshold", {"treshold": 7}, "treshold: unknown parameter (did you mean 'threshold'?)"),
+        ("load", {"waiting": 1}, "waiting: unknown parameter (did you mean 'waiting_weight'?)"),
+        (
+            "cost_model",
+            {"speed": 1},
+            "speed: unknown parameter of policy 'cost_model' (known: decode_prefill_factor, "
+            "itl_budget_s, kv_bandwidth_gbps, kv_bytes_per_token, min_gain_s, pd_overhead_s, prefill_chunk_tokens, "
+            "prefill_tokens_per_s)",
+        ),
+        ("prefix_affinity", {"min_blocks": 2}, "min_blocks: unknown parameter: policy 'prefix_affinity' takes none"),
+        ("least_inflight", {"_turns": {}}, "_turns: unknown parameter: policy 'least_inflight' takes none"),
+    ],
+)
 def test_unknown_parameters_suggest_the_known_ones(name, params, message):
     with pytest.raises(registry.PolicyError, match=f"^policy '{name}': {re.escape(message)}$"):
         registry.build(name, params, KIND[name])
@@ -100,8 +130,9 @@ def test_unknown_parameters_suggest_the_known_ones(name, params, message):
 
 def test_values_in_range_are_kept_as_given():
     """Integers stay integers (the accepted values are today's: any number in range)."""
-    built = registry.build("cost_model", {"itl_budget_s": 0, "kv_bytes_per_token": 1024, "kv_bandwidth_gbps": 100},
-                           Decider)
+    built = registry.build(
+        "cost_model", {"itl_budget_s": 0, "kv_bytes_per_token": 1024, "kv_bandwidth_gbps": 100}, Decider
+    )
     assert (built.itl_budget_s, built.kv_bytes_per_token, built.kv_bandwidth_gbps) == (0, 1024, 100)
     assert registry.build("bounded_load", {"load_factor": 1, "slack": 0}, Filter).load_factor == 1
     assert registry.build("session_affinity", {"header": "X-Chat"}, Scorer).header == "x-chat"
@@ -161,11 +192,14 @@ def third_party(monkeypatch):
 
 def test_third_party_params_are_validated_like_the_builtins(third_party):
     assert registry.build("margin", {"margin_tokens": 5}, Decider).decide(ctx(6), ep("d"), lambda: None).path is Path.PD
-    with pytest.raises(registry.PolicyError, match=re.escape(
-            "policy 'margin': margin_token: unknown parameter (did you mean 'margin_tokens'?)")):
+    with pytest.raises(
+        registry.PolicyError,
+        match=re.escape("policy 'margin': margin_token: unknown parameter (did you mean 'margin_tokens'?)"),
+    ):
         registry.build("margin", {"margin_token": 5}, Decider)
-    with pytest.raises(registry.PolicyError, match=re.escape(
-            "policy 'margin': margin_tokens: Input should be greater than 0")):
+    with pytest.raises(
+        registry.PolicyError, match=re.escape("policy 'margin': margin_tokens: Input should be greater than 0")
+    ):
         registry.build("margin", {"margin_tokens": 0}, Decider)
 
 

@@ -13,13 +13,18 @@ P, D = "http://p", "http://d"
 
 def ctx(hashes: list[int], *, settled: dict[str, int] | None = None, rid: str = "r") -> RequestContext:
     tokens = list(range(len(hashes) * BS + 1))
-    return RequestContext("m", rid, tokens, block_hashes=hashes, block_size=BS, settled_tokens=settled or {},
-                          cached_tokens=settled or {})
+    return RequestContext(
+        "m", rid, tokens, block_hashes=hashes, block_size=BS, settled_tokens=settled or {}, cached_tokens=settled or {}
+    )
 
 
 def decision(pd: bool = True) -> Decision:
-    return Decision(Path.PD if pd else Path.DIRECT, EndpointView(D, "decode", True, 0),
-                    EndpointView(P, "prefill", True, 0) if pd else None, "test")
+    return Decision(
+        Path.PD if pd else Path.DIRECT,
+        EndpointView(D, "decode", True, 0),
+        EndpointView(P, "prefill", True, 0) if pd else None,
+        "test",
+    )
 
 
 def leg(url: str, outcome: LegOutcome, cached: int | None = None) -> LegReport:

@@ -49,12 +49,15 @@ def test_header_name_is_configurable():
     assert 1.0 in policy.score(ctx(1, headers={"x-conversation": "c1"}), EPS)
 
 
-@pytest.mark.parametrize(("bad", "message"), [
-    ({"load_factor": 0.5}, "load_factor: Input should be greater than or equal to 1"),
-    ({"header": ""}, "header: String should have at least 1 character"),
-    ({"vnodes": 0}, "vnodes: Input should be greater than 0"),
-    ({"vnodes": True}, "vnodes: Input should be a valid integer"),
-])
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"load_factor": 0.5}, "load_factor: Input should be greater than or equal to 1"),
+        ({"header": ""}, "header: String should have at least 1 character"),
+        ({"vnodes": 0}, "vnodes: Input should be greater than 0"),
+        ({"vnodes": True}, "vnodes: Input should be a valid integer"),
+    ],
+)
 def test_rejects_bad_params(bad, message):
     with pytest.raises(ValueError, match=message):
         SessionAffinity(**bad)

@@ -71,18 +71,30 @@ def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         p_core, d_core = E.engine_cores()
         # vLLM joins the trace context it is sent and exports one span per request; every 0.2 s.
         tracing_args = ["--otlp-traces-endpoint", collector.url]
-        tracing_env = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "200",
-                       "NO_PROXY": "127.0.0.1,localhost"}
+        tracing_env = {
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+            "NO_PROXY": "127.0.0.1,localhost",
+        }
         # Both engines as docs/one-node.md starts them (tests/realvllm/guide.py), plus tracing here,
         # and dev mode on the decode engine for /reset_prefix_cache.
         pub, replay = free_port(), free_port()
-        prefill = E.start_guide_engine(group, "prefill", venv, model_dir, work, p_core, extra_args=tracing_args,
-                                       extra_env=tracing_env)
-        decode = E.start_guide_engine(group, "decode", venv, model_dir, work, d_core, events_port=pub,
-                                      replay_port=replay, extra_args=tracing_args,
-                                      extra_env={"VLLM_SERVER_DEV_MODE": "1", **tracing_env})
-        pair = Pair(prefill, decode, model_dir, group, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}",
-                    collector)
+        prefill = E.start_guide_engine(
+            group, "prefill", venv, model_dir, work, p_core, extra_args=tracing_args, extra_env=tracing_env
+        )
+        decode = E.start_guide_engine(
+            group,
+            "decode",
+            venv,
+            model_dir,
+            work,
+            d_core,
+            events_port=pub,
+            replay_port=replay,
+            extra_args=tracing_args,
+            extra_env={"VLLM_SERVER_DEV_MODE": "1", **tracing_env},
+        )
+        pair = Pair(prefill, decode, model_dir, group, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", collector)
         failure = None
         try:
             E.wait_ready([prefill, decode])

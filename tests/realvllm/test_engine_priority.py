@@ -52,27 +52,49 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     collector = Collector()
     slow_args, slow_env = E.slowable(work, "prio")
     try:
-        eng = E.start_engine(group, "prio", venv, model_dir, work, E.engine_cores()[0], nixl=False,
-                             extra_args=["--scheduling-policy", "priority", "--max-num-seqs", "1",
-                                         # its spans say when it received and finished each request
-                                         "--otlp-traces-endpoint", collector.url, *slow_args],
-                             extra_env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
-                                        "OTEL_BSP_SCHEDULE_DELAY": "200", "NO_PROXY": "127.0.0.1,localhost",
-                                        **slow_env})
+        eng = E.start_engine(
+            group,
+            "prio",
+            venv,
+            model_dir,
+            work,
+            E.engine_cores()[0],
+            nixl=False,
+            extra_args=[
+                "--scheduling-policy",
+                "priority",
+                "--max-num-seqs",
+                "1",
+                # its spans say when it received and finished each request
+                "--otlp-traces-endpoint",
+                collector.url,
+                *slow_args,
+            ],
+            extra_env={
+                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+                "OTEL_BSP_SCHEDULE_DELAY": "200",
+                "NO_PROXY": "127.0.0.1,localhost",
+                **slow_env,
+            },
+        )
         E.wait_ready([eng])
         E.pin_engine(eng)
         (work / "keys").write_text(KEYS)
         port = free_port()
-        cfg = {"server": {"host": "127.0.0.1", "port": port, "workers": 1},
-               "models": [{"name": E.MODEL_NAME, "tokenizer": str(model_dir), "max_model_len": E.MAX_MODEL_LEN}],
-               "pools": {"prefill": {"endpoints": []}, "decode": {"endpoints": [eng.url]}},
-               "routing": {"decider": {"name": "token_threshold", "threshold": 100_000}},
-               "admission": {"max_loop_lag_ms": 0}, "auth": {"api_keys_file": str(work / "keys")},
-               "fairness": {"enabled": True, "engine_priority": True}}
+        cfg = {
+            "server": {"host": "127.0.0.1", "port": port, "workers": 1},
+            "models": [{"name": E.MODEL_NAME, "tokenizer": str(model_dir), "max_model_len": E.MAX_MODEL_LEN}],
+            "pools": {"prefill": {"endpoints": []}, "decode": {"endpoints": [eng.url]}},
+            "routing": {"decider": {"name": "token_threshold", "threshold": 100_000}},
+            "admission": {"max_loop_lag_ms": 0},
+            "auth": {"api_keys_file": str(work / "keys")},
+            "fairness": {"enabled": True, "engine_priority": True},
+        }
         path = work / "gateway.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        proc = group.start("gateway", [sys.executable, "-m", "gateway", "serve", "--config", str(path)],
-                           cwd=str(E.REPO))
+        proc = group.start(
+            "gateway", [sys.executable, "-m", "gateway", "serve", "--config", str(path)], cwd=str(E.REPO)
+        )
         gw = Gateway(proc, port, path)
         proc.wait_http(gw.url + "/ready", timeout=90)
         yield Setup(eng, gw, collector)
@@ -83,9 +105,18 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
 
 def chat(gw: Gateway, key: str, max_tokens: int, rid: str = "") -> httpx.Response:
     headers = {"authorization": f"Bearer {key}"} | ({"x-request-id": rid} if rid else {})
-    return httpx.post(gw.url + "/v1/chat/completions", timeout=300, headers=headers,
-                      json={"model": E.MODEL_NAME, "messages": [{"role": "user", "content": f"Say something, {rid}."}],
-                            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
+    return httpx.post(
+        gw.url + "/v1/chat/completions",
+        timeout=300,
+        headers=headers,
+        json={
+            "model": E.MODEL_NAME,
+            "messages": [{"role": "user", "content": f"Say something, {rid}."}],
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+        },
+    )
 
 
 def span_of(collector: Collector, rid: str) -> Any:
@@ -104,8 +135,12 @@ def test_the_engine_accepts_each_class_priority(setup: Setup) -> None:
         r = chat(gateway, key, 4, f"accept-{key}-{uuid.uuid4().hex[:6]}")
         assert r.status_code == 200, r.text
     # a client's own priority never reaches the engine
-    r = httpx.post(gateway.url + "/v1/chat/completions", headers={"authorization": "Bearer sk-std"}, timeout=30,
-                   json={"model": E.MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "priority": -50})
+    r = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        headers={"authorization": "Bearer sk-std"},
+        timeout=30,
+        json={"model": E.MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "priority": -50},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
 
 
@@ -119,22 +154,26 @@ def test_the_engine_serves_the_interactive_class_first(setup: Setup) -> None:
 
     def send(key: str, max_tokens: int, name: str) -> threading.Thread:
         rid = f"{name}-{run}"
-        t = threading.Thread(target=lambda: statuses.update({name: chat(gateway, key, max_tokens, rid).status_code}),
-                             daemon=True)
+        t = threading.Thread(
+            target=lambda: statuses.update({name: chat(gateway, key, max_tokens, rid).status_code}), daemon=True
+        )
         t.start()
         return t
 
     def engine_counts(running: int, waiting: int) -> bool:
         text = eng.metrics()
-        return (sample(text, "vllm:num_requests_running"), sample(text, "vllm:num_requests_waiting")) == \
-            (running, waiting)
+        return (sample(text, "vllm:num_requests_running"), sample(text, "vllm:num_requests_waiting")) == (
+            running,
+            waiting,
+        )
 
     sent = []
     with E.slowed(eng, 0.05):  # the first answer lasts over a minute while the queue is built
         sent.append(send("sk-std", 1500, "hold"))
         assert E.wait_until(lambda: engine_counts(1, 0), timeout=60), eng.metrics()
         for waiting, (key, max_tokens, name) in enumerate(
-                [("sk-std", 1000, "hold-2"), ("sk-batch", 50, "batch"), ("sk-vip", 50, "vip")], start=1):
+            [("sk-std", 1000, "hold-2"), ("sk-batch", 50, "batch"), ("sk-vip", 50, "vip")], start=1
+        ):
             sent.append(send(key, max_tokens, name))
             assert E.wait_until(lambda w=waiting: engine_counts(1, w), timeout=60), (name, eng.metrics())
     for t in sent:

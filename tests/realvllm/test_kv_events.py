@@ -69,15 +69,26 @@ class KVEngine:
         return HashSpec(block_size=self.block_size, algo="sha256", seed=SEED)
 
 
-def _start(group: ProcGroup, venv: Path, model_dir: Path, work: Path, role: str, pub: int, replay: int,
-           port: int | None = None) -> E.Engine:
+def _start(
+    group: ProcGroup, venv: Path, model_dir: Path, work: Path, role: str, pub: int, replay: int, port: int | None = None
+) -> E.Engine:
     cfg = {
-        "enable_kv_cache_events": True, "publisher": "zmq", "topic": TOPIC,
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "topic": TOPIC,
         # "*" makes vLLM bind (a host address would make it connect); the test connects to 127.0.0.1
-        "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}",
+        "endpoint": f"tcp://*:{pub}",
+        "replay_endpoint": f"tcp://*:{replay}",
     }
     return E.start_engine(
-        group, role, venv, model_dir, work, E.engine_cores()[0], nixl=False, port=port,
+        group,
+        role,
+        venv,
+        model_dir,
+        work,
+        E.engine_cores()[0],
+        nixl=False,
+        port=port,
         extra_args=["--enable-prefix-caching", "--kv-events-config", json.dumps(cfg)],
         extra_env={"PYTHONHASHSEED": SEED, "VLLM_SERVER_DEV_MODE": "1"},  # dev mode: /reset_prefix_cache
     )
@@ -161,8 +172,15 @@ class RawFeed:
 async def feeds(kv_engine: KVEngine) -> AsyncIterator[tuple[RawFeed, KVEventSubscriber, PrefixIndex]]:
     ctx = zmq.asyncio.Context()
     index = PrefixIndex(young_s=0.0)
-    sub = KVEventSubscriber(kv_engine.engine.url, kv_engine.pub, index=index, replay_endpoint=kv_engine.replay,
-                            topic=TOPIC, spec=kv_engine.spec, context=ctx)
+    sub = KVEventSubscriber(
+        kv_engine.engine.url,
+        kv_engine.pub,
+        index=index,
+        replay_endpoint=kv_engine.replay,
+        topic=TOPIC,
+        spec=kv_engine.spec,
+        context=ctx,
+    )
     raw = RawFeed(ctx, kv_engine.pub)
     await sub.start()
     try:
@@ -271,8 +289,16 @@ async def test_engine_restart_is_noticed(kv_engine: KVEngine, feeds) -> None:
     kv_engine.engine.http.close()
     assert await _until(lambda: not sub.counters.connected, timeout=30), "the subscriber never saw the engine go"
     assert not index.is_precise(url)
-    kv_engine.engine = _start(kv_engine.group, kv_engine.venv, kv_engine.model_dir, kv_engine.work, "kv-restarted",
-                              kv_engine.pub_port, kv_engine.replay_port, port=kv_engine.engine.port)
+    kv_engine.engine = _start(
+        kv_engine.group,
+        kv_engine.venv,
+        kv_engine.model_dir,
+        kv_engine.work,
+        "kv-restarted",
+        kv_engine.pub_port,
+        kv_engine.replay_port,
+        port=kv_engine.engine.port,
+    )
     await asyncio.to_thread(E.wait_ready, [kv_engine.engine])
     assert await _until(lambda: sub.counters.connected and sub.counters.reconnects == 1, timeout=60)
     assert await _until(lambda: index.match(old) == {})  # a new process: its cache starts empty

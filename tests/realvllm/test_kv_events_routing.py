@@ -39,18 +39,23 @@ FILLER = "decode engines keep the conversation cache warm while the gateway foll
 def kv_gateway(vllm_pair: Pair) -> Iterator[Gateway]:
     token_file = vllm_pair.group.log_dir / "admin-token"
     token_file.write_text(TOKEN)
-    decode = {"url": vllm_pair.decode.url, "kv_events": vllm_pair.kv_events,
-              "kv_events_replay": vllm_pair.kv_events_replay}
+    decode = {
+        "url": vllm_pair.decode.url,
+        "kv_events": vllm_pair.kv_events,
+        "kv_events_replay": vllm_pair.kv_events_replay,
+    }
     gw = start_gateway(
-        vllm_pair, "gateway-kv-events",
+        vllm_pair,
+        "gateway-kv-events",
         pools={"prefill": {"endpoints": [vllm_pair.prefill.url]}, "decode": {"endpoints": [decode]}},
         # hash_seed: the engine's PYTHONHASHSEED, so the gateway's block hashes are the engine's own
         routing={"decider": {"name": "token_threshold", "threshold": THRESHOLD}, "prefix": {"hash_seed": HASH_SEED}},
         admin={"token_file": str(token_file)},
     )
     try:
-        ok = E.wait_until(lambda: httpx.get(gw.url + "/ready", timeout=5).json()["kv_event_feeds"]["connected"] == 1,
-                          timeout=30)
+        ok = E.wait_until(
+            lambda: httpx.get(gw.url + "/ready", timeout=5).json()["kv_event_feeds"]["connected"] == 1, timeout=30
+        )
         assert ok, f"the gateway never connected to the decode engine's KV events:\n{gw.proc.log_tail()}"
         yield gw
     finally:

@@ -45,8 +45,17 @@ def second_decode(vllm_pair: Pair) -> Iterator[E.Engine]:
     venv, _ = E.venv_and_model()
     work = vllm_pair.group.log_dir
     slow_args, slow_env = E.slowable(work, "decode-2")
-    eng = E.start_engine(vllm_pair.group, "decode-2", venv, vllm_pair.model_dir, work, vllm_pair.prefill.core,
-                         nixl=False, extra_args=["--enable-prompt-tokens-details", *slow_args], extra_env=slow_env)
+    eng = E.start_engine(
+        vllm_pair.group,
+        "decode-2",
+        venv,
+        vllm_pair.model_dir,
+        work,
+        vllm_pair.prefill.core,
+        nixl=False,
+        extra_args=["--enable-prompt-tokens-details", *slow_args],
+        extra_env=slow_env,
+    )
     try:
         E.wait_ready([eng])
         E.pin_engine(eng)
@@ -60,19 +69,24 @@ def gateway(pair: Pair, second: E.Engine, name: str, threshold: int) -> Gateway:
     """Decode pool [second, pair's decode]; no scorers, so a fresh gateway's first request goes to
     the first of them (ties rotate from the first) and a continuation to the other."""
     return start_gateway(
-        pair, name,
+        pair,
+        name,
         pools={"prefill": {"endpoints": [pair.prefill.url]}, "decode": {"endpoints": [second.url, pair.decode.url]}},
-        routing={"decider": {"name": "token_threshold", "threshold": threshold}, "prefix": {"enabled": False},
-                 "decode": {"filters": [], "scorers": []}},
+        routing={
+            "decider": {"name": "token_threshold", "threshold": threshold},
+            "prefix": {"enabled": False},
+            "decode": {"filters": [], "scorers": []},
+        },
         health={"interval_s": 0.5, "timeout_s": 2.0},
     )
 
 
 def by_source(eng: E.Engine) -> dict[str, float]:
     text = eng.metrics()
-    return {s: sample(text, E.PROMPT_BY_SOURCE, source=s) for s in ("local_compute", "local_cache_hit",
-                                                                     "external_kv_transfer")} | {
-        "xfers": sample(text, E.XFER_COUNT), "failed": sample(text, E.XFER_FAILED)}
+    return {
+        s: sample(text, E.PROMPT_BY_SOURCE, source=s)
+        for s in ("local_compute", "local_cache_hit", "external_kv_transfer")
+    } | {"xfers": sample(text, E.XFER_COUNT), "failed": sample(text, E.XFER_FAILED)}
 
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -99,11 +113,24 @@ def stream_and_kill(gw: Gateway, messages: list[dict], rid: str, victim: E.Engin
     KILL_AFTER events: in the middle of its answer, whatever this machine's load. (Unslowed, the
     engine could be done long before a gateway starved of CPU by the engines had relayed much.)"""
     reference = uninterrupted(victim, messages)
-    body = {"model": E.MODEL_NAME, "messages": messages, "stream": True, "stream_options": {"include_usage": True},
-            **GREEDY}
+    body = {
+        "model": E.MODEL_NAME,
+        "messages": messages,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **GREEDY,
+    }
     events: list = []
-    with E.slowed(victim, STEP_S), httpx.stream("POST", gw.url + "/v1/chat/completions", json=body,
-                                                  headers={"x-request-id": rid}, timeout=E.REQUEST_TIMEOUT_S) as r:
+    with (
+        E.slowed(victim, STEP_S),
+        httpx.stream(
+            "POST",
+            gw.url + "/v1/chat/completions",
+            json=body,
+            headers={"x-request-id": rid},
+            timeout=E.REQUEST_TIMEOUT_S,
+        ) as r,
+    ):
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -115,8 +142,9 @@ def stream_and_kill(gw: Gateway, messages: list[dict], rid: str, victim: E.Engin
 
 
 def text_of(events: list) -> str:
-    return "".join(c["delta"].get("content") or "" for e in events if isinstance(e, dict)
-                   for c in e.get("choices") or [])
+    return "".join(
+        c["delta"].get("content") or "" for e in events if isinstance(e, dict) for c in e.get("choices") or []
+    )
 
 
 def uninterrupted(eng: E.Engine, messages: list[dict]) -> dict:
@@ -133,8 +161,10 @@ def check_whole_stream(events: list, reference: dict, rid: str) -> None:
     got, want = text_of(chunks), reference["choices"][0]["message"]["content"]
     at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
     cut = len(text_of(chunks[:KILL_AFTER]))  # about where the first part ended
-    assert got == want, (f"joined text differs at char {at} (the cut near {cut}): "
-                         f"{got[max(0, at - 20):at + 20]!r} != {want[max(0, at - 20):at + 20]!r}")
+    assert got == want, (
+        f"joined text differs at char {at} (the cut near {cut}): "
+        f"{got[max(0, at - 20) : at + 20]!r} != {want[max(0, at - 20) : at + 20]!r}"
+    )
     usage = chunks[-1]["usage"]
     assert usage["completion_tokens"] == MAX_TOKENS
     assert usage["prompt_tokens"] == reference["usage"]["prompt_tokens"]
@@ -146,8 +176,12 @@ def test_a_whole_answer_is_the_engines_own(vllm_pair: Pair, second_decode: E.Eng
     gw = gateway(vllm_pair, second_decode, "gateway-migration-whole", threshold=100_000)
     try:
         messages = chat_messages(vllm_pair, 200)
-        r = httpx.post(gw.url + "/v1/chat/completions", json={"model": E.MODEL_NAME, "messages": messages, **GREEDY},
-                       headers={"x-request-id": "whole-1"}, timeout=E.REQUEST_TIMEOUT_S)
+        r = httpx.post(
+            gw.url + "/v1/chat/completions",
+            json={"model": E.MODEL_NAME, "messages": messages, **GREEDY},
+            headers={"x-request-id": "whole-1"},
+            timeout=E.REQUEST_TIMEOUT_S,
+        )
         assert r.status_code == 200, r.text
         served = access_line(gw, "whole-1")["decode"]
         eng = second_decode if served == second_decode.url else vllm_pair.decode
@@ -188,8 +222,7 @@ def test_a_continuation_with_a_long_context_is_pulled_over_nixl(vllm_pair: Pair,
         E.restart(second_decode)  # for the next test, on the same port
 
 
-def test_a_stream_on_the_direct_path_continues_computed_by_the_other_engine(vllm_pair: Pair,
-                                                                           second_decode: E.Engine):
+def test_a_stream_on_the_direct_path_continues_computed_by_the_other_engine(vllm_pair: Pair, second_decode: E.Engine):
     gw = gateway(vllm_pair, second_decode, "gateway-migration-direct", threshold=100_000)
     try:
         messages = chat_messages(vllm_pair, 300)

@@ -23,8 +23,10 @@ ZONE = "topology.kubernetes.io/zone"
 
 
 def pools(pair: Pair, prefill_zone: str) -> dict:
-    return {"prefill": {"endpoints": [{"url": pair.prefill.url, "topology": {ZONE: prefill_zone}}]},
-            "decode": {"endpoints": [{"url": pair.decode.url, "topology": {ZONE: "us-east-1a"}}]}}
+    return {
+        "prefill": {"endpoints": [{"url": pair.prefill.url, "topology": {ZONE: prefill_zone}}]},
+        "decode": {"endpoints": [{"url": pair.decode.url, "topology": {ZONE: "us-east-1a"}}]},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +34,18 @@ def gw(vllm_pair: Pair) -> Iterator[Gateway]:
     token_file = vllm_pair.group.log_dir / "pairing-admin-token"
     token_file.write_text(TOKEN)
     # prefix routing off: every long prompt is uncached, so the path is the pairing's alone
-    routing = {"decider": {"name": "token_threshold", "threshold": THRESHOLD}, "prefix": {"enabled": False},
-               "prefill": {"filters": [{"name": "same_zone"}]}}
-    gw = start_gateway(vllm_pair, "gateway-pairing", routing=routing, pools=pools(vllm_pair, "us-east-1b"),
-                       admin={"token_file": str(token_file)})
+    routing = {
+        "decider": {"name": "token_threshold", "threshold": THRESHOLD},
+        "prefix": {"enabled": False},
+        "prefill": {"filters": [{"name": "same_zone"}]},
+    }
+    gw = start_gateway(
+        vllm_pair,
+        "gateway-pairing",
+        routing=routing,
+        pools=pools(vllm_pair, "us-east-1b"),
+        admin={"token_file": str(token_file)},
+    )
     try:
         yield gw
     finally:

@@ -39,9 +39,7 @@ WORDS = (
 
 @pytest.fixture
 def client(gateway: Gateway) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(
-        base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=E.REQUEST_TIMEOUT_S
-    ) as c:
+    with openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0, timeout=E.REQUEST_TIMEOUT_S) as c:
         yield c
 
 
@@ -91,6 +89,7 @@ def completion_prompt(pair: Pair, tokens: int) -> str:
 
 # -- the engines' and the gateway's counters --------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Counters:
     xfers: float
@@ -127,6 +126,7 @@ def expect_pd(pair: Pair, gw: Gateway, before: Counters, prompt_tokens: int) -> 
         nonlocal now
         now = counters(pair, gw)
         return (now.xfers, now.external, now.gw_pd) == want
+
     assert E.wait_until(settled), f"decode engine after a P/D request: {now}, expected xfers/external {want}"
     assert now.failed == 0, f"NIXL transfers failed: {now.failed}"
     assert now.decode_local == before.decode_local  # nothing prefilled locally on the decode engine
@@ -159,6 +159,7 @@ def expect(pair: Pair, gw: Gateway, before: Counters, path: str, prompt_tokens: 
 
 
 # -- tests --------------------------------------------------------------------------------------------
+
 
 def test_gateway_lists_the_model_the_engines_serve(vllm_pair, client):
     assert [m.id for m in client.models.list().data] == [E.MODEL_NAME]
@@ -267,7 +268,9 @@ def test_client_kv_transfer_params_never_reach_the_engine(vllm_pair, gateway, cl
     messages = chat_messages(vllm_pair, 60)
     before = counters(vllm_pair, gateway)
     out = client.chat.completions.create(
-        model=E.MODEL_NAME, messages=messages, max_tokens=MAX_TOKENS,
+        model=E.MODEL_NAME,
+        messages=messages,
+        max_tokens=MAX_TOKENS,
         extra_body={"ignore_eos": True, "kv_transfer_params": {"do_remote_prefill": True}},
     )
     assert out.usage.prompt_tokens == 60
@@ -277,43 +280,93 @@ def test_client_kv_transfer_params_never_reach_the_engine(vllm_pair, gateway, cl
 
 # -- prompt-token parity: the gateway's count is the engine's ---------------------------------------
 
-_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
-_CALL = {"id": "call_1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3, "big": 123456789012345678901}'}}
+_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+_CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3, "big": 123456789012345678901}'},
+}
 _BILLING = "x-anthropic-billing-header: cc_version=2.1; cch=0f3a9"
 PARITY_CASES = {
-    "system-multi-turn": {"messages": [
-        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime."},
-        {"role": "assistant", "content": "Seven."}, {"role": "user", "content": "Another one?"}]},
-    "content-parts": {"messages": [
-        {"role": "system", "content": [{"type": "text", "text": _BILLING}, {"type": "text", "text": "Be kind."}]},
-        {"role": "user", "content": [{"type": "text", "text": "first"}, {"type": "input_text", "text": "second"},
-                                     {"type": "text", "text": ""}, {"type": "refusal", "refusal": "third"},
-                                     {"type": "thinking", "thinking": "fourth"}]}]},
-    "developer-role": {"messages": [
-        {"role": "user", "content": "hi"}, {"role": "developer", "content": "Answer in French."},
-        {"role": "system", "content": _BILLING + "\nsystem rules"}]},
-    "tool-calls-and-results": {"messages": [
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [_CALL]},
-        {"role": "tool", "tool_call_id": "call_1",
-         "content": [{"type": "text", "text": "sunny"}, {"type": "text", "text": "21C"}]},
-        {"role": "user", "content": "Thanks", "name": "ann", "task": "chat"}]},
+    "system-multi-turn": {
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Name a prime."},
+            {"role": "assistant", "content": "Seven."},
+            {"role": "user", "content": "Another one?"},
+        ]
+    },
+    "content-parts": {
+        "messages": [
+            {"role": "system", "content": [{"type": "text", "text": _BILLING}, {"type": "text", "text": "Be kind."}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "first"},
+                    {"type": "input_text", "text": "second"},
+                    {"type": "text", "text": ""},
+                    {"type": "refusal", "refusal": "third"},
+                    {"type": "thinking", "thinking": "fourth"},
+                ],
+            },
+        ]
+    },
+    "developer-role": {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "developer", "content": "Answer in French."},
+            {"role": "system", "content": _BILLING + "\nsystem rules"},
+        ]
+    },
+    "tool-calls-and-results": {
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [_CALL]},
+            {
+                "role": "tool",
+                "tool_call_id": "call_1",
+                "content": [{"type": "text", "text": "sunny"}, {"type": "text", "text": "21C"}],
+            },
+            {"role": "user", "content": "Thanks", "name": "ann", "task": "chat"},
+        ]
+    },
     "tools-given": {"messages": [{"role": "user", "content": "Weather?"}], "tools": [_TOOL], "tool_choice": "none"},
-    "kwargs-tools-override": {"messages": [{"role": "user", "content": "Weather?"}], "tools": [_TOOL],
-                              "tool_choice": "none", "chat_template_kwargs": {"tools": [{"name": "other"}]}},
-    "empty-tool-calls": {"messages": [
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello", "tool_calls": []},
-        {"role": "user", "content": "bye"}]},
-    "null-content": {"messages": [
-        {"role": "user", "content": "ping"}, {"role": "assistant", "content": None, "reasoning_content": "hm"},
-        {"role": "user", "content": "pong"}]},
-    "continue-final-message": {"messages": [
-        {"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "one two"}],
-        "add_generation_prompt": False, "continue_final_message": True},
-    "chat-template-kwargs": {"messages": [{"role": "user", "content": "hello"}],
-                             "chat_template_kwargs": {"enable_thinking": False, "custom_flag": "x"}},
+    "kwargs-tools-override": {
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [_TOOL],
+        "tool_choice": "none",
+        "chat_template_kwargs": {"tools": [{"name": "other"}]},
+    },
+    "empty-tool-calls": {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello", "tool_calls": []},
+            {"role": "user", "content": "bye"},
+        ]
+    },
+    "null-content": {
+        "messages": [
+            {"role": "user", "content": "ping"},
+            {"role": "assistant", "content": None, "reasoning_content": "hm"},
+            {"role": "user", "content": "pong"},
+        ]
+    },
+    "continue-final-message": {
+        "messages": [{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "one two"}],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    },
+    "chat-template-kwargs": {
+        "messages": [{"role": "user", "content": "hello"}],
+        "chat_template_kwargs": {"enable_thinking": False, "custom_flag": "x"},
+    },
     # (tokenize/truncation/max_length in chat_template_kwargs: the gateway refuses them, issue 27)
 }
 
@@ -330,8 +383,11 @@ def test_chat_prompt_tokens_match_the_engine(vllm_pair, gateway, case):
     same conversation and options, and the engine's usage for the request the gateway relayed."""
     body = PARITY_CASES[case]
     want = _engine_count(vllm_pair, body)
-    r = httpx.post(gateway.url + "/v1/chat/completions", timeout=E.REQUEST_TIMEOUT_S,
-                   json={"model": E.MODEL_NAME, "max_tokens": 1, **body})
+    r = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        timeout=E.REQUEST_TIMEOUT_S,
+        json={"model": E.MODEL_NAME, "max_tokens": 1, **body},
+    )
     assert r.status_code == 200, r.text
     assert int(r.headers["x-pdgate-prompt-tokens"]) == want
     assert r.json()["usage"]["prompt_tokens"] == want
@@ -341,7 +397,10 @@ def test_chat_prompt_tokens_match_the_engine(vllm_pair, gateway, case):
 def test_completion_prompt_tokens_match_the_engine(vllm_pair, gateway, add_special_tokens):
     body = {"prompt": "def main():\n    return 0\n", "add_special_tokens": add_special_tokens}
     want = _engine_count(vllm_pair, body)
-    r = httpx.post(gateway.url + "/v1/completions", timeout=E.REQUEST_TIMEOUT_S,
-                   json={"model": E.MODEL_NAME, "max_tokens": 1, **body})
+    r = httpx.post(
+        gateway.url + "/v1/completions",
+        timeout=E.REQUEST_TIMEOUT_S,
+        json={"model": E.MODEL_NAME, "max_tokens": 1, **body},
+    )
     assert r.status_code == 200, r.text
     assert int(r.headers["x-pdgate-prompt-tokens"]) == want == r.json()["usage"]["prompt_tokens"]

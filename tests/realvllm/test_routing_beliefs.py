@@ -41,7 +41,8 @@ def gw(vllm_pair: Pair) -> Iterator[Gateway]:
     token_file = vllm_pair.group.log_dir / "beliefs-admin-token"
     token_file.write_text(TOKEN)
     gw = start_gateway(
-        vllm_pair, "gateway-beliefs",
+        vllm_pair,
+        "gateway-beliefs",
         routing={"decider": {"name": "token_threshold", "threshold": THRESHOLD}},  # prefix index on, learned only
         admin={"token_file": str(token_file)},
         health={"interval_s": 0.5, "timeout_s": 2.0},
@@ -59,8 +60,12 @@ def chat(gw: Gateway, messages: list[dict], **kw) -> httpx.Response:
 
 
 def plan(gw: Gateway, messages: list[dict]) -> dict:
-    r = httpx.post(gw.url + "/debug/route", json={"model": E.MODEL_NAME, "messages": messages},
-                   headers={"authorization": f"Bearer {TOKEN}"}, timeout=30)
+    r = httpx.post(
+        gw.url + "/debug/route",
+        json={"model": E.MODEL_NAME, "messages": messages},
+        headers={"authorization": f"Bearer {TOKEN}"},
+        timeout=30,
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -106,8 +111,13 @@ def restarts(gw: Gateway) -> float:
 
 def wait_decode_back(pair: Pair, gw: Gateway, restarts_before: float) -> None:
     """The gateway sees the decode engine healthy again and knows it is a new run."""
-    ok = E.wait_until(lambda: httpx.get(gw.url + "/ready", timeout=5).json()["pools"]["decode"]["healthy"] == 1
-                      and restarts(gw) > restarts_before, timeout=60)
+    ok = E.wait_until(
+        lambda: (
+            httpx.get(gw.url + "/ready", timeout=5).json()["pools"]["decode"]["healthy"] == 1
+            and restarts(gw) > restarts_before
+        ),
+        timeout=60,
+    )
     assert ok, f"the gateway never saw the restarted decode engine:\n{gw.proc.log_tail()}"
 
 
@@ -127,8 +137,9 @@ def test_turn_two_goes_direct_on_a_real_cache_hit(vllm_pair: Pair, gw: Gateway) 
     assert E.wait_until(lambda: by_source(d, "local_cache_hit") == hits + cached), "no cache hit on the engine"
     assert by_source(d, "local_compute") == local + n2 - cached  # only the new tokens computed
     assert d.metric(E.XFER_COUNT) == xfers
-    assert E.wait_until(lambda: gateway_metric(gw, "pdgate_prefix_belief_checks_total", pool="decode",
-                                               result="exact") == exact + 1)
+    assert E.wait_until(
+        lambda: gateway_metric(gw, "pdgate_prefix_belief_checks_total", pool="decode", result="exact") == exact + 1
+    )
 
 
 def test_a_request_the_engine_refuses_is_not_learned(vllm_pair: Pair, gw: Gateway) -> None:
@@ -148,8 +159,13 @@ def test_a_client_hanging_up_mid_stream_stops_the_engine(vllm_pair: Pair, gw: Ga
         return d.metric("vllm:generation_tokens_total")
 
     before = generated()
-    body = {"model": E.MODEL_NAME, "messages": chat_messages(vllm_pair, 60), "stream": True,
-            "max_tokens": max_tokens, "ignore_eos": True}
+    body = {
+        "model": E.MODEL_NAME,
+        "messages": chat_messages(vllm_pair, 60),
+        "stream": True,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=E.REQUEST_TIMEOUT_S) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
@@ -178,8 +194,9 @@ def test_a_reloaded_threshold_applies_while_serving(vllm_pair: Pair, gw: Gateway
         with httpx.Client(timeout=E.REQUEST_TIMEOUT_S, limits=E.CLIENT_LIMITS) as client:
             while not stop.is_set():
                 messages = [{"role": "user", "content": f"{uuid.uuid4().hex} a short question"}]
-                r = client.post(gw.url + "/v1/chat/completions",
-                                json={"model": E.MODEL_NAME, "messages": messages, **SAMPLING})
+                r = client.post(
+                    gw.url + "/v1/chat/completions", json={"model": E.MODEL_NAME, "messages": messages, **SAMPLING}
+                )
                 if r.status_code != 200:
                     errors.append(f"{r.status_code} {r.text[:200]}")
 
@@ -218,8 +235,13 @@ def test_a_decode_engine_killed_mid_stream_then_restarted(vllm_pair: Pair, gw: G
     turn2 = next_turn(messages, r1)
     assert plan(gw, turn2)["path"] == "direct"  # before the restart: believed cached, rightly
     restarts_before = restarts(gw)
-    body = {"model": E.MODEL_NAME, "messages": chat_messages(vllm_pair, 60), "stream": True,
-            "max_tokens": 1500, "ignore_eos": True}
+    body = {
+        "model": E.MODEL_NAME,
+        "messages": chat_messages(vllm_pair, 60),
+        "stream": True,
+        "max_tokens": 1500,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=E.REQUEST_TIMEOUT_S) as r:
         assert r.status_code == 200
         lines = r.iter_lines()

@@ -20,8 +20,12 @@ pytestmark = [pytest.mark.realvllm, pytest.mark.e2e]
 
 @pytest.fixture(scope="module")
 def gw2(vllm_pair: Pair) -> Iterator[Gateway]:
-    gw = start_gateway(vllm_pair, "gateway-workers", server={"workers": 2},
-                       routing={"decider": {"name": "token_threshold", "threshold": THRESHOLD}})
+    gw = start_gateway(
+        vllm_pair,
+        "gateway-workers",
+        server={"workers": 2},
+        routing={"decider": {"name": "token_threshold", "threshold": THRESHOLD}},
+    )
     try:
         yield gw
     finally:
@@ -58,8 +62,9 @@ def test_turn_two_on_the_other_worker_goes_direct_on_a_real_cache_hit(vllm_pair:
     try:
         messages = chat_messages(vllm_pair, 1500)
         before = counters(vllm_pair, gw2)
-        r1 = clients[0].post(gw2.url + "/v1/chat/completions",
-                             json={"model": E.MODEL_NAME, "messages": messages, **SAMPLING})
+        r1 = clients[0].post(
+            gw2.url + "/v1/chat/completions", json={"model": E.MODEL_NAME, "messages": messages, **SAMPLING}
+        )
         assert r1.status_code == 200 and r1.headers["x-pdgate-path"] == "pd", r1.text
         expect_pd(vllm_pair, gw2, before, d.tokenize_chat(messages))
         turn2 = next_turn(messages, r1)
@@ -69,8 +74,9 @@ def test_turn_two_on_the_other_worker_goes_direct_on_a_real_cache_hit(vllm_pair:
         # connection: take one to worker 1 again right before turn 2.
         clients[1].close()
         clients[1] = reconnect(gw2, 1)
-        r2 = clients[1].post(gw2.url + "/v1/chat/completions",
-                             json={"model": E.MODEL_NAME, "messages": turn2, **SAMPLING})
+        r2 = clients[1].post(
+            gw2.url + "/v1/chat/completions", json={"model": E.MODEL_NAME, "messages": turn2, **SAMPLING}
+        )
         assert clients[1].get(gw2.url + "/ready").json()["workers"]["this"] == 1  # still worker 1
         assert r2.status_code == 200 and r2.headers["x-pdgate-path"] == "direct", r2.headers
         cached = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]

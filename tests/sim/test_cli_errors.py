@@ -76,7 +76,8 @@ def test_a_bad_profile_is_one_line(tmp_path: Path, capsys, text: str, message: s
 
 def test_a_flag_argparse_refuses_is_one_line_without_the_usage(capsys) -> None:
     assert run_cli(sim_main, ["--profile"], capsys) == (
-        "pdgate sim: error: argument --profile: expected one argument (`pdgate sim --help` lists the flags)")
+        "pdgate sim: error: argument --profile: expected one argument (`pdgate sim --help` lists the flags)"
+    )
     assert "error: argument --rate" in run_cli(plan_main, ["--rate", "x"], capsys)
 
 

@@ -61,8 +61,10 @@ def check_efa(want: int) -> str:
     """fi_info must exist and list at least `want` EFA RDM domains; returns a short summary."""
     fi_info = shutil.which("fi_info") or shutil.which("fi_info", path=EFA_BIN)
     if not fi_info:
-        raise Fail("fi_info not found: the image has no EFA user-space libraries; build deploy/engine-image "
-                   "(vLLM's stock image does not carry them, and the host's are not visible in the container)")
+        raise Fail(
+            "fi_info not found: the image has no EFA user-space libraries; build deploy/engine-image "
+            "(vLLM's stock image does not carry them, and the host's are not visible in the container)"
+        )
     try:
         out = subprocess.run([fi_info, "-p", "efa", "-t", "FI_EP_RDM"], capture_output=True, text=True, timeout=60)
         ver = subprocess.run([fi_info, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -71,8 +73,10 @@ def check_efa(want: int) -> str:
     ok = out.returncode == 0 and "provider: efa" in out.stdout
     domains = set(re.findall(r"^\s*domain:\s*(\S+)", out.stdout, re.M)) if ok else set()
     if len(domains) < max(want, 1):
-        raise Fail(f"{len(domains)} EFA devices visible (fi_info -p efa, {max(want, 1)} wanted): request "
-                   "vpc.amazonaws.com/efa in the pod, on an EFA-enabled node with the EFA device plugin")
+        raise Fail(
+            f"{len(domains)} EFA devices visible (fi_info -p efa, {max(want, 1)} wanted): request "
+            "vpc.amazonaws.com/efa in the pod, on an EFA-enabled node with the EFA device plugin"
+        )
     provider = os.environ.get("FI_PROVIDER", "")
     if provider and "efa" not in provider.split(","):
         raise Fail(f"FI_PROVIDER={provider} hides EFA from libfabric; set FI_PROVIDER=efa")
@@ -99,8 +103,10 @@ def hugepage_risk() -> str | None:
     limit = _read("/sys/fs/cgroup/hugetlb.2MB.max") or _read("/sys/fs/cgroup/hugetlb/hugetlb.2MB.limit_in_bytes")
     if limit != "0" or _read("/sys/fs/cgroup/hugetlb.2MB.rsvd.max") == "0":  # rsvd 0: mmap fails cleanly
         return None
-    return (f"the node has {total.group(1)} hugepages but this pod may use none, so libfabric can die of SIGBUS on "
-            "hugepage bounce buffers: request hugepages-2Mi (e.g. 5120Mi) in the pod, or set FI_EFA_USE_HUGE_PAGE=0")
+    return (
+        f"the node has {total.group(1)} hugepages but this pod may use none, so libfabric can die of SIGBUS on "
+        "hugepage bounce buffers: request hugepages-2Mi (e.g. 5120Mi) in the pod, or set FI_EFA_USE_HUGE_PAGE=0"
+    )
 
 
 def resolve_device(requested: str | None) -> str:
@@ -115,8 +121,10 @@ def resolve_device(requested: str | None) -> str:
     if requested is None:
         return "cuda" if has_gpu else "cpu"
     if not has_gpu:
-        raise Fail("--device cuda but torch sees no CUDA GPU: request nvidia.com/gpu for the pod "
-                   "(and run the engine image, which has torch), or use --device cpu")
+        raise Fail(
+            "--device cuda but torch sees no CUDA GPU: request nvidia.com/gpu for the pod "
+            "(and run the engine image, which has torch), or use --device cpu"
+        )
     return "cuda"
 
 
@@ -222,8 +230,10 @@ def register(agent: Any, buf: Buffer, backend: str) -> Any:
         hint = "check the pod's locked-memory limit (ulimit -l; IPC_LOCK)"
         if buf.device == "cuda":
             hint = "check GPUDirect RDMA (FI_EFA_USE_DEVICE_RDMA=1, dmabuf or nvidia-peermem)"
-        raise Fail(f"NIXL {backend} could not register {buf.size >> 20} MiB of {buf.mem_type} "
-                   f"({type(err).__name__}: {err}); {hint}") from None
+        raise Fail(
+            f"NIXL {backend} could not register {buf.size >> 20} MiB of {buf.mem_type} "
+            f"({type(err).__name__}: {err}); {hint}"
+        ) from None
 
 
 def remaining(deadline: float, what: str) -> float:
@@ -273,20 +283,27 @@ def cmd_serve(args: argparse.Namespace) -> str:
     buf = Buffer(args.size_mib << 20, device)
     buf.fill()
     register(agent, buf, args.backend)
-    header = json.dumps({"proto": PROTO, "backend": args.backend, "size": buf.size, "mem": buf.mem_type,
-                         "descs": buf.descs()}).encode()
+    header = json.dumps(
+        {"proto": PROTO, "backend": args.backend, "size": buf.size, "mem": buf.mem_type, "descs": buf.descs()}
+    ).encode()
     metadata = agent.get_agent_metadata()
     with socket.create_server((args.host, args.port), backlog=args.peers) as server:
-        print(f"preflight: serving {args.size_mib} MiB of {buf.mem_type} over {args.backend} on "
-              f"{args.host}:{args.port} for {args.peers} peer(s)", file=sys.stderr, flush=True)
+        print(
+            f"preflight: serving {args.size_mib} MiB of {buf.mem_type} over {args.backend} on "
+            f"{args.host}:{args.port} for {args.peers} peer(s)",
+            file=sys.stderr,
+            flush=True,
+        )
         reports = []
         for n in range(args.peers):
             server.settimeout(remaining(deadline, f"for peers: {n} of {args.peers} came"))
             try:
                 conn, (peer, _) = server.accept()
             except TimeoutError:
-                raise Fail(f"timed out for peers: {n} of {args.peers} came; run preflight.py pull "
-                           "against this pod, or raise --timeout") from None
+                raise Fail(
+                    f"timed out for peers: {n} of {args.peers} came; run preflight.py pull "
+                    "against this pod, or raise --timeout"
+                ) from None
             with conn:
                 try:
                     send_frame(conn, header)
@@ -321,8 +338,10 @@ def cmd_pull(args: argparse.Namespace) -> str:
             last = err
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
     else:
-        raise Fail(f"could not connect to {args.peer} within {args.timeout:g} s ({last}): run "
-                   "preflight.py serve there first and check that the port is reachable")
+        raise Fail(
+            f"could not connect to {args.peer} within {args.timeout:g} s ({last}): run "
+            "preflight.py serve there first and check that the port is reachable"
+        )
     with conn:
         try:
             detail = pull_from(agent, buf, args, conn, deadline)
@@ -345,13 +364,20 @@ def pull_from(agent: Any, buf: Buffer, args: argparse.Namespace, conn: socket.so
     except (ValueError, KeyError, TypeError):
         raise Fail(f"{args.peer} sent a malformed header: it is not preflight.py serve") from None
     if header.get("proto") != PROTO or backend != args.backend or size != buf.size:
-        raise Fail(f"{args.peer} serves {size >> 20} MiB over {backend} (protocol {header.get('proto')}), this pull "
-                   f"wants {buf.size >> 20} MiB over {args.backend}: run both with the same --backend and --size-mib")
+        raise Fail(
+            f"{args.peer} serves {size >> 20} MiB over {backend} (protocol {header.get('proto')}), this pull "
+            f"wants {buf.size >> 20} MiB over {args.backend}: run both with the same --backend and --size-mib"
+        )
     metadata = recv_frame(conn, deadline, "the peer's NIXL metadata")
     try:
         remote = agent.add_remote_agent(metadata)
-        handle = agent.initialize_xfer("READ", agent.get_xfer_descs(buf.descs(), buf.mem_type),
-                                       agent.get_xfer_descs(descs, mem), remote, b"pdgate-preflight")
+        handle = agent.initialize_xfer(
+            "READ",
+            agent.get_xfer_descs(buf.descs(), buf.mem_type),
+            agent.get_xfer_descs(descs, mem),
+            remote,
+            b"pdgate-preflight",
+        )
         start = time.monotonic()
         state = agent.transfer(handle)
         while state == "PROC" and time.monotonic() < deadline:
@@ -359,11 +385,15 @@ def pull_from(agent: Any, buf: Buffer, args: argparse.Namespace, conn: socket.so
             state = agent.check_xfer_state(handle)
         took = time.monotonic() - start
     except Exception as err:
-        raise Fail(f"NIXL {args.backend} READ from {args.peer} failed ({type(err).__name__}: {err}); "
-                   "check both pods' NIXL logs and that their network path is open") from None
+        raise Fail(
+            f"NIXL {args.backend} READ from {args.peer} failed ({type(err).__name__}: {err}); "
+            "check both pods' NIXL logs and that their network path is open"
+        ) from None
     if state == "PROC":
-        raise Fail(f"the NIXL {args.backend} READ from {args.peer} did not finish within {args.timeout:g} s; "
-                   "check the security group (EFA needs all traffic within the group) and the peer's log")
+        raise Fail(
+            f"the NIXL {args.backend} READ from {args.peer} did not finish within {args.timeout:g} s; "
+            "check the security group (EFA needs all traffic within the group) and the peer's log"
+        )
     if state != "DONE":
         raise Fail(f"the NIXL {args.backend} READ from {args.peer} ended in state {state}; see the NIXL log above")
     if not buf.matches():
