@@ -53,8 +53,8 @@ from gateway.request.protocol import ParsedRequest, parse_body
 from gateway.request.router import Router
 from gateway.tokenization import fasttok
 from gateway.tokenization.tokenizer import ModelTokenizer, find_ranks_file
-from policies.blockhash import BlockHash, block_hashes
-from policies.prefix_index import PrefixIndex
+from policies.beliefs.blockhash import BlockHash, block_hashes
+from policies.beliefs.prefix_index import PrefixIndex
 from sim.tinymodel import build_tokenizer as build_tiny_tokenizer
 
 T = TypeVar("T")
@@ -371,7 +371,7 @@ def _clock() -> tuple[float, float]:
 
 def learn(v: Variant, prep: Any, route: Any) -> None:
     """What a routed request teaches the prefix index once its legs are done (the prefix-learning
-    hook's confirmed step, ``policies/prefix_learning.py``): its blocks on the chosen engines."""
+    hook's confirmed step, ``policies/beliefs/prefix_learning.py``): its blocks on the chosen engines."""
     decision = route.decision
     v.index.learn(decision.decode.url, prep.hashes)
     if decision.prefill is not None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal, Protocol, runtime_checkable
 
-from .blockhash import BlockHash
+from policies.beliefs.blockhash import BlockHash
 
 # Where an engine runs, as (label key, value) pairs sorted by key: the zone from its EndpointSlice
 # (``topology.kubernetes.io/zone``), Node labels discovery was asked to read (an EC2 network spine),

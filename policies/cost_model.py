@@ -5,7 +5,7 @@
 
 ``handover(n)`` is the time from the prefill leg's answer to the decode engine's first token when
 ``n`` tokens of KV move: measured on recent P/D streams of this prefill/decode pair (or of the pool)
-once there are a few (``policies/estimates.py``), else configured as
+once there are a few (``policies/beliefs/estimates.py``), else configured as
 ``n * kv_bytes_per_token / bandwidth + pd_overhead_s``.
 
 ``backlog(x)`` is the uncached prompt tokens the gateway has already sent to endpoint x whose

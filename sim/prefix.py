@@ -6,7 +6,7 @@
   evicted least recently freed first (LRU). A request frees its blocks last block first, so its
   tail is evicted before its head (a later request more likely shares the head).
 * A full block whose KV is (being) computed is registered under its chained block hash
-  (:mod:`policies.blockhash`). Several blocks may hold the same hash (two requests computed
+  (:mod:`policies.beliefs.blockhash`). Several blocks may hold the same hash (two requests computed
   the same prefix at once); a lookup takes the first.
 * A new request's longest run of cached full blocks is reused ("touched": one more reference,
   taken out of the free queue); at most ``num_tokens - 1`` tokens, since the last prompt
@@ -22,7 +22,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from policies.blockhash import Digest, HashSpec, block_digests
+from policies.beliefs.blockhash import Digest, HashSpec, block_digests
 from sim.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 

@@ -42,7 +42,7 @@ from gateway.background import STOP_BOUND_S, cancel_checkpoint, stop_task, stop_
 from gateway.config import StateConfig
 from gateway.engines.pools import Pools
 from gateway.fairness.tenants import Usage
-from policies.blockhash import BlockHash
+from policies.beliefs.blockhash import BlockHash
 
 log = logging.getLogger(__name__)
 

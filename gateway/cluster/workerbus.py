@@ -67,8 +67,8 @@ import zmq.asyncio
 from gateway.background import cancel_checkpoint, stop_tasks
 from gateway.engines.pools import Pools
 from gateway.fairness.tenants import Usage
-from policies.blockhash import BlockHash
-from policies.prefix_index import PrefixIndex
+from policies.beliefs.blockhash import BlockHash
+from policies.beliefs.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -320,7 +320,7 @@ def _use(value: Any) -> dict[str, dict[str, float]]:
 
 class WorkerBus:
     """One worker's end of the hub. ``share_routing``: carry learned blocks and in-flight counts
-    (off when Redis shares them). Implements policies/prefix_learning.py's ``SharedPrefixes``."""
+    (off when Redis shares them). Implements policies/beliefs/prefix_learning.py's ``SharedPrefixes``."""
 
     def __init__(
         self,

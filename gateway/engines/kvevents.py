@@ -13,7 +13,7 @@ Wire protocol (vLLM 0.32, ``vllm/distributed/kv_events.py``, ``vllm/config/kv_ev
   "extra_keys"?, "group_idx"?, ...}``, ``{"type": "BlockRemoved", "block_hashes", "medium",
   "group_idx"?}``, ``{"type": "AllBlocksCleared"}`` (fields equal to their default are left out).
   Older vLLM encoded events as arrays with the tag first; both are read. Hashes are ints unless
-  the engine sets ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` (see ``policies/blockhash.py``).
+  the engine sets ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` (see ``policies/beliefs/blockhash.py``).
 - ROUTER replay socket: send ``(b"", start_seq as 8-byte big-endian)`` from a DEALER; the engine
   answers every buffered batch with ``seq >= start_seq`` as ``(b"", topic, seq, payload)`` (older
   vLLM: ``(b"", seq, payload)``) and ends with ``seq = -1`` (signed) and an empty payload.
@@ -78,8 +78,8 @@ from gateway.engines.kvwire import (
     DecodeError,
     FeedLimits,
 )
-from policies.blockhash import BlockHash, Digest, HashSpec, block_digests
-from policies.prefix_index import PrefixStore
+from policies.beliefs.blockhash import BlockHash, Digest, HashSpec, block_digests
+from policies.beliefs.prefix_index import PrefixStore
 
 log = logging.getLogger(__name__)
 

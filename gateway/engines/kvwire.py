@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from policies.blockhash import BlockHash
+from policies.beliefs.blockhash import BlockHash
 
 END_SEQ = -1  # the replay socket's end marker (signed)
 SEQ_BYTES = 8  # a sequence number's frame

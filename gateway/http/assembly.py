@@ -41,9 +41,9 @@ from gateway.ops.metrics import BeliefAudit, GatewayMetrics
 from gateway.ops.requestlog import AccessLog
 from gateway.ops.tracing import Tracing
 from gateway.tokenization.tokenizer import ModelTokenizer, Tokenizers
-from policies.estimates import EngineEstimates
-from policies.prefix_index import PrefixIndex
-from policies.prefix_learning import InFlightPrefixes, PrefixBeliefs
+from policies.beliefs.estimates import EngineEstimates
+from policies.beliefs.prefix_index import PrefixIndex
+from policies.beliefs.prefix_learning import InFlightPrefixes, PrefixBeliefs
 
 log = logging.getLogger(__name__)
 

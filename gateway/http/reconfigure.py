@@ -15,7 +15,7 @@ from gateway.http.handlers import Gateway
 from gateway.http.resources import Resources, runtime_for
 from gateway.request.router import Router, build_pipeline
 from gateway.tokenization.tokenizer import ModelTokenizer, Tokenizers
-from policies.prefix_index import PrefixIndex
+from policies.beliefs.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,11 @@ from gateway.ops.live_planner import Demand
 from gateway.ops.metrics import BeliefAudit, GatewayMetrics
 from gateway.request.router import DEFAULT_BLOCK_SIZE, Router
 from gateway.tokenization.tokenizer import Tokenizers
-from policies.blockhash import HashSpec
-from policies.estimates import EngineEstimates
+from policies.beliefs.blockhash import HashSpec
+from policies.beliefs.estimates import EngineEstimates
+from policies.beliefs.prefix_index import PrefixIndex
+from policies.beliefs.prefix_learning import PrefixBeliefs
 from policies.hooks import Hooks, policy_hooks
-from policies.prefix_index import PrefixIndex
-from policies.prefix_learning import PrefixBeliefs
 
 
 class Subscriptions:

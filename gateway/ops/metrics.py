@@ -19,7 +19,7 @@ from gateway.http.errors import APIError
 from gateway.ops.requestlog import RequestRecord
 from gateway.tokenization import fasttok
 from policies.base import LegReport, RequestContext
-from policies.prefix_index import PrefixStore
+from policies.beliefs.prefix_index import PrefixStore
 
 if TYPE_CHECKING:
     from starlette.requests import Request

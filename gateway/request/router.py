@@ -1,7 +1,7 @@
 """From a tokenized request to a routing decision: hash the prompt's blocks, ask the prefix index
 (and the prompts in flight) which endpoint holds how much of it, and run the policy pipeline over
 the engines that serve the request's model. What the request teaches comes later, through the
-lifecycle hooks (policies/prefix_learning.py)."""
+lifecycle hooks (policies/beliefs/prefix_learning.py)."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ from policies.base import (
     RequestContext,
     Scorer,
 )
-from policies.blockhash import BlockHash, HashSpec, block_hashes
+from policies.beliefs.blockhash import BlockHash, HashSpec, block_hashes
+from policies.beliefs.prefix_index import PrefixIndex
+from policies.beliefs.prefix_learning import InFlightPrefixes
 from policies.pipeline import PoolPipeline, Route, RoutingPipeline, Weighted
-from policies.prefix_index import PrefixIndex
-from policies.prefix_learning import InFlightPrefixes
 from policies.registry import build
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default on GPUs, until the engines report theirs

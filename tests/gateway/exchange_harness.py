@@ -27,10 +27,10 @@ from gateway.request.relay import InferenceEndpoint
 from gateway.request.router import Router
 from gateway.tokenization.tokenizer import ModelTokenizer, Tokenizers
 from policies.base import Decision, Finished, LegReport, RequestContext
-from policies.estimates import EngineEstimates
+from policies.beliefs.estimates import EngineEstimates
+from policies.beliefs.prefix_index import PrefixIndex
+from policies.beliefs.prefix_learning import InFlightPrefixes, PrefixBeliefs
 from policies.hooks import Hooks
-from policies.prefix_index import PrefixIndex
-from policies.prefix_learning import InFlightPrefixes, PrefixBeliefs
 
 P, D, D2 = "http://p:1", "http://d:1", "http://d2:1"
 KV = {

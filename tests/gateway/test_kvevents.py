@@ -31,8 +31,8 @@ from gateway.engines.kvwire import (
     FeedLimits,
     decode_batch,
 )
-from policies.blockhash import HashSpec, block_hashes
-from policies.prefix_index import PrefixIndex
+from policies.beliefs.blockhash import HashSpec, block_hashes
+from policies.beliefs.prefix_index import PrefixIndex
 from tests.procs import free_port
 from tests.waiting import until
 

@@ -6,9 +6,9 @@ from gateway.config import RoutingConfig
 from gateway.engines.pools import EngineStats, Pools
 from gateway.request.router import Prepared, Router
 from policies.base import Finished, LegOutcome, LegReport, Path
+from policies.beliefs.prefix_index import PrefixIndex
+from policies.beliefs.prefix_learning import PrefixBeliefs
 from policies.pipeline import Route
-from policies.prefix_index import PrefixIndex
-from policies.prefix_learning import PrefixBeliefs
 
 
 def served(index: PrefixIndex, prep: Prepared, route: Route) -> None:

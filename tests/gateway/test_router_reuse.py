@@ -11,8 +11,8 @@ from typing import Any
 from gateway.config import RoutingConfig
 from gateway.engines.pools import Pools
 from gateway.request.router import Router
-from policies.blockhash import BlockHash, block_hashes
-from policies.prefix_index import PrefixIndex
+from policies.beliefs.blockhash import BlockHash, block_hashes
+from policies.beliefs.prefix_index import PrefixIndex
 
 DECODE = ["http://d0", "http://d1", "http://d2"]
 PREFILL = ["http://p0", "http://p1"]

@@ -25,7 +25,7 @@ from gateway.cluster import workerbus
 from gateway.cluster.workerbus import BusAddress, Hub, WorkerBus, _mac, sweep
 from gateway.engines.pools import Pools
 from gateway.fairness.tenants import Usage
-from policies.prefix_index import PrefixIndex
+from policies.beliefs.prefix_index import PrefixIndex
 from tests.waiting import until
 
 D1 = "http://d1"

@@ -17,7 +17,7 @@ from gateway.cluster.workerbus import Hub, WorkerBus
 from gateway.engines.pools import Pools
 from gateway.fairness.admission import SharedGate
 from gateway.ops.metricsmerge import merge
-from policies.prefix_index import PrefixIndex
+from policies.beliefs.prefix_index import PrefixIndex
 from tests.promtext import sample
 
 

@@ -14,7 +14,7 @@ import random
 import cbor2
 import pytest
 
-from policies.blockhash import HashSpec, block_digests, block_hashes, cbor_dumps
+from policies.beliefs.blockhash import HashSpec, block_digests, block_hashes, cbor_dumps
 
 TOKENS = [*range(1000, 1040), 0, 23, 24, 255, 256, 65535, 65536, 2**31, 150000]  # CBOR size edges
 

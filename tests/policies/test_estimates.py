@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from policies.base import EndpointView, LegOutcome, LegReport, Path, RequestContext
+from policies.beliefs.estimates import MIN_HANDOVER_SAMPLES, EngineEstimates, LinearFit
 from policies.cost_model import CostModel
-from policies.estimates import MIN_HANDOVER_SAMPLES, EngineEstimates, LinearFit
 
 P, P2, D = "http://p", "http://p2", "http://d"
 

@@ -12,9 +12,9 @@ from gateway.config import parse_config
 from gateway.engines.pools import Pools
 from gateway.request.router import Router
 from policies.base import ZONE, NoPairing, Path, PoolSnapshot
+from policies.beliefs.prefix_index import PrefixIndex
 from policies.max_score import MaxScore
 from policies.pipeline import PoolPipeline, RoutingPipeline, Weighted
-from policies.prefix_index import PrefixIndex
 from policies.same_zone import SameZone
 from policies.token_threshold import TokenThreshold
 from policies.topology import TopologyAffinity

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from policies.blockhash import HashSpec, block_hashes
-from policies.prefix_index import IndexStats, PrefixIndex, PrefixStore
+from policies.beliefs.blockhash import HashSpec, block_hashes
+from policies.beliefs.prefix_index import IndexStats, PrefixIndex, PrefixStore
 
 A, B, C = "http://a:8000", "http://b:8000", "http://c:8000"
 

@@ -8,8 +8,8 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from policies.blockhash import BlockHash, HashSpec, block_hashes
-from policies.prefix_index import PrefixIndex, shared_prefix
+from policies.beliefs.blockhash import BlockHash, HashSpec, block_hashes
+from policies.beliefs.prefix_index import PrefixIndex, shared_prefix
 
 A, B = "http://a:8000", "http://b:8000"
 

@@ -4,8 +4,8 @@ engine has the prompt's KV, retracted when it never got it, corrected by the eng
 from __future__ import annotations
 
 from policies.base import Decision, EndpointView, Finished, LegOutcome, LegReport, Path, RequestContext
-from policies.prefix_index import PrefixIndex
-from policies.prefix_learning import InFlightPrefixes, PrefixBeliefs
+from policies.beliefs.prefix_index import PrefixIndex
+from policies.beliefs.prefix_learning import InFlightPrefixes, PrefixBeliefs
 
 BS = 16
 P, D = "http://p", "http://d"

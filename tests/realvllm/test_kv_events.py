@@ -32,8 +32,8 @@ import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.engines.kvevents import KVEventSubscriber
-from policies.blockhash import HashSpec, block_hashes
-from policies.prefix_index import PrefixIndex
+from policies.beliefs.blockhash import HashSpec, block_hashes
+from policies.beliefs.prefix_index import PrefixIndex
 from tests.procs import ProcGroup, free_port
 from tests.promtext import sample
 

@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from gateway.engines.legs import PREFILL_KV_PARAMS
-from policies.blockhash import HashSpec, block_hashes
+from policies.beliefs.blockhash import HashSpec, block_hashes
 from sim.kv_events import END_SEQ, KVEventBatch
 from tests.procs import ProcGroup, free_port, wait_for
 from tests.promtext import sample

@@ -1,5 +1,5 @@
 """The simulator's prefix cache in-process: hits, LRU eviction, reset, P/D with caching, usage
-details, and that its block hashes are the gateway's (``policies.blockhash``)."""
+details, and that its block hashes are the gateway's (``policies.beliefs.blockhash``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 
-from policies.blockhash import HashSpec, block_hashes
+from policies.beliefs.blockhash import HashSpec, block_hashes
 from sim.app import SimState
 from sim.config import SimConfig
 from sim.engine import DECODE, PREFILL, Collector, Seq

@@ -25,9 +25,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from .base import Decision, Finished, LegReport, Path, RequestContext
-from .blockhash import BlockHash
-from .prefix_index import PrefixIndex, shared_prefix
+from policies.base import Decision, Finished, LegReport, Path, RequestContext
+from policies.beliefs.blockhash import BlockHash
+from policies.beliefs.prefix_index import PrefixIndex, shared_prefix
 
 log = logging.getLogger(__name__)
 

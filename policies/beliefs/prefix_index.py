@@ -9,7 +9,7 @@
   its approximate entries only count while young (``young_s``: the lag between routing a prompt
   and the engine's BlockStored for it); after that the events are the truth.
 
-Keys are the block hashes of ``policies/blockhash.py``: chained, so holding block ``i`` of a
+Keys are the block hashes of ``policies/beliefs/blockhash.py``: chained, so holding block ``i`` of a
 prompt means holding the whole prefix up to it, and ``match`` only has to walk the prompt's hashes
 until no endpoint holds the next one.
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from itertools import islice, repeat
 from typing import Protocol, runtime_checkable
 
-from policies.blockhash import BlockHash
+from policies.beliefs.blockhash import BlockHash
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import HandoverEstimate, LegOutcome, LegReport, Path, RequestContext
+from policies.base import HandoverEstimate, LegOutcome, LegReport, Path, RequestContext
 
 SPEED_ALPHA = 0.2  # weight of a new prefill-speed sample
 MIN_LEARN_TOKENS = 32  # less prompt work than this times HTTP, not the engine
