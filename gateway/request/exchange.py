@@ -44,6 +44,7 @@ from gateway.engines.legs import DecodeStream, LegFailed, PrefillAnswer
 from gateway.engines.pools import Endpoint
 from gateway.engines.transport import ClientError
 from gateway.engines.upstream import EngineError, transport_error
+from gateway.fairness.accounting import TenantAccount
 from gateway.fairness.admission import too_busy
 from gateway.fairness.fairqueue import QueueFull
 from gateway.fairness.tenants import Identity
@@ -158,8 +159,7 @@ class Exchange:
         self._deadline = 0.0  # admission and engine capacity are waited for until then
         self._failed_decode: set[str] = set()  # decode engines whose leg broke off mid-answer
         self.who: Identity | None = None  # tenant, class, objective
-        self._tenant_key: str | None = None  # its request counted in the tenant's gateway use
-        self._decode_charged: tuple[str, float, float] | None = None  # key, expected output charged, since
+        self.account: TenantAccount | None = None  # its charges to its tenant's use of each pool
         self.room: Room | None = None  # its wait for room on the engines (and TTFT objective's check)
 
     # -- the request path -----------------------------------------------------------------------------
@@ -198,6 +198,7 @@ class Exchange:
         self.who = rt.tenancy.identify(self.request.headers, key)
         self.rec.tenant, self.rec.priority = self.who.tenant, self.who.cls
         self.rec.tenant_label = self.svc.tenant_labels(self.who.tenant)
+        self.account = TenantAccount(self.svc.usage, self.who.tenant, rt.cfg.fairness.default_output_tokens)
         body = await self._read_body()
         client.watch()  # from here on a client hang-up cancels this exchange, engine legs included
         req = self._parse(body)  # before the queue: a request it must fix never waits for a slot
@@ -265,8 +266,8 @@ class Exchange:
             self.svc.metrics.rejected("queue_timeout")
             raise too_busy(adm, "too many requests in flight")
         self._admitted = self.rec.admitted = True
-        if self.who is not None:
-            self._tenant_key = self.svc.usage.request_started(self.who.tenant)
+        if self.account is not None:
+            self.account.admitted()
         self.rec.queue_s = time.perf_counter() - waited_from
 
     async def _understand(self, body: bytes) -> ParsedRequest:
@@ -422,8 +423,8 @@ class Exchange:
         rec = self.rec
         tokens = part.ctx.uncached(ep.url)
         ticket = ep.start_prefill(tokens)
-        if self.who is not None:  # the tenant's prefill use: the tokens it sends the prefill pool
-            self.svc.usage.prefill_sent(self.who.tenant, tokens)
+        if self.account is not None and self.who is not None:  # the tenant's prefill use
+            self.account.prefill_sent(tokens)
             self.svc.metrics.tenant_prefill(self.rec.tenant_label, self.who.cls, tokens)
         span = part.trace.leg("prefill", ep.url)
         span.set("pdgate.uncached_tokens", tokens)
@@ -565,21 +566,12 @@ class Exchange:
         return _OpenDecode(part, stream, ep, path, started, first, tokens, prefill_url, span, occupancy)
 
     def _occupy(self, part: _Part) -> tuple[str, float] | None:
-        """The decode leg in its tenant's decode use: one running sequence x its expected output."""
-        if self.who is None:
-            return None
-        body = part.body
-        expected = body.get("max_completion_tokens") or body.get("max_tokens")
-        if not isinstance(expected, int) or expected <= 0:
-            expected = self.rt.cfg.fairness.default_output_tokens
-        key = self.svc.usage.decode_started(self.who.tenant, expected)
-        _, charged, since = self._decode_charged or (key, 0.0, self.svc.usage.now())
-        self._decode_charged = (key, charged + expected, since)  # a continuation's: from the first leg's start
-        return key, expected
+        """The decode leg in its tenant's decode use (gateway/fairness/accounting.py)."""
+        return self.account.decode_started(part.body) if self.account is not None else None
 
     def _vacate(self, occupancy: tuple[str, float] | None) -> None:
-        if occupancy is not None:
-            self.svc.usage.decode_ended(*occupancy)
+        if occupancy is not None and self.account is not None:
+            self.account.decode_ended(occupancy)
 
     # -- the answer -------------------------------------------------------------------------------------
 
@@ -932,8 +924,8 @@ class Exchange:
     def _finish(self) -> None:
         """The one place a request ends: its slot freed, its outcome recorded and told."""
         rec = self.rec
-        if self._tenant_key is not None:  # before the slot passes on: the next in line is chosen by use
-            self.svc.usage.request_ended(self._tenant_key)
+        if self.account is not None:  # before the slot passes on: the next in line is chosen by use
+            self.account.ended()
         if self._admitted:
             self.svc.gate.leave()
         if self.decision is None:
@@ -943,10 +935,8 @@ class Exchange:
                 m["result"] = "abandoned"
                 self.svc.metrics.migration(m["reason"], "abandoned")
         rec.finish(self.status, self.error, self.error_status)
-        if self._decode_charged is not None and rec.output_tokens is not None:
-            # the decode use charged up front was the expected output: now the tenant pays what it took
-            key, charged, since = self._decode_charged
-            self.svc.usage.decode_settled(key, charged, rec.output_tokens, since)
+        if self.account is not None:
+            self.account.settle(rec.output_tokens)
         if rec.trace.span is not None:
             rec.trace.set({"pdgate.path": rec.path})
             if rec.output_tokens is not None:
