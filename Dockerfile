@@ -9,6 +9,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY gateway ./gateway
 COPY policies ./policies
+COPY engine_model ./engine_model
 COPY sim ./sim
 # Same install as the README, without the dev extras.
 RUN pip install . && useradd --system --uid 10001 --no-create-home pdgate

@@ -172,7 +172,7 @@ async def kv_forger(address: str, seen: Seen, stop: asyncio.Event, batches: int 
     import zmq
     import zmq.asyncio
 
-    from sim.kv_events import BlockStored, KVEventBatch
+    from engine_model.kv_events import BlockStored, KVEventBatch
 
     ctx = zmq.asyncio.Context()
     pub = ctx.socket(zmq.PUB)

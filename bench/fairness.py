@@ -62,10 +62,10 @@ import yaml
 
 from bench.goodput import Cluster, Progress, pct, pdgate_config, send, start_engines
 from bench.workloads import Request, _arrival_times, _ids
+from engine_model.config import SimConfig
+from engine_model.profile import engine_settings
+from engine_model.tinymodel import build_tokenizer
 from gateway.demo import cache_dir
-from sim.config import SimConfig
-from sim.profile import engine_settings
-from sim.tinymodel import build_tokenizer
 from tests.procs import ProcGroup, free_port
 
 MODES = ("off", "on")
@@ -348,7 +348,7 @@ def scrape_queue(url: str, scale: float) -> dict[str, dict[str, float]]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke run under 2 minutes: 20 s of arrivals, outputs x0.5")
-    p.add_argument("--profile", default="llama-3.3-70b-tp8-h100", help="engine profile (sim/profiles)")
+    p.add_argument("--profile", default="llama-3.3-70b-tp8-h100", help="engine profile (engine_model/profiles)")
     p.add_argument("--time-scale", type=float, default=0.5, help="engine time scale (0.5: twice the modelled speed)")
     p.add_argument("--duration", type=float, default=None, help="simulated seconds of arrivals per mode")
     p.add_argument("--seed", type=int, default=0)

@@ -27,11 +27,11 @@ import yaml
 from starlette.testclient import TestClient
 
 from bench.decision import meta_llama3_folder
+from engine_model.tinymodel import build_tokenizer
 from gateway.config import GatewayConfig
 from gateway.demo import cache_dir
 from gateway.http.app import create_app
 from gateway.ops.gcpolicy import Collector
-from sim.tinymodel import build_tokenizer
 from tests.procs import ProcGroup, free_port
 
 

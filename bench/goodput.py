@@ -59,9 +59,9 @@ import orjson
 import yaml
 
 from bench.workloads import ARRIVALS, WORKLOADS, Request, generate
+from engine_model.profile import engine_settings
+from engine_model.tinymodel import build_tokenizer
 from gateway.demo import cache_dir
-from sim.profile import engine_settings
-from sim.tinymodel import build_tokenizer
 from tests.procs import Proc, ProcGroup, free_port
 
 MODEL = "bench"
@@ -427,7 +427,7 @@ def summarize(reqs: list[Request], results: list[Result], duration_s: float, rat
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smoke run under 2 minutes: mix only, one rate, outputs x0.25")
-    p.add_argument("--profile", default="llama-3.3-70b-tp8-h100", help="engine profile (sim/profiles)")
+    p.add_argument("--profile", default="llama-3.3-70b-tp8-h100", help="engine profile (engine_model/profiles)")
     p.add_argument(
         "--profile-end",
         choices=("low", "high"),

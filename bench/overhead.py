@@ -31,8 +31,8 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from engine_model.tinymodel import build_tokenizer
 from gateway.demo import cache_dir
-from sim.tinymodel import build_tokenizer
 from tests.procs import ProcGroup, free_port
 
 MODEL = "bench"

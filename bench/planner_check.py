@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from sim import planner, profile, workload
+from engine_model import planner, profile, workload
 
 CASES = (("mix", 4.0), ("long", 2.0), ("chat", 16.0))
 

@@ -42,8 +42,8 @@ from typing import Any
 
 import yaml
 
+from engine_model.tinymodel import build_tokenizer
 from gateway.demo import cache_dir
-from sim.tinymodel import build_tokenizer
 from tests.e2e.cluster import Cluster
 from tests.procs import ProcGroup, wait_for
 

@@ -342,8 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from bench.overhead import _cpu_seconds as cpu_seconds
+    from engine_model.tinymodel import build_tokenizer
     from gateway.demo import cache_dir
-    from sim.tinymodel import build_tokenizer
     from tests.procs import ProcGroup, free_port
 
     tokenizer = build_tokenizer(cache_dir() / "demo-tokenizer")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import os
 import signal
@@ -200,16 +201,24 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _added_command(name: str) -> Callable[[list[str]], int]:
+    """A command another installed package adds to ``pdgate`` (entry point group ``pdgate.commands``):
+    ``pdgate sim`` is the simulator's own CLI, so the gateway never imports the simulator. A missing
+    one (a source tree used without ``pip install``) exits with one line."""
+    for entry in importlib.metadata.entry_points(group="pdgate.commands", name=name):
+        command: Callable[[list[str]], int] = entry.load()
+        return command
+    raise SystemExit(f"pdgate {name}: not installed (install the project: pip install -e .)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # The gateway only tokenizes: transformers' "PyTorch was not found" advice at import is noise.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     if argv[:1] == ["sim"]:  # the simulator owns its flags
-        from sim.cli import main as sim_main
-
-        return sim_main(argv[1:])
+        return _added_command("sim")(argv[1:])
     if argv[:1] == ["plan"]:  # so does the planner
-        from sim.plan_cli import main as plan_main
+        from engine_model.plan_cli import main as plan_main
 
         return plan_main(argv[1:])
 

@@ -144,6 +144,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(_port_problem(args.host, args.port, err), file=sys.stderr, flush=True)
         return 1
 
+    from engine_model.tinymodel import build_tokenizer
     from gateway.cluster.workers import serve as serve_workers
     from gateway.cluster.workers import worker_count
     from gateway.config import parse_config
@@ -151,7 +152,6 @@ def run_demo(args: argparse.Namespace) -> int:
     from gateway.http.app import create_app
     from gateway.http.server import make_server
     from gateway.ops.requestlog import LineWriter
-    from sim.tinymodel import build_tokenizer
 
     def _exit(signum: int, frame: object) -> None:
         raise SystemExit(0)

@@ -23,7 +23,7 @@ Sim-only test instrumentation (not in vLLM):
   prefill handles, cached blocks, the KV event endpoints as bound and messages published,
   the faults and how often each was injected).
 * ``GET /sim/faults``, ``PUT /sim/faults`` (JSON spec, replaces the faults), ``DELETE
-  /sim/faults`` (no faults, counters reset): fault injection (:mod:`sim.faults`), answering
+  /sim/faults`` (no faults, counters reset): fault injection (:mod:`engine_model.faults`), answering
   ``{"faults": {...}, "injected": {...}}``; a bad spec gets 400 ``{"detail": ...}``.
 * ``POST /sim/crash``: answers, then exits the process at once (no shutdown, connections cut).
 
@@ -55,14 +55,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from engine_model.config import SimConfig
+from engine_model.engine import DECODE, Collector, Engine, Seq
+from engine_model.faults import ConnectionDropped, Faults, FaultSpecError, FaultySend, Plan
+from engine_model.kv import KVServer
+from engine_model.kv_events import EventSink, ZmqEventPublisher
+from engine_model.metrics import SimMetrics
+from engine_model.tokens import load_tokenizer
 from sim import protocol as P
-from sim.config import SimConfig
-from sim.engine import DECODE, Collector, Engine, Seq
-from sim.faults import ConnectionDropped, Faults, FaultSpecError, FaultySend, Plan
-from sim.kv import KVServer
-from sim.kv_events import EventSink, ZmqEventPublisher
-from sim.metrics import SimMetrics
-from sim.tokens import load_tokenizer
 
 log = logging.getLogger("sim.app")
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import orjson
 
-from sim.config import HASH_ALGOS, KV_LOAD_FAILURE_POLICIES, ROLES, SimConfig
-from sim.faults import DropLogFilter
-from sim.kv_events import KVEventsConfig
-from sim.oneline import Help, Parser
-from sim.profile import available, engine_settings
+from engine_model.config import HASH_ALGOS, KV_LOAD_FAILURE_POLICIES, ROLES, SimConfig
+from engine_model.faults import DropLogFilter
+from engine_model.kv_events import KVEventsConfig
+from engine_model.oneline import Help, Parser
+from engine_model.profile import available, engine_settings
 
 DESCRIPTION = """\
 A vLLM 0.32-compatible engine simulator on CPU: the OpenAI API, /metrics, /sim/state and the
@@ -100,7 +100,7 @@ def build_parser(prog: str | None = None) -> Parser:
         default=None,
         metavar="NAME|FILE",
         help="engine profile: a bundled name (" + ", ".join(available()) + ") or a YAML file; "
-        "flags given explicitly override it (see sim/profiles/; without it: the timing flags, 0 = instant)",
+        "flags given explicitly override it (see engine_model/profiles/; without it: the timing flags, 0 = instant)",
     )
     p.add_argument(
         "--profile-end",

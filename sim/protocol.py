@@ -15,10 +15,10 @@ from typing import Any
 
 import orjson
 
-from gateway.tokenization.chat import detect_content_format, normalize_messages
-from sim.config import SimConfig
-from sim.engine import DECODE, PLAIN, PREFILL, Seq
-from sim.tokens import ByteTokenizer, HFTokenizer
+from engine_model.chat import detect_content_format, normalize_messages
+from engine_model.config import SimConfig
+from engine_model.engine import DECODE, PLAIN, PREFILL, Seq
+from engine_model.tokens import ByteTokenizer, HFTokenizer
 
 VLLM_VERSION = "0.32.0"
 REQUIRED_REMOTE_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")

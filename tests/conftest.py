@@ -14,6 +14,6 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from sim.tinymodel import build_tokenizer
+    from engine_model.tinymodel import build_tokenizer
 
     return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))

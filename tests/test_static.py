@@ -1,5 +1,6 @@
-"""Lint and format (ruff) and types (mypy --strict on gateway/ and policies/, config in pyproject.toml) are
-part of the test run, so a fresh clone's ``pytest`` checks what review would."""
+"""Lint and format (ruff) and types (mypy --strict on gateway/, policies/, engine_model/ and sim/;
+config in pyproject.toml) are part of the test run, so a fresh clone's ``pytest`` checks what
+review would."""
 
 from __future__ import annotations
 

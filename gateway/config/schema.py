@@ -176,7 +176,7 @@ class PlannerSLO(_Strict):
 
 
 class PlannerConfig(_Strict):
-    """The live planner (sim/planner.py): from the traffic of the last ``window_s``, the engines
+    """The live planner (engine_model/planner.py): from the traffic of the last ``window_s``, the engines
     each pool needs to meet the SLOs, published as pdgate_pool_desired_engines{pool} for an
     autoscaler. Off by default; its engine model comes from a simulator profile."""
 
@@ -217,8 +217,8 @@ class PlannerConfig(_Strict):
         if any(b is None for b in bounds) or bounds != sorted(set(bounds)):  # type: ignore[type-var]
             raise ValueError("planner.slos: max_prompt_tokens must increase, and only the last SLO may omit it")
         if self.enabled:  # a profile that does not load, or whose engine settings are invalid, fails the config
-            from sim import profile  # the simulator package ships with the gateway
-            from sim.config import SimConfig
+            from engine_model import profile  # the engine model the planner runs (a shared package)
+            from engine_model.config import SimConfig
 
             for end in (None, "low", "high"):
                 SimConfig(**profile.engine_settings(self.profile, end=end))

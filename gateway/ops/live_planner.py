@@ -3,7 +3,7 @@
 ``Demand`` is a lifecycle subscriber: every answered request leaves (when, prompt tokens, output
 tokens). Every ``planner.interval_s`` the ``DemandPlanner`` takes the last ``window_s`` of them
 (sampled down to ``max_requests``), gives each its SLO by prompt length, and asks the planner's
-analytical model (:func:`sim.planner.pool_demand`, the engine profile's costs) for the fewest
+analytical model (:func:`engine_model.planner.pool_demand`, the engine profile's costs) for the fewest
 engines per pool that would serve that traffic within the SLOs. The answer is in fractions of an
 engine, so the figures of several gateway replicas (or worker processes) add up: an autoscaler sums
 ``pdgate_pool_desired_engines{pool}`` over replicas and scales the pool to the ceiling of that.
@@ -107,8 +107,8 @@ def recommend(
     """The planner's answer for the requests ``seen`` over ``span_s`` seconds (blocking: run it
     in a thread). ``settings``: the profile, loaded once per config version by the caller;
     ``stop``: polled between the model's steps, to end a round early."""
-    from sim import planner, profile
-    from sim.fleet import Job
+    from engine_model import planner, profile
+    from engine_model.fleet import Job
 
     t0 = time.perf_counter()
     if not seen:
@@ -160,7 +160,7 @@ class DemandPlanner:
 
     def _settings(self, p: PlannerConfig) -> dict[str, Any]:
         """The profile, read once per config version (the config check already loaded it)."""
-        from sim import profile
+        from engine_model import profile
 
         if self._profile is None or self._profile[0] is not p:
             self._profile = (p, profile.engine_settings(p.profile, end=p.profile_end))

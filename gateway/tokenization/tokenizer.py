@@ -2,7 +2,7 @@
 
 Loading mirrors vLLM's: transformers' AutoTokenizer (a local folder or a hub name) with
 ``truncation_side="left"``, as vLLM loads tokenizers for generative models. Chat prompts follow
-``gateway.tokenization.chat``'s rules, are rendered to text and encoded by the Rust tokenizer directly (the same
+``engine_model.chat``'s rules, are rendered to text and encoded by the Rust tokenizer directly (the same
 ids as the transformers wrapper, at well under half the cost). Truncation and length checks follow
 vLLM's ``TokenizeParams`` (``vllm/renderers/params.py``).
 
@@ -39,10 +39,11 @@ from typing import Any, TypeVar
 
 from cachetools import LRUCache
 
+from engine_model import chat
 from gateway.config import ModelConfig, TokenizerConfig
 from gateway.http.errors import APIError, bad_request
 from gateway.request.protocol import ParsedRequest, check_lengths
-from gateway.tokenization import chat, fasttok, hub
+from gateway.tokenization import fasttok, hub
 
 T = TypeVar("T")
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from bench import crossover
-from sim import profile
-from sim.fleet import Layout
+from engine_model import profile
+from engine_model.fleet import Layout
 
 
 def test_one_run_judged_on_three_slos_and_a_capacity_found():

@@ -135,7 +135,7 @@ def test_requests_no_engine_count_can_serve_are_counted_apart_not_zeroed():
 
 
 def test_a_round_can_be_stopped():
-    from sim import planner
+    from engine_model import planner
 
     cfg = parse_config(BASE).planner
     clock = Clock()

@@ -10,10 +10,10 @@ from typing import Any
 import orjson
 import pytest
 
+from engine_model import chat
 from gateway.config import ModelConfig, TokenizerConfig
 from gateway.http.errors import APIError
 from gateway.request.protocol import parse_body
-from gateway.tokenization import chat
 from gateway.tokenization.tokenizer import ModelTokenizer, Tokenizers
 
 SHOW_FLAGS = "{% for m in messages %}{{ m.content }}{% endfor %}|{{ enable_thinking }}|{{ flavour }}"

@@ -4,7 +4,7 @@ Everything heavy is cached outside the repo, in the folder ``scripts/vllm-cpu-ve
 (``$PDGATE_CACHE_DIR``, else ``$XDG_CACHE_HOME/pdgate``, else ``~/.cache/pdgate``):
 
 - the vLLM venv (~4 GB, ~2 min to build on a fresh machine), built by that script;
-- the tiny model from ``sim/tinymodel.py``, keyed by a hash of that file (and of the venv's
+- the tiny model from ``engine_model/tinymodel.py``, keyed by a hash of that file (and of the venv's
   Python version, whose standard library is the tokenizer's training text), so a change rebuilds it.
 
 Engines follow the team notes on running real vLLM on CPU, plus one thing found here: vLLM 0.32's
@@ -119,7 +119,7 @@ def _venv_python_version(venv: Path) -> str:
 
 def ensure_model(venv: Path) -> Path:
     """The tiny model folder (tokenizer + 2-layer Llama), built once per tinymodel.py version."""
-    source = (REPO / "sim" / "tinymodel.py").read_bytes()
+    source = (REPO / "engine_model" / "tinymodel.py").read_bytes()
     key = hashlib.sha256(source + _venv_python_version(venv).encode()).hexdigest()[:12]
     root = cache_dir()
     root.mkdir(parents=True, exist_ok=True)
@@ -134,7 +134,7 @@ def ensure_model(venv: Path) -> Path:
         shutil.rmtree(building, ignore_errors=True)
         env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         done = subprocess.run(
-            [str(venv / "bin" / "python"), "-m", "sim.tinymodel", str(building), "--with-model"],
+            [str(venv / "bin" / "python"), "-m", "engine_model.tinymodel", str(building), "--with-model"],
             cwd=REPO,
             env=env,
             capture_output=True,

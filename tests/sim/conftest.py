@@ -16,7 +16,7 @@ from tests.promtext import sample
 
 @pytest.fixture(scope="session")
 def sim_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from sim.tinymodel import build_tokenizer
+    from engine_model.tinymodel import build_tokenizer
 
     return build_tokenizer(tmp_path_factory.mktemp("sim-tokenizer"))
 

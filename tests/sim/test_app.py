@@ -9,8 +9,8 @@ import json
 import httpx
 import pytest
 
+from engine_model.config import SimConfig
 from sim.app import create_app
-from sim.config import SimConfig
 
 
 @contextlib.asynccontextmanager

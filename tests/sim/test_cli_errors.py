@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from sim import profile, workload
+from engine_model import profile, workload
+from engine_model.plan_cli import main as plan_main
 from sim.cli import main as sim_main
-from sim.plan_cli import main as plan_main
 
 BROKEN_YAML = "engine: {max_model_len: [1, 2\n"
 

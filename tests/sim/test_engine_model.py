@@ -9,11 +9,11 @@ import contextlib
 import httpx
 import pytest
 
-from sim import profile
+from engine_model import profile
+from engine_model.config import SimConfig, attention_pairs
+from engine_model.engine import Collector, Seq
 from sim.app import SimState, create_app
 from sim.cli import build_parser, config_from_args
-from sim.config import SimConfig, attention_pairs
-from sim.engine import Collector, Seq
 
 
 def test_step_time_terms():

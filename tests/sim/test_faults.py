@@ -1,4 +1,4 @@
-"""Fault injection (sim.faults): the spec, the runtime route, and what a client sees for each fault.
+"""Fault injection (engine_model.faults): the spec, the runtime route, and what a client sees for each fault.
 
 In-process tests (httpx's ASGI transport; P/D pairs talk over the real TCP side channel) cover the
 spec, error answers and failed KV pulls; real sim processes cover what only a socket shows: a hang,
@@ -16,11 +16,11 @@ import time
 import httpx
 import pytest
 
+from engine_model.config import SimConfig
+from engine_model.faults import ConnectionDropped, Faults, FaultSpecError, FaultySend, Plan
 from gateway.engines.legs import PREFILL_KV_PARAMS
 from sim.app import create_app
 from sim.cli import build_parser, config_from_args
-from sim.config import SimConfig
-from sim.faults import ConnectionDropped, Faults, FaultSpecError, FaultySend, Plan
 from tests.procs import ProcGroup, free_port, wait_for
 from tests.sim.conftest import metric, start_sims
 from tests.waiting import until

@@ -8,12 +8,12 @@ import math
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine_model.config import SimConfig
+from engine_model.kv import KVClient, KVError, KVServer, encode_frame, read_frame
+from engine_model.metrics import SimMetrics, build_1_2_5_buckets
+from engine_model.tokens import ByteTokenizer, HFTokenizer, OutputContext, block_chain
 from sim import protocol as P
 from sim.cli import build_parser, config_from_args
-from sim.config import SimConfig
-from sim.kv import KVClient, KVError, KVServer, encode_frame, read_frame
-from sim.metrics import SimMetrics, build_1_2_5_buckets
-from sim.tokens import ByteTokenizer, HFTokenizer, OutputContext, block_chain
 
 # ------------------------------------------------------------------------------ config / CLI
 

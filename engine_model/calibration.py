@@ -6,9 +6,9 @@ in milliseconds (a number, or ``[low, high]``) and its source. ``kv_transfer`` i
 window alone; ``handover`` is prefill's end to the decode engine's first token (the fixed
 hand-over latency, the pull, the recomputed last prompt token). :func:`compare` computes what the
 engine model predicts for each; the test suite holds every bundled profile to its checks, and
-``python -m sim.calibration PROFILE`` prints the table (the docs' calibration table comes from it).
+``python -m engine_model.calibration PROFILE`` prints the table (the docs' calibration table comes from it).
 
-    python -m sim.calibration llama-3.3-70b-tp8-h100 [--end low|high] [--json]
+    python -m engine_model.calibration llama-3.3-70b-tp8-h100 [--end low|high] [--json]
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from sim import profile
-from sim.config import SimConfig, attention_pairs
+from engine_model import profile
+from engine_model.config import SimConfig, attention_pairs
 
 KINDS = ("prefill", "prefill_chunk", "decode_step", "kv_transfer", "handover")
 DEFAULT_TOLERANCE = 0.25

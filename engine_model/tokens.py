@@ -8,7 +8,7 @@ does (``AutoTokenizer``): completion strings are encoded with ``add_special_toke
 Without a tokenizer the engine counts **one token per 4 bytes of UTF-8**
 (``ceil(len(text.encode()) / 4)``); each token id is the little-endian value of its
 4-byte slice, and chat messages are laid out with a small built-in ChatML-like template
-(the one ``sim.tinymodel`` gives its tokenizer). Token-id prompts are used as given.
+(the one ``engine_model.tinymodel`` gives its tokenizer). Token-id prompts are used as given.
 
 Output text is a function of the prompt, as greedy decoding is: every output token is one
 "word piece" (a leading space and a short lowercase word) chosen from a running digest of

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sim.fleet import Job
-from sim.yamlfile import read_yaml
+from engine_model.fleet import Job
+from engine_model.yamlfile import read_yaml
 
 MAX_CLASSES = 32
 MAX_TRACE_LINES = 1_000_000

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from sim import profile, virtual
-from sim.config import SimConfig, attention_pairs
-from sim.fleet import Job, Layout, simulate
+from engine_model import profile, virtual
+from engine_model.config import SimConfig, attention_pairs
+from engine_model.fleet import Job, Layout, simulate
 
 H100 = profile.engine_settings("llama-3.3-70b-tp8-h100")
 

@@ -7,13 +7,13 @@ import contextlib
 
 import pytest
 
+from engine_model.config import SimConfig
+from engine_model.engine import DECODE, PREFILL, Collector, Seq
+from engine_model.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventsConfig
+from engine_model.metrics import cache_config_labels
 from policies.beliefs.blockhash import HashSpec, block_hashes
 from sim.app import SimState
-from sim.config import SimConfig
-from sim.engine import DECODE, PREFILL, Collector, Seq
-from sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventsConfig
-from sim.metrics import cache_config_labels
-from tests.sim.test_engine import hist_count, make_seq, run, text_of
+from tests.engine_model.test_engine import hist_count, make_seq, run, text_of
 from tests.waiting import until
 
 

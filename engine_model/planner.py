@@ -5,7 +5,7 @@ with vLLM's default chunk or 2048-token chunks; P/D with p prefill + d decode en
 routing rule) from the engine profile's cost model: queueing for prefill (M/G/1 waits), the decode
 batch from Little's law, the share of decode steps that carry a prefill chunk (which sets the
 streams' ITL percentiles), the KV hand-over. Then the most promising candidates run in the fleet
-simulator (:mod:`sim.fleet`: the same engine as ``pdgate sim``, on a virtual clock), and the
+simulator (:mod:`engine_model.fleet`: the same engine as ``pdgate sim``, on a virtual clock), and the
 cheapest layout whose simulated SLO attainment reaches the target is recommended.
 """
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from statistics import fmean
 from typing import Any
 
-from sim.config import SimConfig, attention_pairs
-from sim.fleet import Job, Layout, Result, simulate
+from engine_model.config import SimConfig, attention_pairs
+from engine_model.fleet import Job, Layout, Result, simulate
 
 DEFAULT_THRESHOLDS = (2048, 4096, 8192)
 SMALL_CHUNK = 2048

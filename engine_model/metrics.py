@@ -23,7 +23,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from sim.config import SimConfig
+from engine_model.config import SimConfig
 
 # Bucket boundaries of vLLM 0.32 (vllm/v1/metrics/buckets.py and the NIXL stats module).
 REQUEST_LATENCY_BUCKETS = [

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-log = logging.getLogger("sim.kv_events")
+log = logging.getLogger("engine_model.kv_events")
 
 
 class EventSink(Protocol):

@@ -22,8 +22,8 @@ import os
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from engine_model.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from policies.beliefs.blockhash import Digest, HashSpec, block_digests
-from sim.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 
 def engine_hash_spec(block_size: int, algo: str) -> HashSpec:

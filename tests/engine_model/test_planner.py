@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from sim import planner, profile, workload
-from sim.fleet import Layout
-from sim.planner import Candidate
+from engine_model import planner, profile, workload
+from engine_model.fleet import Layout
+from engine_model.planner import Candidate
 
 H100 = profile.engine_settings("llama-3.3-70b-tp8-h100")
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import orjson
 import pytest
 
+from engine_model import chat
 from gateway.config import ModelConfig, TokenizerConfig
 from gateway.http.errors import APIError
 from gateway.request.protocol import ParsedRequest, parse_body
-from gateway.tokenization import chat
 from gateway.tokenization.tokenizer import ModelTokenizer, PromptIds, Tokenizers, detect_renderer
 
 LOOPS_PARTS = "{% for m in messages %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endfor %}"

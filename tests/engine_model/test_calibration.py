@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from sim import calibration, profile
+from engine_model import calibration, profile
+from engine_model.config import SimConfig
 from sim.cli import build_parser, config_from_args
-from sim.config import SimConfig
 
 CALIBRATED = [n for n in profile.available() if profile.load(n).get("checks")]
 

@@ -1,10 +1,10 @@
 """A fleet of simulated engines and a router in one process, on a virtual clock.
 
-The same engine as ``pdgate sim`` (:class:`sim.engine.Engine`: continuous batching, chunked
+The same engine as ``pdgate sim`` (:class:`engine_model.engine.Engine`: continuous batching, chunked
 prefill, KV blocks, the P/D hand-over with its pull), without HTTP: a router coroutine per job
 submits engine requests directly and the KV side channel is a method call. Simulated time jumps
-from step to step (:mod:`sim.virtual`), so a minute of traffic on a few engines takes about a
-second. The planner (:mod:`sim.planner`) and the crossover sweep use it.
+from step to step (:mod:`engine_model.virtual`), so a minute of traffic on a few engines takes about a
+second. The planner (:mod:`engine_model.planner`) and the crossover sweep use it.
 
 Routing, as pdgate does it without prefix information: a request goes to the least-loaded engine
 of its pool (running + waiting requests, then tokens still to prefill); in P/D layouts, prompts
@@ -22,11 +22,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sim import virtual
-from sim.config import SimConfig
-from sim.engine import DECODE, PREFILL, Collector, Engine, Seq
-from sim.metrics import SimMetrics
-from sim.tokens import ByteTokenizer
+from engine_model import virtual
+from engine_model.config import SimConfig
+from engine_model.engine import DECODE, PREFILL, Collector, Engine, Seq
+from engine_model.metrics import SimMetrics
+from engine_model.tokens import ByteTokenizer
 
 POLICIES = ("colocated", "always", "threshold")
 HOST = "fleet"  # the side channel's "host": a name in this process, never dialled
@@ -250,7 +250,7 @@ def simulate(
     progress: Callable[[int], None] | None = None,
 ) -> Result:
     """Serve ``jobs`` on ``layout`` engines with profile ``settings`` (``SimConfig`` keyword
-    arguments, e.g. :func:`sim.profile.engine_settings`); jobs still unserved at ``horizon_s``
+    arguments, e.g. :func:`engine_model.profile.engine_settings`); jobs still unserved at ``horizon_s``
     (default: the last arrival + 120 s) count as failed."""
     jobs = sorted(jobs, key=lambda j: j.arrival_s)
     last = jobs[-1].arrival_s if jobs else 0.0

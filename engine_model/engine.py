@@ -17,15 +17,15 @@ Model (a small cousin of vLLM's v1 scheduler):
   seqs attend to), times ``time_scale``. So a long
   prefill chunk stalls every decoding stream in the same engine (the interference that P/D
   disaggregation removes). A seq that has computed all its tokens samples one. Profiles
-  (``sim/profiles/*.yaml``, :mod:`sim.profiles`) set these from a model and GPU shape.
+  (``engine_model/profiles/*.yaml``, :mod:`engine_model.profiles`) set these from a model and GPU shape.
 * KV blocks are ``block_size`` tokens; block 0 is vLLM's null block, so
   ``kv_cache_usage_perc = 1 - free / (num_gpu_blocks - 1)``. A running seq that cannot
   grow preempts the newest running seq (recompute, counted in vllm:num_preemptions).
-* Prefix caching (:mod:`sim.prefix`, on by default as in vLLM 0.32): full blocks are
+* Prefix caching (:mod:`engine_model.prefix`, on by default as in vLLM 0.32): full blocks are
   registered under their chained hashes when scheduled; a seq admitted with nothing computed
   reuses its longest cached prefix (at most ``num_tokens - 1`` tokens), which it neither
   prefills nor pays step time for. Freed cached blocks stay reusable until evicted (LRU).
-  Each step's cache changes go out as one KV event batch (:mod:`sim.kv_events`).
+  Each step's cache changes go out as one KV event batch (:mod:`engine_model.kv_events`).
 * Prefill leg (``kv_transfer_params.do_remote_decode``): runs like any request, then its
   blocks are *held* under its internal request id instead of freed, and the response
   carries the handle. Held blocks are released when a decode engine notifies (after
@@ -34,7 +34,7 @@ Model (a small cousin of vLLM's v1 scheduler):
   with heartbeats.
 * Decode leg (``do_remote_prefill``): once admitted it takes its local prefix hit, allocates
   blocks for the rest of its prompt and pulls only those blocks' KV over the side channel
-  (:mod:`sim.kv`): a read, the transfer time (``kv_transfer_latency`` + per block
+  (:mod:`engine_model.kv`): a read, the transfer time (``kv_transfer_latency`` + per block
   ``kv_transfer_time_per_block`` + per token ``kv_transfer_time_per_token`` +
   ``kv_bytes_per_token`` over ``kv_bandwidth_gbps``), then a
   notify that frees the remote blocks.
@@ -51,7 +51,7 @@ Model (a small cousin of vLLM's v1 scheduler):
   error: NIXL reads blocks by id, so the decode runs on whatever the blocks hold (this
   prompt's KV if they were not reused since, otherwise someone else's, which changes the
   output text) and the prefill engine counts vllm:nixl_num_notifications_after_expiry.
-* A read the prefill engine refuses (the ``kv_refuse`` fault, :mod:`sim.faults`) is vLLM's
+* A read the prefill engine refuses (the ``kv_refuse`` fault, :mod:`engine_model.faults`) is vLLM's
   ``transfer_failed`` (the READ ends in state ERR): the same error finish, and no notification
   (the notification rides on the failed READ), so the prefill blocks wait for their expiry.
 * ``kv_load_failure_policy=recompute`` (vLLM's other policy) turns every failure above into
@@ -73,15 +73,15 @@ from typing import Any
 
 import orjson
 
-from sim.config import SimConfig, attention_pairs
-from sim.faults import Faults
-from sim.kv import KVClient, KVError
-from sim.kv_events import EventSink
-from sim.metrics import SimMetrics
-from sim.prefix import BlockPool, engine_hash_spec, extend_digests
-from sim.tokens import OutputContext, OutputVocab, block_chain
+from engine_model.config import SimConfig, attention_pairs
+from engine_model.faults import Faults
+from engine_model.kv import KVClient, KVError
+from engine_model.kv_events import EventSink
+from engine_model.metrics import SimMetrics
+from engine_model.prefix import BlockPool, engine_hash_spec, extend_digests
+from engine_model.tokens import OutputContext, OutputVocab, block_chain
 
-log = logging.getLogger("sim.engine")
+log = logging.getLogger("engine_model.engine")
 
 PLAIN, PREFILL, DECODE = "plain", "prefill", "decode"
 WAITING, REMOTE_KV, RUNNING, FINISHED = "waiting", "remote_kv", "running", "finished"
@@ -709,7 +709,7 @@ class Engine:
             self.m.nixl_kv_expired.inc()
             log.warning("Releasing expired KV blocks for request %s (no decode engine pulled them)", request_id)
 
-    # Side-channel operations (called by sim.kv.KVServer) --------------------
+    # Side-channel operations (called by engine_model.kv.KVServer) --------------------
     def kv_read(self, msg: dict[str, Any]) -> dict[str, Any]:
         """A decode engine reads blocks by id. Like a NIXL READ it gets whatever the blocks
         hold now (``tags`` describe that KV), whether or not the handle is still known.

@@ -36,7 +36,7 @@ from typing import Any
 
 import orjson
 
-log = logging.getLogger("sim.kv")
+log = logging.getLogger("engine_model.kv")
 
 _HEADER = struct.Struct("!I")
 MAX_FRAME = 64 * 1024 * 1024

@@ -7,8 +7,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from sim.faults import FaultSpecError, parse_spec
-from sim.kv_events import KVEventsConfig
+from engine_model.faults import FaultSpecError, parse_spec
+from engine_model.kv_events import KVEventsConfig
 
 ROLES = ("prefill", "decode", "both")
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")  # vLLM 0.32's PrefixCachingHashAlgo
@@ -36,7 +36,7 @@ class SimConfig:
     prefill_time_per_token: float = 0.0
     decode_time_per_token: float = 0.0
     kv_transfer_time_per_token: float = 0.0
-    # The step-time model (sim.engine): base + prefill tokens + decode seqs + context read.
+    # The step-time model (engine_model.engine): base + prefill tokens + decode seqs + context read.
     step_base_time: float = 0.0  # fixed cost of any step (weights read once per step)
     decode_time_per_seq: float = 0.0  # each decoding seq in the step
     context_time_per_token: float = 0.0  # each KV token the step's decoding seqs attend to
@@ -48,7 +48,7 @@ class SimConfig:
     kv_transfer_latency: float = 0.0  # fixed cost of one hand-over (handshake, notify, scheduling)
     kv_transfer_time_per_block: float = 0.0  # each pulled KV block (descriptors per block: block size matters)
     time_scale: float = 1.0  # every simulated duration is multiplied by this (0.1: 10x faster than real)
-    profile: str | None = None  # the profile the timings came from (sim/profiles), for /sim/state
+    profile: str | None = None  # the profile the timings came from (engine_model/profiles), for /sim/state
     kv_host: str | None = None
     kv_port: int = 0
     kv_expiry: float = 30.0  # vLLM 0.32: kv_lease_duration, renewed by queued decode legs
@@ -63,7 +63,7 @@ class SimConfig:
     enable_prompt_tokens_details: bool = False
     server_dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1: dev routes such as /reset_prefix_cache
     kv_load_failure_policy: str = "fail"  # what a decode leg does when its KV pull fails
-    faults: dict[str, Any] | None = None  # start-up fault spec (sim.faults), also set at runtime
+    faults: dict[str, Any] | None = None  # start-up fault spec (engine_model.faults), also set at runtime
     log_level: str = "warning"
 
     def __post_init__(self) -> None:  # noqa: C901 - over the limit before it was set; to split

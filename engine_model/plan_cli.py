@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sim import planner, profile, workload
-from sim.oneline import Help, Parser
+from engine_model import planner, profile, workload
+from engine_model.oneline import Help, Parser
 
 MAX_ENGINES = 32
 MAX_DURATION_S = 3600.0
@@ -74,7 +74,9 @@ def build_parser(prog: str = "pdgate plan") -> Parser:
         help="requests/s to plan for (comma-separated for several; default: the trace's own rate, or 2)",
     )
     p.add_argument("--duration", type=float, default=120.0, help="simulated seconds of traffic per check (default 120)")
-    p.add_argument("--profile", default="llama-3.3-70b-tp8-h100", help="engine profile (sim/profiles or a file)")
+    p.add_argument(
+        "--profile", default="llama-3.3-70b-tp8-h100", help="engine profile (engine_model/profiles or a file)"
+    )
     p.add_argument(
         "--profile-end",
         choices=("low", "high"),
@@ -193,4 +195,4 @@ def main(argv: list[str] | None = None, prog: str = "pdgate plan") -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(prog="python -m sim.plan_cli"))
+    sys.exit(main(prog="python -m engine_model.plan_cli"))

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sim import workload
+from engine_model import workload
 
 
 def test_presets_and_rate_scaling():

@@ -15,9 +15,9 @@ import msgspec
 import pytest
 import zmq
 
+from engine_model.kv_events import END_SEQ, KVEventBatch
 from gateway.engines.legs import PREFILL_KV_PARAMS
 from policies.beliefs.blockhash import HashSpec, block_hashes
-from sim.kv_events import END_SEQ, KVEventBatch
 from tests.procs import ProcGroup, free_port, wait_for
 from tests.promtext import sample
 

@@ -1,13 +1,13 @@
 """Engine profiles: YAML files of simulator settings derived from a model and a GPU node.
 
-A profile (``sim/profiles/NAME.yaml``, or any file) has an ``engine`` section of
-:class:`sim.config.SimConfig` fields plus documentation-only sections (``model``,
+A profile (``engine_model/profiles/NAME.yaml``, or any file) has an ``engine`` section of
+:class:`engine_model.config.SimConfig` fields plus documentation-only sections (``model``,
 ``hardware``, ``sources``) saying where each number comes from. Where a number is uncertain,
 ``ranges`` gives its value at the low-cost and at the high-cost end of what the sources allow
 (``[cheap, costly]``: for a bandwidth the larger number comes first); ``engine`` holds the
 central value, and benchmarks run at both ends with ``end="low"`` / ``end="high"``.
 ``checks`` are measured cases the model must reproduce
-(:mod:`sim.calibration`). ``pdgate sim --profile NAME`` starts from it; flags given on the
+(:mod:`engine_model.calibration`). ``pdgate sim --profile NAME`` starts from it; flags given on the
 command line override it.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from sim.yamlfile import read_yaml
+from engine_model.yamlfile import read_yaml
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
 _DOC_KEYS = {"name", "description", "model", "hardware", "sources", "checks"}
@@ -52,7 +52,7 @@ def profile_path(name_or_path: str) -> Path:
 def load(name_or_path: str) -> dict[str, Any]:
     """The whole profile document, validated: unknown engine keys are errors (a typo would
     otherwise silently fall back to a default)."""
-    from sim.config import SimConfig
+    from engine_model.config import SimConfig
 
     path = profile_path(name_or_path)
     doc = read_yaml(path, "profile") or {}

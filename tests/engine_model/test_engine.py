@@ -9,10 +9,10 @@ import time
 
 import pytest
 
+from engine_model.config import SimConfig
+from engine_model.engine import DECODE, PREFILL, Collector, Seq
+from engine_model.tokens import block_chain
 from sim.app import SimState
-from sim.config import SimConfig
-from sim.engine import DECODE, PREFILL, Collector, Seq
-from sim.tokens import block_chain
 from tests.waiting import until
 
 
