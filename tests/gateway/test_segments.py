@@ -14,7 +14,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre
 
 from gateway.config import ModelConfig
 from gateway.request.protocol import parse_body
-from gateway.tokenization.tokenizer import ModelTokenizer, SegmentEncoder
+from gateway.tokenization.segments import SegmentEncoder
+from gateway.tokenization.tokenizer import ModelTokenizer
 
 WORDS = [
     "hello",
@@ -288,7 +289,7 @@ def test_reuse_off() -> None:
 
 
 def test_common_prefix() -> None:
-    from gateway.tokenization.tokenizer import _common_prefix
+    from gateway.tokenization.segments import _common_prefix
 
     rng = random.Random(4)
     for _ in range(500):
