@@ -10,13 +10,16 @@ endpoints go in; a decision comes out. Policies are plain classes of four kinds,
 - a **decider** chooses the path (P/D or direct) once the decode endpoint is known, and says why.
 
 Policies see only what is handed to them (no globals, no I/O): live signals arrive as fields of
-``EndpointView`` and ``RequestContext``, so every policy is a pure function of its inputs.
+``EndpointView`` and ``RequestContext``, or as per-request data in ``RequestContext.data`` (typed
+keys, ``data.py``), which a policy may also publish for others (``Publisher``), so every policy is a
+pure function of its inputs.
 
-Parameters: a policy class declares them as ``Params: ClassVar[type[pydantic.BaseModel]]`` (with
-``extra="forbid"``, so a typo is an error; see ``params.py``) and takes each field as a keyword. The
-config loader checks a policy's YAML parameters against ``Params`` at parse time, so each error names
-its YAML location; the registry builds the policy as ``cls(**dict(Params.model_validate(params)))``.
-A third-party policy without ``Params`` is built as ``factory(**params)``.
+Parameters: a built-in policy subclasses ``Policy[ItsParams]`` (``params.py``), where ``ItsParams``
+is a pydantic model (``extra="forbid"``, so a typo is an error): the one place its parameters,
+defaults and bounds are declared. The config loader checks a policy's YAML parameters against it at
+parse time, so each error names its YAML location; the registry builds the policy from the
+validated model, with its instance name. A third-party policy with a ``Params`` model that is not a
+``Policy`` is built as ``factory(**validated)``, one without as ``factory(**params)``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from enum import StrEnum
 from typing import Literal, Protocol, runtime_checkable
 
 from policies.beliefs.blockhash import BlockHash
+from policies.data import Key, RequestData
 
 # Where an engine runs, as (label key, value) pairs sorted by key: the zone from its EndpointSlice
 # (``topology.kubernetes.io/zone``), Node labels discovery was asked to read (an EC2 network spine),
@@ -97,6 +101,10 @@ class _NothingMeasured:
 
 NOTHING_MEASURED: Measured = _NothingMeasured()
 
+# The gateway's measurements, published for each request (``gateway/request/router.py``); read as
+# ``ctx.data.get(MEASURED, NOTHING_MEASURED)``.
+MEASURED = Key[Measured]("measured", "what the gateway has measured on real requests (P/D hand-over)")
+
 
 @dataclass(frozen=True, slots=True)
 class RequestContext:
@@ -112,10 +120,12 @@ class RequestContext:
     settled_tokens: Mapping[str, int] = field(default_factory=dict)
     block_hashes: Sequence[BlockHash] = ()  # the prompt's full KV blocks, hashed as the engines do
     block_size: int = 0  # 0: prefix routing is off
-    measured: Measured = NOTHING_MEASURED
     # While the prefill pool chooses: the decode engine already chosen, which will pull the KV from
     # the prefill engine (pairing policies compare topologies). None while the decode pool chooses.
     paired: EndpointView | None = None
+    # Per-request data by typed key (``data.py``): what the gateway and policies publish for other
+    # policies (and the lifecycle hooks) to read. One slot per request, shared by ``replace``d copies.
+    data: RequestData = field(default_factory=RequestData, compare=False)
 
     @property
     def prompt_tokens(self) -> int:
@@ -163,6 +173,15 @@ class Decision:
 # The decider asks for the prefill endpoint only when it needs it (a short prompt never does);
 # the answer is None when the P/D path is not possible for this request.
 PrefillFinder = Callable[[], EndpointView | None]
+
+
+@runtime_checkable
+class Publisher(Protocol):
+    """A policy (of any kind) that publishes per-request data before the pools choose: called once
+    per request, when the gateway prepares it, in the pipeline's order (decider, then each pool's
+    filters, scorers and picker). What it puts in ``ctx.data`` every policy of the request can read."""
+
+    def publish(self, ctx: RequestContext) -> None: ...
 
 
 @runtime_checkable

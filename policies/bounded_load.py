@@ -13,13 +13,11 @@ The least loaded candidate is never above the mean, so the filter never empties 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import ClassVar
 
 from pydantic import Field
 
 from .base import EndpointView, RequestContext
-from .params import Number, PolicyParams, check_fields
+from .params import Number, Policy, PolicyParams
 
 
 class BoundedLoadParams(PolicyParams):
@@ -32,19 +30,7 @@ class BoundedLoadParams(PolicyParams):
     slack: Number = Field(2.0, ge=0, description="requests allowed above that bound")
 
 
-_DEFAULTS = BoundedLoadParams()
-
-
-@dataclass(frozen=True)
-class BoundedLoad:
-    Params: ClassVar[type[BoundedLoadParams]] = BoundedLoadParams
-
-    load_factor: float = _DEFAULTS.load_factor
-    slack: float = _DEFAULTS.slack
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-
+class BoundedLoad(Policy[BoundedLoadParams]):
     @staticmethod
     def load(e: EndpointView) -> float:
         return e.in_flight + (e.waiting or 0)
@@ -53,5 +39,5 @@ class BoundedLoad:
         if len(candidates) < 2:
             return candidates
         loads = [self.load(e) for e in candidates]
-        bound = self.load_factor * sum(loads) / len(loads) + self.slack
+        bound = self.params.load_factor * sum(loads) / len(loads) + self.params.slack
         return [e for e, x in zip(candidates, loads, strict=True) if x <= bound]

@@ -24,13 +24,10 @@ on a one-engine prefill pool waited seconds to spare a few streams one 60 ms ste
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 from pydantic import Field
 
-from .base import EndpointView, Path, PathChoice, PrefillFinder, RequestContext
-from .params import Number, PolicyParams, check_fields
+from .base import MEASURED, NOTHING_MEASURED, EndpointView, Path, PathChoice, PrefillFinder, RequestContext
+from .params import Number, Policy, PolicyParams
 
 # Llama-3.3-70B in bf16: 2 (K and V) * 80 layers * 8 KV heads * 128 head dim * 2 bytes.
 LLAMA_70B_KV_BYTES_PER_TOKEN = 2 * 80 * 8 * 128 * 2
@@ -65,53 +62,48 @@ class CostModelParams(PolicyParams):
     prefill_chunk_tokens: Number = Field(8192, gt=0, description="the engines' max_num_batched_tokens")
 
 
-_DEFAULTS = CostModelParams()
+class CostModel(Policy[CostModelParams]):
+    """Parameters, defaults and bounds: ``CostModelParams``. The measured hand-over comes from the
+    request's data (``MEASURED``, published by the gateway)."""
 
+    # The SLO check (gateway/request/slo.py) reads these two by name.
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.params.prefill_tokens_per_s
 
-@dataclass(frozen=True)
-class CostModel:
-    """Parameters, defaults and bounds: ``CostModelParams``."""
-
-    Params: ClassVar[type[CostModelParams]] = CostModelParams
-
-    kv_bytes_per_token: float = _DEFAULTS.kv_bytes_per_token
-    kv_bandwidth_gbps: float = _DEFAULTS.kv_bandwidth_gbps
-    prefill_tokens_per_s: float = _DEFAULTS.prefill_tokens_per_s
-    decode_prefill_factor: float = _DEFAULTS.decode_prefill_factor
-    pd_overhead_s: float = _DEFAULTS.pd_overhead_s
-    min_gain_s: float = _DEFAULTS.min_gain_s
-    itl_budget_s: float = _DEFAULTS.itl_budget_s
-    prefill_chunk_tokens: float = _DEFAULTS.prefill_chunk_tokens
-
-    def __post_init__(self) -> None:
-        check_fields(self)
+    @property
+    def decode_prefill_factor(self) -> float:
+        return self.params.decode_prefill_factor
 
     def _spt(self, e: EndpointView, fallback: float | None = None) -> float:
         if e.prefill_s_per_token is not None:
             return e.prefill_s_per_token
-        return fallback if fallback is not None else 1.0 / self.prefill_tokens_per_s
+        return fallback if fallback is not None else 1.0 / self.params.prefill_tokens_per_s
 
     def transfer_s(self, tokens: int) -> float:
-        return tokens * self.kv_bytes_per_token * 8 / (self.kv_bandwidth_gbps * 1e9)
+        p = self.params
+        return tokens * p.kv_bytes_per_token * 8 / (p.kv_bandwidth_gbps * 1e9)
 
     def handover(self, ctx: RequestContext, decode: EndpointView, prefill: EndpointView) -> tuple[float, str]:
         """Seconds from the prefill answer to the decode engine's first token, and their source."""
         tokens = ctx.uncached(decode.url)
-        measured = ctx.measured.handover(prefill.url, decode.url, tokens, self.transfer_s(1))
+        measured = ctx.data.get(MEASURED, NOTHING_MEASURED).handover(
+            prefill.url, decode.url, tokens, self.transfer_s(1)
+        )
         if measured is not None:
             return measured.seconds, f"measured on the {measured.source}, n={measured.samples}"
-        return self.transfer_s(tokens) + self.pd_overhead_s, "configured"
+        return self.transfer_s(tokens) + self.params.pd_overhead_s, "configured"
 
     def _decode_spt(self, decode: EndpointView, prefill: EndpointView) -> float:
         # A decode engine has the same model and usually the same hardware: before its own speed is
         # known, the prefill engine's learned speed (slowed by the factor) is the better guess.
         if decode.prefill_s_per_token is not None:
             return decode.prefill_s_per_token
-        return self._spt(prefill) * self.decode_prefill_factor
+        return self._spt(prefill) * self.params.decode_prefill_factor
 
     def stall_s(self, ctx: RequestContext, decode: EndpointView, prefill: EndpointView) -> float:
         """How long one step of this prompt's direct prefill would hold up the decode engine's streams."""
-        return min(ctx.uncached(decode.url), self.prefill_chunk_tokens) * self._decode_spt(decode, prefill)
+        return min(ctx.uncached(decode.url), self.params.prefill_chunk_tokens) * self._decode_spt(decode, prefill)
 
     def predict(self, ctx: RequestContext, decode: EndpointView, prefill: EndpointView) -> tuple[float, float]:
         """(direct, pd) predicted seconds to first token."""
@@ -133,11 +125,12 @@ class CostModel:
         direct, pd, handover, source = self._predict(ctx, decode, p)
         detail = f"ttft direct={direct * 1000:.1f}ms pd={pd * 1000:.1f}ms (hand-over {handover * 1000:.1f}ms, {source})"
         predicted = (("direct", direct), ("pd", pd))
-        if pd + self.min_gain_s < direct:
+        if pd + self.params.min_gain_s < direct:
             return PathChoice(Path.PD, "pd_faster", detail, predicted)
         streams = decode.running if decode.running is not None else decode.in_flight
-        if self.itl_budget_s and streams and (stall := self.stall_s(ctx, decode, p)) > self.itl_budget_s:
-            stalls = f"direct would stall {streams} stream(s) {stall * 1000:.0f}ms > {self.itl_budget_s * 1000:.0f}ms"
+        budget = self.params.itl_budget_s
+        if budget and streams and (stall := self.stall_s(ctx, decode, p)) > budget:
+            stalls = f"direct would stall {streams} stream(s) {stall * 1000:.0f}ms > {budget * 1000:.0f}ms"
             # Every chunk of a direct prefill delays every running stream by its prefill time.
             spared = streams * ctx.uncached(decode.url) * self._decode_spt(decode, p)
             if pd - direct <= spared:

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import ClassVar
 
 from .base import EndpointView, RequestContext
-from .params import NoParams
+from .params import NoParams, Policy
 
 
-@dataclass
-class LeastInflight:
-    Params: ClassVar[type[NoParams]] = NoParams
+class LeastInflight(Policy[NoParams]):
+    _turns: defaultdict[str, int]
 
-    # Ties rotate, per pool: one shared counter would alternate between pools and pin every P/D
-    # request to the same prefill/decode pair.
-    _turns: dict[str, int] = field(default_factory=lambda: defaultdict(int), init=False, repr=False)
+    def setup(self) -> None:
+        # Ties rotate, per pool: one shared counter would alternate between pools and pin every P/D
+        # request to the same prefill/decode pair.
+        self._turns = defaultdict(int)
 
     def pick(self, ctx: RequestContext, candidates: Sequence[EndpointView], scores: Sequence[float]) -> EndpointView:
         if not candidates:

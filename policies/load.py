@@ -8,13 +8,11 @@ score = 1 - load / max(load over candidates)   (all idle: every score is 1)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import ClassVar
 
 from pydantic import Field
 
 from .base import EndpointView, RequestContext
-from .params import Number, PolicyParams, check_fields
+from .params import Number, Policy, PolicyParams
 
 
 class LoadParams(PolicyParams):
@@ -24,27 +22,14 @@ class LoadParams(PolicyParams):
     kv_weight: Number = Field(1.0, ge=0, description="per 10% of KV cache in use")
 
 
-_DEFAULTS = LoadParams()
-
-
-@dataclass(frozen=True)
-class Load:
-    Params: ClassVar[type[LoadParams]] = LoadParams
-
-    inflight_weight: float = _DEFAULTS.inflight_weight
-    waiting_weight: float = _DEFAULTS.waiting_weight
-    running_weight: float = _DEFAULTS.running_weight
-    kv_weight: float = _DEFAULTS.kv_weight
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-
+class Load(Policy[LoadParams]):
     def load(self, e: EndpointView) -> float:
+        p = self.params
         return (
-            self.inflight_weight * e.in_flight
-            + self.waiting_weight * (e.waiting or 0)
-            + self.running_weight * (e.running or 0)
-            + self.kv_weight * 10 * (e.kv_usage or 0.0)
+            p.inflight_weight * e.in_flight
+            + p.waiting_weight * (e.waiting or 0)
+            + p.running_weight * (e.running or 0)
+            + p.kv_weight * 10 * (e.kv_usage or 0.0)
         )
 
     def score(self, ctx: RequestContext, candidates: Sequence[EndpointView]) -> Sequence[float]:

@@ -5,40 +5,29 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import ClassVar
 
 from pydantic import Field
 
 from .base import EndpointView, RequestContext
-from .params import Number, PolicyParams, check_fields
+from .params import Number, Policy, PolicyParams
 
 
 class MaxScoreParams(PolicyParams):
     tie_margin: Number = Field(1e-6, ge=0, description="scores closer than this count as equal")
 
 
-_DEFAULTS = MaxScoreParams()
+class MaxScore(Policy[MaxScoreParams]):
+    _turns: defaultdict[str, int]
 
-
-@dataclass
-class MaxScore:
-    Params: ClassVar[type[MaxScoreParams]] = MaxScoreParams
-
-    tie_margin: float = _DEFAULTS.tie_margin
-
-    _turns: dict[str, int] = field(default_factory=lambda: defaultdict(int), init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        check_fields(self)
+    def setup(self) -> None:
+        self._turns = defaultdict(int)
 
     def pick(self, ctx: RequestContext, candidates: Sequence[EndpointView], scores: Sequence[float]) -> EndpointView:
         if not candidates:
             raise ValueError("no candidates")
         best = max(scores) if scores else 0.0
-        top = [
-            e for e, s in zip(candidates, scores or [0.0] * len(candidates), strict=True) if s >= best - self.tie_margin
-        ]
+        margin = self.params.tie_margin
+        top = [e for e, s in zip(candidates, scores or [0.0] * len(candidates), strict=True) if s >= best - margin]
         if len(top) == 1:
             return top[0]
         pool = top[0].pool

@@ -1,10 +1,12 @@
 """The routing pipeline the YAML describes: per pool filters -> weighted scorers -> picker, then the
-decider chooses the path once the decode endpoint is known."""
+decider chooses the path once the decode endpoint is known. Before any of it, once per request, the
+policies that publish per-request data (``base.Publisher``) do (``RoutingPipeline.publish``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 from .base import (
@@ -16,6 +18,7 @@ from .base import (
     Path,
     Picker,
     PoolSnapshot,
+    Publisher,
     RequestContext,
     Scorer,
 )
@@ -118,6 +121,21 @@ class RoutingPipeline:
             *self.decode.members("decode"),
             *self.prefill.members("prefill"),
         ]
+
+    @cached_property
+    def publishers(self) -> tuple[Publisher, ...]:
+        """The policies that publish per-request data, in ``members`` order, each object once."""
+        found: list[Publisher] = []
+        for _, policy in self.members():
+            if isinstance(policy, Publisher) and not any(policy is p for p in found):
+                found.append(policy)
+        return tuple(found)
+
+    def publish(self, ctx: RequestContext) -> None:
+        """Let each publisher put its per-request data in ``ctx.data`` (once per request, before
+        ``route``: the gateway does it when it prepares the request)."""
+        for policy in self.publishers:
+            policy.publish(ctx)
 
     def route(self, ctx: RequestContext, pools: PoolSnapshot, *, explain: bool = False) -> Route:
         traces: dict[str, list[dict[str, Any]]] = {"decode": [], "prefill": []} if explain else {}

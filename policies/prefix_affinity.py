@@ -5,17 +5,12 @@ real token ids, learned from routing or from the engines' KV events)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import ClassVar
 
 from .base import EndpointView, RequestContext
-from .params import NoParams
+from .params import NoParams, Policy
 
 
-@dataclass(frozen=True)
-class PrefixAffinity:
-    Params: ClassVar[type[NoParams]] = NoParams
-
+class PrefixAffinity(Policy[NoParams]):
     def score(self, ctx: RequestContext, candidates: Sequence[EndpointView]) -> Sequence[float]:
         n = ctx.prompt_tokens
         if not n or not ctx.cached_tokens:

@@ -2,7 +2,9 @@
 
 Adding a policy: one module, one test, one line below. A policy class that declares ``Params`` (a
 pydantic model, see ``params.py``) gets its parameters validated against it, here and by the config
-loader (errors at their YAML location); one without is built as ``factory(**params)``."""
+loader (errors at their YAML location); a ``Policy`` subclass is built from the validated model with
+its instance name, another with ``Params`` as ``factory(**validated)``, one without ``Params`` as
+``factory(**params)``."""
 
 from __future__ import annotations
 
@@ -96,13 +98,18 @@ def kind_error(name: str, kind: type) -> str | None:
     )
 
 
-def build(name: str, params: Mapping[str, Any], kind: type) -> Any:
-    """Instantiate policy ``name`` with ``params`` and check it implements ``kind``."""
+def build(name: str, params: Mapping[str, Any], kind: type, instance: str | None = None) -> Any:
+    """Instantiate policy ``name`` with ``params`` and check it implements ``kind``. ``instance``:
+    the instance's name (default ``name``), which a ``Policy`` carries as its ``name``."""
     factory = lookup(name)
     model = params_model(factory)
     try:
-        kwargs = dict(params) if model is None else dict(_params.validate(model, name, params))
-        policy = factory(**kwargs)
+        if model is None:
+            policy = factory(**params)
+        elif isinstance(factory, type) and issubclass(factory, _params.Policy):
+            policy = factory(_params.validate(model, name, params), name=instance or name)
+        else:
+            policy = factory(**dict(_params.validate(model, name, params)))
     except ValidationError as err:
         raise PolicyError(f"policy {name!r}: {_params.describe(err)}") from None
     except (TypeError, ValueError) as err:

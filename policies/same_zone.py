@@ -16,13 +16,11 @@ request takes the direct path (reason ``no_prefill_in_zone``) instead of a cross
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import ClassVar
 
 from pydantic import Field
 
 from .base import ZONE, EndpointView, NoPairing, RequestContext
-from .params import PolicyParams, check_fields
+from .params import Policy, PolicyParams
 
 
 class SameZoneParams(PolicyParams):
@@ -30,23 +28,12 @@ class SameZoneParams(PolicyParams):
     strict: bool = Field(True, description="no candidate in the zone: go direct rather than pair across zones")
 
 
-_DEFAULTS = SameZoneParams()
-
-
-@dataclass(frozen=True)
-class SameZone:
-    Params: ClassVar[type[SameZoneParams]] = SameZoneParams
-
-    key: str = _DEFAULTS.key
-    strict: bool = _DEFAULTS.strict
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-
+class SameZone(Policy[SameZoneParams]):
     def filter(self, ctx: RequestContext, candidates: Sequence[EndpointView]) -> Sequence[EndpointView]:
-        if ctx.paired is None or (zone := ctx.paired.where(self.key)) is None:
+        key = self.params.key
+        if ctx.paired is None or (zone := ctx.paired.where(key)) is None:
             return candidates
-        kept = [e for e in candidates if e.where(self.key) in (zone, None)]
-        if not kept and self.strict:
-            raise NoPairing("no_prefill_in_zone", f"no prefill engine in {self.key}={zone}")
+        kept = [e for e in candidates if e.where(key) in (zone, None)]
+        if not kept and self.params.strict:
+            raise NoPairing("no_prefill_in_zone", f"no prefill engine in {key}={zone}")
         return kept

@@ -12,14 +12,13 @@ import bisect
 import hashlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Annotated
 
 from cachetools import LRUCache
-from pydantic import Field, StrictInt, StrictStr
+from pydantic import AfterValidator, Field, StrictInt, StrictStr
 
 from .base import EndpointView, RequestContext
-from .params import Number, PolicyParams, check_fields
+from .params import Number, Policy, PolicyParams
 
 
 def _point(key: str) -> int:
@@ -27,7 +26,9 @@ def _point(key: str) -> int:
 
 
 class SessionAffinityParams(PolicyParams):
-    header: StrictStr = Field("x-session-id", min_length=1, description="the request header naming the session")
+    header: Annotated[StrictStr, AfterValidator(str.lower)] = Field(  # headers arrive lower-cased
+        "x-session-id", min_length=1, description="the request header naming the session"
+    )
     load_factor: Number = Field(
         1.25,
         ge=1,
@@ -36,32 +37,21 @@ class SessionAffinityParams(PolicyParams):
     vnodes: StrictInt = Field(64, gt=0, description="ring points per endpoint: evens out the share each gets")
 
 
-_DEFAULTS = SessionAffinityParams()
 RING_CACHE_SIZE = 64
 
 
-@dataclass
-class SessionAffinity:
-    Params: ClassVar[type[SessionAffinityParams]] = SessionAffinityParams
+class SessionAffinity(Policy[SessionAffinityParams]):
+    _rings: LRUCache[tuple[str, ...], tuple[list[int], list[str]]]
 
-    header: str = _DEFAULTS.header
-    load_factor: float = _DEFAULTS.load_factor
-    vnodes: int = _DEFAULTS.vnodes
-
-    # Rings by candidate set: sets change with health and load filters, and a few recur; building
-    # one costs len(urls) x vnodes hashes, a lookup is per request.
-    _rings: LRUCache[tuple[str, ...], tuple[list[int], list[str]]] = field(
-        default_factory=lambda: LRUCache(RING_CACHE_SIZE), init=False, repr=False
-    )
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-        self.header = self.header.lower()  # headers arrive lower-cased
+    def setup(self) -> None:
+        # Rings by candidate set: sets change with health and load filters, and a few recur; building
+        # one costs len(urls) x vnodes hashes, a lookup is per request.
+        self._rings = LRUCache(RING_CACHE_SIZE)
 
     def _ring(self, urls: tuple[str, ...]) -> tuple[list[int], list[str]]:
         ring = self._rings.get(urls)
         if ring is None:
-            points = sorted((_point(f"{u}#{i}"), u) for u in urls for i in range(self.vnodes))
+            points = sorted((_point(f"{u}#{i}"), u) for u in urls for i in range(self.params.vnodes))
             ring = ([p for p, _ in points], [u for _, u in points])
             self._rings[urls] = ring  # evicts the least recently used set past RING_CACHE_SIZE
         return ring
@@ -70,7 +60,7 @@ class SessionAffinity:
         by_url = {e.url: e for e in candidates}
         points, owners = self._ring(tuple(sorted(by_url)))
         total = sum(e.in_flight for e in candidates) + 1  # counting this request
-        cap = math.ceil(self.load_factor * total / len(candidates))
+        cap = math.ceil(self.params.load_factor * total / len(candidates))
         start = bisect.bisect(points, _point(key))
         seen: set[str] = set()
         for i in range(len(points)):
@@ -83,7 +73,7 @@ class SessionAffinity:
         return by_url[owners[start % len(points)]]  # unreachable: some endpoint is at or under average
 
     def score(self, ctx: RequestContext, candidates: Sequence[EndpointView]) -> Sequence[float]:
-        key = ctx.headers.get(self.header)
+        key = ctx.headers.get(self.params.header)
         if not key or not candidates:
             return [0.0] * len(candidates)
         chosen = self.owner(key, candidates).url

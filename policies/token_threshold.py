@@ -4,13 +4,10 @@ direct: the engine only computes the new tail."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 from pydantic import Field, StrictInt
 
 from .base import EndpointView, Path, PathChoice, PrefillFinder, RequestContext
-from .params import PolicyParams, check_fields
+from .params import Policy, PolicyParams
 
 # AWS's guidance for disaggregated prefill/decode: it pays off from about 4,000 input tokens.
 DEFAULT_THRESHOLD = 4096
@@ -20,22 +17,15 @@ class TokenThresholdParams(PolicyParams):
     threshold: StrictInt = Field(DEFAULT_THRESHOLD, gt=0, description="uncached prompt tokens from which P/D is taken")
 
 
-@dataclass(frozen=True)
-class TokenThreshold:
-    Params: ClassVar[type[TokenThresholdParams]] = TokenThresholdParams
-
-    threshold: int = DEFAULT_THRESHOLD
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-
+class TokenThreshold(Policy[TokenThresholdParams]):
     def decide(self, ctx: RequestContext, decode: EndpointView, prefill: PrefillFinder) -> PathChoice:
         n = ctx.prompt_tokens
+        threshold = self.params.threshold
         uncached = ctx.uncached(decode.url)
-        if uncached >= self.threshold:
-            return PathChoice(Path.PD, "long_uncached", f"uncached={uncached}>={self.threshold}")
-        if n >= self.threshold:
+        if uncached >= threshold:
+            return PathChoice(Path.PD, "long_uncached", f"uncached={uncached}>={threshold}")
+        if n >= threshold:
             return PathChoice(
-                Path.DIRECT, "prefix_cached", f"uncached={uncached}<{self.threshold} (prompt {n}, cached on decode)"
+                Path.DIRECT, "prefix_cached", f"uncached={uncached}<{threshold} (prompt {n}, cached on decode)"
             )
-        return PathChoice(Path.DIRECT, "short_prompt", f"uncached={uncached}<{self.threshold}")
+        return PathChoice(Path.DIRECT, "short_prompt", f"uncached={uncached}<{threshold}")

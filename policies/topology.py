@@ -15,13 +15,11 @@ endpoint's ``topology``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import ClassVar
 
 from pydantic import Field
 
 from .base import ZONE, EndpointView, RequestContext
-from .params import PolicyParams, check_fields
+from .params import Policy, PolicyParams
 
 
 class TopologyParams(PolicyParams):
@@ -33,23 +31,15 @@ class TopologyParams(PolicyParams):
     )
 
 
-_DEFAULTS = TopologyParams()
-
-
-@dataclass(frozen=True)
-class TopologyAffinity:
-    Params: ClassVar[type[TopologyParams]] = TopologyParams
-
-    levels: tuple[str, ...] = _DEFAULTS.levels
-
-    def __post_init__(self) -> None:
-        check_fields(self)
+class TopologyAffinity(Policy[TopologyParams]):
+    type_name = "topology"
 
     def score(self, ctx: RequestContext, candidates: Sequence[EndpointView]) -> Sequence[float]:
         if ctx.paired is None:
             return [0.0] * len(candidates)
+        levels = self.params.levels
         known: list[tuple[str, str]] = []
-        for key in self.levels:
+        for key in levels:
             if (value := ctx.paired.where(key)) is None:
                 break
             known.append((key, value))
@@ -62,5 +52,5 @@ class TopologyAffinity:
                 if e.where(key) != value:
                     break
                 shared += 1
-            scores.append(shared / len(self.levels))
+            scores.append(shared / len(levels))
         return scores

@@ -10,8 +10,10 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     ValidatorFunctionWrapHandler,
     field_validator,
+    model_serializer,
     model_validator,
 )
 from pydantic_core import InitErrorDetails
@@ -29,10 +31,30 @@ class PolicySpec(BaseModel):
 
     model_config = ConfigDict(extra="allow", frozen=True)
     name: str
+    instance: str | None = Field(
+        None,
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="this instance's name in traces and hook names (unset: the policy's name); "
+        "two instances of one policy in a list need different ones",
+    )
 
     @property
     def params(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
+
+    @property
+    def instance_name(self) -> str:
+        return self.instance or self.name
+
+    @model_serializer(mode="wrap")
+    def _without_unset_instance(self, handler: SerializerFunctionWrapHandler) -> Any:
+        # Dumps (the config version, /debug/config) stay as they were for configs that name none.
+        data = handler(self)
+        if isinstance(data, dict) and data.get("instance", "") is None:
+            del data["instance"]
+        return data
 
     @model_validator(mode="after")
     def _known_policy_and_params(self) -> PolicySpec:
@@ -61,23 +83,30 @@ def _fit_errors(loc: Loc, spec: PolicySpec, kind: type) -> list[InitErrorDetails
 
 
 def _once_each(field: str, specs: Iterable[PolicySpec], kind: type) -> list[InitErrorDetails]:
-    """Fit errors of a list of policies, and each repeat of a name: the pipeline's trace (and a
-    scorer's weight) are per name, and a repeated filter or scorer only says it louder."""
+    """Fit errors of a list of policies, and each repeat of an instance name: the pipeline's trace
+    (and a scorer's weight) are per name, and a repeated filter or scorer only says it louder
+    (unless it is another instance, with other parameters and its own ``instance`` name)."""
     errors: list[InitErrorDetails] = []
     seen: set[str] = set()
     for i, spec in enumerate(specs):
         errors += _fit_errors((field, i), spec, kind)
-        if spec.name in seen:
-            hint = " (give it more weight instead)" if kind is Scorer else ""
-            errors.append(
-                _error(
-                    (field, i, "name"),
-                    spec.name,
-                    "duplicate_policy",
-                    f"policy {spec.name!r} is already in this list{hint}",
+        name = spec.instance_name
+        if name in seen:
+            if spec.instance is None:
+                hint = " (give it more weight instead)" if kind is Scorer else ""
+                errors.append(
+                    _error(
+                        (field, i, "name"),
+                        spec.name,
+                        "duplicate_policy",
+                        f"policy {spec.name!r} is already in this list{hint}",
+                    )
                 )
-            )
-        seen.add(spec.name)
+            else:
+                errors.append(
+                    _error((field, i, "instance"), name, "duplicate_policy", f"{name!r} is already in this list")
+                )
+        seen.add(name)
     return errors
 
 

@@ -1,17 +1,21 @@
 """From a tokenized request to a routing decision: hash the prompt's blocks, ask the prefix index
-(and the prompts in flight) which endpoint holds how much of it, and run the policy pipeline over
-the engines that serve the request's model. What the request teaches comes later, through the
-lifecycle hooks (policies/beliefs/prefix_learning.py)."""
+(and the prompts in flight) which endpoint holds how much of it, publish the per-request data
+policies read (``RequestContext.data``: the gateway's measurements, then what the pipeline's own
+publishers put there), and run the policy pipeline over the engines that serve the request's model.
+What the request teaches comes later, through the lifecycle hooks
+(policies/beliefs/prefix_learning.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from gateway.cluster.redis_state import RedisState
-from gateway.config import PoolRoutingConfig, RoutingConfig
+from gateway.config import PolicySpec, PoolRoutingConfig, RoutingConfig
 from gateway.engines.pools import Endpoint, Pools
 from policies.base import (
+    MEASURED,
     NOTHING_MEASURED,
     Decider,
     EndpointView,
@@ -21,35 +25,54 @@ from policies.base import (
     Path,
     Picker,
     PoolSnapshot,
+    Publisher,
     RequestContext,
     Scorer,
 )
 from policies.beliefs.blockhash import BlockHash, HashSpec, block_hashes
 from policies.beliefs.prefix_index import PrefixIndex
 from policies.beliefs.prefix_learning import InFlightPrefixes
+from policies.data import Key
 from policies.pipeline import PoolPipeline, Route, RoutingPipeline, Weighted
 from policies.registry import build
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default on GPUs, until the engines report theirs
 
 
+def _build(spec: PolicySpec, kind: type) -> Any:
+    return build(spec.name, spec.params, kind, spec.instance_name)
+
+
 def _pool_pipeline(cfg: PoolRoutingConfig) -> PoolPipeline:
     return PoolPipeline(
-        picker=build(cfg.picker.name, cfg.picker.params, Picker),
-        filters=tuple((f.name, build(f.name, f.params, Filter)) for f in cfg.filters),
-        scorers=tuple(Weighted(s.name, build(s.name, s.params, Scorer), s.weight) for s in cfg.scorers),
-        picker_name=cfg.picker.name,
+        picker=_build(cfg.picker, Picker),
+        filters=tuple((f.instance_name, _build(f, Filter)) for f in cfg.filters),
+        scorers=tuple(Weighted(s.instance_name, _build(s, Scorer), s.weight) for s in cfg.scorers),
+        picker_name=cfg.picker.instance_name,
     )
 
 
 def build_pipeline(cfg: RoutingConfig) -> RoutingPipeline:
-    """The policies the YAML names; raises PolicyError (a ValueError) for unknown names or params."""
+    """The policies the YAML names, each with its instance name (the traces' and hooks' name for
+    it); raises PolicyError (a ValueError) for unknown names or params."""
     return RoutingPipeline(
-        decider=build(cfg.decider.name, cfg.decider.params, Decider),
+        decider=_build(cfg.decider, Decider),
         decode=_pool_pipeline(cfg.decode),
         prefill=_pool_pipeline(cfg.prefill),
-        decider_name=cfg.decider.name,
+        decider_name=cfg.decider.instance_name,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """A gateway-side publisher of one value for every request (an object that outlives the
+    request, such as the measurements)."""
+
+    key: Key[Any]
+    value: Any
+
+    def publish(self, ctx: RequestContext) -> None:
+        ctx.data.put(self.key, self.value)
 
 
 class Saturated(RuntimeError):
@@ -106,14 +129,21 @@ class Router:
         shared: RedisState | None = None,
         in_flight: InFlightPrefixes | None = None,
         measured: Measured = NOTHING_MEASURED,
+        publishers: Iterable[Publisher] = (),
     ) -> None:
+        """``measured`` is published as ``MEASURED``; ``publishers``: the gateway's other sources of
+        per-request data, published before the pipeline's own (which may read them)."""
         self.cfg = cfg
         self.pipeline = build_pipeline(cfg)
         self._pools = pools
         self._index = index
         self._shared = shared
         self._in_flight = in_flight if in_flight is not None else InFlightPrefixes()
-        self._measured = measured
+        self._publishers: tuple[Publisher, ...] = (
+            Published(MEASURED, measured),
+            *publishers,
+            *self.pipeline.publishers,
+        )
         self._spec: HashSpec | None = None
         if cfg.prefix.enabled:  # fails now, not on the first request, for an unusable hash algo
             try:
@@ -159,17 +189,10 @@ class Router:
                 settled if in_flight is blocks else {url: n * size for url, n in in_flight.items() if url not in off}
             )
         ctx = RequestContext(
-            model,
-            request_id,
-            token_ids,
-            local_only,
-            headers,
-            cached,
-            settled,
-            hashes,
-            spec.block_size if spec else 0,
-            self._measured,
+            model, request_id, token_ids, local_only, headers, cached, settled, hashes, spec.block_size if spec else 0
         )
+        for publisher in self._publishers:
+            publisher.publish(ctx)
         return Prepared(ctx, hashes, spec.block_size if spec else 0)
 
     def route(

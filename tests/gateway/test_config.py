@@ -287,6 +287,62 @@ def test_a_policy_named_twice_in_one_list():
     ]
 
 
+def test_two_instances_of_one_policy_need_their_own_names():
+    cfg = parse_config(
+        {
+            **BASE,
+            "routing": {
+                "decode": {
+                    "scorers": [
+                        {"name": "session_affinity", "instance": "by_user", "header": "x-user"},
+                        {"name": "session_affinity", "header": "x-chat"},
+                        {"name": "load", "instance": "load_2"},
+                        {"name": "load"},
+                    ]
+                }
+            },
+        }
+    )
+    scorers = cfg.routing.decode.scorers
+    assert [(s.name, s.instance_name, s.params) for s in scorers] == [
+        ("session_affinity", "by_user", {"header": "x-user"}),
+        ("session_affinity", "session_affinity", {"header": "x-chat"}),
+        ("load", "load_2", {}),
+        ("load", "load", {}),
+    ]
+    assert scorers[0].model_dump() == {
+        "name": "session_affinity",
+        "instance": "by_user",
+        "weight": 1.0,
+        "header": "x-user",
+    }
+    assert scorers[1].model_dump() == {"name": "session_affinity", "weight": 1.0, "header": "x-chat"}  # as before
+
+
+def test_an_instance_name_used_twice_in_one_list_is_located():
+    assert routing_errors(
+        {
+            "decode": {
+                "filters": [{"name": "same_zone"}, {"name": "same_zone", "instance": "same_zone", "strict": False}],
+                "scorers": [
+                    {"name": "load", "instance": "busy"},
+                    {"name": "session_affinity", "instance": "busy"},
+                    {"name": "load"},
+                ],
+            }
+        }
+    ) == [
+        "routing.decode.filters[1].instance: 'same_zone' is already in this list",
+        "routing.decode.scorers[1].instance: 'busy' is already in this list",
+    ]
+    assert routing_errors({"decider": {"name": "cost_model", "instance": "a b"}}) == [
+        "routing.decider.instance: String should match pattern '^[A-Za-z0-9_-]+$'"
+    ]
+    assert routing_errors({"decider": {"name": "cost_model", "instanse": "x"}}) == [
+        "routing.decider.instanse: unknown parameter (did you mean 'instance'?)"
+    ]
+
+
 def test_the_same_policy_in_different_lists_and_pools_is_fine():
     cfg = parse_config(
         {

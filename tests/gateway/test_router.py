@@ -113,3 +113,83 @@ async def test_waiting_for_the_prefill_pool_only_when_the_decider_wants_it():
     pools.decode[0].backlog_tokens = 0
     d = router.route(short, max_prefill=1, wait_for_prefill=True).decision
     assert (d.path, d.reason) == (Path.DIRECT, "direct_faster")
+
+
+async def test_per_request_data_is_published_when_the_request_is_prepared(monkeypatch):
+    """The gateway's measurements (``MEASURED``), its other publishers, then the pipeline's own
+    (which may read what the gateway put there): a new signal needs no field and no router change."""
+    from policies import registry
+    from policies.base import MEASURED, NOTHING_MEASURED, RequestContext
+    from policies.beliefs.estimates import EngineEstimates
+    from policies.data import Key
+
+    tenant = Key[str]("test.tenant")
+    doubled = Key[str]("test.tenant_twice")
+
+    class Tenant:
+        def publish(self, ctx: RequestContext) -> None:
+            ctx.data.put(tenant, ctx.headers.get("x-tenant", "none"))
+
+    class Twice:  # a third-party scorer that publishes too
+        def publish(self, ctx: RequestContext) -> None:
+            ctx.data.put(doubled, ctx.data.get(tenant, "") * 2)
+
+        def score(self, ctx, candidates):
+            return [0.0] * len(candidates)
+
+    class EntryPoint:
+        name = "twice"
+
+        def load(self):
+            return Twice
+
+    monkeypatch.setattr(registry, "entry_points", lambda group: [EntryPoint()])
+    pools = Pools([], ["http://d0"])
+    pools.decode[0].healthy = True
+    cfg = RoutingConfig.model_validate({"decode": {"scorers": [{"name": "load"}, {"name": "twice"}]}})
+    est = EngineEstimates()
+    router = Router(cfg, pools, PrefixIndex(), measured=est, publishers=[Tenant()])
+    prep = await router.prepare("m", "r", list(range(100)), None, {"x-tenant": "ab"})
+    assert prep.ctx.data.get(MEASURED) is est
+    assert (prep.ctx.data.get(tenant), prep.ctx.data.get(doubled)) == ("ab", "abab")
+    assert router.route(prep).decision.decode.url == "http://d0"
+    plain = await Router(cfg, pools, PrefixIndex()).prepare("m", "r", list(range(100)), None, {})
+    assert plain.ctx.data.get(MEASURED) is NOTHING_MEASURED and plain.ctx.data.get(doubled) == ""
+
+
+async def test_policy_instances_are_named_in_traces_and_hooks():
+    pools = Pools(["http://p0"], ["http://d0", "http://d1"])
+    for ep in pools.all():
+        ep.healthy = True
+    cfg = RoutingConfig.model_validate(
+        {
+            "decider": {"name": "token_threshold", "instance": "long_prompts", "threshold": 10},
+            "decode": {
+                "scorers": [
+                    {"name": "session_affinity", "instance": "by_user", "header": "x-user"},
+                    {"name": "session_affinity", "instance": "by_chat", "header": "x-chat", "weight": 2},
+                    {"name": "load"},
+                ],
+            },
+        }
+    )
+    router = Router(cfg, pools, PrefixIndex())
+    decode = router.pipeline.decode
+    assert [(w.name, w.scorer.name, w.scorer.params.header) for w in decode.scorers[:2]] == [
+        ("by_user", "by_user", "x-user"),
+        ("by_chat", "by_chat", "x-chat"),
+    ]
+    assert [name for name, _ in router.pipeline.members()][:4] == [
+        "decider.long_prompts",
+        "decode.scorers.by_user",
+        "decode.scorers.by_chat",
+        "decode.scorers.load",
+    ]
+    prep = await router.prepare("m", "r", list(range(100)), None, {"x-chat": "c1", "x-user": "u1"})
+    route = router.route(prep, explain=True)
+    assert [step.get("scorer") for step in route.trace["decode"][:3]] == [
+        "by_user",
+        "by_chat",
+        "load",
+    ]
+    assert route.decision.reason == "long_uncached"

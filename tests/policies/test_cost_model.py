@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from policies.base import Path
@@ -56,11 +58,11 @@ def test_min_gain():
         ({"min_gain_s": -1}, "min_gain_s: Input should be greater than or equal to 0"),
         ({"kv_bytes_per_token": "x"}, "kv_bytes_per_token: Input should be a valid number"),
         ({"itl_budget_s": True}, "itl_budget_s: Input should be a valid number"),
-        ({"itl_budget": 0}, "unexpected keyword argument 'itl_budget'"),
+        ({"itl_budget": 0}, "itl_budget: unknown parameter (did you mean 'itl_budget_s'?)"),
     ],
 )
 def test_rejects_bad_params(bad, message):
-    with pytest.raises((ValueError, TypeError), match=message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         CostModel(**bad)
 
 

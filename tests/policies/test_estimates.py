@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.base import EndpointView, LegOutcome, LegReport, Path, RequestContext
+from policies.base import MEASURED, EndpointView, LegOutcome, LegReport, Path, RequestContext
 from policies.beliefs.estimates import MIN_HANDOVER_SAMPLES, EngineEstimates, LinearFit
 from policies.cost_model import CostModel
 
@@ -84,7 +84,8 @@ def test_the_cost_model_uses_the_measured_handover_and_says_so():
     model = CostModel(kv_bandwidth_gbps=400, pd_overhead_s=0.005, itl_budget_s=0, decode_prefill_factor=2)
     decode, prefill = EndpointView(D, "decode", True, 0), EndpointView(P, "prefill", True, 0)
     est = EngineEstimates()
-    ctx = RequestContext("m", "r", list(range(4000)), measured=est)
+    ctx = RequestContext("m", "r", list(range(4000)))
+    ctx.data.put(MEASURED, est)  # as the router publishes it
     configured = model.decide(ctx, decode, lambda: prefill)
     assert "configured" in configured.detail
     for _ in range(MIN_HANDOVER_SAMPLES):  # the real hand-over is far slower than the link says

@@ -4,14 +4,12 @@ spine), through the pipeline and through prefill failover."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from gateway.config import parse_config
 from gateway.engines.pools import Pools
 from gateway.request.router import Router
-from policies.base import ZONE, NoPairing, Path, PoolSnapshot
+from policies.base import ZONE, Path, PoolSnapshot
 from policies.beliefs.prefix_index import PrefixIndex
 from policies.max_score import MaxScore
 from policies.pipeline import PoolPipeline, RoutingPipeline, Weighted
@@ -19,59 +17,7 @@ from policies.same_zone import SameZone
 from policies.token_threshold import TokenThreshold
 from policies.topology import TopologyAffinity
 
-from .helpers import ctx, ep
-
-SPINE = "topology.k8s.aws/network-node-layer-3"
-
-
-def at(url: str, pool: str, zone: str | None = None, spine: str | None = None, **kw):
-    where = tuple(sorted((k, v) for k, v in ((ZONE, zone), (SPINE, spine)) if v is not None))
-    return ep(url, pool, topology=where, **kw)
-
-
-def paired(decode) -> object:
-    return replace(ctx(10), paired=decode)
-
-
-def test_same_zone_keeps_the_decode_engines_zone_and_engines_of_unknown_zone():
-    cands = [at("pa", "prefill", "a"), at("pb", "prefill", "b"), at("p?", "prefill")]
-    kept = SameZone().filter(paired(at("d", "decode", "a")), cands)
-    assert [e.url for e in kept] == ["pa", "p?"]
-
-
-def test_same_zone_judges_nothing_without_the_decode_engines_zone():
-    cands = [at("pa", "prefill", "a"), at("pb", "prefill", "b")]
-    assert SameZone().filter(paired(at("d", "decode")), cands) == cands
-    assert SameZone().filter(ctx(10), cands) == cands  # not pairing (the decode pool choosing)
-
-
-def test_strict_same_zone_refuses_a_cross_zone_pairing_and_soft_keeps_none():
-    cands = [at("pb", "prefill", "b")]
-    with pytest.raises(NoPairing) as err:
-        SameZone().filter(paired(at("d", "decode", "a")), cands)
-    assert err.value.reason == "no_prefill_in_zone"
-    assert SameZone(strict=False).filter(paired(at("d", "decode", "a")), cands) == []
-
-
-def test_same_zone_reads_the_configured_key():
-    cands = [ep("p1", "prefill", topology=(("rack", "r1"),)), ep("p2", "prefill", topology=(("rack", "r2"),))]
-    kept = SameZone(key="rack").filter(paired(ep("d", topology=(("rack", "r2"),))), cands)
-    assert [e.url for e in kept] == ["p2"]
-
-
-def test_topology_scores_shared_levels_from_the_broadest_down():
-    d = at("d", "decode", "a", "spine-1")
-    cands = [
-        at("same", "prefill", "a", "spine-1"),
-        at("zone", "prefill", "a", "spine-2"),
-        at("far", "prefill", "b", "spine-1"),
-        at("unknown", "prefill"),
-    ]
-    # a spine name in another zone counts nothing
-    assert TopologyAffinity().score(paired(d), cands) == [1.0, 0.5, 0.0, 0.0]
-    # decode spine unknown: only the zone can count
-    assert TopologyAffinity().score(paired(at("d", "decode", "a")), cands) == [0.5, 0.5, 0.0, 0.0]
-    assert TopologyAffinity().score(ctx(10), cands) == [0.0] * 4
+from .helpers import at, ctx
 
 
 def pd_pipeline(strict: bool = True) -> RoutingPipeline:

@@ -11,6 +11,8 @@ from pydantic import BaseModel, Field
 
 from policies import registry
 from policies.base import Decider, Filter, Path, PathChoice, Picker, Scorer
+from policies.params import Policy, PolicyParams
+from policies.token_threshold import TokenThreshold, TokenThresholdParams
 
 from .helpers import ctx, ep
 
@@ -138,10 +140,17 @@ def test_values_in_range_are_kept_as_given():
     assert registry.build("session_affinity", {"header": "X-Chat"}, Scorer).header == "x-chat"
 
 
-def test_positional_construction_is_validated_too():
-    assert registry.BUILTIN["token_threshold"](10).threshold == 10
-    with pytest.raises(ValueError, match="threshold: Input should be greater than 0"):
-        registry.BUILTIN["token_threshold"](0)
+def test_a_params_model_builds_the_policy_as_it_is():
+    """The one positional argument is the policy's ``Params`` (validated when it was made); values
+    go by keyword."""
+    policy = TokenThreshold(TokenThresholdParams(threshold=10), name="short")
+    assert (policy.params.threshold, policy.threshold, policy.name) == (10, 10, "short")
+    with pytest.raises(ValueError, match="threshold\n  Input should be greater than 0"):
+        TokenThresholdParams(threshold=0)
+    with pytest.raises(TypeError, match=r"^TokenThreshold: 10 is not a TokenThresholdParams$"):
+        TokenThreshold(10)
+    with pytest.raises(TypeError, match="not both"):
+        TokenThreshold(TokenThresholdParams(), threshold=5)
 
 
 def test_a_policy_in_the_wrong_place_says_what_it_is():
@@ -209,3 +218,55 @@ def test_third_party_without_params_gets_a_clear_error(third_party):
         registry.build("plain", {"p": True}, Decider)
     with pytest.raises(registry.PolicyError, match=r"^policy 'plain': pd must be true or false$"):
         registry.build("plain", {"pd": 1}, Decider)
+
+
+@pytest.mark.parametrize("name", sorted(registry.BUILTIN))
+def test_a_builtin_policy_declares_its_params_once_and_is_named_by_default_as_registered(name):
+    cls = registry.BUILTIN[name]
+    assert issubclass(cls, Policy) and issubclass(cls.Params, PolicyParams)
+    assert cls.type_name == name and cls().name == name
+    built = registry.build(name, {}, KIND[name])
+    assert built.name == name and built.params == cls.Params()
+    assert registry.build(name, {}, KIND[name], instance="second").name == "second"
+
+
+def test_parameters_are_read_through_params_and_by_name():
+    policy = TokenThreshold(threshold=2048)
+    assert policy.params == TokenThresholdParams(threshold=2048) and policy.threshold == 2048
+    with pytest.raises(AttributeError, match="'TokenThreshold' object has no attribute 'treshold'"):
+        _ = policy.treshold
+    assert repr(policy) == "TokenThreshold(threshold=2048)"
+    assert repr(TokenThreshold(name="long", threshold=5)) == "TokenThreshold(threshold=5, name='long')"
+    assert policy == TokenThreshold(threshold=2048) != TokenThreshold(threshold=2048, name="other")
+    assert policy != TokenThreshold() and len({policy, TokenThreshold(threshold=2048)}) == 1
+
+
+class SpanParams(PolicyParams):
+    min_tokens: int = Field(1, gt=0)
+
+
+class Span(Policy[SpanParams]):
+    """A third-party decider on the built-ins' base: its parameters once, state in ``setup``."""
+
+    def setup(self) -> None:
+        self.seen = 0
+
+    def decide(self, ctx, decode, prefill):
+        self.seen += 1
+        return PathChoice(Path.PD if ctx.prompt_tokens >= self.params.min_tokens else Path.DIRECT, "span")
+
+
+def test_a_third_party_policy_on_the_base_gets_its_params_and_instance_name(monkeypatch):
+    class EntryPoint:
+        name = "span"
+
+        def load(self):
+            return Span
+
+    monkeypatch.setattr(registry, "entry_points", lambda group: [EntryPoint()])
+    assert Span.Params is SpanParams and Span.type_name == "span"
+    built = registry.build("span", {"min_tokens": 5}, Decider, instance="long_only")
+    assert (built.name, built.params.min_tokens, built.seen) == ("long_only", 5, 0)
+    assert built.decide(ctx(6), ep("d"), lambda: None).path is Path.PD and built.seen == 1
+    with pytest.raises(registry.PolicyError, match=re.escape("min_token: unknown parameter (did you mean")):
+        registry.build("span", {"min_token": 5}, Decider)

@@ -1,82 +1,24 @@
+"""The routing pipeline: filters, weighted scorers and picker per pool, then the decider."""
+
 from __future__ import annotations
 
 import pytest
 
-from policies import registry
-from policies.base import Decider, EndpointView, Path, PathChoice, Picker, PoolSnapshot, RequestContext, Scorer
-from policies.least_inflight import LeastInflight
+from policies.base import Path, PathChoice, PoolSnapshot
 from policies.load import Load
 from policies.max_score import MaxScore
 from policies.pipeline import NoEndpointError, PoolPipeline, RoutingPipeline, Weighted
 from policies.prefix_affinity import PrefixAffinity
 from policies.token_threshold import TokenThreshold
 
-
-def ep(url: str, pool: str = "decode", healthy: bool = True, in_flight: int = 0, **kw) -> EndpointView:
-    return EndpointView(url, pool, healthy, in_flight, **kw)
-
-
-def ctx(tokens: int, **kw) -> RequestContext:
-    return RequestContext(model="m", request_id="r", token_ids=list(range(tokens)), **kw)
-
-
-def no_prefill() -> EndpointView | None:
-    return None
-
+from .helpers import ctx, ep
 
 POOLS = PoolSnapshot(prefill=(ep("p0", "prefill"),), decode=(ep("d0"), ep("d1")))
 
 
-def test_token_threshold_boundary():
-    policy = TokenThreshold(threshold=100)
-    assert policy.decide(ctx(99), ep("d0"), no_prefill).path is Path.DIRECT
-    choice = policy.decide(ctx(100), ep("d0"), no_prefill)
-    assert choice.path is Path.PD
-    assert choice.reason == "long_uncached" and choice.detail == "uncached=100>=100"
-
-
-def test_token_threshold_counts_only_uncached_tokens_on_the_decode_endpoint():
-    policy = TokenThreshold(threshold=100)
-    c = ctx(150, cached_tokens={"d0": 96, "d1": 16})
-    held = policy.decide(c, ep("d0"), no_prefill)
-    assert held.path is Path.DIRECT and held.reason == "prefix_cached"
-    assert "uncached=54<100" in held.detail
-    assert policy.decide(c, ep("d1"), no_prefill).path is Path.PD  # 134 uncached there
-
-
-def test_fully_cached_prompt_still_computes_its_last_token():
-    c = ctx(32, cached_tokens={"d0": 32})
-    assert c.cached("d0") == 31 and c.uncached("d0") == 1
-
-
-def test_token_threshold_default_is_4096():
-    assert TokenThreshold().threshold == 4096
-
-
-@pytest.mark.parametrize("bad", [0, -1, "4096", True, 1.5])
-def test_token_threshold_rejects_bad_values(bad):
-    with pytest.raises(ValueError):
-        TokenThreshold(threshold=bad)
-
-
-def test_least_inflight_prefers_idle_and_spreads_ties():
-    picker = LeastInflight()
-    assert picker.pick(ctx(1), [ep("a", in_flight=3), ep("b", in_flight=1)], [0, 0]).url == "b"
-    picks = {picker.pick(ctx(1), [ep("a"), ep("b")], [0, 0]).url for _ in range(4)}
-    assert picks == {"a", "b"}
-
-
-def test_max_score_takes_the_best_and_rotates_ties():
-    picker = MaxScore()
-    assert picker.pick(ctx(1), [ep("a"), ep("b")], [0.2, 0.9]).url == "b"
-    assert {picker.pick(ctx(1), [ep("a"), ep("b")], [0.5, 0.5]).url for _ in range(4)} == {"a", "b"}
-    # among equal scores, fewer requests in flight wins
-    assert picker.pick(ctx(1), [ep("a", in_flight=2), ep("b")], [0.5, 0.5]).url == "b"
-
-
 def pipeline(threshold: int = 10, scorers: tuple[Weighted, ...] = ()) -> RoutingPipeline:
     return RoutingPipeline(
-        TokenThreshold(threshold),
+        TokenThreshold(threshold=threshold),
         decode=PoolPipeline(MaxScore(), scorers=scorers),
         prefill=PoolPipeline(MaxScore(), scorers=scorers),
     )
@@ -135,7 +77,7 @@ def test_pipeline_skips_a_filter_that_would_leave_nothing():
             return [e for e in candidates if e.url == "d1"]
 
     pipe = RoutingPipeline(
-        TokenThreshold(10),
+        TokenThreshold(threshold=10),
         decode=PoolPipeline(MaxScore(), filters=(("none", NoneLeft()), ("d1", OnlyD1()))),
         prefill=PoolPipeline(MaxScore()),
     )
@@ -163,43 +105,9 @@ def test_decider_only_asks_for_a_prefill_endpoint_when_it_needs_one():
     assert asked and picker.calls == ["decode"]
 
 
-def test_registry_builds_by_name_and_checks_params():
-    assert registry.build("token_threshold", {"threshold": 7}, Decider).threshold == 7
-    assert isinstance(registry.build("least_inflight", {}, Picker), LeastInflight)
-    assert isinstance(registry.build("prefix_affinity", {}, Scorer), PrefixAffinity)
-    with pytest.raises(registry.PolicyError, match="unknown policy 'nope'"):
-        registry.build("nope", {}, Decider)
-    with pytest.raises(registry.PolicyError, match=r"'token_threshold': treshold: unknown parameter"):
-        registry.build("token_threshold", {"treshold": 7}, Decider)
-    with pytest.raises(registry.PolicyError, match="is a decider, not a picker"):
-        registry.build("token_threshold", {}, Picker)
-
-
-def test_registry_loads_third_party_entry_points(monkeypatch):
-    class Always:
-        def decide(self, ctx, decode, prefill):
-            return PathChoice(Path.PD, "always")
-
-    class FakeEntryPoint:
-        name = "always_pd"
-
-        def load(self):
-            return Always
-
-    monkeypatch.setattr(
-        registry, "entry_points", lambda group: [FakeEntryPoint()] if group == "pdgate.policies" else []
-    )
-    assert registry.build("always_pd", {}, Decider).decide(ctx(1), ep("d0"), no_prefill).path is Path.PD
-
-
 def test_pd_picks_spread_over_both_pools():
     """With no load, successive P/D requests visit every prefill and every decode endpoint."""
     pools = PoolSnapshot(prefill=(ep("p0", "prefill"), ep("p1", "prefill")), decode=(ep("d0"), ep("d1")))
     pipe = pipeline()
     pairs = {(d.prefill.url, d.decode.url) for d in (pipe.route(ctx(50), pools).decision for _ in range(8))}
     assert {p for p, _ in pairs} == {"p0", "p1"} and {d for _, d in pairs} == {"d0", "d1"}
-
-
-def test_least_inflight_takes_no_config():
-    with pytest.raises(registry.PolicyError):
-        registry.build("least_inflight", {"_turns": {}}, Picker)
