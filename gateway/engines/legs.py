@@ -7,7 +7,8 @@ vLLM's NixlConnector handshake (the README's "How a request flows", step 4):
 3. decode leg: the client's body plus those params, verbatim; its answer goes to the client.
 
 The direct path is step 3 without params. This module only does the I/O of one leg; which engine,
-retries, accounting and learning belong to the request's ``Exchange`` (gateway/request/exchange.py).
+retries and accounting belong to the request's ``EngineLegs`` (gateway/request/engine_legs.py), which
+the request's ``Exchange`` drives; learning, to the policies' lifecycle hooks.
 """
 
 from __future__ import annotations
