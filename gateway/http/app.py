@@ -145,7 +145,7 @@ def _routes(config_path: str | Path | None, created: int) -> tuple[dict[str, Inf
         body = {
             "version": rt.version,
             "source": str(config_path) if config_path else None,
-            "last_reload_error": gw.watcher.last_error if gw.watcher else None,
+            "last_reload_error": gw.services.watcher.last_error if gw.services.watcher else None,
             "config": redacted(rt.cfg.model_dump(mode="json")),
         }
         return Response(orjson.dumps(body), media_type="application/json")

@@ -20,19 +20,19 @@ from gateway.cluster.workerbus import WorkerBus
 from gateway.cluster.workers import WorkerContext
 from gateway.config import GatewayConfig
 from gateway.config.reload import ConfigWatcher
-from gateway.context import Services
+from gateway.context import Learners, Runtime, Services
 from gateway.engines.discovery import Discovery
 from gateway.engines.enginestats import StatsScraper
 from gateway.engines.legs import KVReleaser
 from gateway.engines.modelcheck import ServedModels
 from gateway.engines.pools import Endpoint, HealthChecker, Pools
+from gateway.engines.subscriptions import Subscriptions
 from gateway.engines.upstream import Upstream, make_client, make_session
 from gateway.fairness.admission import Gate, LoopLag, SharedGate
 from gateway.fairness.fairqueue import FairQueue
 from gateway.fairness.tenants import Usage
 from gateway.http.handlers import Gateway
 from gateway.http.reconfigure import apply_config, listening
-from gateway.http.resources import Learners, Resources, Subscriptions, runtime_for
 from gateway.http.server import Connections
 from gateway.lifecycle import Lifecycle
 from gateway.ops.gcpolicy import Collector
@@ -117,8 +117,8 @@ async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | No
         eff = discovery.effective(gw.runtime.cfg)
         removed = pools.update(eff.pools.prefill.urls, eff.pools.decode.urls, eff.pools.topology)
         for url in {ep.url for ep in removed} - {ep.url for ep in pools.all()}:
-            res.learners.forget(url)
-        await res.subs.update(eff)
+            services.forget(url)
+        await subs.update(eff)
         await asyncio.gather(*(health.probe(e) for e in pools.all() if id(e) not in before))
 
     discovery = Discovery(discovered)
@@ -128,18 +128,7 @@ async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | No
         pools, index, subs.all, shared, lambda: discovery.watchers.values(), estimates.prefill_s_per_token, models
     )
     engines = make_client(cfg.engines)
-    res = Resources(
-        session,
-        engines,
-        pools,
-        index,
-        shared,
-        subs,
-        discovery,
-        models,
-        Learners(beliefs, estimates, BeliefAudit(metrics), Demand()),
-        metrics,
-    )
+    learners = Learners(beliefs, estimates, BeliefAudit(metrics), Demand())
     gate = (
         SharedGate(
             cfg.admission.max_in_flight, worker.slots, worker.lock, worker.index, queue=FairQueue("gateway", usage)
@@ -147,20 +136,7 @@ async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | No
         if worker and bus
         else Gate(cfg.admission.max_in_flight, FairQueue("gateway", usage))
     )
-    services = Services(
-        pools,
-        metrics,
-        Tracing(cfg.telemetry.tracing, opts.span_exporter),
-        AccessLog(cfg.telemetry.access_log, opts.access_sink),
-        gate,
-        KVReleaser(Upstream(engines, cfg.timeouts)),
-        LoopLag(connections=opts.connections),
-        usage,
-    )
-    pools.release_listeners.append(services.queues.released)
     scraper = StatsScraper(pools, session, cfg.signals)
-    metrics.watch_admission(services.gate, opts.connections, services.lag)
-    metrics.watch_tenants(usage, services.tenant_labels, services.queues.queued)
 
     async def engine_up(ep: Endpoint, recovering: bool) -> None:
         """Before routing sees an engine (again): the same run? what does it serve?"""
@@ -169,14 +145,12 @@ async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | No
         await models.check(ep)
 
     health = HealthChecker(pools, session, cfg.health, on_up=engine_up)
-    metrics.config_loaded(version)
 
     async def apply(new: GatewayConfig, new_version: str) -> None:
         await apply_config(
             gw,
             listening(new, *opts.listen) if opts.listen else new,
             new_version,
-            res,
             worker.applied if worker is not None else None,
         )
         await life.configure(new)
@@ -190,24 +164,39 @@ async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | No
     watcher = (
         ConfigWatcher(opts.config_path, version, apply, reload_result, speaks=speaks) if opts.config_path else None
     )
-    gw = Gateway(
-        runtime_for(cfg, version, res, tokenizers, cfg.admin_token()),
-        services,
-        watcher=watcher,
-        feeds=res.subs.all,
+    services = Services(
+        pools,
+        metrics,
+        Tracing(cfg.telemetry.tracing, opts.span_exporter),
+        AccessLog(cfg.telemetry.access_log, opts.access_sink),
+        gate,
+        KVReleaser(Upstream(engines, cfg.timeouts)),
+        LoopLag(connections=opts.connections),
+        usage,
+        index=index,
+        learners=learners,
+        engines=engines,
+        session=session,
+        subs=subs,
+        models=models,
+        health=health,
         shared=shared,
         discovery=discovery,
-        models=models,
         bus=bus,
-        health=health,
+        watcher=watcher,
     )
+    pools.release_listeners.append(services.queues.released)
+    metrics.watch_admission(services.gate, opts.connections, services.lag)
+    metrics.watch_tenants(usage, services.tenant_labels, services.queues.queued)
+    metrics.config_loaded(version)
+    gw = Gateway(Runtime.build(cfg, version, services, tokenizers, cfg.admin_token()), services)
     services.configure(cfg.fairness, gw.runtime.tenancy.names)
 
     def prefill_pool_configured() -> bool:  # not "has endpoints now": a pool scaled to 0 still counts
         prefill = gw.runtime.cfg.pools.prefill
         return bool(prefill.urls or prefill.discovery)
 
-    planner = DemandPlanner(res.learners.demand, lambda: gw.runtime.cfg, prefill_pool_configured)
+    planner = DemandPlanner(learners.demand, lambda: gw.runtime.cfg, prefill_pool_configured)
     metrics.watch_planner(planner.exported)
 
     # Resources: closed after every service stopped, last added first.
@@ -221,7 +210,7 @@ async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | No
     if bus:
         metrics.watch_bus(bus)
         life.add("worker bus", start=lambda: bus.start(metrics.render), stop=bus.stop)
-    life.add("kv event feeds", start=lambda: res.subs.update(cfg), stop=res.subs.close)
+    life.add("kv event feeds", start=lambda: subs.update(cfg), stop=subs.close)
     if shared:
         life.add("redis state", start=shared.start, stop=shared.stop)
     life.add("discovery", start=lambda: discovery.start(cfg), stop=discovery.close)

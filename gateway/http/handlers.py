@@ -6,19 +6,11 @@ current at its arrival; a reload swaps ``runtime`` between requests.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import Any
 
 from starlette.requests import Request
 
-from gateway.cluster.redis_state import RedisState
-from gateway.cluster.workerbus import WorkerBus
-from gateway.config.reload import ConfigWatcher
 from gateway.context import Runtime, Services
-from gateway.engines.discovery import Discovery
-from gateway.engines.kvevents import KVEventSubscriber
-from gateway.engines.modelcheck import ServedModels
-from gateway.engines.pools import HealthChecker
 from gateway.http.errors import APIError
 from gateway.ops.metricsmerge import merge
 from gateway.request.exchange import Exchange
@@ -26,31 +18,12 @@ from gateway.request.protocol import Kind
 
 
 class Gateway:
-    """Every dependency is handed in (tests swap any of them); ``runtime`` is the one attribute
-    that changes, on reload."""
+    """The two context objects (gateway/context.py), handed in (tests build their own);
+    ``runtime`` is the one attribute that changes, on reload."""
 
-    def __init__(
-        self,
-        runtime: Runtime,
-        services: Services,
-        *,
-        watcher: ConfigWatcher | None = None,
-        feeds: Callable[[], Sequence[KVEventSubscriber]] = list,
-        shared: RedisState | None = None,
-        discovery: Discovery | None = None,
-        models: ServedModels | None = None,
-        bus: WorkerBus | None = None,
-        health: HealthChecker | None = None,
-    ) -> None:
+    def __init__(self, runtime: Runtime, services: Services) -> None:
         self.runtime = runtime
         self.services = services
-        self.watcher = watcher  # the config file's watcher, when the config comes from a file
-        self.feeds = feeds  # the KV event subscribers
-        self.shared = shared  # the Redis shared state, when configured
-        self.discovery = discovery  # the Kubernetes EndpointSlice watchers
-        self.models = models  # what each engine serves, against the configured model names
-        self.bus = bus  # the other worker processes of this gateway (server.workers > 1)
-        self.health = health  # the engines' health checker (/ready asks it for a fresh look)
         self._last_metrics: dict[int, bytes] = {}  # each other worker's last exposition
 
     def exchange(self, request: Request, kind: Kind, path: str) -> Exchange:
@@ -58,21 +31,21 @@ class Gateway:
 
     async def metrics(self) -> bytes:
         """``GET /metrics``: this worker's metrics, merged with the other workers' when there are any."""
-        own = self.services.metrics.render()
-        if self.bus is None:
+        own, bus = self.services.metrics.render(), self.services.bus
+        if bus is None:
             return own
-        others = await self.bus.others_metrics()
+        others = await bus.others_metrics()
         self._last_metrics.update(others)
         # A worker that does not answer in time (busy, dead, restarting) counts with its last
         # answer's counters, not its gauges (gateway/ops/metricsmerge.py). (A restarted worker's counters
         # do start over.) Fewer reporting than configured: a worker is stuck or restarting.
         texts = [own, *(others[w] for w in sorted(others))]
-        stale = [self._last_metrics[w] for w in sorted(self._last_metrics) if w not in others and w != self.bus.worker]
+        stale = [self._last_metrics[w] for w in sorted(self._last_metrics) if w not in others and w != bus.worker]
         workers = (
             b"# HELP pdgate_workers Worker processes of this gateway: configured, and reporting in this scrape\n"
             b"# TYPE pdgate_workers gauge\n"
             b'pdgate_workers{state="configured"} %d\npdgate_workers{state="reporting"} %d\n'
-            % (self.bus.workers, 1 + len(others))
+            % (bus.workers, 1 + len(others))
         )
         return merge(texts, stale) + workers
 
@@ -88,14 +61,14 @@ class Gateway:
 
     async def ready_now(self) -> dict[str, Any]:
         """``GET /ready``: the decode pool probed afresh first when its last probe is not recent."""
-        if self.health is not None:
-            await self.health.fresh()
+        if self.services.health is not None:
+            await self.services.health.fresh()
         return self.ready()
 
     def ready(self) -> dict[str, Any]:
         """The body of ``GET /ready``."""
         pools = self.services.pools
-        feeds = self.feeds()
+        feeds = self.services.subs.all() if self.services.subs else []
         body: dict[str, Any] = {
             "ready": pools.ready(),
             "pools": {
@@ -112,18 +85,18 @@ class Gateway:
             "shared_state": (
                 {
                     "backend": "redis",
-                    "healthy": self.shared.status.healthy,
-                    "error": self.shared.status.last_error.split(":", 1)[0] or None,
+                    "healthy": self.services.shared.status.healthy,
+                    "error": self.services.shared.status.last_error.split(":", 1)[0] or None,
                 }
-                if self.shared
-                else {"backend": "workers" if self.bus else "memory", "healthy": True}
+                if self.services.shared
+                else {"backend": "workers" if self.services.bus else "memory", "healthy": True}
             ),
         }
-        if self.bus is not None:
-            body["workers"] = {"count": self.bus.workers, "this": self.bus.worker}
-        if self.models is not None:
-            body["models"] = self.models.status()
-        if self.discovery is not None and self.discovery.watchers:  # pools that follow EndpointSlices
+        if self.services.bus is not None:
+            body["workers"] = {"count": self.services.bus.workers, "this": self.services.bus.worker}
+        if self.services.models is not None:
+            body["models"] = self.services.models.status()
+        if self.services.discovery is not None and self.services.discovery.watchers:  # pools that follow EndpointSlices
             body["discovery"] = {
                 w.pool: {
                     "synced": w.synced.is_set(),
@@ -131,6 +104,6 @@ class Gateway:
                     "errors": w.errors,
                     "last_error": w.last_error or None,
                 }
-                for w in self.discovery.watchers.values()
+                for w in self.services.discovery.watchers.values()
             }
         return body

@@ -29,14 +29,12 @@ from policies.base import (
     RequestContext,
     Scorer,
 )
-from policies.beliefs.blockhash import BlockHash, HashSpec, block_hashes
+from policies.beliefs.blockhash import DEFAULT_BLOCK_SIZE, BlockHash, HashSpec, block_hashes
 from policies.beliefs.prefix_index import PrefixIndex
 from policies.beliefs.prefix_learning import InFlightPrefixes
 from policies.data import Key
 from policies.pipeline import PoolPipeline, Route, RoutingPipeline, Weighted
 from policies.registry import build
-
-DEFAULT_BLOCK_SIZE = 16  # vLLM's default on GPUs, until the engines report theirs
 
 
 def _build(spec: PolicySpec, kind: type) -> Any:

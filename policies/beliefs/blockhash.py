@@ -62,6 +62,7 @@ _RecentKey = tuple[bytes, _Extra, _Extra]  # (the first unit's packed token ids,
 
 HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 HASH_ALGOS: tuple[str, ...] = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+DEFAULT_BLOCK_SIZE = 16  # vLLM's default on GPUs, until the engines report theirs
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # vLLM's seed for cryptographic algos without PYTHONHASHSEED
 _PICKLE_PROTOCOL = 5  # pickle.HIGHEST_PROTOCOL on the Pythons vLLM 0.32 supports
 
