@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from gateway.background import STOP_BOUND_S
@@ -27,6 +28,7 @@ from gateway.engines.legs import KVReleaser
 from gateway.engines.modelcheck import ServedModels
 from gateway.engines.pools import Endpoint, HealthChecker, Pools
 from gateway.engines.subscriptions import Subscriptions
+from gateway.engines.transport import EngineTransport
 from gateway.engines.upstream import Upstream, make_client, make_session
 from gateway.fairness.admission import Gate, LoopLag, SharedGate
 from gateway.fairness.fairqueue import FairQueue
@@ -67,7 +69,7 @@ class Options:
     listen: tuple[str, int] | None = None
 
 
-async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | None, opts: Options) -> Assembled:  # noqa: C901 - over the limit before it was set; to split
+async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | None, opts: Options) -> Assembled:
     worker = opts.worker
     if tokenizers is None:
         loaded = await asyncio.gather(
@@ -199,29 +201,56 @@ async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | No
     planner = DemandPlanner(learners.demand, lambda: gw.runtime.cfg, prefill_pool_configured)
     metrics.watch_planner(planner.exported)
 
-    # Resources: closed after every service stopped, last added first.
-    life.add("access log", stop=services.access_log.close, resource=True)
-    life.add("tracing", stop=lambda: _flush(services.tracing), resource=True)
+    parts = _Parts(subs, discovery, health, scraper, planner, engines, session, bus, shared, watcher)
+    _register(life, gw, parts, opts.collector, cfg)
+    return Assembled(gw, life)
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """The long-lived parts ``assemble`` built, as it built them (none optional but these three)."""
+
+    subs: Subscriptions
+    discovery: Discovery
+    health: HealthChecker
+    scraper: StatsScraper
+    planner: DemandPlanner
+    engines: EngineTransport
+    session: aiohttp.ClientSession
+    bus: WorkerBus | None
+    shared: RedisState | None
+    watcher: ConfigWatcher | None
+
+
+def _register(life: Lifecycle, gw: Gateway, p: _Parts, collector: Collector | None, cfg: GatewayConfig) -> None:
+    """Every long-lived part in the lifecycle: resources (closed after every service stopped, last
+    added first), then the services in the order they start (a later one may read what an earlier
+    one found)."""
+    s = gw.services
+    life.add("access log", stop=s.access_log.close, resource=True)
+    life.add("tracing", stop=lambda: _flush(s.tracing), resource=True)
     life.add("tokenizers", stop=lambda: gw.runtime.tokenizers.close(), resource=True)
-    life.add("engine connections", stop=engines.close, resource=True)
-    life.add("control-plane session", stop=session.close, resource=True)
-    life.add("admission gate", stop=services.gate.close, resource=True)
-    # Services, in the order they start (a later one may read what an earlier one found).
-    if bus:
-        metrics.watch_bus(bus)
-        life.add("worker bus", start=lambda: bus.start(metrics.render), stop=bus.stop)
-    life.add("kv event feeds", start=lambda: subs.update(cfg), stop=subs.close)
-    if shared:
-        life.add("redis state", start=shared.start, stop=shared.stop)
-    life.add("discovery", start=lambda: discovery.start(cfg), stop=discovery.close)
-    life.add("health checks", start=health.start, stop=health.stop, configure=lambda c: health.configure(c.health))
-    life.add("engine stats", start=scraper.start, stop=scraper.stop, configure=lambda c: scraper.configure(c.signals))
-    life.add("loop lag", start=services.lag.start, stop=services.lag.stop)
-    life.add("kv releaser", stop=services.releaser.close)
-    life.add("live planner", start=planner.start, stop=planner.stop)
-    if watcher:
-        life.add("config watcher", start=watcher.start, stop=watcher.stop)
-    collector = opts.collector
+    life.add("engine connections", stop=p.engines.close, resource=True)
+    life.add("control-plane session", stop=p.session.close, resource=True)
+    life.add("admission gate", stop=s.gate.close, resource=True)
+    if (bus := p.bus) is not None:
+        s.metrics.watch_bus(bus)
+        life.add("worker bus", start=lambda: bus.start(s.metrics.render), stop=bus.stop)
+    life.add("kv event feeds", start=lambda: p.subs.update(cfg), stop=p.subs.close)
+    if p.shared:
+        life.add("redis state", start=p.shared.start, stop=p.shared.stop)
+    life.add("discovery", start=lambda: p.discovery.start(cfg), stop=p.discovery.close)
+    life.add(
+        "health checks", start=p.health.start, stop=p.health.stop, configure=lambda c: p.health.configure(c.health)
+    )
+    life.add(
+        "engine stats", start=p.scraper.start, stop=p.scraper.stop, configure=lambda c: p.scraper.configure(c.signals)
+    )
+    life.add("loop lag", start=s.lag.start, stop=s.lag.stop)
+    life.add("kv releaser", stop=s.releaser.close)
+    life.add("live planner", start=p.planner.start, stop=p.planner.stop)
+    if p.watcher:
+        life.add("config watcher", start=p.watcher.start, stop=p.watcher.stop)
     if collector:  # last: it freezes what startup left alive
 
         def start_gc() -> None:
@@ -229,7 +258,6 @@ async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | No
             collector.settle()
 
         life.add("gc policy", start=start_gc, stop=collector.close, configure=lambda c: collector.settle_later())
-    return Assembled(gw, life)
 
 
 async def _flush(tracing: Tracing) -> None:
