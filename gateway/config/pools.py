@@ -58,7 +58,7 @@ _SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 class DiscoveryConfig(_Strict):
     """Engines found through the Kubernetes API: the ready endpoints of the EndpointSlices matching
-    a label selector, watched (gateway/engines/discovery.py). They join the pool's static endpoints."""
+    a label selector, watched (gateway/engines/discovery/). They join the pool's static endpoints."""
 
     label_selector: str = Field(
         min_length=1,
@@ -92,8 +92,8 @@ class DiscoveryConfig(_Strict):
     )
     kubeconfig: str | None = Field(
         None,
-        description="a kubeconfig file (outside the cluster): its current context's server, CA, token or "
-        "client certificate, and namespace",
+        description="a kubeconfig file (outside the cluster): its current context's server, CA, token, "
+        "client certificate or exec credentials (EKS: aws eks get-token), and namespace",
     )
     token_file: str | None = Field(f"{_SA_DIR}/token", description="bearer token, re-read on each connection")
     ca_file: str | None = Field(

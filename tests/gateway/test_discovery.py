@@ -1,4 +1,5 @@
-"""Engine discovery (gateway/engines/discovery.py) against a fake Kubernetes API server on loopback.
+"""Engine discovery (gateway/engines/discovery/, on kubernetes_asyncio) against a fake Kubernetes API server
+on loopback.
 
 The fake serves real EndpointSlice JSON (discovery.k8s.io/v1) on the API's own paths and streams
 watch events (ADDED, MODIFIED, DELETED, BOOKMARK, ERROR 410) from the resourceVersion a client asks
@@ -8,7 +9,9 @@ Lists are paginated (``limit`` and ``continue``, one consistent snapshot across 
 API server's watch cache does: a slice whose labels stop matching is sent as DELETED (its previous
 state), one that starts matching as ADDED. Without it, it sends every slice it has, as a server or
 proxy that ignores ``labelSelector`` would: then only the client's own check keeps other slices out.
-It serves https (``ssl=``) and can require a client certificate, for kubeconfig access."""
+It serves https (``ssl=``) and can require a client certificate, for kubeconfig and in-cluster access.
+Query values and headers are read as the API server reads them: booleans in any case
+(``watch=True``), header names case-insensitively."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import base64
 import contextlib
 import ssl as ssl_
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -123,7 +127,7 @@ class FakeKubeAPI:
         self._ssl = ssl
         self.url = f"{'https' if ssl else 'http'}://127.0.0.1:{self.port}"
         self.filter_selector = True  # False: every slice is listed and watched, whatever the selector
-        self.requests: list[dict[str, Any]] = []  # {"watch", "params", "headers"}
+        self.requests: list[dict[str, Any]] = []  # {"watch", "params", "headers" (case-insensitive)}
         self.fail_lists = 0  # answer the next lists with 500
         self.fail_watches = 0  # answer the next watches with 500
         self.streaming = 0  # watch streams open now
@@ -181,6 +185,7 @@ class FakeKubeAPI:
                 "metadata": {},
                 "status": "Failure",
                 "message": message,
+                "reason": "InternalError",
                 "code": code,
             },
         )
@@ -262,8 +267,8 @@ class FakeKubeAPI:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         assert request.match_info["ns"] == NS
         q = request.query
-        watch = q.get("watch") in ("1", "true")
-        self.requests.append({"watch": watch, "params": dict(q), "headers": dict(request.headers)})
+        watch = q.get("watch", "").lower() in ("1", "true")
+        self.requests.append({"watch": watch, "params": dict(q), "headers": request.headers.copy()})
         selector = q.get("labelSelector", "")
         if not watch:
             if self.fail_lists:
@@ -435,7 +440,7 @@ async def test_list_then_watch_follows_added_modified_deleted(api, tmp_path, fil
         await until(lambda: api.watches())
         watch = api.watches()[0]["params"]
         assert watch["resourceVersion"] == watcher.resource_version == "102"
-        assert watch["allowWatchBookmarks"] == "true"
+        assert watch["allowWatchBookmarks"].lower() == "true"
 
         api.put(endpoint_slice("pdgate-decode-b", [endpoint("10.0.0.5")]))  # ADDED
         await until(lambda: "http://10.0.0.5:8000" in urls(watcher))
@@ -755,7 +760,7 @@ def test_gateway_routing_set_follows_endpointslices(api, tokenizer_dir, tmp_path
 
 
 def test_in_cluster_access_from_the_service_account(tmp_path, monkeypatch, certs):
-    from gateway.engines.discovery import AccessError, _access
+    from gateway.engines.discovery.access import AccessError, _access
 
     (tmp_path / "namespace").write_text("llm\n")
     cfg = DiscoveryConfig(label_selector="a=b", namespace_file=str(tmp_path / "namespace"), ca_file=certs["ca"])
@@ -765,12 +770,19 @@ def test_in_cluster_access_from_the_service_account(tmp_path, monkeypatch, certs
         _access(cfg)
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "fd00::1")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
-    access = _access(cfg)
-    assert (access.url, access.namespace) == ("https://[fd00::1]:443", "llm")
-    assert access.ssl is not None and access.ssl.cert_store_stats()["x509_ca"] == 1  # the named CA, only
+    access = _access(cfg)  # the token file need not exist yet: it is read before each request
+    assert (access.configuration.host, access.namespace) == ("https://[fd00::1]:443", "llm")
+    assert access.configuration.ssl_ca_cert == certs["ca"]  # the named CA, only
     assert access.token_file.endswith("/serviceaccount/token")
-    explicit = _access(cfg.model_copy(update={"namespace": "other", "api_url": "http://127.0.0.1:1"}))
-    assert (explicit.url, explicit.namespace, explicit.ssl) == ("http://127.0.0.1:1", "other", None)
+    explicit = _access(
+        cfg.model_copy(update={"namespace": "other", "api_url": "http://127.0.0.1:1", "token_file": None})
+    )
+    assert (explicit.configuration.host, explicit.namespace, explicit.token_file) == (
+        "http://127.0.0.1:1",
+        "other",
+        None,
+    )
+    assert "BearerToken" not in explicit.configuration.api_key  # no token file: no Authorization header
 
 
 SA_CA = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
@@ -780,14 +792,14 @@ SA_CA = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
 async def test_in_cluster_without_the_service_accounts_ca_is_an_error(tmp_path, monkeypatch):
     """The default ca_file is the service account's: away from a cluster it need not exist (the
     config validates, an api_url uses the system CAs), but in-cluster it must: no silent fallback."""
-    from gateway.engines.discovery import AccessError, _access
+    from gateway.engines.discovery.access import AccessError, _access
 
     monkeypatch.delenv("KUBECONFIG", raising=False)
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     cfg = DiscoveryConfig(label_selector="a=b", namespace="llm", retry_s=0.05, max_retry_s=0.1)
     assert cfg.ca_file == SA_CA  # validated here, away from a cluster
     public = _access(cfg.model_copy(update={"api_url": "https://kube.example.com"}))
-    assert public.ssl is not None and public.ssl.cert_store_stats()["x509_ca"] > 0  # the system's CAs
+    assert public.configuration.ssl_ca_cert is None  # the system's CAs
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
     with pytest.raises(AccessError, match=f"{SA_CA} does not exist .*service account") as err:
         _access(cfg)
@@ -880,39 +892,6 @@ async def test_a_slice_relabelled_out_of_the_selector_leaves_the_pool(api, filte
 # -- the watch stream --------------------------------------------------------------------------------
 
 
-class _Scanned(bytes):
-    """A chunk that counts the bytes ``find`` scans (all chunks share one counter)."""
-
-    scanned = 0
-
-    def find(self, sub, start=0, *args):  # type: ignore[override]
-        at = super().find(sub, start, *args)
-        type(self).scanned += (at + len(sub) if at >= 0 else len(self)) - start
-        return at
-
-
-def test_watch_lines_split_in_linear_time_and_bounded():
-    from gateway.engines.discovery import EventTooLarge, _Lines
-
-    events = [orjson.dumps({"type": "ADDED", "n": i, "pad": "x" * (i * 37 % 300)}) for i in range(200)]
-    stream = b"\n".join(events) + b"\n" + b'{"type":"BOOKMARK"}'  # the last one without its newline
-    for size in (1, 2, 7, 64, 1000, len(stream)):
-        lines = _Lines(limit=1024)
-        _Scanned.scanned = 0
-        got = [line for i in range(0, len(stream), size) for line in lines.feed(_Scanned(stream[i : i + size]))]
-        assert got == events and lines.rest() == b'{"type":"BOOKMARK"}'
-        assert _Scanned.scanned == len(stream)  # every byte looked at once, whatever the chunking
-    big = b"x" * 1025
-    for size in (1, 100, 2000):
-        lines = _Lines(limit=1024)
-        with pytest.raises(EventTooLarge, match="max_event_bytes"):
-            for i in range(0, len(big) + 1, size):
-                lines.feed((big + b"\n")[i : i + size])
-        assert len(lines._part) <= 1024  # never held more than the bound
-    lines = _Lines(limit=1024)
-    assert lines.feed(b"x" * 1024 + b"\n") == [b"x" * 1024]  # the bound itself is fine
-
-
 async def test_an_oversized_watch_event_ends_the_watch_and_lists_again(api, caplog):
     api.put(endpoint_slice("pdgate-decode-a", [endpoint("10.0.0.1")]))
     watcher = SliceWatcher("decode", discovery_cfg(api, max_event_bytes=4096), lambda: None)
@@ -932,6 +911,28 @@ async def test_an_oversized_watch_event_ends_the_watch_and_lists_again(api, capl
         api.delete("pdgate-decode-a")
         await until(lambda: len(urls(watcher)) == 40)
         assert watcher.errors == 1
+    finally:
+        await watcher.stop()
+
+
+async def test_an_event_over_the_clients_line_limit_ends_the_watch_and_lists_again(api):
+    """Whatever max_event_bytes says, the client holds at most 4 MiB of one event (aiohttp's line
+    limit in kubernetes_asyncio's client): a longer one is an error and a fresh list, as above."""
+    api.put(endpoint_slice("pdgate-decode-a", [endpoint("10.0.0.1")]))
+    watcher = SliceWatcher("decode", discovery_cfg(api, max_event_bytes=16 * 2**20), lambda: None)
+    await watcher.start()
+    try:
+        await asyncio.wait_for(watcher.synced.wait(), 10)
+        await until(lambda: api.streaming == 1)
+        huge = endpoint_slice("pdgate-decode-b", [endpoint("10.0.0.2")])
+        huge["metadata"]["annotations"] = {"example.com/padding": "x" * (5 * 2**20)}
+        api.put(huge)
+        await until(lambda: watcher.lists == 2)
+        assert watcher.errors == 1 and "line limit" in watcher.last_error
+        assert urls(watcher) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+        await until(lambda: len(api.watches()) == 2)
+        api.delete("pdgate-decode-a")
+        await until(lambda: urls(watcher) == ["http://10.0.0.2:8000"])
     finally:
         await watcher.stop()
 
@@ -1018,7 +1019,7 @@ def _b64(path: str) -> str:
 
 
 def test_kubeconfig_access(tmp_path, certs, monkeypatch):
-    from gateway.engines.discovery import AccessError, _access
+    from gateway.engines.discovery.access import AccessError, _access
 
     (tmp_path / "token").write_text("from-file\n")
     (tmp_path / "ca.crt").write_bytes(Path(certs["ca"]).read_bytes())
@@ -1030,9 +1031,9 @@ def test_kubeconfig_access(tmp_path, certs, monkeypatch):
     )  # relative: next to the kubeconfig
     cfg = DiscoveryConfig(label_selector="a=b", kubeconfig=str(kc))
     access = _access(cfg)
-    assert (access.url, access.namespace) == ("https://kube.example.com:6443", NS)
+    assert (access.configuration.host, access.namespace) == ("https://kube.example.com:6443", NS)
     assert access.token_file == str(tmp_path / "token")  # tokenFile wins over token, as in client-go
-    assert access.ssl.cert_store_stats()["x509_ca"] == 1
+    assert access.configuration.ssl_ca_cert == str(tmp_path / "ca.crt")
     # the config's namespace wins; an explicitly named token file too
     (tmp_path / "other-token").write_text("mine")
     mine = _access(cfg.model_copy(update={"namespace": "n2", "token_file": str(tmp_path / "other-token")}))
@@ -1045,13 +1046,16 @@ def test_kubeconfig_access(tmp_path, certs, monkeypatch):
         namespace="",
     )
     access = _access(cfg.model_copy(update={"kubeconfig": str(inline)}))
-    assert (access.token, access.token_file, access.namespace) == ("t", None, "default")
-    assert access.ssl.cert_store_stats()["x509_ca"] == 1
+    assert (access.configuration.api_key["BearerToken"], access.token_file, access.namespace) == (
+        "Bearer t",
+        None,
+        "default",
+    )
+    assert Path(access.configuration.ssl_ca_cert).read_bytes() == Path(certs["ca"]).read_bytes()  # a temporary file
     insecure = write_kubeconfig(
         tmp_path / "insecure", "https://kind.local:6443", {"token": "t"}, cluster={"insecure-skip-tls-verify": True}
     )
-    unverified = _access(cfg.model_copy(update={"kubeconfig": str(insecure)})).ssl
-    assert unverified.verify_mode == ssl_.CERT_NONE and not unverified.check_hostname
+    assert _access(cfg.model_copy(update={"kubeconfig": str(insecure)})).configuration.verify_ssl is False
 
     base = {"models": [{"name": "tiny", "tokenizer": "unused", "max_model_len": 64}]}
 
@@ -1063,23 +1067,37 @@ def test_kubeconfig_access(tmp_path, certs, monkeypatch):
         config(kubeconfig=missing)
     with pytest.raises(ConfigError, match=r"pools\.decode\.discovery\.kubeconfig: set api_url or kubeconfig"):
         config(kubeconfig=str(kc), api_url="https://x.example.com")
-    plugin = write_kubeconfig(tmp_path / "eks", "https://x.example.com", {"exec": {"command": "aws"}})
-    with pytest.raises(ConfigError, match=r"kubeconfig: .*authenticates with exec, which pdgate does not support"):
+    eks = {
+        "exec": {"apiVersion": "client.authentication.k8s.io/v1beta1", "command": "aws", "args": ["eks", "get-token"]}
+    }
+    assert config(kubeconfig=str(write_kubeconfig(tmp_path / "eks", "https://x.example.com", eks))).pools.decode
+    gcp = write_kubeconfig(tmp_path / "gcp", "https://x.example.com", {"auth-provider": {"name": "gcp"}})
+    with pytest.raises(ConfigError, match=r"kubeconfig: .*authenticates with auth-provider, which pdgate does not"):
+        config(kubeconfig=str(gcp))
+    plugin = write_kubeconfig(tmp_path / "bad-exec", "https://x.example.com", {"exec": {"command": "aws"}})
+    with pytest.raises(ConfigError, match=r"kubeconfig: .*exec: malformed request. missing key 'apiVersion'"):
         config(kubeconfig=str(plugin))
     other = write_kubeconfig(tmp_path / "ctx", "https://x.example.com", {"token": "t"}, context="prod")
-    with pytest.raises(ConfigError, match=r"kubeconfig: .*context 'prod' not found"):
+    with pytest.raises(ConfigError, match=r"kubeconfig: .*not a usable kubeconfig .*name prod in .*contexts"):
         config(kubeconfig=str(other))
     gone = write_kubeconfig(
         tmp_path / "gone", "https://x.example.com", {"token": "t"}, cluster={"certificate-authority": "missing-ca.crt"}
     )
     with pytest.raises(ConfigError, match=r"kubeconfig: .*certificate-authority .*missing-ca.crt does not exist"):
         config(kubeconfig=str(gone))
+    for text in ("- just\n- a list\n", "", "clusters: [\n"):
+        (tmp_path / "junk").write_text(text)
+        with pytest.raises(ConfigError, match=r"kubeconfig: .*junk: not a usable kubeconfig"):
+            config(kubeconfig=str(tmp_path / "junk"))
+    no_server = write_kubeconfig(tmp_path / "no-server", "", {"token": "t"})
+    with pytest.raises(ConfigError, match=r"kubeconfig: .*has no http\(s\) server"):
+        config(kubeconfig=str(no_server))
     assert config(kubeconfig=str(kc)).pools.decode.discovery.kubeconfig == str(kc)
     # $KUBECONFIG is the environment's: checked when the watcher starts, not by the config
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    monkeypatch.setenv("KUBECONFIG", f"{missing}:{plugin}")
+    monkeypatch.setenv("KUBECONFIG", f"{missing}:{gcp}")
     config()
-    with pytest.raises(AccessError, match=r"\$KUBECONFIG: .*exec") as err:
+    with pytest.raises(AccessError, match=r"\$KUBECONFIG: .*auth-provider") as err:
         _access(DiscoveryConfig(label_selector="a=b"))
     assert err.value.field == "kubeconfig"
 
@@ -1140,6 +1158,121 @@ async def test_watcher_from_the_kubeconfig_environment_variable(api, tmp_path, m
         assert api.lists()[0]["headers"]["Authorization"] == "Bearer kube-token"
     finally:
         await watcher.stop()
+
+
+EXEC_PLUGIN = """\
+import datetime, json, os, pathlib, sys
+runs = pathlib.Path(sys.argv[1])
+n = int(runs.read_text()) + 1 if runs.exists() else 1
+runs.write_text(str(n))
+expiry = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=int(sys.argv[2]))
+info = json.loads(os.environ["KUBERNETES_EXEC_INFO"])  # what kubectl passes a credential plugin
+print(json.dumps({
+    "apiVersion": info["apiVersion"],
+    "kind": "ExecCredential",
+    "status": {"token": f"exec-token-{n}", "expirationTimestamp": expiry.strftime("%Y-%m-%dT%H:%M:%SZ")},
+}))
+"""
+
+
+@pytest.mark.parametrize("ttl_s", [3600, 60], ids=["valid-token", "expiring-token"])
+async def test_watcher_with_a_kubeconfig_exec_plugin(api, tmp_path, ttl_s):
+    """An EKS-style kubeconfig: the user's token comes from a credential plugin (``aws eks
+    get-token``), run by the client and sent as a bearer token; a token within 5 minutes of its
+    expiry is fetched again before the next request, a valid one is kept."""
+    plugin = tmp_path / "get-token"
+    plugin.write_text(f"#!{sys.executable}\n{EXEC_PLUGIN}")
+    plugin.chmod(0o755)
+    runs = tmp_path / "runs"
+    exec_ = {
+        "apiVersion": "client.authentication.k8s.io/v1beta1",
+        "command": str(plugin),
+        "args": [str(runs), str(ttl_s)],
+        "interactiveMode": "Never",
+    }
+    kc = write_kubeconfig(tmp_path / "config", api.url, {"exec": exec_})
+    api.put(endpoint_slice("pdgate-decode-a", [endpoint("10.0.0.1")]))
+    cfg = DiscoveryConfig(label_selector=SELECTOR, kubeconfig=str(kc), retry_s=0.05, max_retry_s=0.2)
+    watcher = SliceWatcher("decode", cfg, lambda: None)
+    await watcher.start()
+    try:
+        await asyncio.wait_for(watcher.synced.wait(), 10)
+        await until(lambda: api.streaming == 1)
+        api.cut()  # a second watch: a second request to authenticate
+        await until(lambda: len(api.watches()) == 2)
+        tokens = [r["headers"]["Authorization"] for r in api.requests]
+        assert watcher.errors == 0 and len(tokens) == 3
+        if ttl_s == 3600:
+            assert tokens == ["Bearer exec-token-1"] * 3 and runs.read_text() == "1"  # run once, at setup
+        else:  # run at setup, then before each request
+            assert tokens == ["Bearer exec-token-2", "Bearer exec-token-3", "Bearer exec-token-4"]
+        assert urls(watcher) == ["http://10.0.0.1:8000"]
+    finally:
+        await watcher.stop()
+
+
+async def test_an_exec_plugin_that_fails_is_retried(api, tmp_path):
+    plugin = tmp_path / "get-token"
+    plugin.write_text(f"#!{sys.executable}\nimport sys; print('no credentials', file=sys.stderr); sys.exit(3)\n")
+    plugin.chmod(0o755)
+    exec_ = {"apiVersion": "client.authentication.k8s.io/v1beta1", "command": str(plugin)}
+    kc = write_kubeconfig(tmp_path / "config", api.url, {"exec": exec_})
+    watcher = SliceWatcher(
+        "decode", DiscoveryConfig(label_selector=SELECTOR, kubeconfig=str(kc), retry_s=0.05), lambda: None
+    )
+    await watcher.start()
+    try:
+        await until(lambda: watcher.errors >= 2)
+        assert "pools.decode.discovery.kubeconfig: exec: process returned 3. no credentials" in watcher.last_error
+        assert not api.requests
+    finally:
+        await watcher.stop()
+
+
+async def test_in_cluster_watcher_follows_the_rotating_service_account_token(tmp_path, monkeypatch, certs):
+    """In a pod: the API from KUBERNETES_SERVICE_HOST/_PORT over https with the service account's CA,
+    its namespace, and its projected token, which the kubelet rewrites: re-read for every request."""
+    tls = ssl_.create_default_context(ssl_.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(certs["server_crt"], certs["server_key"])
+    server = FakeKubeAPI(ssl=tls).start()
+    try:
+        sa = tmp_path / "serviceaccount"
+        sa.mkdir()
+        (sa / "token").write_text("sa-token-1")
+        (sa / "namespace").write_text(NS)
+        monkeypatch.delenv("KUBECONFIG", raising=False)
+        monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+        monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(server.port))
+        server.put(endpoint_slice("pdgate-decode-a", [endpoint("10.0.0.1")]))
+        cfg = DiscoveryConfig(
+            label_selector=SELECTOR,
+            token_file=str(sa / "token"),
+            ca_file=certs["ca"],
+            namespace_file=str(sa / "namespace"),
+            retry_s=0.05,
+            max_retry_s=0.2,
+        )
+        watcher = SliceWatcher("decode", cfg, lambda: None)
+        await watcher.start()
+        try:
+            await asyncio.wait_for(watcher.synced.wait(), 10)
+            assert server.lists()[0]["headers"]["Authorization"] == "Bearer sa-token-1"
+            await until(lambda: server.streaming == 1)
+            (sa / "token").write_text("sa-token-2")  # rotated
+            server.cut()
+            await until(lambda: len(server.watches()) >= 2)
+            assert server.watches()[-1]["headers"]["Authorization"] == "Bearer sa-token-2"
+            server.put(endpoint_slice("pdgate-decode-b", [endpoint("10.0.0.2")]))
+            await until(lambda: urls(watcher) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"])
+            (sa / "token").unlink()  # unreadable: an error, retried, until it is back
+            server.cut()
+            await until(lambda: "cannot read the token file" in watcher.last_error)
+            (sa / "token").write_text("sa-token-3")
+            await until(lambda: server.watches()[-1]["headers"]["Authorization"] == "Bearer sa-token-3")
+        finally:
+            await watcher.stop()
+    finally:
+        server.stop()
 
 
 # -- topology: zones from the slices, spines from the Nodes ---------------------------------------
