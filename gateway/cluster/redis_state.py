@@ -199,7 +199,7 @@ class RedisState:
 
     # -- in-flight counts ----------------------------------------------------------------------
 
-    async def sync_in_flight(self) -> None:  # noqa: C901 - over the limit before it was set; to split
+    async def sync_in_flight(self) -> None:
         """Publish this replica's counts, read the others'."""
         if not self.usable:
             return
@@ -209,16 +209,7 @@ class RedisState:
         for ep in self._pools.all():
             counts[ep.url] = counts.get(ep.url, 0) + ep.in_flight
         mine_usage = f"{self._p}:tenants:{self.replica}"
-        usage = (
-            {
-                f"{phase[0]}|{tenant}": str(round(v, 3))
-                for phase, row in self._usage.snapshot().items()
-                for tenant, v in row.items()
-                if v
-            }
-            if self._usage is not None
-            else {}
-        )
+        usage = self._usage_fields()
         try:
             async with asyncio.timeout(max(self.cfg.timeout_s, 0.5)):
                 pipe = self._redis.pipeline(transaction=False)
@@ -257,15 +248,18 @@ class RedisState:
                 total[url] = total.get(url, 0) + int(n)
         self._pools.others = total
         if self._usage is not None:
-            phases = {p[0]: p for p in Usage.PHASES}  # first letters: p, d, g, o
-            theirs: dict[str, dict[str, float]] = {p: {} for p in Usage.PHASES}
-            for row in rows[1::2]:
-                for name, v in row.items():
-                    phase, _, tenant = name.partition("|")
-                    if phase in phases:
-                        t = theirs[phases[phase]]
-                        t[tenant] = t.get(tenant, 0.0) + float(v)
-            self._usage.others = theirs
+            self._usage.others = _others_usage(rows[1::2])
+
+    def _usage_fields(self) -> dict[str, str]:
+        """This replica's tenant use as hash fields: ``<phase letter>|<tenant>`` -> value."""
+        if self._usage is None:
+            return {}
+        return {
+            f"{phase[0]}|{tenant}": str(round(v, 3))
+            for phase, row in self._usage.snapshot().items()
+            for tenant, v in row.items()
+            if v
+        }
 
     async def _syncer(self) -> None:
         while True:
@@ -304,3 +298,16 @@ class RedisState:
                 pipe.zrem(f"{self._p}:replicas", self.replica)
                 await pipe.execute()
         await self._redis.aclose()
+
+
+def _others_usage(rows: list[dict[str, str]]) -> dict[str, dict[str, float]]:
+    """The other replicas' tenant use, summed per phase and tenant (``_usage_fields``'s reverse)."""
+    phases = {p[0]: p for p in Usage.PHASES}  # first letters: p, d, g, o
+    theirs: dict[str, dict[str, float]] = {p: {} for p in Usage.PHASES}
+    for row in rows:
+        for name, v in row.items():
+            phase, _, tenant = name.partition("|")
+            if phase in phases:
+                t = theirs[phases[phase]]
+                t[tenant] = t.get(tenant, 0.0) + float(v)
+    return theirs

@@ -110,6 +110,25 @@ def _affixes(proc: dict[str, Any] | None) -> tuple[tuple[int, ...], tuple[int, .
     return None
 
 
+def _not_piecewise(spec: dict[str, Any]) -> str | None:
+    """Why the tokenizer (its JSON ``spec``) may encode a piece differently alone than inside a
+    whole text, or None when its model, normalizers and pre-tokenizers all work piece by piece."""
+    model = spec.get("model") or {}
+    if model.get("type") not in _MODELS:
+        return f"model {model.get('type')!r}"
+    if model.get("dropout"):
+        return "BPE dropout"
+    for node in _components(spec.get("normalizer"), "normalizers"):
+        if node.get("type") not in _PIECEWISE_NORMALIZERS:
+            return f"normalizer {node.get('type')!r}"
+    for node in _components(spec.get("pre_tokenizer"), "pretokenizers"):
+        if node.get("type") not in _PIECEWISE_PRE_TOKENIZERS:
+            return f"pre-tokenizer {node.get('type')!r}"
+        if node.get("type") == "Metaspace" and node.get("prepend_scheme", "always") == "first":
+            return "Metaspace prepend_scheme 'first' depends on the piece's position"
+    return None
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class _Encoded:
     """A recently encoded text, kept so that a longer text starting with it (the conversation's
@@ -275,30 +294,18 @@ class SegmentEncoder:
         """The sampling of a checked fast encoder's ids (None: none running)."""
         return self._check
 
-    def _setup(self) -> str | None:  # noqa: C901 - over the limit before it was set; to split
+    def _setup(self) -> str | None:
         """Check the tokenizer's settings; return why segmenting is not exact, or None."""
         try:
             serialized = self._backend.to_str()
             spec = json.loads(serialized)
         except Exception as err:  # custom Python components do not serialize: nothing to prove with
             return f"tokenizer settings unreadable: {type(err).__name__}"
-        from tokenizers import Tokenizer
-
         if getattr(self._backend, "encode_special_tokens", False):
             return "encode_special_tokens is on"
-        model = spec.get("model") or {}
-        if model.get("type") not in _MODELS:
-            return f"model {model.get('type')!r}"
-        if model.get("dropout"):
-            return "BPE dropout"
-        for node in _components(spec.get("normalizer"), "normalizers"):
-            if node.get("type") not in _PIECEWISE_NORMALIZERS:
-                return f"normalizer {node.get('type')!r}"
-        for node in _components(spec.get("pre_tokenizer"), "pretokenizers"):
-            if node.get("type") not in _PIECEWISE_PRE_TOKENIZERS:
-                return f"pre-tokenizer {node.get('type')!r}"
-            if node.get("type") == "Metaspace" and node.get("prepend_scheme", "always") == "first":
-                return "Metaspace prepend_scheme 'first' depends on the piece's position"
+        why = _not_piecewise(spec)
+        if why is not None:
+            return why
         added = [t for t in spec.get("added_tokens") or () if not t.get("normalized")]
         for tok in added:
             if tok.get("lstrip") or tok.get("rstrip") or tok.get("single_word"):
@@ -312,21 +319,8 @@ class SegmentEncoder:
         alternatives = sorted(self._added, key=lambda c: (-len(c), c))
         self._split = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")")
         self._affixes = _affixes(spec.get("post_processor"))
-        if self._want_fast and not isinstance(self._backend, Tokenizer):
-            # A wrapper may encode differently from what its JSON describes: only the plain one.
-            self.fast_reason = "backend is not a tokenizers.Tokenizer"
-        elif self._want_fast:
-            self._fast, self.fast_reason = fasttok.load(spec, serialized)
-            if self._fast is None and self._ranks_file is not None:
-                refused = self.fast_reason
-                self._fast, self.fast_reason = fasttok.load_ranks(spec, serialized, self._ranks_file)
-                if self._fast is None:
-                    self.fast_reason = f"{refused}; {self._ranks_file}: {self.fast_reason}"
-                    if fasttok.SELF_CHECK_FAILED in self.fast_reason:  # the ranks encode differently
-                        fasttok.count_mismatch(self._model)
-                        log.warning("model %s: no fast tokenizer: %s", self._model, self.fast_reason)
-            if self._fast is None:
-                log.debug("tokenizer: no fast encoder (%s)", self.fast_reason)
+        if self._want_fast:
+            self._load_fast(spec, serialized)
         why = self._self_check(serialized, alternatives)
         if why is not None:
             self._fast, self.fast_reason = None, "segmenting is off"
@@ -339,6 +333,26 @@ class SegmentEncoder:
             )
             log.info("model %s: fast tokenizer %s", self._model, self.fast_reason)
         return why
+
+    def _load_fast(self, spec: dict[str, Any], serialized: str) -> None:
+        """The fast encoder: proven from the tokenizer's JSON, else checked from the model's ranks file."""
+        from tokenizers import Tokenizer
+
+        if not isinstance(self._backend, Tokenizer):
+            # A wrapper may encode differently from what its JSON describes: only the plain one.
+            self.fast_reason = "backend is not a tokenizers.Tokenizer"
+            return
+        self._fast, self.fast_reason = fasttok.load(spec, serialized)
+        if self._fast is None and self._ranks_file is not None:
+            refused = self.fast_reason
+            self._fast, self.fast_reason = fasttok.load_ranks(spec, serialized, self._ranks_file)
+            if self._fast is None:
+                self.fast_reason = f"{refused}; {self._ranks_file}: {self.fast_reason}"
+                if fasttok.SELF_CHECK_FAILED in self.fast_reason:  # the ranks encode differently
+                    fasttok.count_mismatch(self._model)
+                    log.warning("model %s: no fast tokenizer: %s", self._model, self.fast_reason)
+        if self._fast is None:
+            log.debug("tokenizer: no fast encoder (%s)", self.fast_reason)
 
     def _fast_mismatch(self, text: str) -> None:
         """A sampled text's fast ids were not the exact ones: off for this encoder's life, and the
