@@ -41,7 +41,7 @@ uvicorn writes (through ``_Watched``, a transport wrapper; a second httptools pa
 
 The guard composes uvicorn's protocol (it constructs it with the arguments uvicorn gives every
 ``http`` protocol class, forwards the asyncio protocol calls, and hands it the wrapped transport);
-it touches none of its internals. tests/gateway/test_httpserver.py fails if uvicorn changes that
+it touches none of its internals. tests/gateway/test_server.py fails if uvicorn changes that
 construction.
 """
 
