@@ -46,13 +46,11 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,203 +58,28 @@ import aiohttp
 import httpx
 import yaml
 
-from bench.goodput import Cluster, Progress, pct, pdgate_config, send, start_engines
-from bench.workloads import Request, _arrival_times, _ids
-from engine_model.config import SimConfig
-from engine_model.profile import engine_settings
+from bench.fairness_report import markdown, plot
+from bench.fairness_scoring import (
+    MODES,
+    PD_THRESHOLD,
+    TENANTS,
+    Outcome,
+    TenantRequest,
+    TenantSpec,
+    fair_shares,
+    prefill_costs,
+    schedule,
+    summarize_tenant,
+    verdict,
+)
+from bench.goodput_cluster import Cluster, pdgate_config, start_engines
+from bench.goodput_load import Progress, send
+from bench.workloads import Request
 from engine_model.tinymodel import build_tokenizer
 from gateway.demo import cache_dir
 from tests.procs import ProcGroup, free_port
 
-MODES = ("off", "on")
-ITL_P90_SLO_S = 0.050  # bench.goodput's ITL objective, for the stricter attainment column
-TARGET_ATTAINMENT = 0.95  # the well-behaved tenants, fairness on
-SHARE_TOLERANCE = 0.95  # the flood must get at least this fraction of its fair share of what the pool delivered
-POOL_BUSY_TARGET = 0.9  # ... and the pool must deliver this fraction of its modelled capacity (no idle room)
-PD_THRESHOLD = 4096
 PREFILL_ENGINES = 1  # of 2 engines: 1 prefill + 1 decode
-
-
-@dataclass(frozen=True)
-class TenantSpec:
-    name: str
-    rate: float  # simulated requests/s
-    prompt: tuple[int, int]
-    output: tuple[int, int]
-    ttft_slo_s: float  # simulated
-    weight: float = 1.0
-    flood: bool = False
-
-
-TENANTS = (
-    TenantSpec("chat", 2.0, (100, 500), (100, 200), 1.0),
-    TenantSpec("rag", 0.5, (4608, 8000), (100, 300), 4.0),
-    TenantSpec("flood", 2.5, (8192, 16384), (16, 64), 30.0, flood=True),
-)
-
-
-@dataclass
-class TenantRequest:
-    tenant: str
-    arrival_s: float  # simulated, since the run's start
-    prompt: list[int]
-    max_tokens: int
-
-
-@dataclass
-class Outcome:
-    status: int = 0
-    ok: bool = False
-    ttft_s: float = 0.0  # simulated
-    itls_s: list[float] = field(default_factory=list)
-    tokens: int = 0
-    path: str | None = None
-    error: str | None = None
-
-
-# ---------------------------------------------------------------------------- schedule
-def schedule(
-    specs: tuple[TenantSpec, ...], duration_s: float, seed: int = 0, scale_output: float = 1.0
-) -> list[TenantRequest]:
-    """Every tenant's requests, merged by arrival. One PRNG per tenant, so a tenant's requests do
-    not change when another tenant's rate does; the same arguments give the same requests."""
-    out: list[TenantRequest] = []
-    for spec in specs:
-        rng = random.Random(f"fairness/{spec.name}/{spec.rate}/{seed}")
-        for t in _arrival_times(rng, spec.rate, duration_s, "poisson"):
-            n = rng.randint(*spec.prompt)
-            m = max(2, round(rng.randint(*spec.output) * scale_output))
-            out.append(TenantRequest(spec.name, t, _ids(rng, n), m))
-    out.sort(key=lambda r: (r.arrival_s, r.tenant))
-    return out
-
-
-# ---------------------------------------------------------------------------- arithmetic
-def max_min_shares(demands: dict[str, float], weights: dict[str, float], capacity: float) -> dict[str, float]:
-    """Weighted max-min fair allocation (water-filling): no tenant gets more than it asks; what a
-    tenant leaves unused is split among the rest by weight."""
-    share = {t: 0.0 for t in demands}
-    active = {t for t, d in demands.items() if d > 0}
-    left = capacity
-    while active and left > 1e-12:
-        total_w = sum(weights[t] for t in active)
-        fill = {t: left * weights[t] / total_w for t in active}
-        sated = {t for t in active if demands[t] - share[t] <= fill[t]}
-        if not sated:
-            for t in active:
-                share[t] += fill[t]
-            break
-        for t in sated:
-            left -= demands[t] - share[t]
-            share[t] = demands[t]
-        active -= sated
-    return share
-
-
-def attainment(met: int, total: int) -> float:
-    """Share of all requests (failed ones count as missed) that met the SLO."""
-    return round(met / total, 3) if total else 0.0
-
-
-def prefill_costs(profile: str, reqs: list[TenantRequest]) -> list[float]:
-    """Each request's prefill time alone on one engine of the profile (simulated s): what it asks
-    of the prefill pool. Engine time, not tokens, since a long prompt's later chunks cost more."""
-    cfg = SimConfig(**{**engine_settings(profile), "time_scale": 1.0})
-    return [cfg.prefill_time(len(q.prompt)) for q in reqs]
-
-
-def summarize_tenant(
-    spec: TenantSpec, reqs: list[TenantRequest], outs: list[Outcome], costs: list[float], duration_s: float
-) -> dict[str, Any]:
-    """One tenant's figures for one mode (simulated seconds). ``costs``: each request's
-    :func:`prefill_costs`; the prefill pool's are the P/D requests' (prompt >= the threshold)."""
-    ok = [(q, o) for q, o in zip(reqs, outs, strict=True) if o.ok]
-    pool_in_window = [
-        c for q, o, c in zip(reqs, outs, costs, strict=True)
-        if o.ok and o.path == "pd" and q.arrival_s + o.ttft_s <= duration_s
-    ]  # fmt: skip
-    met_ttft = [(q, o) for q, o in ok if o.ttft_s <= spec.ttft_slo_s]
-    met_slo = [(q, o) for q, o in met_ttft if (pct(o.itls_s, 0.9) or 0.0) <= ITL_P90_SLO_S]
-    in_window = [q for q, o in ok if q.arrival_s + o.ttft_s <= duration_s]
-    ttfts = [o.ttft_s for _, o in ok]
-    paths: dict[str, int] = {}
-    for _, o in ok:
-        paths[o.path or "?"] = paths.get(o.path or "?", 0) + 1
-
-    def ms(v: float | None) -> float | None:
-        return None if v is None else round(v * 1000, 1)
-
-    return {
-        "requests": len(reqs),
-        "completed": len(ok),
-        "rejected_429": sum(o.status == 429 for o in outs),
-        "errors": sum(not o.ok and o.status != 429 for o in outs),
-        "error_samples": sorted({o.error for o in outs if o.error and o.status != 429})[:3],
-        "ttft_slo_s": spec.ttft_slo_s,
-        "attainment": attainment(len(met_ttft), len(reqs)),
-        "attainment_with_itl": attainment(len(met_slo), len(reqs)),
-        "goodput_req_s": round(len(met_ttft) / duration_s, 3),
-        "goodput_tok_s": round(sum(o.tokens for _, o in met_ttft) / duration_s, 1),
-        "offered_prefill_tok_s": round(sum(len(q.prompt) for q in reqs) / duration_s, 1),
-        "prefill_tok_s": round(sum(len(q.prompt) for q in in_window) / duration_s, 1),
-        "output_tok_s": round(sum(o.tokens for _, o in ok) / duration_s, 1),
-        "offered_pool_s": round(
-            sum(c for q, c in zip(reqs, costs, strict=True) if len(q.prompt) >= PD_THRESHOLD) / duration_s, 4
-        ),
-        "pool_s": round(sum(pool_in_window) / duration_s, 4),
-        "ttft_ms": {f"p{q}": ms(pct(ttfts, q / 100)) for q in (50, 90, 99)},
-        "paths": paths,
-        "ttfts_ms": sorted(round(t * 1000, 1) for t in ttfts),  # for the CDF plot
-    }
-
-
-def fair_shares(
-    tenants: dict[str, dict[str, Any]], weights: dict[str, float], pool_engines: int
-) -> dict[str, dict[str, float]]:
-    """Per tenant, its weighted max-min fair share next to what it was served, two ways:
-    ``pool_*``: the prefill pool's engine time (capacity: its engines, busy every second),
-    given what its P/D requests ask of it; ``tok_*``: all prefill tokens served in the window, on
-    any engine and path (capacity: that run's total, so a tenant's shortfall there only shows
-    what others took, not capacity left idle)."""
-    tok_capacity = sum(t["prefill_tok_s"] for t in tenants.values())
-    # What the pool delivered in the window (its engines ran behind their modelled step times on
-    # these loaded cores, and legs running at the window's end are not counted): the flood's share
-    # of that is what fairness decides; whether the pool sat idle is ``pool_delivered`` below.
-    delivered = sum(t["pool_s"] for t in tenants.values())
-    fair_of_delivered = max_min_shares({n: t["offered_pool_s"] for n, t in tenants.items()}, weights, delivered)
-    tok_fair = max_min_shares({n: t["offered_prefill_tok_s"] for n, t in tenants.items()}, weights, tok_capacity)
-    pool_fair = max_min_shares({n: t["offered_pool_s"] for n, t in tenants.items()}, weights, float(pool_engines))
-    out = {}
-    for n, t in tenants.items():
-        out[n] = {
-            "pool_served": t["pool_s"],
-            "pool_fair": round(pool_fair[n], 4),
-            "pool_served_over_fair": round(t["pool_s"] / pool_fair[n], 3) if pool_fair[n] else None,
-            "pool_fair_of_delivered": round(fair_of_delivered[n], 4),
-            "pool_served_over_fair_of_delivered": round(t["pool_s"] / fair_of_delivered[n], 3)
-            if fair_of_delivered[n]
-            else None,
-            "pool_delivered": round(delivered / pool_engines, 3),
-            "tok_served": t["prefill_tok_s"],
-            "tok_fair": round(tok_fair[n], 1),
-            "tok_served_fraction": round(t["prefill_tok_s"] / tok_capacity, 3) if tok_capacity else 0.0,
-            "tok_fair_fraction": round(tok_fair[n] / tok_capacity, 3) if tok_capacity else 0.0,
-        }
-    return out
-
-
-def verdict(mode: dict[str, Any], specs: tuple[TenantSpec, ...]) -> dict[str, Any]:
-    """The issue's target: every well-behaved tenant >= 95% attainment, the flood >= its share."""
-    good = {s.name: mode["tenants"][s.name]["attainment"] for s in specs if not s.flood}
-    flood = {s.name: mode["shares"][s.name] for s in specs if s.flood}
-    return {
-        "well_behaved_attainment_ok": all(a >= TARGET_ATTAINMENT for a in good.values()),
-        "flood_share_ok": all(
-            (sh["pool_served_over_fair_of_delivered"] or 0) >= SHARE_TOLERANCE
-            and sh["pool_delivered"] >= POOL_BUSY_TARGET
-            for sh in flood.values()
-        ),
-    }
 
 
 # ---------------------------------------------------------------------------- load
@@ -452,134 +275,6 @@ def code_version() -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- report
-def markdown(result: dict[str, Any]) -> str:
-    """The per-tenant table (off vs on) and the target's verdict per mode."""
-    lines = [
-        "# Tenant fairness under a flood: fairness off (FIFO) vs on",
-        "",
-        "Generated by `python -m bench.fairness" + (" --quick" if result["quick"] else "") + "` (see its docstring). "
-        f"Profile `{result['profile']}`, 1 prefill + 1 decode simulated engine, time scale "
-        f"{result['time_scale']:g}, {result['duration_s']:g} s of arrivals, seed {result['seed']}"
-        + (f", outputs x{result['output_scale']:g}" if result["output_scale"] != 1 else "")
-        + f". Admission: `{json.dumps(result['admission'])}`; routing token_threshold {PD_THRESHOLD}; equal "
-        "weights, all tenants in the `standard` class. Times simulated (wall / time scale). Attainment: share of "
-        "all the tenant's requests whose TTFT met its SLO (429s and errors count as missed); *+ITL*: also p90 "
-        "ITL <= 50 ms. Goodput: TTFT-SLO-meeting requests/s and their output tokens/s over the arrival window. "
-        "*Prefill pool*: engine-seconds per second of the prefill engine its P/D requests asked for (offered) and "
-        "got with a first token within the window (served), against its weighted max-min fair share of the pool "
-        "(capacity 1 engine). *Prefill tok/s*: prompt tokens served on any path within the window. Queue: mean "
-        "gateway wait of admitted requests (`pdgate_tenant_queue_seconds`).",
-        "",
-        "| tenant | fairness | requests | 429 | errors | TTFT SLO | attainment | +ITL | goodput req/s "
-        "| goodput tok/s | TTFT p50/p90/p99 ms | prefill pool offered / served / fair | prefill tok/s offered "
-        "/ served | output tok/s | queue mean s | paths |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for spec in result["tenant_specs"]:
-        name = spec["name"]
-        for mode in MODES:
-            m = result["modes"].get(mode)
-            if not m:
-                continue
-            t, sh = m["tenants"][name], m["shares"][name]
-            ttft = "/".join("-" if v is None else f"{v:g}" for v in t["ttft_ms"].values())
-            q = t["gateway"].get("queue_mean_s")
-            lines.append(
-                f"| {name} | {mode} | {t['requests']} | {t['rejected_429']} | {t['errors']} | {t['ttft_slo_s']:g} s "
-                f"| **{t['attainment']:.1%}** | {t['attainment_with_itl']:.1%} | {t['goodput_req_s']:g} "
-                f"| {t['goodput_tok_s']:g} | {ttft} | {t['offered_pool_s']:.3f} / {sh['pool_served']:.3f} / "
-                f"{sh['pool_fair']:.3f} | {t['offered_prefill_tok_s']:,.0f} / {t['prefill_tok_s']:,.0f} "
-                f"| {t['output_tok_s']:g} | {'-' if q is None else f'{q:g}'} "
-                f"| {', '.join(f'{k} {v}' for k, v in sorted(t['paths'].items()))} |"
-            )
-    floods = [s["name"] for s in result["tenant_specs"] if s["flood"]]
-    lines += [
-        "",
-        "| fairness | well-behaved tenants >= 95% | flood's prefill pool served / fair share of what it delivered "
-        "| pool delivered / modelled capacity | flood served / fair share of the modelled capacity | flood's share "
-        "of all prefill tokens served (max-min fair) | wall s |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for mode in MODES:
-        m = result["modes"].get(mode)
-        if not m:
-            continue
-        sh = m["shares"]
-        ratio = ", ".join(f"{sh[f]['pool_served_over_fair_of_delivered']}" for f in floods)
-        busy = ", ".join(f"{sh[f]['pool_delivered']}" for f in floods)
-        modelled = ", ".join(f"{sh[f]['pool_served_over_fair']}" for f in floods)
-        frac = ", ".join(f"{sh[f]['tok_served_fraction']:.1%} ({sh[f]['tok_fair_fraction']:.1%})" for f in floods)
-        ok = "yes" if m["target"]["well_behaved_attainment_ok"] else "**no**"
-        short = (
-            f"(ok: >= {SHARE_TOLERANCE:g}, pool >= {POOL_BUSY_TARGET:g})"
-            if m["target"]["flood_share_ok"]
-            else "(**short**)"
-        )
-        lines.append(f"| {mode} | {ok} | {ratio} {short} | {busy} | {modelled} | {frac} | {m['wall_s']:g} |")
-    return "\n".join(lines) + "\n"
-
-
-def plot(result: dict[str, Any], png: Path) -> Path | None:
-    """TTFT CDFs, attainment bars and the prefill pool's shares, off vs on."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot (pip install -e '.[bench]')", file=sys.stderr)
-        return None
-    specs = result["tenant_specs"]
-    modes = [m for m in MODES if m in result["modes"]]
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.8))
-    colors = {s["name"]: f"C{i}" for i, s in enumerate(specs)}
-    for s in specs:
-        for mode in modes:
-            t = result["modes"][mode]["tenants"][s["name"]]
-            xs = [v / 1000 for v in t["ttfts_ms"]]
-            if xs:
-                ys = [(i + 1) / t["requests"] for i in range(len(xs))]
-                ax1.step(xs, ys, where="post", color=colors[s["name"]], ls="-" if mode == "on" else ":",
-                         label=f"{s['name']} ({mode})")  # fmt: skip
-        ax1.axvline(s["ttft_slo_s"], color=colors[s["name"]], lw=0.7, alpha=0.5)
-    ax1.set_xscale("log")
-    ax1.set_xlabel("TTFT (simulated s); vertical lines: SLOs")
-    ax1.set_ylabel("share of the tenant's requests")
-    ax1.set_title("TTFT CDF (dotted: fairness off)")
-    ax1.legend(fontsize=7, loc="center", bbox_to_anchor=(0.32, 0.5))
-    width = 0.38
-    for j, mode in enumerate(modes):
-        vals = [result["modes"][mode]["tenants"][s["name"]]["attainment"] for s in specs]
-        xs = [i + (j - 0.5) * width for i in range(len(specs))]
-        bars = ax2.bar(xs, vals, width, label=f"fairness {mode}", color="C7" if mode == "off" else "C2")
-        ax2.bar_label(bars, labels=[f"{v:.0%}" for v in vals], fontsize=7)
-    ax2.axhline(TARGET_ATTAINMENT, color="k", ls="--", lw=0.8)
-    ax2.set_xticks(range(len(specs)), [s["name"] for s in specs])
-    ax2.set_ylim(0, 1.22)
-    ax2.set_title("TTFT SLO attainment (dashed: 95% target)")
-    ax2.legend(fontsize=7, loc="upper center", ncol=2)
-    for j, mode in enumerate(modes):
-        sh = result["modes"][mode]["shares"]
-        xs = [i + (j - 0.5) * width for i in range(len(specs))]
-        ax3.bar(xs, [sh[s["name"]]["pool_served"] for s in specs], width, label=f"served, fairness {mode}",
-                color="C7" if mode == "off" else "C2")  # fmt: skip
-    sh = result["modes"][modes[-1]]["shares"]
-    ax3.scatter(range(len(specs)), [sh[s["name"]]["pool_fair"] for s in specs], marker="_", s=600, color="k",
-                zorder=3, label="max-min fair share")  # fmt: skip
-    offered = [result["modes"][modes[0]]["tenants"][s["name"]]["offered_pool_s"] for s in specs]
-    ax3.scatter(range(len(specs)), offered, marker="x", color="C3", zorder=3, label="offered")
-    ax3.set_xticks(range(len(specs)), [s["name"] for s in specs])
-    ax3.set_ylabel("prefill engine-seconds per second (pool: 1)")
-    ax3.set_title("prefill pool served in the window vs fair share")
-    ax3.legend(fontsize=7)
-    fig.suptitle(f"{result['profile']}, 1 prefill + 1 decode engine, {result['duration_s']:g} s of arrivals "
-                 "(simulated)")  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return png
-
-
 def _terminate(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds through run()'s finally: every process is stopped
 

@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - over the limit b
             if name.startswith("gateway-w"):
                 time.sleep(2.0)  # every worker up (/ready answers as soon as one is)
         if not args.no_peer:
-            from bench.goodput import vllm_router_binary
+            from bench.goodput_cluster import vllm_router_binary
 
             exe = str(vllm_router_binary(args.vllm_router))
             decode_url, prefill_url = (f"http://127.0.0.1:{ports[r][0]}" for r in ("decode", "prefill"))

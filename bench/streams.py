@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
                 urls[name] = f"http://127.0.0.1:{port}"
                 pids[name] = proc.pid
             elif name == "vllm-router":
-                from bench.goodput import vllm_router_binary
+                from bench.goodput_cluster import vllm_router_binary
 
                 port = free_port()
                 proc = group.start(

@@ -35,7 +35,7 @@ null: no limit) and ``probability`` (drawn per matching request from a PRNG seed
   body, then close. The request's engine work is aborted.
 * ``kv_refuse`` (on a prefill engine; ``on`` does not apply): refuse the next decode engine's
   KV read on the side channel. The decode leg then fails as vLLM 0.32 fails a NIXL transfer
-  (see :mod:`engine_model.engine`); the refused blocks stay held until ``--kv-expiry``, since the
+  (see :mod:`engine_model.kv_transfer`); the refused blocks stay held until ``--kv-expiry``, since the
   failed read carries no notification.
 
 At most one of error/hang applies to a request (error is drawn first); slow and drop combine.

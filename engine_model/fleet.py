@@ -24,8 +24,9 @@ from typing import Any
 
 from engine_model import virtual
 from engine_model.config import SimConfig
-from engine_model.engine import DECODE, PREFILL, Collector, Engine, Seq
+from engine_model.engine import Engine
 from engine_model.metrics import SimMetrics
+from engine_model.seq import DECODE, PREFILL, Collector, Seq
 from engine_model.tokens import ByteTokenizer
 
 POLICIES = ("colocated", "always", "threshold")

@@ -1,4 +1,4 @@
-"""Workload generation, the run summary and the report, without processes."""
+"""Workload generation (bench.workloads) without processes: shapes, rates, bursts, multi-turn."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import statistics
 
 import pytest
 
-from bench.goodput import Result, best_rates, summarize
-from bench.goodput_report import markdown
 from bench.workloads import VOCAB_HIGH, VOCAB_LOW, generate
 
 
@@ -49,25 +47,3 @@ def test_multiturn_turns_extend_the_conversation():
         assert b.prompt[: len(a.prompt)] == a.prompt and b.arrival_s > a.arrival_s
     firsts = [v[0].prompt[:1024] for v in by_session.values()]
     assert all(f == firsts[0] for f in firsts)  # one shared system prompt
-
-
-def test_summary_slo_and_goodput():
-    reqs = generate("chat", 1.0, 10, seed=5)[:4]
-    ok = [
-        Result("chat", True, 0.5, [0.02] * 9, 10, 5.0),
-        Result("chat", True, 1.5, [0.02] * 9, 10, 6.0),
-        Result("chat", True, 0.2, [0.02] * 5 + [0.3] * 4, 10, 7.0),
-        Result("chat", False, error="HTTP 500"),
-    ]
-    s = summarize(reqs, ok, 10.0, 2.0)
-    assert (s["completed"], s["failed"], s["slo_met"]) == (3, 1, 1)  # slow TTFT, stalled ITL, failure
-    assert s["goodput_req_s"] == 0.5 and s["attainment"] == 0.25
-    assert s["errors"] == ["HTTP 500"]
-    points = [{"config": "a", "workload": "chat", "arrivals": "poisson", "rate": r, "attainment": a,
-               "goodput_req_s": g, **{k: s[k] for k in ("ttft_ms", "itl_ms", "throughput_tok_s", "failed", "paths")}}
-              for r, a, g in ((1.0, 1.0, 1.0), (2.0, 0.95, 1.9), (4.0, 0.5, 2.0))]  # fmt: skip
-    (best,) = best_rates(points)
-    assert best["max_rate_at_slo"] == 2.0 and best["max_goodput_req_s"] == 2.0
-    md = markdown({"profile": "p", "engines": 2, "time_scale": 0.5, "duration_s": 10.0, "points": points,
-                   "best": [best]})  # fmt: skip
-    assert "| chat | poisson | 2 | a |" in md and "| chat | poisson | 2 (2) |" in md

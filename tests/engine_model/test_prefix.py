@@ -1,5 +1,5 @@
-"""The simulator's prefix cache in-process: hits, LRU eviction, reset, P/D with caching, usage
-details, and that its block hashes are the gateway's (``policies.beliefs.blockhash``)."""
+"""The simulator's prefix cache in-process: hits, LRU eviction, reset, P/D with caching, and
+that its block hashes are the gateway's (``policies.beliefs.blockhash``)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import contextlib
 import pytest
 
 from engine_model.config import SimConfig
-from engine_model.engine import DECODE, PREFILL, Collector, Seq
 from engine_model.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventsConfig
 from engine_model.metrics import cache_config_labels
+from engine_model.seq import DECODE, PREFILL, Collector, Seq
 from policies.beliefs.blockhash import HashSpec, block_hashes
-from sim.app import SimState
-from tests.engine_model.test_engine import hist_count, make_seq, run, text_of
+from sim.state import SimState
+from tests.engine_model.helpers import hist_count, make_seq, run, text_of
 from tests.waiting import until
 
 
@@ -207,27 +207,6 @@ async def test_preempted_request_reuses_its_cached_blocks_without_counting_twice
         assert value(st.metrics.prefix_queries) == 32  # first admissions only
         assert value(st.metrics.preemptions) >= 1
         assert hist_count(st.metrics.req_preemptions) == 2
-
-
-@pytest.mark.parametrize("endpoint", ["chat", "completions"])
-def test_usage_details_shapes(endpoint):
-    from sim import protocol as P
-
-    seq = Seq("x", list(range(10)), 1)
-    seq.cached_tokens, seq.created_cache_tokens = 8, 0
-    job = P.Job(
-        endpoint=endpoint, kind="plain", base_id="x", response_id="x", prompts=[list(range(10))], n=1,
-        stream=False, include_usage=True, continuous_usage=False, max_tokens=[1], min_tokens=0, stop=[],
-        stop_token_ids=[], ignore_eos=False, return_token_ids=False, kv_in=None, seqs=[seq],
-    )  # fmt: skip
-    full = P.prompt_tokens_details(job, stream=False)
-    streamed = P.prompt_tokens_details(job, stream=True)
-    if endpoint == "chat":
-        assert full == {"cached_tokens": 8, "created_cache_tokens": 0, "multimodal_tokens": None}
-        assert streamed == {"cached_tokens": 8, "created_cache_tokens": 0}
-    else:
-        assert full == {"cached_tokens": 8, "created_cache_tokens": None, "multimodal_tokens": None}
-        assert streamed == {"cached_tokens": 8}
 
 
 def test_kv_events_config_parsing():

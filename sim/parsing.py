@@ -1,26 +1,26 @@
-"""OpenAI-API request validation and response shapes, as vLLM 0.32 produces them.
+"""OpenAI request checks, as vLLM 0.32 makes them: a request body to a :class:`Job`, or an
+:class:`~sim.errors.ApiError` with vLLM's status, type and message.
 
-Only what the simulator needs: the body is checked field by field (no pydantic), errors
-carry vLLM's status codes, types and messages, and responses are plain dicts built in
-vLLM's key order (non-streaming bodies are pydantic ``model_dump()``: every field, nulls
-included; stream chunks are ``model_dump_json(exclude_unset=True)``).
+The body is checked field by field (no pydantic) in vLLM's order: the schema (pydantic's lax
+integers, strings or lists), the P/D handshake (``kv_transfer_params``: which leg, and whether this
+engine's role takes it), the model, then tokenization (completions: ``add_special_tokens``; chat:
+the messages normalized by the gateway's rules, :mod:`engine_model.chat_messages`, and the chat
+template) and the length and ``max_tokens`` checks. The response side is :mod:`sim.responses`.
 """
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
-from engine_model.chat import detect_content_format, normalize_messages
+from engine_model.chat_messages import normalize_messages
+from engine_model.chat_template import detect_content_format
 from engine_model.config import SimConfig
-from engine_model.engine import DECODE, PLAIN, PREFILL, Seq
+from engine_model.seq import DECODE, PLAIN, PREFILL, Seq
 from engine_model.tokens import ByteTokenizer, HFTokenizer
+from sim.errors import ApiError, not_supported, schema_error, validation_error
 
-VLLM_VERSION = "0.32.0"
 REQUIRED_REMOTE_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 # Request features that change the response shape and that the simulator does not model.
 _UNSUPPORTED_COMPLETION = ("echo", "suffix", "prompt_embeds", "prompt_logprobs", "use_beam_search", "logprobs")
@@ -30,73 +30,6 @@ _UNSUPPORTED_CHAT = ("prompt_logprobs", "use_beam_search", "logprobs", "echo")
 def random_id() -> str:
     """vLLM's random_uuid(): 16 hex characters."""
     return f"{random.getrandbits(64):016x}"
-
-
-class ApiError(Exception):
-    """An error answered as vLLM's ErrorResponse: {"error": {message, type, param, code}}."""
-
-    def __init__(
-        self,
-        message: str,
-        status: int = 400,
-        err_type: str = "BadRequestError",
-        param: str | None = None,
-        *,
-        late: bool = False,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.err_type = err_type
-        self.param = param
-        # "late": raised by the engine after a stream would have started (HTTP 200 + an
-        # error event in streaming mode, like vLLM's input-processor checks).
-        self.late = late
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.status}}
-
-    def sse(self) -> bytes:
-        # vLLM serializes stream errors with json.dumps (spaces after separators).
-        return b"data: " + json.dumps(self.body()).encode() + b"\n\n"
-
-
-def validation_error(message: str, parameter: str | None = None, value: Any = None) -> ApiError:
-    """vLLM's VLLMValidationError: 400 BadRequestError, '(parameter=..., value=...)' appended."""
-    extras = []
-    if parameter is not None:
-        extras.append(f"parameter={parameter}")
-    if value is not None:
-        extras.append(f"value={value}")
-    text = f"{message} ({', '.join(extras)})" if extras else message
-    return ApiError(text, 400, "BadRequestError", parameter)
-
-
-def schema_error(msg: str, loc: str = "body", param: str | None = None) -> ApiError:
-    """What FastAPI/pydantic request validation turns into in vLLM (type 'Bad Request')."""
-    text = f"1 validation error:\n  {{'type': 'value_error', 'loc': '{loc}', 'msg': {msg!r}}}"
-    return ApiError(text, 400, "Bad Request", param if param is not None else loc)
-
-
-def parse_json_like_fastapi(raw: bytes) -> Any:
-    """The slow path after orjson refused a body: Python's json (what FastAPI uses) either
-    accepts it (NaN, Infinity) or gives the error vLLM reports."""
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        pos = getattr(e, "pos", 0)
-        msg = getattr(e, "msg", str(e))
-        raise ApiError(
-            f"1 validation error:\n  {{'type': 'json_invalid', 'loc': 'body.{pos}', 'msg': 'JSON decode error', "
-            f"'input': '<dict of 0 items>', 'ctx': {{'error': {msg!r}}}}}",
-            400,
-            "Bad Request",
-            f"body.{pos}",
-        ) from e
-
-
-def not_supported(name: str) -> ApiError:
-    return ApiError(f"sim: `{name}` is not supported by the simulator", 400, "BadRequestError", name)
 
 
 @dataclass
@@ -518,186 +451,3 @@ def internal_ids(job: Job) -> list[str]:
     if job.endpoint == "completions":
         return [f"{job.response_id}-{i}-{random_id()[:8]}" for i in range(len(job.prompts))]
     return [f"{job.response_id}-{random_id()[:8]}"]
-
-
-# ---------------------------------------------------------------------------- responses
-def usage_full(
-    prompt_tokens: int, completion_tokens: int, prompt_details: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "completion_tokens": completion_tokens,
-        "prompt_tokens_details": prompt_details,
-        "completion_tokens_details": None,
-    }
-
-
-def prompt_tokens_details(job: Job, *, stream: bool) -> dict[str, Any] | None:
-    """vLLM's ``usage.prompt_tokens_details`` under ``--enable-prompt-tokens-details`` (the
-    caller checks the flag). Chat reports cached and newly cached tokens of the request;
-    completions only the cached tokens of the last prompt. Streamed usage drops null fields."""
-    if not job.seqs:
-        return None
-    if job.endpoint == "chat":
-        seq = job.seqs[0]
-        details: dict[str, Any] = {
-            "cached_tokens": seq.cached_tokens,
-            "created_cache_tokens": seq.created_cache_tokens,
-            "multimodal_tokens": None,
-        }
-    else:
-        seq = job.seqs[(len(job.prompts) - 1) * job.n]
-        details = {"cached_tokens": seq.cached_tokens, "created_cache_tokens": None, "multimodal_tokens": None}
-    if stream:
-        return {k: v for k, v in details.items() if v is not None}
-    return details
-
-
-def usage_short(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "completion_tokens": completion_tokens,
-    }
-
-
-def completion_response(job: Job, model: str, fingerprint: str | None, prompt_details: bool = False) -> dict[str, Any]:
-    choices: list[dict[str, Any]] = []
-    n_prompt = 0
-    n_gen = 0
-    for p_idx, ids in enumerate(job.prompts):
-        for c in range(job.n):
-            seq = job.seqs[p_idx * job.n + c]
-            choices.append(
-                {
-                    "index": len(choices),
-                    "text": seq.text(),
-                    "logprobs": None,
-                    "finish_reason": seq.finish_reason,
-                    "stop_reason": seq.stop_reason,
-                    "token_ids": list(seq.output_ids) if job.return_token_ids else None,
-                    "prompt_logprobs": None,
-                    "prompt_token_ids": ids if job.return_token_ids else None,
-                    "routed_experts": None,
-                }
-            )
-            n_gen += len(seq.output_ids)
-        n_prompt += len(ids)
-    return {
-        "id": job.response_id,
-        "object": "text_completion",
-        "created": job.created,
-        "model": model,
-        "choices": choices,
-        "service_tier": None,
-        "system_fingerprint": fingerprint,
-        "usage": usage_full(n_prompt, n_gen, prompt_tokens_details(job, stream=False) if prompt_details else None),
-        "kv_transfer_params": job.seqs[0].kv_out if job.seqs else None,
-        "ec_transfer_params": None,
-        "metrics": None,
-    }
-
-
-def chat_response(job: Job, model: str, fingerprint: str | None, prompt_details: bool = False) -> dict[str, Any]:
-    choices = []
-    for c, seq in enumerate(job.seqs):
-        choices.append(
-            {
-                "index": c,
-                "message": {
-                    "role": job.role,
-                    "content": seq.text(),
-                    "refusal": None,
-                    "annotations": None,
-                    "audio": None,
-                    "function_call": None,
-                    "reasoning": None,
-                },
-                "logprobs": None,
-                "finish_reason": seq.finish_reason or "stop",
-                "stop_reason": seq.stop_reason,
-                "token_ids": list(seq.output_ids) if job.return_token_ids else None,
-                "routed_experts": None,
-            }
-        )
-    n_gen = sum(len(s.output_ids) for s in job.seqs)
-    return {
-        "id": job.response_id,
-        "object": "chat.completion",
-        "created": job.created,
-        "model": model,
-        "choices": choices,
-        "service_tier": None,
-        "system_fingerprint": fingerprint,
-        "usage": usage_full(
-            len(job.prompts[0]), n_gen, prompt_tokens_details(job, stream=False) if prompt_details else None
-        ),
-        "prompt_logprobs": None,
-        "prompt_token_ids": job.prompts[0] if job.return_token_ids else None,
-        "prompt_text": None,
-        "kv_transfer_params": job.seqs[0].kv_out if job.seqs else None,
-        "ec_transfer_params": None,
-        "metrics": None,
-    }
-
-
-def sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-def _sampling_params(body: dict[str, Any], job: Job, max_tokens: int) -> dict[str, Any]:
-    """The ``sampling_params`` of a render answer: vLLM's SamplingParams fields the simulator
-    knows, with the request's values or vLLM's defaults (sampling itself is not modelled)."""
-
-    def num(name: str, default: float | None) -> Any:
-        v = body.get(name)
-        return v if isinstance(v, int | float) and not isinstance(v, bool) else default
-
-    return {
-        "n": job.n,
-        "presence_penalty": num("presence_penalty", 0.0),
-        "frequency_penalty": num("frequency_penalty", 0.0),
-        "repetition_penalty": num("repetition_penalty", 1.0),
-        "temperature": num("temperature", 1.0),
-        "top_p": num("top_p", 1.0),
-        "top_k": num("top_k", 0),
-        "min_p": num("min_p", 0.0),
-        "seed": num("seed", None),
-        "stop": list(job.stop),
-        "stop_token_ids": list(job.stop_token_ids),
-        "ignore_eos": job.ignore_eos,
-        "max_tokens": max_tokens,
-        "min_tokens": job.min_tokens,
-        "logprobs": None,
-        "prompt_logprobs": None,
-        "skip_special_tokens": body.get("skip_special_tokens", True) is not False,
-        "spaces_between_special_tokens": body.get("spaces_between_special_tokens", True) is not False,
-        "include_stop_str_in_output": bool(body.get("include_stop_str_in_output")),
-    }
-
-
-def render_requests(body: dict[str, Any], job: Job) -> list[dict[str, Any]]:
-    """vLLM's render answer (``/v1/*/render``): one ``GenerateRequest`` per prompt, as
-    ``ServingRender`` builds them: a fresh ``cmpl-``/``chatcmpl-`` request id, the prompt's token
-    ids, the sampling params, and the stream flags; no kv_transfer_params (render never sees any)."""
-    prefix = "cmpl" if job.endpoint == "completions" else "chatcmpl"
-    stream_options = body.get("stream_options") if job.stream else None
-    return [
-        {
-            "request_id": f"{prefix}-{random_id()}",
-            "token_ids": list(ids),
-            "features": None,
-            "sampling_params": _sampling_params(body, job, max_tokens),
-            "model": body.get("model"),
-            "stream": job.stream,
-            "stream_options": stream_options,
-            "cache_salt": body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None,
-            "priority": body.get("priority") if type(body.get("priority")) is int else 0,
-            "kv_transfer_params": None,
-        }
-        for ids, max_tokens in zip(job.prompts, job.max_tokens, strict=True)
-    ]
