@@ -66,9 +66,13 @@ class SimConfig:
     faults: dict[str, Any] | None = None  # start-up fault spec (engine_model.faults), also set at runtime
     log_level: str = "warning"
 
-    def __post_init__(self) -> None:  # noqa: C901 - over the limit before it was set; to split
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+    def __post_init__(self) -> None:
+        self._check_choices()
+        self._check_sizes()
+        self._check_times()
+
+    def _check_sizes(self) -> None:
+        """Counts and sizes, as vLLM bounds them (one full-length request must fit the KV cache)."""
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
@@ -80,6 +84,13 @@ class SimConfig:
                 f"max_model_len {self.max_model_len} is larger than the KV cache "
                 f"({(self.num_gpu_blocks - 1) * self.block_size} tokens in {self.num_gpu_blocks - 1} blocks)"
             )
+        if self.default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be at least 1")
+        if not 0 <= self.kv_port <= 65535:
+            raise ValueError("kv_port must be in 0..65535")
+
+    def _check_times(self) -> None:
+        """Durations and rates: none negative; the time scale and the KV hold's expiry positive."""
         for name in (
             "prefill_time_per_token",
             "decode_time_per_token",
@@ -99,10 +110,11 @@ class SimConfig:
             raise ValueError("time_scale must be positive")
         if self.kv_expiry <= 0:
             raise ValueError("kv_expiry must be positive")
-        if self.default_max_tokens < 1:
-            raise ValueError("default_max_tokens must be at least 1")
-        if not 0 <= self.kv_port <= 65535:
-            raise ValueError("kv_port must be in 0..65535")
+
+    def _check_choices(self) -> None:
+        """Named choices (role, hash algorithm, load-failure policy) and the fault spec."""
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.prefix_caching_hash_algo not in HASH_ALGOS:
             raise ValueError(
                 f"prefix_caching_hash_algo must be one of {', '.join(HASH_ALGOS)}, "
