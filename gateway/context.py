@@ -37,6 +37,7 @@ from gateway.tokenization.tokenizer import Tokenizers
 from policies.beliefs.estimates import EngineEstimates
 from policies.beliefs.prefix_index import PrefixIndex
 from policies.beliefs.prefix_learning import PrefixBeliefs
+from policies.beliefs.tiers import TierBeliefs
 from policies.hooks import Hooks, policy_hooks
 
 
@@ -48,20 +49,26 @@ class Learners:
     estimates: EngineEstimates  # prefill speeds and P/D hand-over times
     audit: BeliefAudit  # how far routing's beliefs are from what the engines report
     demand: Demand  # what the traffic asks of the engines (the live planner's input)
+    tiers: TierBeliefs | None = None  # what each engine's CPU tier and the shared store hold
 
     def subscribers(self) -> list[tuple[str, object]]:
-        return [
+        subs: list[tuple[str, object]] = [
             ("prefix_beliefs", self.beliefs),
             ("engine_estimates", self.estimates),
             ("belief_audit", self.audit),
             ("demand", self.demand),
         ]
+        if self.tiers is not None:
+            subs.insert(1, ("tier_beliefs", self.tiers))
+        return subs
 
     def forget(self, url: str) -> None:
-        """``url`` left the configuration."""
+        """``url`` left the configuration (or restarted): its L1 goes with it, the shared L2 stays."""
         self.beliefs.index.forget(url)
         self.beliefs.in_flight.forget(url)
         self.estimates.forget(url)
+        if self.tiers is not None:
+            self.tiers.tiers.forget(url)
 
 
 @dataclass(frozen=True)
@@ -134,7 +141,10 @@ class Runtime:
         s, learners, engines = services, services.learners, services.engines
         if learners is None or engines is None:
             raise ValueError("Runtime.build needs assembled services (learners and engine connections)")
-        router = Router(cfg.routing, s.pools, s.index, s.shared, learners.beliefs.in_flight, learners.estimates)
+        tiers = learners.tiers.tiers if learners.tiers is not None else None
+        router = Router(
+            cfg.routing, s.pools, s.index, s.shared, learners.beliefs.in_flight, learners.estimates, tiers=tiers
+        )
         hooks = Hooks([*learners.subscribers(), *policy_hooks(router.pipeline.members())], s.metrics.hook_failed)
         keys = cfg.key_entries()
         return cls(

@@ -1,7 +1,14 @@
 """Take the path with the lower predicted time to first token.
 
-    direct = (backlog(decode) + uncached(decode)) * s_per_token(decode)
-    pd     = (backlog(prefill) + uncached(prefill)) * s_per_token(prefill) + handover(uncached(decode))
+    direct = (backlog(decode) + compute(decode)) * s_per_token(decode) + load(decode)
+    pd     = (backlog(prefill) + compute(prefill)) * s_per_token(prefill) + load(prefill)
+             + handover(uncached(decode))
+
+With KV tiers on (``routing.tiers``), ``compute(x)`` is the prompt tokens x neither holds in its GPU
+cache nor can load from a tier below it, and ``load(x)`` prices those loads: L1 tokens (the engine's
+CPU RAM) at ``kv_bytes_per_token / l1_gbytes_per_s``, L2 tokens (the shared store) at
+``l2_latency_s`` once plus ``kv_bytes_per_token / l2_gbytes_per_s`` each (docs/kv-tiers.md has the
+sources). Without tiers, ``compute(x)`` is ``uncached(x)`` and ``load(x)`` is 0.
 
 ``handover(n)`` is the time from the prefill leg's answer to the decode engine's first token when
 ``n`` tokens of KV move: measured on recent P/D streams of this prefill/decode pair (or of the pool)
@@ -27,6 +34,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from .base import MEASURED, NOTHING_MEASURED, EndpointView, Path, PathChoice, PrefillFinder, RequestContext
+from .beliefs.tiers import TIERS, TierHold, describe, hold_of, to_compute
 from .params import Number, Policy, PolicyParams
 
 # Llama-3.3-70B in bf16: 2 (K and V) * 80 layers * 8 KV heads * 128 head dim * 2 bytes.
@@ -60,6 +68,15 @@ class CostModelParams(PolicyParams):
         0.05, ge=0, description="longest stall of running streams direct may cause (0: TTFT alone decides)"
     )
     prefill_chunk_tokens: Number = Field(8192, gt=0, description="the engines' max_num_batched_tokens")
+    # Loading a prefix from a tier below the GPU (docs/kv-tiers.md): host-to-GPU copies measured at
+    # 55 GB/s per H200 with pinned memory in 256-token chunks (8 GPUs at TP8 load their shards at once).
+    l1_gbytes_per_s: Number = Field(
+        440.0, gt=0, description="KV load bandwidth from the engine's CPU tier (L1) to its GPUs, GB/s, all GPUs"
+    )
+    l2_gbytes_per_s: Number = Field(
+        10.0, gt=0, description="KV load bandwidth from the shared store (L2), GB/s per engine"
+    )
+    l2_latency_s: Number = Field(0.005, ge=0, description="a load from the shared store's first-byte latency")
 
 
 class CostModel(Policy[CostModelParams]):
@@ -103,19 +120,30 @@ class CostModel(Policy[CostModelParams]):
 
     def stall_s(self, ctx: RequestContext, decode: EndpointView, prefill: EndpointView) -> float:
         """How long one step of this prompt's direct prefill would hold up the decode engine's streams."""
-        return min(ctx.uncached(decode.url), self.params.prefill_chunk_tokens) * self._decode_spt(decode, prefill)
+        return min(to_compute(ctx, decode.url), self.params.prefill_chunk_tokens) * self._decode_spt(decode, prefill)
 
     def predict(self, ctx: RequestContext, decode: EndpointView, prefill: EndpointView) -> tuple[float, float]:
         """(direct, pd) predicted seconds to first token."""
         return self._predict(ctx, decode, prefill)[:2]
 
+    def load_s(self, hold: TierHold) -> float:
+        """Seconds to load what an engine holds below its GPU (0 without tiers)."""
+        p = self.params
+        seconds = hold.l1 * p.kv_bytes_per_token / (p.l1_gbytes_per_s * 1e9)
+        if hold.l2:
+            seconds += p.l2_latency_s + hold.l2 * p.kv_bytes_per_token / (p.l2_gbytes_per_s * 1e9)
+        return seconds
+
     def _predict(
         self, ctx: RequestContext, decode: EndpointView, prefill: EndpointView
     ) -> tuple[float, float, float, str]:
         decode_spt = self._decode_spt(decode, prefill)
-        direct = (decode.backlog_tokens + ctx.uncached(decode.url)) * decode_spt
+        on_decode, on_prefill = hold_of(ctx, decode.url), hold_of(ctx, prefill.url)
+        compute_decode = ctx.prompt_tokens - on_decode.held
+        direct = (decode.backlog_tokens + compute_decode) * decode_spt + self.load_s(on_decode)
         handover, source = self.handover(ctx, decode, prefill)
-        pd = (prefill.backlog_tokens + ctx.uncached(prefill.url)) * self._spt(prefill) + handover
+        compute_prefill = ctx.prompt_tokens - on_prefill.held
+        pd = (prefill.backlog_tokens + compute_prefill) * self._spt(prefill) + self.load_s(on_prefill) + handover
         return direct, pd, handover, source
 
     def decide(self, ctx: RequestContext, decode: EndpointView, prefill: PrefillFinder) -> PathChoice:
@@ -124,6 +152,8 @@ class CostModel(Policy[CostModelParams]):
             return PathChoice(Path.PD, "pd_unavailable", "no prefill endpoint for this request")
         direct, pd, handover, source = self._predict(ctx, decode, p)
         detail = f"ttft direct={direct * 1000:.1f}ms pd={pd * 1000:.1f}ms (hand-over {handover * 1000:.1f}ms, {source})"
+        if ctx.data.get(TIERS) is not None:  # where each path's prompt would come from
+            detail += f"; decode {describe(hold_of(ctx, decode.url))}, prefill {describe(hold_of(ctx, p.url))}"
         predicted = (("direct", direct), ("pd", pd))
         if pd + self.params.min_gain_s < direct:
             return PathChoice(Path.PD, "pd_faster", detail, predicted)
@@ -132,7 +162,7 @@ class CostModel(Policy[CostModelParams]):
         if budget and streams and (stall := self.stall_s(ctx, decode, p)) > budget:
             stalls = f"direct would stall {streams} stream(s) {stall * 1000:.0f}ms > {budget * 1000:.0f}ms"
             # Every chunk of a direct prefill delays every running stream by its prefill time.
-            spared = streams * ctx.uncached(decode.url) * self._decode_spt(decode, p)
+            spared = streams * to_compute(ctx, decode.url) * self._decode_spt(decode, p)
             if pd - direct <= spared:
                 return PathChoice(Path.PD, "protect_itl", f"{detail}; {stalls}", predicted)
             return PathChoice(

@@ -25,6 +25,7 @@ from gateway.config.routing import (
     RoutingConfig,
     ScorerSpec,
     SignalsConfig,
+    TiersConfig,
 )
 from gateway.config.schema import (
     AdmissionConfig,
@@ -80,6 +81,7 @@ __all__ = [
     "StateConfig",
     "TelemetryConfig",
     "TenantConfig",
+    "TiersConfig",
     "TimeoutsConfig",
     "TokenizerConfig",
     "TracingConfig",

@@ -183,6 +183,34 @@ class PrefixConfig(_Strict):
     )
 
 
+class TiersConfig(_Strict):
+    """KV tiers below the engines' GPU caches (LMCache or vLLM's CPU offload): each engine's CPU tier
+    (L1) and a store every engine reaches (L2). With tiers on, routing counts what an engine can
+    load from them as not to compute, at the costs the decider prices (docs/kv-tiers.md)."""
+
+    enabled: bool = Field(False, description="believe and price the tiers below the GPU (off: GPU hits only)")
+    l1_blocks: int | None = Field(
+        None,
+        ge=0,
+        description="blocks each engine's CPU tier holds (LMCache max_local_cpu_size / the KV bytes of a "
+        "block); unset: the engine's reported num_cpu_blocks, else nothing is learned into L1",
+    )
+    l2_blocks: int = Field(
+        0, ge=0, description="blocks the shared store holds (0: believe only what the engines report)"
+    )
+    l2_learn: bool = Field(
+        False,
+        description="the store is written through (LMCache remote_url): a prompt an engine computed is "
+        "believed in L2 too",
+    )
+    chunk_tokens: int = Field(
+        256,
+        gt=0,
+        description="the tiers' unit (LMCache chunk_size): only whole chunks of a prompt are believed "
+        "stored; a multiple of the engines' block size",
+    )
+
+
 class MigrationConfig(_Strict):
     """A decode leg that fails after its first token continues on another decode engine: the
     prompt plus the tokens generated so far, routed like a new request (docs/operations.md,
@@ -208,6 +236,7 @@ class RoutingConfig(_Strict):
     decode: PoolRoutingConfig = PoolRoutingConfig(filters=[PolicySpec(name="bounded_load")], scorers=_default_scorers())
     prefill: PoolRoutingConfig = PoolRoutingConfig(scorers=_default_scorers())
     prefix: PrefixConfig = PrefixConfig()
+    tiers: TiersConfig = TiersConfig()
     migration: MigrationConfig = MigrationConfig()
     debug_headers: bool = Field(
         False,

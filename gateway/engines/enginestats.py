@@ -7,7 +7,9 @@ silently zero a routing signal:
 - KV cache usage (0..1): ``vllm:kv_cache_usage_perc`` (V1), ``vllm:gpu_cache_usage_perc`` (older),
   ``vllm:cpu_cache_usage_perc`` (older CPU builds);
 - block size and whether prefix caching is on: the ``block_size`` and ``enable_prefix_caching``
-  labels of ``vllm:cache_config_info``;
+  labels of ``vllm:cache_config_info``; the KV blocks its GPU cache (and vLLM's own CPU tier) can
+  hold: its ``num_gpu_blocks`` (``num_cpu_blocks``) label, which bounds what routing may believe
+  the engine holds;
 - which run of the engine this is: ``process_start_time_seconds`` (the API server's, from
   prometheus_client's process collector; absent when vLLM runs several API servers in
   Prometheus multiprocess mode) and ``vllm:request_success_total``, a counter only a restart
@@ -43,6 +45,8 @@ MAX_PAGE_BYTES = 8 << 20
 
 _BLOCK_SIZE = re.compile(r'[{,]block_size="(\d+)"')
 _PREFIX_CACHING = re.compile(r'enable_prefix_caching="(\w+)"')
+_GPU_BLOCKS = re.compile(r'[{,]num_gpu_blocks="(\d+)"')
+_CPU_BLOCKS = re.compile(r'[{,]num_cpu_blocks="(\d+)"')
 
 
 def _value(line: str) -> float | None:
@@ -58,6 +62,7 @@ def parse_stats(text: str, at: float) -> EngineStats | None:
     kv: float | None = None
     block_size: int | None = None
     caching: bool | None = None
+    gpu_blocks = cpu_blocks = None
     started: float | None = None
     served: float | None = None
     seen = False
@@ -92,9 +97,16 @@ def parse_stats(text: str, at: float) -> EngineStats | None:
             m = _PREFIX_CACHING.search(line)
             if m:
                 caching = m.group(1).lower() == "true"
+            gpu_blocks, cpu_blocks = _label_int(_GPU_BLOCKS, line), _label_int(_CPU_BLOCKS, line)
     if not seen:
         return None
-    return EngineStats(int(running), int(waiting), kv, block_size, at, caching, started, served)
+    return EngineStats(int(running), int(waiting), kv, block_size, at, caching, started, served, gpu_blocks, cpu_blocks)
+
+
+def _label_int(pattern: re.Pattern[str], line: str) -> int | None:
+    """An integer label's value (vLLM writes "None" for one not set: None)."""
+    m = pattern.search(line)
+    return int(m.group(1)) if m else None
 
 
 class StatsScraper:

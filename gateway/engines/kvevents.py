@@ -57,9 +57,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -67,8 +65,10 @@ from cachetools import LRUCache
 from zmq.utils.monitor import parse_monitor_message
 
 from gateway.background import cancel_checkpoint, stop_task
+from gateway.engines.kvfeedreport import LOG_INTERVAL_S, FeedLog, KVEventCounters
 from gateway.engines.kvwire import (
     END_SEQ,
+    LOCALITY_REMOTE,
     MEDIUM_GPU,
     SEQ_BYTES,
     AllBlocksCleared,
@@ -80,6 +80,7 @@ from gateway.engines.kvwire import (
 )
 from policies.beliefs.blockhash import BlockHash, Digest, HashSpec, block_digests
 from policies.beliefs.prefix_index import PrefixStore
+from policies.beliefs.tiers import TierIndex
 
 log = logging.getLogger(__name__)
 
@@ -87,82 +88,12 @@ log = logging.getLogger(__name__)
 # Bounds (the configurable ones are routing.prefix.max_event_*; docs/configuration.md)
 SLICE_S = 0.02  # longest run of feed work before the event loop gets a turn
 CHUNK_BLOCKS = 4096  # blocks per index call within a slice
-LOG_INTERVAL_S = 10.0  # a feed's troubles: one log line per interval at most
 REPLAY_BURST = 3  # replays asked for at once at most...
 REPLAY_EVERY_S = 1.0  # ...then one per this long; a gap or restart beyond that drops the entries instead
 REPLAY_WHOLE_S = 60.0  # longest a replay may take in all (each message within replay_timeout_s)
 
 
 # -- the subscriber --------------------------------------------------------------------------------
-
-
-class _FeedLog:
-    """One feed's troubles in the log, at most one line per ``interval_s``: the first at once, the
-    ones after it counted by kind and told in one line when the interval is over (with the latest
-    message). A broken or forged feed could otherwise write thousands of lines a second."""
-
-    def __init__(self, name: str, interval_s: float = LOG_INTERVAL_S) -> None:
-        self._name = name
-        self.interval_s = interval_s
-        self._last_line = float("-inf")
-        self._held: Counter[str] = Counter()
-        self._level = logging.INFO
-        self._latest: tuple[str, tuple[object, ...]] = ("", ())
-
-    def __call__(self, kind: str, level: int, msg: str, *args: object, exc_info: bool = False) -> None:
-        now = time.monotonic()
-        if not self._held and now - self._last_line >= self.interval_s:
-            self._last_line = now
-            log.log(level, "kv events %s: " + msg, self._name, *args, exc_info=exc_info)
-            return
-        self._held[kind] += 1
-        self._level = max(self._level, level)
-        self._latest = (msg, args)
-        self.flush(now)
-
-    def flush(self, now: float | None = None, *, force: bool = False) -> None:
-        """Tell what was held back, once the interval since the last line is over (or now: ``force``)."""
-        now = time.monotonic() if now is None else now
-        if not self._held or (now - self._last_line < self.interval_s and not force):
-            return
-        counts = ", ".join(f"{n} {kind}" for kind, n in self._held.most_common())
-        msg, args = self._latest
-        log.log(
-            self._level,
-            "kv events %s: %s in the last %.0f s (latest: " + msg + ")",
-            self._name,
-            counts,
-            now - self._last_line,
-            *args,
-        )
-        self._held.clear()
-        self._level = logging.INFO
-        self._last_line = now
-
-
-@dataclass
-class KVEventCounters:
-    """For metrics. Times are wall-clock seconds (``time.time``); None until it happened."""
-
-    batches_applied: int = 0
-    events_applied: int = 0
-    gaps: int = 0  # sequence gaps seen on the live feed
-    replays: int = 0  # replay requests sent
-    replay_failures: int = 0  # replays that timed out or could not cover what was missing
-    resyncs: int = 0  # times the engine's precise entries were dropped and rebuilt
-    connects: int = 0
-    reconnects: int = 0  # connects after the first
-    disconnects: int = 0  # also: ZMQ dropping a peer whose message was over max_message_bytes
-    restarts: int = 0  # sequence went back: a new engine process
-    cleared_events: int = 0  # AllBlocksCleared received
-    duplicates: int = 0  # batches already applied (replay overlap)
-    decode_errors: int = 0  # messages refused: not a KV event batch, or over the bounds
-    untranslatable: int = 0  # BlockStored events that could not be mapped (translation mode)
-    ignored: int = 0  # events of another KV cache group
-    last_seq: int | None = None
-    last_event_time: float | None = None  # when the last batch was applied
-    last_batch_ts: float | None = None  # the engine's own timestamp of that batch
-    connected: bool = False
 
 
 class KVEventSubscriber:
@@ -196,7 +127,9 @@ class KVEventSubscriber:
         log_interval_s: float = LOG_INTERVAL_S,
         context: zmq.asyncio.Context | None = None,
         clock: Callable[[], float] = time.time,
+        tiers: TierIndex | None = None,
     ) -> None:
+        self.tiers = tiers  # where other media's blocks go (None: ignored, GPU beliefs only)
         if translate is None:
             translate = spec is not None and not spec.reproducible
         if translate and spec is None:
@@ -220,7 +153,7 @@ class KVEventSubscriber:
         self._ctx = context
         self._clock = clock
         self._decoder = BatchDecoder(self.limits.max_batch_blocks, spec.unit if translate and spec else None)
-        self._log = _FeedLog(url, log_interval_s)
+        self._log = FeedLog(url, log_interval_s)
         self._topic = topic.encode()
         self._sub: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
@@ -522,10 +455,13 @@ class KVEventSubscriber:
             if self.group_idx is not None and ev.group_idx not in (None, self.group_idx):
                 c.ignored += 1
                 continue
-            if ev.medium not in (None, MEDIUM_GPU):
-                # Another tier's copy (CPU offload, LMCache through the MultiConnector): its stores
-                # and removals say nothing about the GPU cache the index stands for.
-                c.ignored += 1
+            if ev.medium is not None and ev.medium.upper() != MEDIUM_GPU:  # LMCache and Mooncake write "cpu"
+                # Another tier's copy (CPU offload, LMCache through the MultiConnector): nothing
+                # about the GPU cache; the tier beliefs take it when they are on.
+                if self.tiers is None:
+                    c.ignored += 1
+                else:
+                    self._tier_event(self.tiers, ev)
                 continue
             if isinstance(ev, BlockStored):
                 await self._stored(ev)
@@ -537,6 +473,28 @@ class KVEventSubscriber:
         c.last_seq = self._last_seq = seq
         c.last_event_time = self._clock()
         c.last_batch_ts = ts
+
+    def _tier_event(self, tiers: TierIndex, ev: BlockStored | BlockRemoved) -> None:
+        """A store or removal in a tier below the GPU: L2 when vLLM says the tier is REMOTE to the
+        engine, else the engine's own L1. The engine's hashes stand as they are when they are the
+        gateway's; else only blocks whose translation the GPU's events taught (offloaded blocks were
+        GPU blocks first). A store in other units than the engine's blocks is not matchable: LMCache's
+        256-token chunk hashes, or vLLM's offload placeholders naming a chunk's last block only
+        (``block_size`` 0; its ``self_describing_kv_events`` names every block): docs/kv-tiers.md."""
+        if isinstance(ev, BlockStored) and self.spec is not None and ev.block_size != self.spec.unit:
+            self.counters.untranslatable += 1
+            return
+        hashes = ev.block_hashes
+        if self.translate:
+            assert self.spec is not None
+            known = (self._xlate.get(h) for h in hashes)
+            hashes = [self.spec.external(d) for d in known if d is not None]
+        remote = ev.locality == LOCALITY_REMOTE
+        if isinstance(ev, BlockStored):
+            tiers.stored(self.url, hashes, remote=remote)
+        else:
+            tiers.removed(self.url, hashes, remote=remote)
+        self.counters.tier_events += 1
 
     async def _in_slices(self, apply: Callable[[str, Sequence[BlockHash]], None], hashes: list[BlockHash]) -> None:
         for i in range(0, len(hashes), CHUNK_BLOCKS):

@@ -39,6 +39,7 @@ class BlockStored:
     extra_keys: list[Any] | None = None
     medium: str | None = None
     group_idx: int | None = None
+    locality: str | None = None  # vLLM 0.32: "LOCAL" or "REMOTE" relative to the publisher (None: unsaid)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +47,7 @@ class BlockRemoved:
     block_hashes: list[BlockHash]
     medium: str | None = None
     group_idx: int | None = None
+    locality: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +57,7 @@ class AllBlocksCleared:
 
 Event = BlockStored | BlockRemoved | AllBlocksCleared
 MEDIUM_GPU = "GPU"  # vLLM's medium of its own (GPU) KV cache blocks
+LOCALITY_REMOTE = "REMOTE"  # a tier every engine reaches (vLLM 0.32's kv_events.py: "LOCAL or REMOTE")
 
 
 class DecodeError(ValueError):
@@ -137,12 +140,14 @@ class BatchDecoder:
                     raw.get("extra_keys"),
                     raw.get("medium"),
                     raw.get("group_idx"),
+                    raw.get("locality"),
                 )
             if kind == "BlockRemoved":
                 return BlockRemoved(
                     self._hashes_of(raw.get("block_hashes")),
                     _field(_name_dec, raw.get("medium"), "medium"),
                     _field(_int_dec, raw.get("group_idx"), "group_idx"),
+                    _field(_name_dec, raw.get("locality"), "locality"),
                 )
             return AllBlocksCleared() if kind == "AllBlocksCleared" else None
         if not raw:
@@ -153,11 +158,16 @@ class BatchDecoder:
             return raw[i] if len(raw) > i else None
 
         if kind == "BlockStored" and len(raw) >= 5:
-            # tag, block_hashes, parent, token_ids, block_size, lora_id, medium, lora_name, extra_keys, group_idx
-            return self._stored(raw[1], raw[2], raw[3], raw[4], at(8), at(6), at(9))
+            # tag, block_hashes, parent, token_ids, block_size, lora_id, medium, lora_name, extra_keys,
+            # group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window, locality, ... (vLLM 0.32)
+            return self._stored(raw[1], raw[2], raw[3], raw[4], at(8), at(6), at(9), at(12))
         if kind == "BlockRemoved" and len(raw) >= 2:
+            # tag, block_hashes, medium, group_idx, locality, ownership
             return BlockRemoved(
-                self._hashes_of(raw[1]), _field(_name_dec, at(2), "medium"), _field(_int_dec, at(3), "group_idx")
+                self._hashes_of(raw[1]),
+                _field(_name_dec, at(2), "medium"),
+                _field(_int_dec, at(3), "group_idx"),
+                _field(_name_dec, at(4), "locality"),
             )
         return AllBlocksCleared() if kind == "AllBlocksCleared" else None
 
@@ -170,6 +180,7 @@ class BatchDecoder:
         extra: msgspec.Raw | None,
         medium: msgspec.Raw | None,
         group_idx: msgspec.Raw | None,
+        locality: msgspec.Raw | None = None,
     ) -> BlockStored:
         token_ids: list[int] = []
         extra_keys = None
@@ -187,6 +198,7 @@ class BatchDecoder:
             extra_keys,
             _field(_name_dec, medium, "medium"),
             _field(_int_dec, group_idx, "group_idx"),
+            _field(_name_dec, locality, "locality"),
         )
 
     def _hashes_of(self, raw: msgspec.Raw | None) -> list[BlockHash]:

@@ -34,6 +34,11 @@ class EngineStats:
     # counter that only a restart takes back (vllm:request_success_total).
     started_at: float | None = None
     served: float | None = None
+    # vllm:cache_config_info's num_gpu_blocks and num_cpu_blocks: how many KV blocks the engine's
+    # GPU cache (and vLLM's own CPU tier, when configured) can hold, which bounds what it can be
+    # believed to hold.
+    gpu_blocks: int | None = None
+    cpu_blocks: int | None = None
 
     def restarted_since(self, old: EngineStats) -> bool:
         """Whether this report comes from another run of the engine than ``old``."""
@@ -279,6 +284,20 @@ class Pools:
 
     def ready(self) -> bool:
         return any(e.healthy and not e.ejected for e in self.decode)
+
+    def gpu_blocks(self, url: str) -> int | None:
+        """How many KV blocks ``url``'s GPU cache holds, as the engine last reported (None: unknown)."""
+        for e in self.all():
+            if e.url == url and e.stats is not None and e.stats.gpu_blocks:
+                return e.stats.gpu_blocks
+        return None
+
+    def cpu_blocks(self, url: str) -> int | None:
+        """How many KV blocks ``url``'s own CPU tier holds (vLLM's num_cpu_blocks; None: unknown or none)."""
+        for e in self.all():
+            if e.url == url and e.stats is not None and e.stats.cpu_blocks:
+                return e.stats.cpu_blocks
+        return None
 
     def block_size(self) -> int | None:
         """The KV block size the engines report (the first one known)."""

@@ -43,9 +43,11 @@ from gateway.ops.metrics import BeliefAudit, GatewayMetrics
 from gateway.ops.requestlog import AccessLog
 from gateway.ops.tracing import Tracing
 from gateway.tokenization.tokenizer import ModelTokenizer, Tokenizers
+from policies.beliefs.blockhash import DEFAULT_BLOCK_SIZE
 from policies.beliefs.estimates import EngineEstimates
 from policies.beliefs.prefix_index import PrefixIndex
 from policies.beliefs.prefix_learning import InFlightPrefixes, PrefixBeliefs
+from policies.beliefs.tiers import TierBeliefs, TierIndex
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +82,10 @@ async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | No
     estimates = EngineEstimates()
 
     def restarted(ep: Endpoint) -> None:
-        """The engine restarted: nothing learned about it holds."""
+        """The engine restarted: nothing learned about it holds (its L1 with it; the shared L2 stays)."""
         beliefs.forget(ep.url)
         estimates.forget(ep.url)
+        tiers.forget(ep.url)
         metrics.restarted(ep.pool)
 
     pools = Pools(
@@ -94,8 +97,12 @@ async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | No
         prefill_speed=estimates.prefill_s_per_token,
         on_restart=restarted,
     )
+    tiers = _tier_index(cfg, pools)
     index = PrefixIndex(
-        max_approx_entries=cfg.routing.prefix.max_learned_blocks, approx_ttl_s=cfg.routing.prefix.learned_ttl_s
+        max_approx_entries=cfg.routing.prefix.max_learned_blocks,
+        approx_ttl_s=cfg.routing.prefix.learned_ttl_s,
+        capacity=pools.gpu_blocks,  # what an engine can hold bounds what it is believed to hold
+        on_evict=tiers.demote,  # dropped for room: down to the engine's L1, when it has one
     )
     usage = Usage(cfg.fairness.half_life_s, cfg.fairness.max_tenants)
     shared = (
@@ -111,7 +118,7 @@ async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | No
     beliefs = PrefixBeliefs(
         index, InFlightPrefixes(), shared or (bus if bus and bus.share_routing else None), caching_off=pools.caching_off
     )
-    subs = Subscriptions(index)
+    subs = Subscriptions(index, tiers)
 
     async def discovered() -> None:
         """Kubernetes discovery's endpoints changed: apply them to the pools as a reload would."""
@@ -130,7 +137,7 @@ async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | No
         pools, index, subs.all, shared, lambda: discovery.watchers.values(), estimates.prefill_s_per_token, models
     )
     engines = make_client(cfg.engines)
-    learners = Learners(beliefs, estimates, BeliefAudit(metrics), Demand())
+    learners = Learners(beliefs, estimates, BeliefAudit(metrics), Demand(), TierBeliefs(tiers))
     gate = (
         SharedGate(
             cfg.admission.max_in_flight, worker.slots, worker.lock, worker.index, queue=FairQueue("gateway", usage)
@@ -206,6 +213,26 @@ async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | No
     return Assembled(gw, life)
 
 
+def _tier_index(cfg: GatewayConfig, pools: Pools) -> TierIndex:
+    """The tier beliefs, sized by the config in force (``configure_tiers`` on reload): L1 by
+    ``routing.tiers.l1_blocks``, else each engine's reported ``num_cpu_blocks``."""
+    tiers = TierIndex(ttl_s=cfg.routing.prefix.learned_ttl_s)
+    configure_tiers(tiers, cfg, pools)
+    return tiers
+
+
+def configure_tiers(tiers: TierIndex, cfg: GatewayConfig, pools: Pools) -> None:
+    t = cfg.routing.tiers
+    if not t.enabled:  # nothing learned or demoted into them (the router reads none)
+        tiers.l1_capacity, tiers.l2_capacity, tiers.l2_learn = (lambda url: None), 0, False
+    else:
+        tiers.l1_capacity = (lambda url: t.l1_blocks) if t.l1_blocks is not None else pools.cpu_blocks
+        tiers.l2_capacity, tiers.l2_learn = t.l2_blocks, t.l2_learn
+    block = cfg.routing.prefix.block_size or pools.block_size() or DEFAULT_BLOCK_SIZE
+    tiers.chunk_blocks = max(1, t.chunk_tokens // block)
+    tiers.ttl_s = cfg.routing.prefix.learned_ttl_s
+
+
 @dataclass(frozen=True)
 class _Parts:
     """The long-lived parts ``assemble`` built, as it built them (none optional but these three)."""
@@ -247,6 +274,9 @@ def _register(life: Lifecycle, gw: Gateway, p: _Parts, collector: Collector | No
         "engine stats", start=p.scraper.start, stop=p.scraper.stop, configure=lambda c: p.scraper.configure(c.signals)
     )
     life.add("loop lag", start=s.lag.start, stop=s.lag.stop)
+    if (learned := s.learners) is not None and learned.tiers is not None:
+        tiers = learned.tiers.tiers
+        life.add("tier beliefs", configure=lambda c: configure_tiers(tiers, c, s.pools))
     life.add("kv releaser", stop=s.releaser.close)
     life.add("live planner", start=p.planner.start, stop=p.planner.stop)
     if p.watcher:

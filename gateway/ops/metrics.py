@@ -18,6 +18,7 @@ from gateway.ops import collectors
 from gateway.ops.requestlog import RequestRecord
 from policies.base import LegReport, RequestContext
 from policies.beliefs.prefix_index import PrefixStore
+from policies.beliefs.tiers import TIERS, TIERS_NAMES, hold_of
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -216,6 +217,28 @@ class GatewayMetrics:
             "Engine-reported cache hits compared with the gateway's belief, by result "
             "(exact, over: believed more, under: believed less)",
             ["pool", "result"],
+            registry=r,
+        )
+        # With routing.tiers on: prompt tokens believed held per tier, and how many the engines'
+        # answers confirmed (their cached_tokens, attributed GPU first, then L1, then L2).
+        self.tier_believed = Counter(
+            "pdgate_tier_believed_tokens",
+            "Prompt tokens routing believed an engine held, by KV tier (gpu, l1: its CPU tier, l2: the "
+            "shared store), on legs whose engine reported its cache hits",
+            ["tier"],
+            registry=r,
+        )
+        self.tier_confirmed = Counter(
+            "pdgate_tier_confirmed_tokens",
+            "Of those, the tokens the engine's reported cache hits confirm (attributed gpu, then l1, then l2)",
+            ["tier"],
+            registry=r,
+        )
+        self.tier_error = Histogram(
+            "pdgate_tier_belief_error_tokens",
+            "Tokens believed in a tier that the engine's answer did not confirm",
+            ["tier"],
+            buckets=_BELIEF_BUCKETS,
             registry=r,
         )
         self.restarts = Counter(
@@ -426,8 +449,19 @@ class BeliefAudit:
     def on_leg_done(self, ctx: RequestContext, leg: LegReport) -> None:
         if leg.cached_tokens is None or not ctx.block_size:
             return
-        error = ctx.cached(leg.url) - leg.cached_tokens
+        hold = hold_of(ctx, leg.url)
+        error = hold.held - leg.cached_tokens
         m = self._metrics
+        if ctx.data.get(TIERS) is not None:
+            left = leg.cached_tokens  # what the engine served, attributed in the order it loads
+            for tier in TIERS_NAMES:
+                believed = getattr(hold, tier)
+                confirmed = min(believed, max(left, 0))
+                left -= believed
+                m._child(m.tier_believed, tier).inc(believed)
+                m._child(m.tier_confirmed, tier).inc(confirmed)
+                if believed > confirmed:
+                    m._child(m.tier_error, tier).observe(believed - confirmed)
         result = "exact" if error == 0 else "over" if error > 0 else "under"
         m._child(m.belief_checks, leg.leg, result).inc()
         if error:

@@ -50,6 +50,7 @@ from gateway.request.relay import ClientWire, Headers
 from gateway.request.router import Prepared
 from gateway.tokenization.tokenizer import PromptIds
 from policies.base import Decision, Finished, Path, RequestContext
+from policies.beliefs.tiers import TIERS
 from policies.pipeline import Route
 
 log = logging.getLogger(__name__)
@@ -402,6 +403,8 @@ class Exchange:
             "blocks": len(self.prep.hashes),
             "cached_tokens": {url: ctx.cached(url) for url in ctx.cached_tokens},
             "settled_tokens": {url: ctx.settled(url) for url in ctx.settled_tokens},
+            # with routing.tiers on: each engine's prompt by tier (GPU hit, then L1, then L2 loads)
+            "tiers": {url: asdict(hold) for url, hold in sorted((ctx.data.get(TIERS) or {}).items())},
             "predicted_ttft_s": dict(d.predicted_ttft),
             "local_only": ctx.local_only,
             "config_version": self.rt.version,

@@ -32,6 +32,7 @@ from policies.base import (
 from policies.beliefs.blockhash import DEFAULT_BLOCK_SIZE, BlockHash, HashSpec, block_hashes
 from policies.beliefs.prefix_index import PrefixIndex
 from policies.beliefs.prefix_learning import InFlightPrefixes
+from policies.beliefs.tiers import TIERS, TierHold, TierIndex
 from policies.data import Key
 from policies.pipeline import PoolPipeline, Route, RoutingPipeline, Weighted
 from policies.registry import build
@@ -128,6 +129,7 @@ class Router:
         in_flight: InFlightPrefixes | None = None,
         measured: Measured = NOTHING_MEASURED,
         publishers: Iterable[Publisher] = (),
+        tiers: TierIndex | None = None,
     ) -> None:
         """``measured`` is published as ``MEASURED``; ``publishers``: the gateway's other sources of
         per-request data, published before the pipeline's own (which may read them)."""
@@ -137,6 +139,7 @@ class Router:
         self._index = index
         self._shared = shared
         self._in_flight = in_flight if in_flight is not None else InFlightPrefixes()
+        self._tiers = tiers if cfg.tiers.enabled else None
         self._publishers: tuple[Publisher, ...] = (
             Published(MEASURED, measured),
             *publishers,
@@ -189,9 +192,24 @@ class Router:
         ctx = RequestContext(
             model, request_id, token_ids, local_only, headers, cached, settled, hashes, spec.block_size if spec else 0
         )
+        if self._tiers is not None and hashes and spec is not None:
+            ctx.data.put(TIERS, self._tier_holds(ctx, hashes, spec.block_size))
         for publisher in self._publishers:
             publisher.publish(ctx)
         return Prepared(ctx, hashes, spec.block_size if spec else 0)
+
+    def _tier_holds(self, ctx: RequestContext, hashes: Sequence[BlockHash], size: int) -> dict[str, TierHold]:
+        """Each engine's tier breakdown of the prompt: its GPU hit, then what it can load from its
+        L1 or the shared L2 past that (tokens, capped as the engine counts cached tokens)."""
+        assert self._tiers is not None
+        room = ctx.prompt_tokens - 1 - (ctx.prompt_tokens - 1) % size  # whole blocks, not the last token
+        holds = {}
+        for url in {e.url for e in self._pools.all()}:
+            gpu = ctx.cached(url)
+            l1, l2 = self._tiers.walk(url, hashes, gpu // size)
+            l1_tokens = min(l1 * size, max(room - gpu, 0))
+            holds[url] = TierHold(gpu, l1_tokens, min(l2 * size, max(room - gpu - l1_tokens, 0)))
+        return holds
 
     def route(
         self,

@@ -3,7 +3,10 @@
 - **approximate**: what the gateway itself routed (``learn``): after sending a prompt to an
   engine, that engine very likely holds the prompt's blocks for a while. Entries age out
   (``approx_ttl_s``) and the whole source is LRU-bounded (``max_approx_entries``), so memory
-  stays flat whatever the traffic.
+  stays flat whatever the traffic. Per endpoint, they never exceed what its GPU cache can hold
+  (``capacity``: the engine's reported ``num_gpu_blocks``): past that, its least recently
+  learned blocks go first, as the engine's own LRU evicts them, and ``on_evict`` hears of them
+  (the tier beliefs take them down a tier when the engine has one).
 - **precise**: the engine's own KV cache events (``stored`` / ``removed`` / ``cleared``, fed by
   ``gateway/engines/kvevents.py``). For an endpoint whose event feed is live (``set_precise(url, True)``)
   its approximate entries only count while young (``young_s``: the lag between routing a prompt
@@ -133,6 +136,8 @@ class PrefixIndex:
         young_s: float = 5.0,
         max_precise_per_url: int = 262_144,
         clock: Callable[[], float] = time.monotonic,
+        capacity: Callable[[str], int | None] = lambda url: None,
+        on_evict: Callable[[str, list[BlockHash]], None] | None = None,
     ) -> None:
         if max_approx_entries <= 0 or max_precise_per_url <= 0:
             raise ValueError("entry bounds must be positive")
@@ -141,6 +146,9 @@ class PrefixIndex:
         self.young_s = young_s
         self.max_precise_per_url = max_precise_per_url
         self._clock = clock
+        self.capacity = capacity  # blocks an endpoint's GPU cache holds (None: unknown, no bound)
+        self.on_evict = on_evict  # learned blocks dropped for room, oldest first
+        self.capacity_evicted = 0  # learned entries dropped because the engine could not hold them
         # approximate: LRU over (url, hash) -> the learn call's sequence number, oldest first; per
         # endpoint, hash -> time learned (what match walks: one lookup per block, no key to build)
         self._approx: OrderedDict[tuple[str, BlockHash], int] = OrderedDict()
@@ -243,9 +251,34 @@ class PrefixIndex:
         learned = self._approx_of.get(url)
         if learned is None:
             learned = self._approx_of[url] = {}
+        cap = self.capacity(url)
+        if cap is not None:  # most recently learned last (the engine's LRU order): re-insert
+            _drain(map(learned.pop, hashes, repeat(None)))
         learned.update(zip(hashes, repeat(now)))
         self._add_run(url, _Run(list(hashes), seq, now))
+        if cap is not None and len(learned) > cap:
+            self._evict_for_room(url, learned, len(learned) - cap)
         self._expire_approx(now)
+
+    def _evict_for_room(self, url: str, learned: dict[BlockHash, float], over: int) -> None:
+        """Drop ``url``'s ``over`` least recently learned blocks: its GPU cache cannot hold more.
+        Runs learned at or before the newest dropped one prove nothing any more."""
+        gone = list(islice(learned, over))
+        until = max(learned[h] for h in gone)
+        for h in gone:
+            del learned[h]
+            del self._approx[(url, h)]
+        self.capacity_evicted += len(gone)
+        for key in [k for k in self._runs if k[0] == url]:
+            runs = self._runs[key]
+            kept = [r for r in runs if r.at > until]
+            self._run_blocks -= sum(len(r.hashes) for r in runs) - sum(len(r.hashes) for r in kept)
+            if kept:
+                self._runs[key] = kept
+            else:
+                del self._runs[key]
+        if self.on_evict is not None:
+            self.on_evict(url, gone)
 
     def _add_run(self, url: str, run: _Run) -> None:
         """Remember a learn call, in place of the runs it covers (the conversation's earlier turns)."""

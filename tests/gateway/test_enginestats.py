@@ -66,3 +66,18 @@ def test_a_new_process_or_a_counter_going_back_is_a_restart():
     assert not stats(1.0, 60.0).restarted_since(stats(1.0, 50.0))
     assert stats(None, 3.0).restarted_since(stats(None, 50.0))  # multiprocess mode: no start time
     assert not stats(None, None).restarted_since(stats(None, None))
+
+
+def test_the_kv_capacity_the_engine_reports_is_read():
+    """vLLM stringifies every CacheConfig field into vllm:cache_config_info's labels: the GPU cache's
+    block count bounds what routing may believe the engine holds; num_cpu_blocks is "None" without
+    vLLM's own CPU tier."""
+    page = (
+        "vllm:num_requests_running 0.0\n"
+        'vllm:cache_config_info{block_size="16",enable_prefix_caching="True",num_cpu_blocks="None",'
+        'num_gpu_blocks="8192",num_gpu_blocks_override="None"} 1.0\n'
+    )
+    st = parse_stats(page, at=0.0)
+    assert st is not None and st.gpu_blocks == 8192 and st.cpu_blocks is None and st.block_size == 16
+    offload = page.replace('num_cpu_blocks="None"', 'num_cpu_blocks="39072"')
+    assert parse_stats(offload, at=0.0).cpu_blocks == 39072

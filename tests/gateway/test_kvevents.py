@@ -33,6 +33,7 @@ from gateway.engines.kvwire import (
 )
 from policies.beliefs.blockhash import HashSpec, block_hashes
 from policies.beliefs.prefix_index import PrefixIndex
+from policies.beliefs.tiers import TierIndex
 from tests.procs import free_port
 from tests.waiting import until
 
@@ -57,12 +58,16 @@ class WireStored(_Event, tag="BlockStored"):
     lora_name: str | None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None  # "LOCAL" or "REMOTE" relative to the publisher
 
 
 class WireRemoved(_Event, tag="BlockRemoved"):
     block_hashes: list[Any]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
 
 
 class WireCleared(_Event, tag="AllBlocksCleared"):
@@ -457,6 +462,37 @@ async def test_other_tiers_events_leave_the_gpu_view_alone(ctx: zmq.asyncio.Cont
         await engine.publish(WireStored([7], None, [0] * 4, 4, None, "CPU", None, group_idx=0))
         await until(lambda: sub.counters.ignored == 2)
         assert index.match([1, 2]) == {URL: 2} and index.match([7]) == {}
+    finally:
+        await sub.stop()
+        await engine.close()
+
+
+async def test_with_tiers_on_other_tiers_events_feed_the_tier_beliefs(
+    ctx: zmq.asyncio.Context, ports: tuple[int, int]
+) -> None:
+    """A CPU-medium store local to the engine is its L1; one whose locality is REMOTE is the shared
+    L2, which any engine can load from; removals take them out; the GPU view stays as it is."""
+    tiers = TierIndex(l1_capacity=lambda url: 100, l2_capacity=100)
+    spec = HashSpec(block_size=4, algo="sha256", seed="0")  # reproducible: the engine's hashes are ours
+    engine, sub, index = await connected_pair(ctx, ports, tiers=tiers, spec=spec)
+    try:
+        await engine.publish(stored([1, 2]))
+        await engine.publish(WireStored([3, 4], None, [0] * 8, 4, None, "CPU", None, group_idx=0, locality="LOCAL"))
+        await engine.publish(WireStored([5], None, [0] * 4, 4, None, "CPU", None, group_idx=0, locality="REMOTE"))
+        await until(lambda: sub.counters.tier_events == 2)
+        assert index.match([1, 2, 3]) == {URL: 2}  # the GPU holds 1, 2 only
+        assert tiers.walk(URL, [1, 2, 3, 4, 5, 6], 2) == (2, 1)
+        assert tiers.walk("http://other:8000", [5], 0) == (0, 1)  # the shared store, for any engine
+        await engine.publish(WireRemoved([4], "CPU", 0, "LOCAL"))
+        await until(lambda: sub.counters.tier_events == 3)
+        assert tiers.walk(URL, [1, 2, 3, 4, 5], 2) == (1, 0)
+        # LMCache and Mooncake write the medium in lower case; LMCache keys 256-token chunks by hashes
+        # of its own, which no prompt's blocks match: counted, not believed.
+        await engine.publish(WireStored([6], None, [0] * 4, 4, None, "cpu", None, group_idx=0))
+        await engine.publish(WireStored([99], None, [0] * 256, 256, None, "cpu", None, group_idx=0))
+        await until(lambda: sub.counters.tier_events == 4 and sub.counters.untranslatable == 1)
+        assert tiers.walk(URL, [1, 2, 3, 4], 2) == (1, 0) and tiers.walk(URL, [6], 0) == (1, 0)
+        assert index.match([6]) == {}  # nothing of it reached the GPU view
     finally:
         await sub.stop()
         await engine.close()

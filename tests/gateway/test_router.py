@@ -8,6 +8,7 @@ from gateway.request.router import Prepared, Router
 from policies.base import Finished, LegOutcome, LegReport, Path
 from policies.beliefs.prefix_index import PrefixIndex
 from policies.beliefs.prefix_learning import PrefixBeliefs
+from policies.beliefs.tiers import TIERS, TierHold, TierIndex
 from policies.pipeline import Route
 
 
@@ -193,3 +194,37 @@ async def test_policy_instances_are_named_in_traces_and_hooks():
         "load",
     ]
     assert route.decision.reason == "long_uncached"
+
+
+async def test_with_tiers_on_each_engine_gets_its_prompt_by_tier_and_a_prefix_in_l1_stays_direct():
+    """The GPU evicted the prompt on d0, which still holds it in its CPU tier: d0 loads it, so the
+    long prompt goes direct there, said as such; d1 reaches only the shared store's part."""
+    pools = Pools(["http://p0"], ["http://d0", "http://d1"])
+    for ep in pools.all():
+        ep.healthy = True
+    cfg = RoutingConfig.model_validate(
+        {
+            "decider": {"name": "token_threshold", "threshold": 64},
+            "prefix": {"block_size": 16},
+            "tiers": {"enabled": True},
+        }
+    )
+    tiers = TierIndex(l1_capacity=lambda url: 1000, l2_capacity=1000)
+    router = Router(cfg, pools, PrefixIndex(), tiers=tiers)
+    tokens = list(range(2000, 2100))  # 6 full blocks
+    cold = await router.prepare("m", "r1", tokens, None, {})
+    tiers.stored("http://d0", cold.hashes, remote=False)
+    tiers.stored("http://d0", cold.hashes[:3], remote=True)
+    prep = await router.prepare("m", "r2", tokens, None, {})
+    holds = prep.ctx.data.get(TIERS)
+    assert holds is not None
+    assert holds["http://d0"] == TierHold(gpu=0, l1=96, l2=0)
+    assert holds["http://d1"] == TierHold(gpu=0, l1=0, l2=48) == holds["http://p0"]
+    d = router.route(prep).decision
+    assert (d.path, d.decode.url, d.reason) == (Path.DIRECT, "http://d0", "prefix_in_tier")
+
+
+async def test_with_tiers_off_nothing_is_published():
+    router, _, _ = make()
+    prep = await router.prepare("m", "r", list(range(100)), None, {})
+    assert prep.ctx.data.get(TIERS) is None

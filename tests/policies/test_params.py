@@ -41,6 +41,9 @@ DOCUMENTED = {
         "min_gain_s": 0,
         "itl_budget_s": 0.05,
         "prefill_chunk_tokens": 8192,
+        "l1_gbytes_per_s": 440,
+        "l2_gbytes_per_s": 10,
+        "l2_latency_s": 0.005,
     },
     "bounded_load": {"load_factor": 1.25, "slack": 2},
     "prefix_affinity": {},
@@ -118,8 +121,8 @@ def test_out_of_range_values_name_the_parameter(name, params, message):
             "cost_model",
             {"speed": 1},
             "speed: unknown parameter of policy 'cost_model' (known: decode_prefill_factor, "
-            "itl_budget_s, kv_bandwidth_gbps, kv_bytes_per_token, min_gain_s, pd_overhead_s, prefill_chunk_tokens, "
-            "prefill_tokens_per_s)",
+            "itl_budget_s, kv_bandwidth_gbps, kv_bytes_per_token, l1_gbytes_per_s, l2_gbytes_per_s, l2_latency_s, "
+            "min_gain_s, pd_overhead_s, prefill_chunk_tokens, prefill_tokens_per_s)",
         ),
         ("prefix_affinity", {"min_blocks": 2}, "min_blocks: unknown parameter: policy 'prefix_affinity' takes none"),
         ("least_inflight", {"_turns": {}}, "_turns: unknown parameter: policy 'least_inflight' takes none"),

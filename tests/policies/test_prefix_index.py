@@ -173,3 +173,36 @@ def test_match_equals_a_naive_walk_on_random_states() -> None:
             if n:
                 expected[u] = n
         assert idx.match(chain) == expected
+
+
+# -- what an engine can hold bounds what it is believed to hold ---------------------------------
+
+
+def test_learned_blocks_never_exceed_the_engines_gpu_capacity(clock: Clock) -> None:
+    """A flood of long prompts on one engine: only what its GPU cache can hold stays believed (the
+    most recently learned), as the engine's own LRU keeps it; the rest is handed down a tier."""
+    evicted: list[tuple[str, int]] = []
+    idx = PrefixIndex(clock=clock, capacity={A: 8192}.get, on_evict=lambda url, gone: evicted.append((url, len(gone))))
+    prompts = [[p * 100_000 + i for i in range(1088)] for p in range(25)]  # 25 x ~17k tokens at 16 per block
+    for prompt in prompts:
+        clock.now += 1
+        idx.learn(A, prompt)
+        idx.learn(B, prompt)  # B's capacity is unknown: no bound
+    assert idx.stats().approximate_by_url[A] == 8192
+    assert idx.match(prompts[0]) == {B: 1088}  # the oldest prompt is gone from A
+    assert idx.match(prompts[-1]) == {A: 1088, B: 1088}  # the newest is still there
+    assert sum(n for url, n in evicted if url == A) == 25 * 1088 - 8192 and all(url == A for url, _ in evicted)
+    assert idx.capacity_evicted == 25 * 1088 - 8192
+
+
+def test_a_prompt_learned_again_is_the_most_recent_and_survives(clock: Clock) -> None:
+    idx = PrefixIndex(clock=clock, capacity=lambda url: 4)
+    idx.learn(A, [1, 2, 3])
+    clock.now += 1
+    idx.learn(A, [7, 8])
+    clock.now += 1
+    idx.learn(A, [1, 2, 3])  # used again: now the newest, so the older 7, 8 go first
+    clock.now += 1
+    idx.learn(A, [5])
+    assert idx.match([1, 2, 3]) == {A: 3}
+    assert idx.match([7, 8]) == {}  # 7 went for room, and 8 is not a leading block without it
