@@ -63,6 +63,17 @@ class SimConfig:
     enable_prompt_tokens_details: bool = False
     server_dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1: dev routes such as /reset_prefix_cache
     kv_load_failure_policy: str = "fail"  # what a decode leg does when its KV pull fails
+    # KV offload tiers (engine_model.tiers): an L1 of cpu_blocks blocks in host memory (vLLM's
+    # native CPU offloading connector; 0: off) and an L2 shared by engines through Redis.
+    cpu_blocks: int = 0
+    l1_load_time_per_token: float = 0.0  # host -> GPU copy of one token's KV (an L1 hit loaded)
+    l2_url: str | None = None  # redis://host:port/db (needs cpu_blocks: L2 goes through L1, as in vLLM)
+    l2_key_prefix: str = "pdgate:l2"  # the Redis keys of this L2 (one prefix per shared store)
+    l2_blocks: int = 100_000  # the L2's capacity (LRU)
+    l2_latency: float = 0.0  # fixed cost of one L2 load (a round trip to the store)
+    l2_bandwidth_gbps: float = 0.0  # L2 link in Gbit/s, with kv_bytes_per_token (0: no bandwidth term)
+    l2_timeout: float = 0.5  # seconds one Redis call may take before the engine carries on without it
+    self_describing_kv_events: bool = False  # vLLM's kv_connector_extra_config.self_describing_kv_events
     faults: dict[str, Any] | None = None  # start-up fault spec (engine_model.faults), also set at runtime
     log_level: str = "warning"
 
@@ -88,6 +99,23 @@ class SimConfig:
             raise ValueError("default_max_tokens must be at least 1")
         if not 0 <= self.kv_port <= 65535:
             raise ValueError("kv_port must be in 0..65535")
+        if self.cpu_blocks < 0:
+            raise ValueError("cpu_blocks must not be negative (0: no L1)")
+        if self.l2_blocks < 1:
+            raise ValueError("l2_blocks must be at least 1")
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        """The tiers are keyed by block hashes, and an L2 goes through the L1 (vLLM's tiering
+        manager promotes secondary-tier hits into its CPU tier, vllm/v1/kv_offload/tiering/base.py:135-137)."""
+        if self.cpu_blocks and not self.enable_prefix_caching:
+            raise ValueError("cpu_blocks needs prefix caching (the tiers are keyed by block hashes)")
+        if self.l2_url is None:
+            return
+        if not self.cpu_blocks:
+            raise ValueError("l2_url needs cpu_blocks > 0: an L2 hit is loaded through the L1, as in vLLM")
+        if not self.l2_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"l2_url must be a redis:// URL, got {self.l2_url!r}")
 
     def _check_times(self) -> None:
         """Durations and rates: none negative; the time scale and the KV hold's expiry positive."""
@@ -103,6 +131,9 @@ class SimConfig:
             "kv_bandwidth_gbps",
             "kv_transfer_latency",
             "kv_transfer_time_per_block",
+            "l1_load_time_per_token",
+            "l2_latency",
+            "l2_bandwidth_gbps",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
@@ -110,6 +141,8 @@ class SimConfig:
             raise ValueError("time_scale must be positive")
         if self.kv_expiry <= 0:
             raise ValueError("kv_expiry must be positive")
+        if self.l2_timeout <= 0:
+            raise ValueError("l2_timeout must be positive")
 
     def _check_choices(self) -> None:
         """Named choices (role, hash algorithm, load-failure policy) and the fault spec."""
@@ -151,6 +184,9 @@ class SimConfig:
                 self.kv_bandwidth_gbps,
                 self.kv_transfer_latency,
                 self.kv_transfer_time_per_block,
+                self.l1_load_time_per_token,
+                self.l2_latency,
+                self.l2_bandwidth_gbps,
             )
         )
 
@@ -180,6 +216,20 @@ class SimConfig:
         t += -(-tokens // self.block_size) * self.kv_transfer_time_per_block
         if self.kv_bandwidth_gbps:
             t += tokens * self.kv_bytes_per_token * 8 / (self.kv_bandwidth_gbps * 1e9)
+        return t * self.time_scale
+
+    def l1_load_time(self, tokens: int) -> float:
+        """Wall seconds to copy ``tokens`` tokens' KV from the L1 (host memory) to the GPU."""
+        return tokens * self.l1_load_time_per_token * self.time_scale if tokens > 0 else 0.0
+
+    def l2_load_time(self, tokens: int) -> float:
+        """Wall seconds to move ``tokens`` tokens' KV between the L2 store and the L1 (one
+        round trip plus the bytes over the link); the same for an upload."""
+        if tokens <= 0:
+            return 0.0
+        t = self.l2_latency
+        if self.l2_bandwidth_gbps:
+            t += tokens * self.kv_bytes_per_token * 8 / (self.l2_bandwidth_gbps * 1e9)
         return t * self.time_scale
 
     def prefill_time(self, prompt_tokens: int, cached_tokens: int = 0) -> float:

@@ -27,8 +27,9 @@ Model (a small cousin of vLLM's v1 scheduler):
   prefills nor pays step time for. Freed cached blocks stay reusable until evicted (LRU).
   Each step's cache changes go out as one KV event batch (:mod:`engine_model.kv_events`).
 * The P/D legs (a prefill leg's held blocks, a decode leg's KV pull, their failures and
-  heartbeats) are :mod:`engine_model.kv_transfer`, mixed into :class:`Engine`; the request types
-  are :mod:`engine_model.seq`.
+  heartbeats) are :mod:`engine_model.kv_transfer`, mixed into :class:`Engine`; the offload tiers
+  (an L1 in host memory, a shared L2: :mod:`engine_model.tiers`) are
+  :mod:`engine_model.tier_loads`, mixed in too; the request types are :mod:`engine_model.seq`.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ from engine_model.kv_transfer import KVTransfer
 from engine_model.metrics import SimMetrics
 from engine_model.prefix import BlockPool, engine_hash_spec, extend_digests
 from engine_model.seq import DECODE, FINISHED, PREFILL, REMOTE_KV, RUNNING, WAITING, Held, Seq, cdiv
+from engine_model.tier_loads import TierLoads
+from engine_model.tiers import L2Store, Tiers
 from engine_model.tokens import OutputVocab
 
 log = logging.getLogger("engine_model.engine")
@@ -69,7 +72,7 @@ class _Step:
             self.prefill_tokens += chunk
 
 
-class Engine(KVTransfer):
+class Engine(KVTransfer, TierLoads):
     """One simulated engine: its queues, its blocks and the step loop that runs them."""
 
     def __init__(
@@ -81,8 +84,10 @@ class Engine(KVTransfer):
         publisher: EventSink | None = None,
         faults: Faults | None = None,
         clock: Callable[[], float] = time.monotonic,
+        l2: L2Store | None = None,
     ) -> None:
-        """``clock``: what timestamps requests (a fleet on a virtual clock passes its loop's)."""
+        """``clock``: what timestamps requests (a fleet on a virtual clock passes its loop's).
+        ``l2``: the shared L2 store (with ``cfg.cpu_blocks``); the engine closes it on stop."""
         self.cfg = cfg
         self._clock = clock
         self.faults = faults
@@ -96,6 +101,10 @@ class Engine(KVTransfer):
         )
         self.pool = BlockPool(cfg.num_gpu_blocks, cfg.block_size, self.hash_spec, events=publisher is not None)
         self.total_blocks = cfg.num_gpu_blocks - 1
+        self.tiers: Tiers | None = None
+        if cfg.cpu_blocks and self.hash_spec is not None:
+            self.tiers = Tiers(cfg.cpu_blocks, self.hash_spec, publisher is not None, cfg.self_describing_kv_events, l2)
+        self.probing: set[Seq] = set()  # arrived, their L2 lookup not answered yet
         # What each block holds: (seq whose KV it is, its index in that seq, tokens computed).
         # Like real KV memory it keeps its content after release, until reallocated.
         self.block_src: list[tuple[Seq, int, int] | None] = [None] * cfg.num_gpu_blocks
@@ -125,19 +134,24 @@ class Engine(KVTransfer):
             if h.timer:
                 h.timer.cancel()
         await self.kv.close()
+        if self.tiers is not None and self.tiers.l2 is not None:
+            await self.tiers.l2.close()
 
     # ------------------------------------------------------------------ state
     def kv_usage(self) -> float:
         return self.pool.usage()
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """vLLM's ``reset_prefix_cache``: forget every cached block (AllBlocksCleared). Refused
         while blocks are in use (running requests, held prefill blocks, KV loads); with
-        ``reset_running_requests`` the running requests are preempted first."""
+        ``reset_running_requests`` the running requests are preempted first; with
+        ``reset_connector`` (``?reset_external=true``) the L1 is emptied too (the L2 persists)."""
         if reset_running_requests:
             while self.running:
                 self._preempt(self.running[-1])
         ok = self.pool.reset()
+        if ok and reset_connector and self.tiers is not None:
+            self.tiers.reset()
         if ok:
             log.info("Successfully reset prefix cache")
         else:
@@ -150,13 +164,19 @@ class Engine(KVTransfer):
         return ok
 
     def _publish_events(self) -> None:
-        if self.publisher is not None and self.pool.events:
-            self.publisher.publish(self.pool.take_events())
+        """One batch: the GPU pool's events, then the tiers' (vLLM's order, scheduler.py:2370-2385)."""
+        if self.publisher is None:
+            return
+        events = self.pool.take_events() if self.pool.events else []
+        if self.tiers is not None and self.tiers.events:
+            events.extend(self.tiers.take_events())
+        if events:
+            self.publisher.publish(events)
 
     def update_gauges(self) -> None:
         m = self.m
         capacity = len(self.waiting) + len(self.ready_kv)
-        deferred = len(self.remote_kv)
+        deferred = len(self.remote_kv) + len(self.probing)
         m.running.set(len(self.running))
         m.waiting.set(capacity + deferred)
         m.waiting_capacity.set(capacity)
@@ -168,6 +188,10 @@ class Engine(KVTransfer):
 
     # ------------------------------------------------------------------ requests
     def submit(self, seq: Seq) -> None:
+        if self._needs_l2_probe(seq):
+            self.probing.add(seq)
+            self._spawn(self._probe_l2(seq))
+            return
         self.waiting.append(seq)
         self._wake.set()
 
@@ -177,6 +201,7 @@ class Engine(KVTransfer):
             return
         state = seq.state
         if state == WAITING:
+            self.probing.discard(seq)
             with contextlib.suppress(ValueError):
                 self.waiting.remove(seq)
             with contextlib.suppress(ValueError):
@@ -261,6 +286,7 @@ class Engine(KVTransfer):
         tokens = seq.prompt_ids + seq.output_ids if seq.output_ids else seq.prompt_ids
         extend_digests(seq.digests, tokens, full, spec)
         self.pool.cache(seq.blocks, seq.digests, done, full, tokens)
+        self._offer_blocks(seq, done, full, tokens)
         seq.num_cached_blocks = full
 
     def _record_admission(self, seq: Seq, local: int) -> None:
@@ -341,8 +367,11 @@ class Engine(KVTransfer):
             seq = queue[0]
             fresh = seq.num_computed == 0  # vLLM looks the prefix cache up for these
             hits = self._lookup(seq) if fresh else []
+            n1, n2 = self._tier_hits(seq, hits) if fresh else (0, 0)
             if seq.kind == DECODE and not seq.kv_pulled:
                 admitted = self._start_pull(seq, hits, now)
+            elif n1 or n2:
+                admitted = self._start_tier_load(seq, hits, n1, n2, now)
             else:
                 admitted = self._admit(seq, hits, fresh, step, now)
             if not admitted:
@@ -414,6 +443,7 @@ class Engine(KVTransfer):
                 self._sample(seq, now)
                 generated += 1
         self.m.iteration_tokens.observe(step.prefill_tokens + generated)
+        self._commit_tiers()
         self._publish_events()  # one KVEventBatch per step, as vLLM's scheduler does
 
     # ------------------------------------------------------------------ tokens

@@ -11,6 +11,11 @@ of its pool (running + waiting requests, then tokens still to prefill); in P/D l
 of at least ``threshold`` tokens (``policy="threshold"``; every prompt with ``"always"``) are
 prefilled on the prefill pool and decoded on the decode pool, the rest go straight to a decode
 engine. Prefix-cache affinity is not modelled here (the HTTP benchmarks measure it).
+
+Offload tiers (:mod:`engine_model.tiers`): settings with ``cpu_blocks`` give every engine its L1;
+``shared_l2=True`` (or an ``l2_url`` in the settings) gives them one L2 of ``l2_blocks`` blocks, an
+:class:`~engine_model.tiers.InProcessL2` instead of Redis (virtual time does no I/O), with the same
+costs (``l2_latency``, ``l2_bandwidth_gbps``) and the same lookups, loads and stores.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from engine_model.config import SimConfig
 from engine_model.engine import Engine
 from engine_model.metrics import SimMetrics
 from engine_model.seq import DECODE, PREFILL, Collector, Seq
+from engine_model.tiers import InProcessL2
 from engine_model.tokens import ByteTokenizer
 
 POLICIES = ("colocated", "always", "threshold")
@@ -142,16 +148,19 @@ def _prompt(job: Job, idx: int) -> list[int]:
 class Fleet:
     """Engines of one layout, started on the running (virtual) loop."""
 
-    def __init__(self, settings: dict[str, Any], layout: Layout) -> None:
+    def __init__(self, settings: dict[str, Any], layout: Layout, shared_l2: bool = False) -> None:
+        """``shared_l2``: one in-process L2 for all engines (they need ``cpu_blocks`` in ``settings``)."""
         self.layout = layout
         self.channel = _SideChannel()
         vocab = ByteTokenizer().output_vocab
         clock = asyncio.get_running_loop().time
+        settings = {k: v for k, v in settings.items() if k != "l2_url"}
+        self.l2 = InProcessL2(int(settings.get("l2_blocks", SimConfig.l2_blocks))) if shared_l2 else None
         self.engines: list[Engine] = []
         for i in range(layout.engines):
             role = "prefill" if i < layout.prefill else ("decode" if layout.prefill else "both")
             cfg = SimConfig(**{**settings, "role": role, "engine_id": f"engine-{i}", "kv_host": HOST})
-            engine = Engine(cfg, SimMetrics(cfg), vocab, kv_client=self.channel, clock=clock)  # type: ignore[arg-type]
+            engine = Engine(cfg, SimMetrics(cfg), vocab, kv_client=self.channel, clock=clock, l2=self.l2)  # type: ignore[arg-type]
             engine.kv_port = i + 1
             self.channel.engines[i + 1] = engine
             self.engines.append(engine)
@@ -217,9 +226,10 @@ async def _run(
     jobs: Sequence[Job],
     horizon_s: float,
     progress: Callable[[int], None] | None,
+    shared_l2: bool = False,
 ) -> list[Outcome]:
     loop = asyncio.get_running_loop()
-    fleet = Fleet(settings, layout)
+    fleet = Fleet(settings, layout, shared_l2)
     await fleet.start()
     done = 0
 
@@ -249,15 +259,18 @@ def simulate(
     duration_s: float | None = None,
     horizon_s: float | None = None,
     progress: Callable[[int], None] | None = None,
+    shared_l2: bool = False,
 ) -> Result:
     """Serve ``jobs`` on ``layout`` engines with profile ``settings`` (``SimConfig`` keyword
     arguments, e.g. :func:`engine_model.profile.engine_settings`); jobs still unserved at ``horizon_s``
-    (default: the last arrival + 120 s) count as failed."""
+    (default: the last arrival + 120 s) count as failed. ``shared_l2`` (or ``l2_url`` in the
+    settings): the engines share one in-process L2 (see the module's docstring)."""
     jobs = sorted(jobs, key=lambda j: j.arrival_s)
     last = jobs[-1].arrival_s if jobs else 0.0
     duration = duration_s if duration_s is not None else max(last, 1e-9)
+    shared_l2 = shared_l2 or bool(settings.get("l2_url"))
     settings = {k: v for k, v in settings.items() if k not in ("role", "engine_id", "kv_host", "time_scale")}
-    outcomes = virtual.run(_run(settings, layout, jobs, horizon_s or last + 120.0, progress))
+    outcomes = virtual.run(_run(settings, layout, jobs, horizon_s or last + 120.0, progress, shared_l2))
     return Result(layout, outcomes, list(jobs), duration)
 
 

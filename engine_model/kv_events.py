@@ -44,7 +44,12 @@ class EventSink(Protocol):
     def publish(self, events: list[Any]) -> None: ...
 
 
+# vllm/distributed/kv_events.py:51-53 (media) and vllm/v1/kv_offload/base.py:54-58 (localities).
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
+LOCALITY_LOCAL = "LOCAL"
+LOCALITY_REMOTE = "REMOTE"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 ExternalBlockHash = bytes | int

@@ -131,7 +131,8 @@ class KVTransfer:
             "remote_num_tokens": seq.num_computed,
             "remote_blocks_expiry_time": None,
             "transfer_mode": "pull",
-            "remote_prefill_cached_tokens": seq.local_hit,
+            # vLLM: prefill_stats.num_cached_tokens, local + external (offload tier) hits
+            "remote_prefill_cached_tokens": seq.local_hit + seq.external_tokens,
         }
 
     def _release_held(self, request_id: str) -> bool:

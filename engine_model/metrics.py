@@ -102,7 +102,9 @@ def cache_config_labels(cfg: SimConfig) -> dict[str, str]:
         "kv_sharing_fast_prefill": "False",
         "swa_bounded_replay": "True",
         "kv_cache_memory_bytes": str(cfg.num_gpu_blocks * cfg.block_size * cfg.kv_bytes_per_token),
-        "kv_offloading_size": "None",
+        "kv_offloading_size": str(cfg.cpu_blocks * cfg.block_size * cfg.kv_bytes_per_token / 2**30)
+        if cfg.cpu_blocks
+        else "None",
         "kv_offloading_backend": "native",
         "_block_size_resolved": "True",
         "engine": "0",

@@ -61,7 +61,7 @@ def load(name_or_path: str) -> dict[str, Any]:
     unknown = set(doc) - _DOC_KEYS - {"engine", "ranges"}
     if unknown:
         raise ValueError(f"profile {path.name}: unknown top-level keys {sorted(unknown)}")
-    not_engine = {"profile", "time_scale", "faults", "kv_events_config"}
+    not_engine = {"profile", "time_scale", "faults", "kv_events_config", "l2_url", "l2_key_prefix"}
     known = {f.name: str(f.type) for f in fields(SimConfig) if f.name not in not_engine}
     bad = set(doc["engine"]) - set(known)
     if bad:

@@ -63,6 +63,7 @@ class Seq:
         "kv_in",
         "kv_out",
         "kv_pulled",
+        "l2_present",
         "last_token_t",
         "local_hit",
         "max_tokens",
@@ -133,7 +134,8 @@ class Seq:
         self.created_cache_tokens = 0  # ... .created_cache_tokens (chat)
         self.in_prefill = True
         self.counted_prompt = False
-        self.external_tokens = 0
+        self.external_tokens = 0  # prompt tokens loaded from outside the GPU (a peer, an offload tier)
+        self.l2_present: list[bool] | None = None  # the shared L2's answer per block, asked on arrival
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None

@@ -130,8 +130,15 @@ async def reset_prefix_cache(request: Request) -> Response:
     e = _sim(request).engine
     if e is None:
         return json_response({"detail": "engine not started"}, 503)
-    running = request.query_params.get("reset_running_requests", "false").lower() in ("1", "true", "yes", "on")
-    return json_response({"success": e.reset_prefix_cache(reset_running_requests=running)})
+    q = request.query_params
+
+    def flag(name: str) -> bool:
+        return q.get(name, "false").lower() in ("1", "true", "yes", "on")
+
+    ok = e.reset_prefix_cache(
+        reset_running_requests=flag("reset_running_requests"), reset_connector=flag("reset_external")
+    )
+    return json_response({"success": ok})
 
 
 async def http_error(request: Request, exc: Exception) -> Response:

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -175,6 +176,7 @@ def build_parser(prog: str | None = None) -> Parser:
         help="a decode leg whose KV pull fails: fail it (HTTP 500) or recompute the prompt locally "
         "(vLLM: kv_load_failure_policy in --kv-transfer-config)",
     )
+    _tier_flags(p, d)
     p.add_argument(
         "--faults",
         default=None,
@@ -191,6 +193,47 @@ def build_parser(prog: str | None = None) -> Parser:
         help="the engine's own log lines on stderr",
     )
     return p
+
+
+def _tier_flags(p: Parser, d: dict[str, Any]) -> None:
+    """The offload tiers' flags (engine_model/tiers.py; sim/README.md, "KV offload tiers")."""
+    p.add_argument(
+        "--cpu-blocks",
+        type=int,
+        default=0,
+        help="L1: KV blocks kept in host memory (vLLM's CPU offloading, LRU; 0: off)",
+    )
+    p.add_argument(
+        "--l1-load-time-per-token",
+        type=float,
+        default=0.0,
+        help="seconds to copy one token's KV from the L1 to the GPU (an L1 hit)",
+    )
+    p.add_argument(
+        "--l2-url",
+        default=None,
+        metavar="redis://HOST:PORT/DB",
+        help="shared L2: a Redis store of block hashes, shared by the engines given the same URL and prefix "
+        "(needs --cpu-blocks; unreachable: the engine serves without it)",
+    )
+    p.add_argument(
+        "--l2-key-prefix", default=d["l2_key_prefix"].default, help="the L2's Redis keys (one prefix per shared store)"
+    )
+    p.add_argument("--l2-blocks", type=int, default=d["l2_blocks"].default, help="the L2's capacity in blocks (LRU)")
+    p.add_argument("--l2-latency", type=float, default=0.0, help="fixed seconds of one L2 load or upload")
+    p.add_argument(
+        "--l2-bandwidth-gbps",
+        type=float,
+        default=0.0,
+        help="L2 link in Gbit/s (with --kv-bytes-per-token; 0: no bandwidth term)",
+    )
+    p.add_argument("--l2-timeout", type=float, default=d["l2_timeout"].default, help="seconds one Redis call may take")
+    p.add_argument(
+        "--self-describing-kv-events",
+        action="store_true",
+        help="tier events carry each block's tokens and parent hash (vLLM's kv_connector_extra_config "
+        "self_describing_kv_events; without it: vLLM's placeholder payload)",
+    )
 
 
 def _explicit(argv: list[str] | None) -> set[str]:

@@ -12,7 +12,10 @@
 * ``DELETE /sim/requests``: forget them.
 * ``GET /sim/state``: scheduler and KV snapshot (running, waiting, free blocks, held
   prefill handles, cached blocks, the KV event endpoints as bound and messages published,
-  the faults and how often each was injected).
+  the faults and how often each was injected); ``tiers`` (null without ``--cpu-blocks``): the
+  L1's occupancy (``l1: {blocks, capacity, pinned}``), tokens served by each tier, blocks
+  stored and evicted, and the shared L2 (``l2: {store, url, key_prefix, capacity, blocks,
+  reachable, errors}``, ``blocks`` null while the store does not answer).
 * ``GET /sim/faults``, ``PUT /sim/faults`` (JSON spec, replaces the faults), ``DELETE
   /sim/faults`` (no faults, counters reset): fault injection (:mod:`engine_model.faults`), answering
   ``{"faults": {...}, "injected": {...}}``; a bad spec gets 400 ``{"detail": ...}``.
@@ -61,6 +64,9 @@ async def sim_state(request: Request) -> Response:
     e = state.engine
     if e is None:
         return json_response({"ready": False}, 503)
+    tiers = e.tier_state()
+    if tiers is not None and e.tiers is not None and e.tiers.l2 is not None:
+        tiers["l2"]["blocks"] = await e.tiers.l2.size()  # bounded by l2_timeout; None if unreachable
     return json_response(
         {
             "ready": True,
@@ -69,7 +75,7 @@ async def sim_state(request: Request) -> Response:
             "kv_host": cfg.advertised_kv_host,
             "kv_port": e.kv_port,
             "running": len(e.running),
-            "waiting": len(e.waiting) + len(e.ready_kv),
+            "waiting": len(e.waiting) + len(e.ready_kv) + len(e.probing),
             "kv_loading": len(e.remote_kv),
             "free_blocks": e.pool.num_free,
             "total_blocks": e.total_blocks,
@@ -77,6 +83,7 @@ async def sim_state(request: Request) -> Response:
             "held": {rid: len(h.block_ids) for rid, h in e.held.items()},
             "prefix_caching": cfg.enable_prefix_caching,
             "cached_blocks": e.pool.num_cached,
+            "tiers": tiers,
             "profile": cfg.profile,
             "time_scale": cfg.time_scale,
             "faults": state.faults.snapshot(),

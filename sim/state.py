@@ -105,7 +105,13 @@ class SimState:
         if self.publisher is not None:
             await asyncio.to_thread(self.publisher.start)
         sink = self.event_sink if self.event_sink is not None else self.publisher
-        engine = Engine(self.cfg, self.metrics, self.tok.output_vocab, publisher=sink, faults=self.faults)
+        l2 = None
+        cfg = self.cfg
+        if cfg.l2_url:
+            from engine_model.l2_redis import RedisL2
+
+            l2 = RedisL2(cfg.l2_url, cfg.l2_key_prefix, cfg.l2_blocks, cfg.l2_timeout)
+        engine = Engine(self.cfg, self.metrics, self.tok.output_vocab, publisher=sink, faults=self.faults, l2=l2)
         self.kv_server = KVServer(
             {"read": engine.kv_read, "notify": engine.kv_notify, "hb": engine.kv_heartbeat},
             self.cfg.host,
