@@ -9,14 +9,16 @@ server, and the checks on this machine, which has no EFA, no libfabric and no GP
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
 import socket
 import struct
 import subprocess
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -255,3 +257,139 @@ def test_ucx_check_for_gpus_refuses_a_ucx_tls_without_cuda_copy(python: Path) ->
     )
     assert code == 1
     assert "torch sees no CUDA GPU" in line and "UCX_TLS" not in line, line
+
+
+# -- the LMCache L2 store (`l2`: helm test, inside every engine that loads LMCache) -----------------
+
+
+class OneLineServer:
+    """A TCP server on loopback that answers every connection with `reply` (b"": says nothing)."""
+
+    def __init__(self, reply: bytes) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.reply = reply
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.sock.accept()
+                with conn:
+                    conn.settimeout(2)
+                    with contextlib.suppress(OSError):
+                        conn.recv(64)
+                        conn.sendall(self.reply)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def serve_reply() -> Iterator[Callable[[bytes], int]]:
+    servers: list[OneLineServer] = []
+
+    def start(reply: bytes) -> int:
+        servers.append(OneLineServer(reply))
+        return servers[-1].port
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def l2(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    code = pf.main(["l2", *args])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and VERDICT.match(lines[0]), lines
+    return code, lines[0]
+
+
+def test_l2_url_is_the_one_lmcache_uses_in_the_pod(tmp_path: Path) -> None:
+    cfg = tmp_path / "decode.yaml"
+    cfg.write_text(
+        "chunk_size: 256\nlocal_cpu: true\nremote_serde: naive\nremote_url: redis://pdgate-lmcache-l2:6379\n"
+    )
+    assert pf.l2_url_from_pod({"LMCACHE_CONFIG_FILE": str(cfg)}) == ("redis://pdgate-lmcache-l2:6379", str(cfg))
+    # LMCACHE_REMOTE_URL (the chart's urlSecret) is applied over the file
+    env = {"LMCACHE_CONFIG_FILE": str(cfg), "LMCACHE_REMOTE_URL": "redis://:pw@r:6379"}
+    assert pf.l2_url_from_pod(env) == ("redis://:pw@r:6379", "LMCACHE_REMOTE_URL")
+    with pytest.raises(pf.Fail, match="this pod has no LMCache config"):
+        pf.l2_url_from_pod({})
+    cfg.write_text("chunk_size: 256\nremote_url: null\n")
+    with pytest.raises(pf.Fail, match="has no remote_url"):
+        pf.l2_url_from_pod({"LMCACHE_CONFIG_FILE": str(cfg)})
+    with pytest.raises(pf.Fail, match="cannot read LMCache's config"):
+        pf.l2_url_from_pod({"LMCACHE_CONFIG_FILE": str(tmp_path / "missing.yaml")})
+
+
+@pytest.mark.parametrize(
+    ("url", "endpoints"),
+    [
+        ("redis://pdgate-lmcache-l2:6379", [("pdgate-lmcache-l2", 6379)]),
+        ("redis://:secret@r.example:6380/0", [("r.example", 6380)]),
+        ("rediss://r.example", [("r.example", 6379)]),
+        ("lm://pdgate-lmcache-l2:65432", [("pdgate-lmcache-l2", 65432)]),
+        ("redis-sentinel://s1:26379,s2:26380", [("s1", 26379), ("s2", 26380)]),
+        ("redis://[fd00::1]:6379", [("fd00::1", 6379)]),
+        ("mooncakestore://m:50051/", [("m", 50051)]),
+    ],
+)
+def test_l2_endpoints(url: str, endpoints: list[tuple[str, int]]) -> None:
+    assert pf.l2_endpoints(url)[1] == endpoints
+
+
+@pytest.mark.parametrize("url", ["pdgate-lmcache-l2:6379", "mooncakestore://m/", "redis://r:port", "redis://:6379"])
+def test_l2_malformed_urls_are_named(url: str) -> None:
+    with pytest.raises(pf.Fail, match="remote_url"):
+        pf.l2_endpoints(url)
+
+
+def test_l2_redis_answers_pong(capsys: pytest.CaptureFixture[str], serve_reply: Callable[[bytes], int]) -> None:
+    port = serve_reply(b"+PONG\r\n")
+    code, line = l2(capsys, "--url", f"redis://:hunter2@127.0.0.1:{port}", "--timeout", "5")
+    assert code == 0, line
+    assert line.startswith(f"preflight ok: LMCache L2 store redis://***@127.0.0.1:{port} (from --url) answers ")
+    assert "PING: PONG" in line and "hunter2" not in line
+    # a Redis that wants a password is reachable: LMCache's URL carries the password
+    port = serve_reply(b"-NOAUTH Authentication required.\r\n")
+    code, line = l2(capsys, "--url", f"redis://127.0.0.1:{port}", "--timeout", "5")
+    assert code == 0 and "asks for a password" in line
+
+
+def test_l2_something_else_on_the_port_is_not_a_redis(
+    capsys: pytest.CaptureFixture[str], serve_reply: Callable[[bytes], int]
+) -> None:
+    port = serve_reply(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+    code, line = l2(capsys, "--url", f"redis://127.0.0.1:{port}", "--timeout", "5")
+    assert code == 1 and "not a Redis; check the port in remote_url" in line
+
+
+def test_l2_lmcache_server_is_a_tcp_connection(
+    capsys: pytest.CaptureFixture[str], serve_reply: Callable[[bytes], int]
+) -> None:
+    port = serve_reply(b"")
+    code, line = l2(capsys, "--url", f"lm://127.0.0.1:{port}", "--timeout", "5")
+    assert code == 0 and f"127.0.0.1:{port} connected in" in line and "PING" not in line
+
+
+def test_l2_unreachable_store_fails_within_its_timeout_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    port = free_port()  # nothing listens
+    start = time.monotonic()
+    code, line = l2(capsys, "--url", f"redis://127.0.0.1:{port}", "--timeout", "1.5")
+    assert code == 1 and time.monotonic() - start < 5
+    assert line.startswith(f"preflight FAILED: LMCache L2 store redis://127.0.0.1:{port} (from --url) within 1.5 s")
+    assert f"cannot reach 127.0.0.1:{port}" in line and "app.kubernetes.io/component=lmcache-l2" in line
+    code, line = l2(capsys, "--url", "redis://no-such-store.invalid:6379", "--timeout", "1")
+    assert code == 1 and "cannot resolve no-such-store.invalid:6379" in line
+
+
+def test_l2_sentinels_need_one_answer_and_s3_is_not_checked(
+    capsys: pytest.CaptureFixture[str], serve_reply: Callable[[bytes], int]
+) -> None:
+    port = serve_reply(b"")
+    code, line = l2(capsys, "--url", f"redis-sentinel://127.0.0.1:{free_port()},127.0.0.1:{port}", "--timeout", "1")
+    assert code == 0, line
+    code, line = l2(capsys, "--url", "s3://bucket/prefix")
+    assert code == 0 and "not a host:port store: not checked" in line

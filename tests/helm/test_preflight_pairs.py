@@ -6,12 +6,15 @@ does, move the buffer, and fail with the preflight's own words when a pair canno
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import socket
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -205,3 +208,43 @@ def test_the_test_pods_role_reads_endpointslices_and_execs_only(tools: Tools):
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
         {"apiGroups": [""], "resources": ["pods/exec"], "verbs": ["create", "get"]},
     ]
+
+
+def test_with_an_lmcache_l2_every_engine_checks_it_reaches_the_store(
+    tools: Tools, tmp_path: Path, python: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The L2 check runs in each ready engine of the LMCache pools (kubectl exec), with the engine's own
+    LMCache settings (here LMCACHE_REMOTE_URL, as the chart's urlSecret sets it), after the pairs."""
+    pod = helm_test_pod(
+        tools,
+        "--set",
+        "lmcache.enabled=true,lmcache.l1.enabled=false,lmcache.l2.enabled=true,lmcache.l2.deploy=true",
+    )
+    store = socket.create_server(("127.0.0.1", 0))  # a Redis stand-in: +PONG to every connection
+    answer = threading.Thread(target=_pong_forever, args=(store,), daemon=True)
+    answer.start()
+    cluster = slices(prefill=[("prefill-a", None)], decode=[("decode-a", None), ("decode-b", None)])
+    monkeypatch.setenv("LMCACHE_REMOTE_URL", f"redis://127.0.0.1:{store.getsockname()[1]}")
+    (tmp_path / "up").mkdir()
+    code, out, calls = run_pod(pod, tmp_path / "up", python, cluster)
+    store.close()
+    assert code == 0, out
+    assert [pod for pod, cmd in execs(calls) if cmd == "l2"] == ["decode-a", "decode-b", "prefill-a"]
+    assert out.count("preflight ok: LMCache L2 store redis://127.0.0.1:") == 3, out
+    assert out.strip().endswith("preflight ok: 2 pair(s) moved KV with UCX; 3 engine(s) reach the LMCache L2 store")
+    # the store unreachable: each engine says so in one line, and the test fails after the pairs ran
+    monkeypatch.setenv("LMCACHE_REMOTE_URL", f"redis://127.0.0.1:{free_port()}")
+    (tmp_path / "down").mkdir()
+    code, out, calls = run_pod(pod, tmp_path / "down", python, cluster)
+    assert code == 1, out
+    assert out.count("preflight FAILED: LMCache L2 store redis://127.0.0.1:") == 3, out
+    assert len(pairs(out)) == 2 and "reach the LMCache L2 store" not in out
+
+
+def _pong_forever(server: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while True:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(64)
+                conn.sendall(b"+PONG\r\n")

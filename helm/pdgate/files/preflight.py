@@ -8,7 +8,9 @@ much later, far from the cause. The chart mounts this file from a ConfigMap and 
 
   check  (init container) the backend's prerequisites, then a NIXL agent that registers a buffer;
   serve  (helm test, prefill side) a buffer with a known pattern, offered to --peers pullers;
-  pull   (helm test, decode side) a NIXL READ of that buffer, checked byte for byte.
+  pull   (helm test, decode side) a NIXL READ of that buffer, checked byte for byte;
+  l2     (helm test, every LMCache engine) a TCP connection to the LMCache L2 store this pod's
+         LMCache is configured with (a Redis also answers PING), from the engine's own pod.
 
 Each run ends with one line on stdout, `preflight ok: ...` (exit 0) or `preflight FAILED: <what is
 missing>; <what to do>` (exit 1). Needs Python 3.10+, nixl, and torch only for GPU buffers.
@@ -401,9 +403,128 @@ def pull_from(agent: Any, buf: Buffer, args: argparse.Namespace, conn: socket.so
     return f"{took * 1e3:.1f} ms ({buf.size / max(took, 1e-9) / 1e9:.2f} GB/s)"
 
 
+# -- the LMCache L2 store ---------------------------------------------------------------------------
+
+L2_DEFAULT_PORTS = {"redis": 6379, "rediss": 6379, "valkey": 6379, "redis-sentinel": 26379, "lm": 65432}
+L2_REDIS = ("redis", "valkey")  # plain-text RESP: PING must answer
+L2_NOT_HOST_PORT = ("s3://",)  # buckets: reached through AWS's endpoints and IAM, not a port of ours
+
+
+def l2_url_from_pod(env: dict[str, str] | None = None) -> tuple[str, str]:
+    """The L2 URL LMCache uses in this pod and where it came from: LMCACHE_REMOTE_URL (applied over
+    the file), else remote_url in LMCACHE_CONFIG_FILE."""
+    env = dict(os.environ) if env is None else env
+    if env.get("LMCACHE_REMOTE_URL", "").strip():
+        return env["LMCACHE_REMOTE_URL"].strip(), "LMCACHE_REMOTE_URL"
+    path = env.get("LMCACHE_CONFIG_FILE", "")
+    if not path:
+        raise Fail(
+            "this pod has no LMCache config (neither LMCACHE_CONFIG_FILE nor LMCACHE_REMOTE_URL); "
+            "run it in an engine that loads LMCache"
+        )
+    text = _read(path)
+    if not text:
+        raise Fail(f"cannot read LMCache's config {path}; check the lmcache ConfigMap mount")
+    found = re.search(r"^remote_url:[ \t]*['\"]?([^'\"\s#]+)", text, re.M)
+    if not found or found.group(1) in ("null", "~"):
+        raise Fail(f"{path} has no remote_url: this pool's LMCache has no L2 store (lmcache.l2)")
+    return found.group(1), path
+
+
+def redact(url: str) -> str:
+    """The URL without its password (user:pass@ or :pass@)."""
+    return re.sub(r"//[^/@]*@", "//***@", url)
+
+
+def l2_endpoints(url: str) -> tuple[str, list[tuple[str, int]]]:
+    """(scheme, [(host, port), ...]) of a host:port L2 URL; Fail for a malformed one."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise Fail(f"remote_url {redact(url)} is not SCHEME://HOST:PORT; fix lmcache.l2.url")
+    netloc = rest.split("/", 1)[0].rsplit("@", 1)[-1]
+    endpoints = []
+    for part in filter(None, netloc.split(",")):
+        if part.startswith("["):  # [IPv6]:port
+            host, _, tail = part[1:].partition("]")
+            port = tail.removeprefix(":")
+        else:
+            host, _, port = part.partition(":")
+        if not port and scheme not in L2_DEFAULT_PORTS:
+            raise Fail(f"remote_url {redact(url)} names no port for {host}; add :PORT")
+        if port and not port.isdigit():
+            raise Fail(f"remote_url {redact(url)}: {port!r} is not a port number")
+        endpoints.append((host, int(port) if port else L2_DEFAULT_PORTS[scheme]))
+    if not endpoints or not all(host for host, _ in endpoints):
+        raise Fail(f"remote_url {redact(url)} names no host; fix lmcache.l2.url")
+    return scheme, endpoints
+
+
+def reach(host: str, port: int, deadline: float) -> tuple[socket.socket, float]:
+    """A TCP connection to host:port, retried until the deadline (the store may be restarting)."""
+    last: OSError | None = None
+    while (left := deadline - time.monotonic()) > 0:
+        start = time.monotonic()
+        try:
+            return socket.create_connection((host, port), timeout=min(5.0, left)), time.monotonic() - start
+        except OSError as err:  # socket.gaierror too: the Service may not exist (yet)
+            last = err
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+    kind = "cannot resolve" if isinstance(last, socket.gaierror) else "cannot reach"
+    raise Fail(f"{kind} {host}:{port} ({last or 'no time left'})")
+
+
+def redis_ping(conn: socket.socket, deadline: float, where: str) -> str:
+    """PING over RESP: +PONG, or an authentication error (reachable; LMCache's URL carries the password)."""
+    conn.settimeout(max(0.1, deadline - time.monotonic()))
+    try:
+        conn.sendall(b"*1\r\n$4\r\nPING\r\n")
+        reply = conn.recv(256).split(b"\r\n", 1)[0].decode("ascii", "replace")
+    except OSError as err:
+        raise Fail(f"{where} connected, but PING got no answer ({err})") from None
+    if reply == "+PONG":
+        return "PONG"
+    if reply.startswith(("-NOAUTH", "-WRONGPASS", "-ERR AUTH")):
+        return "asks for a password (LMCache's URL must carry it)"
+    raise Fail(f"{where} connected, but answered PING with {reply[:60]!r}: not a Redis; check the port in remote_url")
+
+
+def cmd_l2(args: argparse.Namespace) -> str:
+    url, source = (args.url, "--url") if args.url else l2_url_from_pod()
+    shown = redact(url)
+    if url.startswith(L2_NOT_HOST_PORT):
+        return f"LMCache L2 {shown} (from {source}) is not a host:port store: not checked"
+    scheme, endpoints = l2_endpoints(url)
+    start = time.monotonic()
+    answers, failures = [], []
+    for n, (host, port) in enumerate(endpoints, 1):
+        deadline = start + args.timeout * n / len(endpoints)  # each endpoint its share of the timeout
+        try:
+            conn, took = reach(host, port, deadline)
+            with conn:
+                note = f"connected in {took * 1e3:.1f} ms"
+                if scheme in L2_REDIS:
+                    note += f", PING: {redis_ping(conn, deadline, f'{host}:{port}')}"
+            answers.append(f"{host}:{port} {note}")
+        except Fail as err:
+            failures.append(str(err))
+    # a Sentinel list works while any sentinel answers; every other store is one endpoint
+    if failures and not (scheme == "redis-sentinel" and answers):
+        raise Fail(
+            f"LMCache L2 store {shown} (from {source}) within {args.timeout:g} s from {socket.gethostname()}: "
+            f"{'; '.join(failures)}; check that the store's pod is Ready (the chart's: kubectl get pods -l "
+            "app.kubernetes.io/component=lmcache-l2), its Service and port, and NetworkPolicies / security groups"
+        )
+    return f"LMCache L2 store {shown} (from {source}) answers {socket.gethostname()}: {', '.join(answers)}"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
+    l2 = sub.add_parser("l2")
+    l2.add_argument(
+        "--url", default=None, help="default: the pod's LMCACHE_REMOTE_URL, else remote_url in LMCACHE_CONFIG_FILE"
+    )
+    l2.add_argument("--timeout", type=float, default=10.0, help="bound on the whole check, in seconds")
     for name in ("check", "serve", "pull"):
         s = sub.add_parser(name)
         s.add_argument("--backend", required=True, choices=["LIBFABRIC", "UCX"])
@@ -427,7 +548,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    run = {"check": cmd_check, "serve": cmd_serve, "pull": cmd_pull}[args.command]
+    run = {"check": cmd_check, "serve": cmd_serve, "pull": cmd_pull, "l2": cmd_l2}[args.command]
     try:
         print(f"preflight ok: {run(args)}", flush=True)
         return 0

@@ -100,12 +100,36 @@ every GPU worker (one per tensor parallel rank): the pod's L1 is split over them
 {{- $_ := set $c "max_local_cpu_size" (divf $l.l1.sizeGB (int $p.tensorParallelSize)) }}
 {{- end }}
 {{- if $l.l2.enabled }}
-{{- if not $l.l2.urlSecret.name }}
-{{- $_ := set $c "remote_url" $l.l2.url }}
+{{- with include "pdgate.lmcacheL2Url" $ }}{{/* empty with urlSecret: LMCACHE_REMOTE_URL */}}
+{{- $_ := set $c "remote_url" . }}
 {{- end }}
 {{- $_ := set $c "remote_serde" $l.l2.serde }}
 {{- end }}
 {{- toYaml (mustMergeOverwrite $c (deepCopy $l.extraConfig)) }}
+{{- end }}
+
+{{/* The L2 store the chart runs (lmcache.l2.deploy): its port, and the remote_url the engines use */}}
+{{- define "pdgate.lmcacheL2Port" -}}
+{{- $st := .Values.lmcache.l2.store }}
+{{- if $st.port }}{{ $st.port | int }}
+{{- else }}{{ ternary 6379 65432 (eq $st.kind "redis") }}
+{{- end }}
+{{- end }}
+
+{{/* The engines' LMCache remote_url: the chart's store (deploy), lmcache.l2.url, or "" (urlSecret) */}}
+{{- define "pdgate.lmcacheL2Url" -}}
+{{- $l2 := .Values.lmcache.l2 }}
+{{- if $l2.deploy }}
+{{- printf "%s://%s:%s" (ternary "redis" "lm" (eq $l2.store.kind "redis")) (include "pdgate.componentName" (list . "lmcache-l2")) (include "pdgate.lmcacheL2Port" .) }}
+{{- else if not $l2.urlSecret.name }}
+{{- $l2.url }}
+{{- end }}
+{{- end }}
+
+{{/* The chart's L2 store: does this release run one? */}}
+{{- define "pdgate.lmcacheL2Deployed" -}}
+{{- $l := .Values.lmcache }}
+{{- if and $l.enabled $l.l2.enabled $l.l2.deploy }}true{{ end }}
 {{- end }}
 
 {{/* The gateway's config file (validated by the gateway itself: see tests/helm) */}}
@@ -219,8 +243,42 @@ scorers are the gateway's defaults, written out because a pool's routing replace
 {{- if and $v.networkPolicy.enabled $v.monitoring.serviceMonitor.enabled (not $v.networkPolicy.monitoringNamespaceSelector) }}
 {{- fail "networkPolicy.enabled with monitoring.serviceMonitor.enabled needs networkPolicy.monitoringNamespaceSelector (the namespace Prometheus runs in, e.g. {matchLabels: {kubernetes.io/metadata.name: monitoring}}): the policies would block its scrapes" }}
 {{- end }}
-{{- if and $v.lmcache.enabled $v.lmcache.l2.enabled $v.lmcache.l2.urlSecret.name $v.lmcache.l2.url }}
-{{- fail "lmcache.l2: set either url or urlSecret.name, not both" }}
+{{- $l2 := $v.lmcache.l2 }}
+{{- if and $l2.deploy (not (and $v.lmcache.enabled $l2.enabled)) }}
+{{- fail "lmcache.l2.deploy runs a store that only the engines' LMCache uses: also set lmcache.enabled=true and lmcache.l2.enabled=true, or leave deploy off" }}
+{{- end }}
+{{- if and $v.lmcache.enabled $l2.enabled }}
+{{- $sources := list }}
+{{- if $l2.deploy }}{{ $sources = append $sources "deploy" }}{{ end }}
+{{- if $l2.url }}{{ $sources = append $sources "url" }}{{ end }}
+{{- if $l2.urlSecret.name }}{{ $sources = append $sources "urlSecret.name" }}{{ end }}
+{{- if gt (len $sources) 1 }}
+{{- fail (printf "lmcache.l2: %s are all set; choose one store: deploy=true (this release runs it) or url / urlSecret.name (an existing one)" (join " and " $sources)) }}
+{{- end }}
+{{- if not $sources }}
+{{- fail "lmcache.l2.enabled needs a store: lmcache.l2.deploy=true (this release runs one) or lmcache.l2.url / lmcache.l2.urlSecret.name (an existing one)" }}
+{{- end }}
+{{- if $l2.deploy }}
+{{- $r := $l2.store.resources | default dict }}
+{{- $req := $r.requests | default dict }}
+{{- $lim := $r.limits | default dict }}
+{{- if not (and (index $req "cpu") (index $req "memory") (index $lim "memory")) }}
+{{- fail "lmcache.l2.store.resources needs requests.cpu, requests.memory and limits.memory: the memory limit is the cache's size (Redis gets --maxmemory from it) and keeps the store from taking its node's memory" }}
+{{- end }}
+{{- if lt (include "pdgate.gib" (index $lim "memory") | float64) 0.25 }}
+{{- fail (printf "lmcache.l2.store.resources.limits.memory %s is below 256Mi: too small for a KV cache (a single chunk of a 70B model's KV is tens of MiB)" (toString (index $lim "memory"))) }}
+{{- end }}
+{{- $users := list }}
+{{- range $pool := list "prefill" "decode" }}
+{{- if and (index $v $pool).enabled (include "pdgate.lmcacheOn" (list $ $pool)) }}{{ $users = append $users $pool }}{{ end }}
+{{- end }}
+{{- if not $users }}
+{{- fail (printf "lmcache.l2.deploy: no enabled pool loads LMCache (lmcache.pools %s): the store would have no clients, and its NetworkPolicy nobody to admit" (toJson $v.lmcache.pools)) }}
+{{- end }}
+{{- if and (ne $l2.store.kind "redis") $l2.store.extraArgs }}
+{{- fail "lmcache.l2.store.extraArgs: only the redis kind takes extra arguments (lmcache_server takes host, port and device only)" }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- range $pool := list "prefill" "decode" }}
 {{- $p := index $v $pool }}
