@@ -269,6 +269,12 @@ class PrefixIndex:
             del learned[h]
             del self._approx[(url, h)]
         self.capacity_evicted += len(gone)
+        self._drop_runs_until(url, until)
+        if self.on_evict is not None:
+            self.on_evict(url, gone)
+
+    def _drop_runs_until(self, url: str, until: float) -> None:
+        """``url``'s runs learned at or before ``until`` prove nothing any more (entries went)."""
         for key in [k for k in self._runs if k[0] == url]:
             runs = self._runs[key]
             kept = [r for r in runs if r.at > until]
@@ -277,8 +283,6 @@ class PrefixIndex:
                 self._runs[key] = kept
             else:
                 del self._runs[key]
-        if self.on_evict is not None:
-            self.on_evict(url, gone)
 
     def _add_run(self, url: str, run: _Run) -> None:
         """Remember a learn call, in place of the runs it covers (the conversation's earlier turns)."""
@@ -333,14 +337,7 @@ class PrefixIndex:
             del self._approx[(url, h)]
         if not learned:
             del self._approx_of[url]
-        for key in [k for k in self._runs if k[0] == url]:
-            runs = self._runs[key]
-            kept = [r for r in runs if r.at > until]
-            self._run_blocks -= sum(len(r.hashes) for r in runs) - sum(len(r.hashes) for r in kept)
-            if kept:
-                self._runs[key] = kept
-            else:
-                del self._runs[key]
+        self._drop_runs_until(url, until)
         return len(old)
 
     # -- precise source --------------------------------------------------------------------------
