@@ -9,30 +9,17 @@ import asyncio
 
 import orjson
 import pytest
-from tokenizers import Tokenizer
 
 from policies.base import LegOutcome
 from tests.promtext import sample
 from tests.waiting import until
 
-from .exchange_harness import FakeResponse, make, stream
+from .exchange_harness import FakeResponse, stream
 from .test_exchange import settled
 from .test_exchange_migration import TEXT, prompt_ids
 from .vllm_events import events, full_text
 
 NOT_MIGRATABLE = {"logprobs": 1}  # its engine's events are relayed untouched
-
-
-@pytest.fixture
-def h(tokenizer_dir):
-    harness = make(tokenizer_dir)
-    yield harness
-    harness.close()
-
-
-@pytest.fixture(scope="module")
-def tok(tokenizer_dir) -> Tokenizer:
-    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
 
 
 @pytest.mark.parametrize("fields", [{}, NOT_MIGRATABLE], ids=["stitched", "byte_for_byte"])

@@ -6,8 +6,6 @@ tenant's use say about each leg."""
 
 from __future__ import annotations
 
-import pytest
-
 from gateway.engines.upstream import EngineError
 from policies.base import LegOutcome, Path
 from tests.promtext import sample
@@ -16,13 +14,6 @@ from .exchange_harness import D2, KV, D, P, answer, completion, make, unreachabl
 from .test_exchange import LONG, settled
 
 P2 = "http://p2:1"
-
-
-@pytest.fixture
-def h(tokenizer_dir):
-    harness = make(tokenizer_dir)
-    yield harness
-    harness.close()
 
 
 def engine_error() -> EngineError:

@@ -21,13 +21,6 @@ from .exchange_harness import D2, KV, D, FakeResponse, P, answer, completion, ma
 LONG = "def handler(request):\n    return request.body\n" * 40  # well over the threshold (64 tokens)
 
 
-@pytest.fixture
-def h(tokenizer_dir):
-    harness = make(tokenizer_dir)
-    yield harness
-    harness.close()
-
-
 def kinds(h) -> list[str]:
     return [kind for kind, _ in h.recorder.events]
 

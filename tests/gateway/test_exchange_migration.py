@@ -28,18 +28,6 @@ from .vllm_events import client_text, events, full_text
 TEXT = "def handler(request):\n    return request.body  # héllo wörld\n" * 6
 
 
-@pytest.fixture
-def h(tokenizer_dir):
-    harness = make(tokenizer_dir)
-    yield harness
-    harness.close()
-
-
-@pytest.fixture(scope="module")
-def tok(tokenizer_dir) -> Tokenizer:
-    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-
-
 def prompt_ids(h: Harness, body: dict, kind: str) -> list[int]:
     return h.tokenizers.get("tiny").prompt_ids(parse_body(orjson.dumps(body), kind))[0]  # type: ignore[union-attr]
 

@@ -10,7 +10,6 @@ from typing import Any
 
 import orjson
 import pytest
-from tokenizers import Tokenizer
 
 from tests.promtext import sample
 
@@ -25,18 +24,6 @@ ROUTING: dict[str, Any] = {
     "decode": {"scorers": [{"name": "prefix_affinity"}], "picker": {"name": "max_score"}},
     "prefix": {"block_size": 16},
 }
-
-
-@pytest.fixture
-def h(tokenizer_dir):
-    harness = make(tokenizer_dir)
-    yield harness
-    harness.close()
-
-
-@pytest.fixture(scope="module")
-def tok(tokenizer_dir) -> Tokenizer:
-    return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
 
 
 def sent_ids(body: bytes) -> list[int]:
