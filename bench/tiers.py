@@ -1,6 +1,7 @@
 """Tier-aware routing against GPU-only routing, on traffic whose working set outgrows the GPUs.
 
     python -m bench.tiers [--requests 120] [--rate 1.5] [--time-scale 0.25] [--out docs/benchmarks/tiers.json]
+        [--plot docs/benchmarks/tiers.png]
 
 One prefill and two decode engines (``pdgate sim``, the calibrated Llama-3.3-70B profile), each with
 a GPU KV cache shrunk to ``--gpu-tokens`` so that the traffic's working set does not fit, an L1 of
@@ -17,6 +18,9 @@ hits only: a prefix the GPU evicted counts as uncached, so a long one goes P/D) 
 the decode engine's L1 or in L2 is a load, so it goes direct). Fresh engines and a fresh L2 for
 each. Reported per configuration: TTFT p50/p99 (simulated seconds), goodput (share of requests
 meeting their TTFT objective: 3 s for documents, 2 s for turns), and how many went P/D.
+
+``--plot`` draws the figures (bench.tiers_plot, matplotlib: the ``bench`` extra); to redraw a
+saved result without re-running: ``python -m bench.tiers_plot RESULT.json PLOT.png``.
 
 Bounded: ``--requests`` per configuration, loopback only; every process is stopped at the end.
 """
@@ -40,6 +44,7 @@ import yaml
 from bench.goodput_cluster import MODEL, start_engines
 from bench.goodput_load import Progress, Result, run_point
 from bench.goodput_metrics import pct
+from bench.tiers_plot import plot
 from bench.workloads import VOCAB_HIGH, VOCAB_LOW, Request
 from engine_model.tinymodel import build_tokenizer
 from gateway.demo import cache_dir
@@ -161,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--l1-tokens", type=int, default=131_072, help="each engine's L1")
     ap.add_argument("--l2-tokens", type=int, default=1_048_576, help="the shared L2")
     ap.add_argument("--out", default=None, help="write the results (JSON) here")
+    ap.add_argument("--plot", default=None, help="draw the results (PNG) here (needs matplotlib)")
     args = ap.parse_args(argv)
     if args.requests < 1 or args.requests > 2000 or args.rate <= 0 or args.time_scale <= 0:
         ap.error("--requests must be 1..2000, --rate and --time-scale positive")
@@ -178,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
+    if args.plot:
+        plot(out, Path(args.plot))
     return 0
 
 

@@ -1,11 +1,18 @@
-"""bench/tiers.py's workload and scoring (the run itself starts engines: docs/benchmarks.md)."""
+"""bench/tiers.py's workload, scoring and plot (the run itself starts engines: docs/benchmarks.md)."""
 
 from __future__ import annotations
 
 import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from bench.goodput_load import Result
 from bench.tiers import Shape, summarize, workload
+from bench.tiers_plot import main as plot_main
 
 
 def test_the_workload_reuses_long_prefixes_and_is_the_same_for_both_runs():
@@ -33,3 +40,35 @@ def test_scoring_counts_hand_overs_and_objectives():
     out = summarize(True, reqs, results)
     assert out["pd"] == 2 and out["direct"] == 2 and out["failed"] == 0
     assert out["goodput"] == 0.75  # the first missed its TTFT objective
+
+
+def _result() -> dict:
+    reqs = workload(6, 1.0, Shape(docs=1, conversations=1))
+    runs = [
+        summarize(tiers, reqs, [Result(q.klass, True, ttft_s=0.1 * (i + 1), path="pd" if i < 2 else "direct")
+                                for i, q in enumerate(reqs)])
+        for tiers in (False, True)
+    ]  # fmt: skip
+    return {"profile": "p", "args": {"requests": 6, "rate": 1.0}, "runs": runs}
+
+
+def test_the_plot_is_drawn_from_a_saved_result(tmp_path: Path):
+    pytest.importorskip("matplotlib")
+    src, png = tmp_path / "tiers.json", tmp_path / "tiers.png"
+    src.write_text(json.dumps(_result()))
+    assert plot_main([str(src), str(png)]) == 0
+    data = png.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
+
+
+def test_without_matplotlib_the_bench_imports_and_the_plot_is_one_line_of_advice(tmp_path: Path):
+    src = tmp_path / "tiers.json"
+    src.write_text(json.dumps(_result()))
+    code = (
+        "import sys; sys.modules['matplotlib'] = None; import bench.tiers, bench.tiers_plot; "
+        f"sys.exit(bench.tiers_plot.main([{str(src)!r}, {str(tmp_path / 'tiers.png')!r}]))"
+    )
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=False)
+    assert out.returncode == 1 and not (tmp_path / "tiers.png").exists()
+    assert out.stderr.strip().splitlines() == ["matplotlib missing: install the bench extra: pip install -e '.[bench]'"]
