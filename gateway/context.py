@@ -37,6 +37,7 @@ from gateway.tokenization.tokenizer import Tokenizers
 from policies.beliefs.estimates import EngineEstimates
 from policies.beliefs.prefix_index import PrefixIndex
 from policies.beliefs.prefix_learning import PrefixBeliefs
+from policies.beliefs.tier_audit import TierCounterCheck
 from policies.beliefs.tiers import TierBeliefs
 from policies.hooks import Hooks, policy_hooks
 
@@ -50,6 +51,7 @@ class Learners:
     audit: BeliefAudit  # how far routing's beliefs are from what the engines report
     demand: Demand  # what the traffic asks of the engines (the live planner's input)
     tiers: TierBeliefs | None = None  # what each engine's CPU tier and the shared store hold
+    counters: TierCounterCheck | None = None  # the engines' hit counters against the tier beliefs
 
     def subscribers(self) -> list[tuple[str, object]]:
         subs: list[tuple[str, object]] = [
@@ -60,6 +62,8 @@ class Learners:
         ]
         if self.tiers is not None:
             subs.insert(1, ("tier_beliefs", self.tiers))
+        if self.counters is not None:
+            subs.append(("tier_counter_check", self.counters))
         return subs
 
     def forget(self, url: str) -> None:
@@ -69,6 +73,8 @@ class Learners:
         self.estimates.forget(url)
         if self.tiers is not None:
             self.tiers.tiers.forget(url)
+        if self.counters is not None:
+            self.counters.forget(url)
 
 
 @dataclass(frozen=True)

@@ -183,6 +183,20 @@ class PrefixConfig(_Strict):
     )
 
 
+class TierCounterCheckConfig(_Strict):
+    """The engines' own hit counters (``vllm:prompt_tokens_cached_by_source``) against the tier
+    beliefs: an engine that loaded from its tiers far fewer tokens than routing believed it held
+    has its tiers distrusted until its counters show tier loads again (docs/kv-tiers.md)."""
+
+    enabled: bool = Field(True, description="check the tier beliefs against the engines' counters")
+    min_tokens: int = Field(
+        16384, gt=0, description="below-GPU tokens believed on an engine before its counters are judged"
+    )
+    distrust_below: float = Field(
+        0.5, ge=0, le=1, description="counted over believed, below which the engine's tiers are distrusted"
+    )
+
+
 class TiersConfig(_Strict):
     """KV tiers below the engines' GPU caches (LMCache or vLLM's CPU offload): each engine's CPU tier
     (L1) and a store every engine reaches (L2). With tiers on, routing counts what an engine can
@@ -209,6 +223,7 @@ class TiersConfig(_Strict):
         description="the tiers' unit (LMCache chunk_size): only whole chunks of a prompt are believed "
         "stored; a multiple of the engines' block size",
     )
+    counter_check: TierCounterCheckConfig = TierCounterCheckConfig()
 
 
 class MigrationConfig(_Strict):

@@ -13,7 +13,10 @@ silently zero a routing signal:
 - which run of the engine this is: ``process_start_time_seconds`` (the API server's, from
   prometheus_client's process collector; absent when vLLM runs several API servers in
   Prometheus multiprocess mode) and ``vllm:request_success_total``, a counter only a restart
-  takes back. ``Pools.report`` compares them with the previous report.
+  takes back. ``Pools.report`` compares them with the previous report;
+- the prompt tokens it served from each cache tier, ``vllm:prompt_tokens_cached_by_source`` by its
+  ``source`` label (``device``, ``host``, ``disk``, ``p2p``, ``external_unspecified``; vLLM 0.32):
+  what the tier beliefs are checked against (``policies/beliefs/tier_audit.py``).
 
 Series with several label sets (one per engine core or model) are summed (requests) or maxed (usage).
 Parsing is a line scan for these names only: a vLLM metrics page is ~1,000 lines of histograms the
@@ -41,12 +44,14 @@ KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:cpu_c
 CACHE_INFO = "vllm:cache_config_info"
 START_TIME = "process_start_time_seconds"
 SERVED = "vllm:request_success_total"
+CACHED_BY_SOURCE = ("vllm:prompt_tokens_cached_by_source_total", "vllm:prompt_tokens_cached_by_source")
 MAX_PAGE_BYTES = 8 << 20
 
 _BLOCK_SIZE = re.compile(r'[{,]block_size="(\d+)"')
 _PREFIX_CACHING = re.compile(r'enable_prefix_caching="(\w+)"')
 _GPU_BLOCKS = re.compile(r'[{,]num_gpu_blocks="(\d+)"')
 _CPU_BLOCKS = re.compile(r'[{,]num_cpu_blocks="(\d+)"')
+_SOURCE = re.compile(r'[{,]source="(\w+)"')
 
 
 def _value(line: str) -> float | None:
@@ -58,49 +63,74 @@ def _value(line: str) -> float | None:
 
 def parse_stats(text: str, at: float) -> EngineStats | None:
     """The signals in a Prometheus text page, or None when it has none of them (not a vLLM engine)."""
-    running = waiting = 0.0
-    kv: float | None = None
-    block_size: int | None = None
-    caching: bool | None = None
-    gpu_blocks = cpu_blocks = None
-    started: float | None = None
-    served: float | None = None
-    seen = False
+    page = _Page()
     for line in text.splitlines():
         if line.startswith(START_TIME):
-            started = _value(line)
-            continue
-        if not line.startswith("vllm:"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in RUNNING or name in WAITING:
-            v = _value(line)
-            if v is not None:
-                seen = True
-                if name in RUNNING:
-                    running += v
-                else:
-                    waiting += v
-        elif name in KV_USAGE:
-            v = _value(line)
-            if v is not None:
-                seen = True
-                kv = v if kv is None else max(kv, v)
-        elif name == SERVED:
-            v = _value(line)
-            if v is not None:
-                served = (served or 0.0) + v
-        elif name == CACHE_INFO and block_size is None:
-            m = _BLOCK_SIZE.search(line)
-            if m:
-                block_size = int(m.group(1))
-            m = _PREFIX_CACHING.search(line)
-            if m:
-                caching = m.group(1).lower() == "true"
-            gpu_blocks, cpu_blocks = _label_int(_GPU_BLOCKS, line), _label_int(_CPU_BLOCKS, line)
-    if not seen:
+            page.started = _value(line)
+        elif line.startswith("vllm:"):
+            page.read(line.split("{", 1)[0].split(" ", 1)[0], line)
+    if not page.seen:
         return None
-    return EngineStats(int(running), int(waiting), kv, block_size, at, caching, started, served, gpu_blocks, cpu_blocks)
+    return EngineStats(
+        int(page.running),
+        int(page.waiting),
+        page.kv,
+        page.block_size,
+        at,
+        page.caching,
+        page.started,
+        page.served,
+        page.gpu_blocks,
+        page.cpu_blocks,
+        page.by_source,
+    )
+
+
+class _Page:
+    """What ``parse_stats`` has read so far of one page."""
+
+    def __init__(self) -> None:
+        self.running = self.waiting = 0.0
+        self.kv: float | None = None
+        self.block_size: int | None = None
+        self.caching: bool | None = None
+        self.gpu_blocks: int | None = None
+        self.cpu_blocks: int | None = None
+        self.started: float | None = None
+        self.served: float | None = None
+        self.by_source: dict[str, float] | None = None
+        self.seen = False  # any engine load signal at all
+
+    def read(self, name: str, line: str) -> None:
+        if name == CACHE_INFO:
+            self._cache_info(line)
+            return
+        v = _value(line)
+        if v is None:
+            return
+        if name in RUNNING or name in WAITING:
+            self.seen = True
+            if name in RUNNING:
+                self.running += v
+            else:
+                self.waiting += v
+        elif name in KV_USAGE:
+            self.seen = True
+            self.kv = v if self.kv is None else max(self.kv, v)
+        elif name == SERVED:
+            self.served = (self.served or 0.0) + v
+        elif name in CACHED_BY_SOURCE and (m := _SOURCE.search(line)):
+            by_source = self.by_source = self.by_source if self.by_source is not None else {}
+            by_source[m.group(1)] = by_source.get(m.group(1), 0.0) + v
+
+    def _cache_info(self, line: str) -> None:
+        if self.block_size is not None:
+            return
+        if m := _BLOCK_SIZE.search(line):
+            self.block_size = int(m.group(1))
+        if m := _PREFIX_CACHING.search(line):
+            self.caching = m.group(1).lower() == "true"
+        self.gpu_blocks, self.cpu_blocks = _label_int(_GPU_BLOCKS, line), _label_int(_CPU_BLOCKS, line)
 
 
 def _label_int(pattern: re.Pattern[str], line: str) -> int | None:

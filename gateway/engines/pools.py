@@ -39,6 +39,9 @@ class EngineStats:
     # believed to hold.
     gpu_blocks: int | None = None
     cpu_blocks: int | None = None
+    # vllm:prompt_tokens_cached_by_source by source: prompt tokens served from each cache tier
+    # (None: the engine does not count them)
+    cached_by_source: dict[str, float] | None = None
 
     def restarted_since(self, old: EngineStats) -> bool:
         """Whether this report comes from another run of the engine than ``old``."""
@@ -199,6 +202,8 @@ class Pools:
         # Requests other gateway replicas have in flight per endpoint url (shared state), if any.
         self.others: Mapping[str, int] = {}
         self.release_listeners: list[Callable[[str], None]] = []  # told the pool of every freed slot
+        # told of every fresh /metrics report, and whether it comes from a new run of the engine
+        self.report_listeners: list[Callable[[Endpoint, EngineStats, bool], None]] = []
         self.outlier = outlier or OutlierConfig()
         self._not_serving: dict[str, frozenset[tuple[str, str]]] = {}  # not_serving's answers, per model
         self.update(prefill, decode, topology)
@@ -264,8 +269,11 @@ class Pools:
         old, ep.stats = ep.stats, stats
         if (old.prefix_caching if old else None) != stats.prefix_caching:
             self._refresh_beliefs()
-        if old is not None and stats.restarted_since(old):
+        restarted = old is not None and stats.restarted_since(old)
+        if restarted:
             self.restarted(ep, "its /metrics show a new process")
+        for listener in self.report_listeners:
+            listener(ep, stats, restarted)
 
     def restarted(self, ep: Endpoint, why: str) -> None:
         log.warning("endpoint %s (%s) restarted (%s): forgetting what was learned about it", ep.url, ep.pool, why)

@@ -47,6 +47,7 @@ from policies.beliefs.blockhash import DEFAULT_BLOCK_SIZE
 from policies.beliefs.estimates import EngineEstimates
 from policies.beliefs.prefix_index import PrefixIndex
 from policies.beliefs.prefix_learning import InFlightPrefixes, PrefixBeliefs
+from policies.beliefs.tier_audit import TierCounterCheck
 from policies.beliefs.tiers import TierBeliefs, TierIndex
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,12 @@ async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | No
         pools, index, subs.all, shared, lambda: discovery.watchers.values(), estimates.prefill_s_per_token, models
     )
     engines = make_client(cfg.engines)
-    learners = Learners(beliefs, estimates, BeliefAudit(metrics), Demand(), TierBeliefs(tiers))
+    counters = _counter_check(cfg, tiers)
+    learners = Learners(beliefs, estimates, BeliefAudit(metrics), Demand(), TierBeliefs(tiers), counters)
+    pools.report_listeners.append(
+        lambda ep, st, restarted: counters.on_counters(ep.url, st.cached_by_source, restarted=restarted)
+    )
+    metrics.watch_tier_counters(counters, pools)
     gate = (
         SharedGate(
             cfg.admission.max_in_flight, worker.slots, worker.lock, worker.index, queue=FairQueue("gateway", usage)
@@ -221,6 +227,19 @@ def _tier_index(cfg: GatewayConfig, pools: Pools) -> TierIndex:
     return tiers
 
 
+def _counter_check(cfg: GatewayConfig, tiers: TierIndex) -> TierCounterCheck:
+    counters = TierCounterCheck(tiers)
+    configure_counter_check(counters, cfg)
+    return counters
+
+
+def configure_counter_check(counters: TierCounterCheck, cfg: GatewayConfig) -> None:
+    """Off (or tiers off): nothing is judged, and what was distrusted is trusted again."""
+    c = cfg.routing.tiers.counter_check
+    on = cfg.routing.tiers.enabled and c.enabled
+    counters.configure(enabled=on, min_tokens=c.min_tokens, distrust_below=c.distrust_below)
+
+
 def configure_tiers(tiers: TierIndex, cfg: GatewayConfig, pools: Pools) -> None:
     t = cfg.routing.tiers
     if not t.enabled:  # nothing learned or demoted into them (the router reads none)
@@ -277,6 +296,8 @@ def _register(life: Lifecycle, gw: Gateway, p: _Parts, collector: Collector | No
     if (learned := s.learners) is not None and learned.tiers is not None:
         tiers = learned.tiers.tiers
         life.add("tier beliefs", configure=lambda c: configure_tiers(tiers, c, s.pools))
+    if learned is not None and (counters := learned.counters) is not None:
+        life.add("tier counter check", configure=lambda c: configure_counter_check(counters, c))
     life.add("kv releaser", stop=s.releaser.close)
     life.add("live planner", start=p.planner.start, stop=p.planner.stop)
     if p.watcher:

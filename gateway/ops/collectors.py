@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from gateway.fairness.tenants import Usage
     from gateway.http.server import Connections
     from policies.beliefs.prefix_index import PrefixStore
+    from policies.beliefs.tier_audit import TierCounterCheck
 
 
 class PoolCollector:
@@ -409,3 +410,38 @@ class TenantCollector:
         for pool, n in counts.items():
             queued.add_metric([pool], n)
         yield queued
+
+
+class TierCounterCollector:
+    """Per engine, its own cache-hit counters over what routing believed it would serve from each
+    tier (``policies/beliefs/tier_audit.py``), and whether its tiers are distrusted."""
+
+    def __init__(self, check: TierCounterCheck, pools: Pools) -> None:
+        self._check, self._pools = check, pools
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        ratio = GaugeMetricFamily(
+            "pdgate_tier_counter_ratio",
+            "Prompt tokens the engine's vllm:prompt_tokens_cached_by_source counted from the tier "
+            "(gpu: device; below: host, disk, external_unspecified) over those routing believed it "
+            "held there, the last closed window (under 1: routing believed more than was served)",
+            labels=["pool", "engine", "tier"],
+        )
+        distrusted = GaugeMetricFamily(
+            "pdgate_tier_distrusted",
+            "1 while the engine's counters say it does not load what it was believed to hold below "
+            "the GPU (its L1 and L2 beliefs do not count)",
+            labels=["pool", "engine"],
+        )
+        pools = {e.url: e.pool for e in self._pools.all()}
+        for url, state in self._check.state().items():
+            if (pool := pools.get(url)) is None:
+                continue
+            for tier, value in state.ratio.items():
+                ratio.add_metric([pool, url, tier], value)
+            distrusted.add_metric([pool, url], 1.0 if state.distrusted else 0.0)
+        yield ratio
+        yield distrusted

@@ -18,6 +18,7 @@ from gateway.ops import collectors
 from gateway.ops.requestlog import RequestRecord
 from policies.base import LegReport, RequestContext
 from policies.beliefs.prefix_index import PrefixStore
+from policies.beliefs.tier_audit import TierCounterCheck
 from policies.beliefs.tiers import TIERS, TIERS_NAMES, hold_of
 
 if TYPE_CHECKING:
@@ -403,6 +404,10 @@ class GatewayMetrics:
         self, usage: Usage, labels: Callable[[str], str], queues: Callable[[], Iterable[tuple[str, int]]] = tuple
     ) -> None:
         self.registry.register(collectors.TenantCollector(usage, labels, queues))
+
+    def watch_tier_counters(self, check: TierCounterCheck, pools: Pools) -> None:
+        """Export the engines' counters against the tier beliefs (policies/beliefs/tier_audit.py)."""
+        self.registry.register(collectors.TierCounterCollector(check, pools))
 
     def watch_bus(self, bus: WorkerBus) -> None:
         """Export what the workers' hub dropped (gateway/cluster/workerbus.py), read at scrape time."""

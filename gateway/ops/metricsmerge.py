@@ -11,7 +11,8 @@ family merges follows what it counts:
   reloads, restarts seen, the prefix index every worker keeps whole): **max**, so an event seen by
   every worker counts once; and the event loop's lag: the worst worker's;
 - "all is well" flags and start times (``pdgate_kv_events_connected``, ``pdgate_shared_state_up``,
-  ``process_start_time_seconds``, ``*_created``): **min**, so one worker's broken feed shows.
+  ``process_start_time_seconds``, ``*_created``): **min**, so one worker's broken feed shows; and
+  how far each worker's tier beliefs were confirmed (``pdgate_tier_counter_ratio``): the worst's.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ _SAME_IN_EVERY_WORKER = frozenset(
         "pdgate_config_reloads",
         "pdgate_config_info",
         "pdgate_endpoint_restarts",
+        "pdgate_tier_distrusted",
         "pdgate_event_loop_lag_seconds",
         "pdgate_event_loop_lag_max_seconds",
         "pdgate_planner_compute_seconds",
@@ -60,7 +62,14 @@ _SAME_IN_EVERY_WORKER = frozenset(
         "process_max_fds",
     }
 )
-_ALL_MUST_HOLD = frozenset({"pdgate_kv_events_connected", "pdgate_shared_state_up", "process_start_time_seconds"})
+_ALL_MUST_HOLD = frozenset(
+    {
+        "pdgate_kv_events_connected",
+        "pdgate_shared_state_up",
+        "process_start_time_seconds",
+        "pdgate_tier_counter_ratio",
+    }
+)
 # Gauges of each worker's own share (counters and histograms are always summed).
 SUMMED_GAUGES = frozenset(
     {

@@ -96,6 +96,9 @@ class TierIndex:
         self._l2: OrderedDict[BlockHash, float] = OrderedDict()
         self.demoted = 0
         self.evicted = 0
+        # engines whose own hit counters showed they do not load what they were believed to hold
+        # (``tier_audit.TierCounterCheck``): nothing below the GPU counts for them
+        self._distrusted: set[str] = set()
 
     # -- what the engines report (KV events by medium) ---------------------------------------------
 
@@ -118,6 +121,8 @@ class TierIndex:
         size), and so does the shared store when it is written through (``l2_learn``). Whole chunks
         only: LMCache does not save a prompt's last, partial chunk (``save_unfull_chunk`` off)."""
         hashes = hashes[: len(hashes) - len(hashes) % self.chunk_blocks]
+        if url in self._distrusted:
+            return
         until = self._clock() + self.ttl_s
         bound = self._l1_bound(url, reported=False)
         if bound:
@@ -128,7 +133,7 @@ class TierIndex:
     def demote(self, url: str, hashes: Sequence[BlockHash]) -> None:
         """The GPU beliefs dropped these blocks of ``url`` for room: its L1 holds them now, if it has one."""
         bound = self._l1_bound(url, reported=False)
-        if bound:
+        if bound and url not in self._distrusted:
             self._put(self._l1_of(url), hashes, self._clock() + self.ttl_s, bound)
             self.demoted += len(hashes)
 
@@ -144,13 +149,25 @@ class TierIndex:
 
     forget = forget_l1  # an engine restarted or left: its L1 goes, the shared store stays
 
+    def distrust(self, url: str) -> None:
+        """``url``'s counters say it does not load from the tiers: its L1 beliefs go, and neither
+        tier counts for it until ``trust``."""
+        self._distrusted.add(url)
+        self.forget_l1(url)
+
+    def trust(self, url: str) -> None:
+        self._distrusted.discard(url)
+
+    def distrusted(self, url: str) -> bool:
+        return url in self._distrusted
+
     # -- lookups -------------------------------------------------------------------------------------
 
     def walk(self, url: str, hashes: Sequence[BlockHash], start: int) -> tuple[int, int]:
         """From block ``start`` on (past ``url``'s GPU hit): how many blocks come from its L1 and
         how many from L2, block by block, until one that no tier holds."""
         l1, l2 = self._l1.get(url), self._l2
-        if not l1 and not l2:
+        if (not l1 and not l2) or url in self._distrusted:
             return 0, 0
         now = self._clock()
         from_l1 = from_l2 = 0

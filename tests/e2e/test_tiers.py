@@ -140,3 +140,53 @@ def test_a_restart_drops_the_engines_l1_beliefs_but_not_l2s(cluster):
         return hold.get("l1", 1) == 0 and hold.get("l2", 0) > THRESHOLD
 
     assert wait_for(l1_forgotten, timeout=15), plan(cluster, prompt)["tiers"]
+
+
+@pytest.fixture
+def untiered(tokenizer_dir, tmp_path_factory):
+    """Tiers on in the gateway, in front of engines that have none, whose answers do not carry
+    cached_tokens: only the engines' hit counters can tell the gateway its L1 beliefs are wrong."""
+    group = ProcGroup(tmp_path_factory.mktemp("logs"))
+    c = Cluster(group, tokenizer_dir)
+    (group.log_dir / "admin-token").write_text(TOKEN)
+    try:
+        c.prefill.append(c.start_sim("prefill"))
+        c.decode.append(c.start_sim("decode", "--num-gpu-blocks", str(GPU_BLOCKS)))
+        routing = {
+            "decider": {"name": "token_threshold", "threshold": THRESHOLD},
+            "tiers": {"enabled": True, "l1_blocks": 2000, "counter_check": {"min_tokens": 1000}},
+        }
+        admin = {"token_file": str(group.log_dir / "admin-token")}
+        c.start_gateway(THRESHOLD, admin=admin, routing=routing, signals={"scrape_interval_s": 0.3})
+        yield c
+    finally:
+        group.stop_all()
+
+
+def _ask(cluster, content: str) -> httpx.Response:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    r = httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_an_engine_whose_hit_counters_show_no_tier_loads_has_its_tiers_distrusted(untiered):
+    (d,) = untiered.decode
+    a, b, spare = _prompt("A"), _prompt("B"), _prompt("spare")
+    for prompt in (a, b, spare):
+        assert _ask(untiered, prompt).headers["x-pdgate-path"] == "pd"
+    for i in range(8):  # the decode engine's GPU beliefs fill: the oldest go down to its L1
+        _ask(untiered, _prompt(f"filler {i}", repeat=40))
+    assert wait_for(lambda: plan(untiered, spare)["tiers"][d.url].get("l1", 0) > THRESHOLD, timeout=10)
+    assert plan(untiered, spare)["reason"] == "prefix_in_tier"  # believed: the engine would load it
+    for prompt in (a, b):  # sent direct to load from L1; the engine has no L1 and recomputes them
+        assert _ask(untiered, prompt).headers["x-pdgate-path"] == "direct"
+
+    def distrusted() -> bool:
+        return sample(httpx.get(untiered.url + "/metrics").text, "pdgate_tier_distrusted", engine=d.url) == 1
+
+    assert wait_for(distrusted, timeout=10)
+    metrics = httpx.get(untiered.url + "/metrics").text
+    assert sample(metrics, "pdgate_tier_counter_ratio", engine=d.url, tier="below") == 0
+    p = plan(untiered, spare)  # its L1 beliefs are gone: a long prompt is P/D again
+    assert p["tiers"][d.url].get("l1", 0) == 0 and (p["path"], p["reason"]) == ("pd", "long_uncached"), p

@@ -81,3 +81,15 @@ def test_the_kv_capacity_the_engine_reports_is_read():
     assert st is not None and st.gpu_blocks == 8192 and st.cpu_blocks is None and st.block_size == 16
     offload = page.replace('num_cpu_blocks="None"', 'num_cpu_blocks="39072"')
     assert parse_stats(offload, at=0.0).cpu_blocks == 39072
+
+
+def test_cached_tokens_by_source_are_read_per_source_summed_across_engine_cores():
+    """vLLM 0.32's vllm:prompt_tokens_cached_by_source, as prometheus_client writes a counter."""
+    page = V1_PAGE + (
+        'vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="device"} 320.0\n'
+        'vllm:prompt_tokens_cached_by_source_total{engine="1",model_name="m",source="device"} 16.0\n'
+        'vllm:prompt_tokens_cached_by_source_total{engine="0",model_name="m",source="external_unspecified"} 512.0\n'
+        'vllm:prompt_tokens_cached_by_source_created{engine="0",model_name="m",source="device"} 1.7e9\n'
+    )
+    assert parse_stats(page, at=0.0).cached_by_source == {"device": 336.0, "external_unspecified": 512.0}
+    assert parse_stats(V1_PAGE, at=0.0).cached_by_source is None  # an engine without them
