@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from gateway.adapters.catalogue import Adapter, Catalogue
+from gateway.adapters.loader import AdapterLoader
 from gateway.cluster.redis_state import RedisState
 from gateway.cluster.workerbus import WorkerBus
 from gateway.config import FairnessConfig, GatewayConfig
@@ -33,7 +35,7 @@ from gateway.ops.metrics import BeliefAudit, GatewayMetrics
 from gateway.ops.requestlog import AccessLog
 from gateway.ops.tracing import Tracing
 from gateway.request.router import Router
-from gateway.tokenization.tokenizer import Tokenizers
+from gateway.tokenization.tokenizer import ModelTokenizer, Tokenizers
 from policies.beliefs.estimates import EngineEstimates
 from policies.beliefs.prefix_index import PrefixIndex
 from policies.beliefs.prefix_learning import PrefixBeliefs
@@ -97,6 +99,7 @@ class Services:
     session: aiohttp.ClientSession | None = None  # control plane: health checks, metrics scrapes, model lists
     subs: Subscriptions | None = None  # the KV event feeds
     models: ServedModels | None = None  # what each engine serves, against the configured model names
+    loader: AdapterLoader | None = None  # loads LoRA adapters on the engines routing picks (lora.dynamic_loading)
     health: HealthChecker | None = None  # the engines' health checker (/ready asks it for a fresh look)
     shared: RedisState | None = None  # beliefs shared across replicas, when configured
     discovery: Discovery | None = None  # engines found through the Kubernetes API
@@ -121,6 +124,8 @@ class Services:
         """``url`` left the configuration: nothing learned about it holds."""
         if self.learners is not None:
             self.learners.forget(url)
+        if self.loader is not None:
+            self.loader.forget(url)
 
 
 @dataclass(frozen=True)
@@ -137,6 +142,18 @@ class Runtime:
     api_keys: tuple[bytes, ...] = ()  # empty: no key needed
     admin_token: str | None = None  # admin and debug endpoints are off without one
     tenancy: Tenancy = field(default_factory=lambda: Tenancy(FairnessConfig()))  # keys -> tenants, classes
+    adapters: Catalogue | None = None  # LoRA adapter names: configured, and discovered on the engines
+
+    def served(self, model: str) -> tuple[ModelTokenizer, Adapter | None] | None:
+        """The tokenizer (and, for a LoRA adapter, the adapter) of the ``model`` a request names;
+        None: nothing served by that name. An adapter uses its base model's tokenizer and template."""
+        tok = self.tokenizers.get(model)
+        if tok is not None:
+            return tok, None
+        adapter = self.adapters.resolve(model) if self.adapters is not None else None
+        if adapter is None or (base := self.tokenizers.get(adapter.base)) is None:
+            return None
+        return base, adapter
 
     @classmethod
     def build(
@@ -163,4 +180,5 @@ class Runtime:
             tuple(k.key.encode() for k in keys),
             admin,
             Tenancy(cfg.fairness, keys, label_secret(cfg.admin)),
+            Catalogue(cfg, s.pools),
         )

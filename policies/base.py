@@ -63,6 +63,10 @@ class EndpointView:
     prefill_s_per_token: float | None = None
     models: frozenset[str] | None = None  # what the engine's /v1/models lists; None: not known yet
     topology: Topology = ()
+    # LoRA (vllm:lora_requests_info): how many adapters one batch can run (--max-loras; None: LoRA
+    # off or not known) and the adapters it has requests for now (they hold those slots).
+    lora_slots: int | None = None
+    lora_active: frozenset[str] = frozenset()
 
     def where(self, key: str) -> str | None:
         """The engine's value of topology label ``key`` (None: not known)."""
@@ -123,6 +127,8 @@ class RequestContext:
     # While the prefill pool chooses: the decode engine already chosen, which will pull the KV from
     # the prefill engine (pairing policies compare topologies). None while the decode pool chooses.
     paired: EndpointView | None = None
+    # The LoRA adapter the request names (its ``model``), None for a base model.
+    adapter: str | None = None
     # Per-request data by typed key (``data.py``): what the gateway and policies publish for other
     # policies (and the lifecycle hooks) to read. One slot per request, shared by ``replace``d copies.
     data: RequestData = field(default_factory=RequestData, compare=False)

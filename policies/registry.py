@@ -20,6 +20,7 @@ from .bounded_load import BoundedLoad
 from .cost_model import CostModel
 from .least_inflight import LeastInflight
 from .load import Load
+from .lora_affinity import LoraAffinity
 from .max_score import MaxScore
 from .prefix_affinity import PrefixAffinity
 from .same_zone import SameZone
@@ -35,6 +36,7 @@ BUILTIN: Mapping[str, Callable[..., Any]] = {
     "cost_model": CostModel,  # decider
     "prefix_affinity": PrefixAffinity,  # scorer
     "load": Load,  # scorer
+    "lora_affinity": LoraAffinity,  # scorer (requests naming a LoRA adapter)
     "session_affinity": SessionAffinity,  # scorer
     "same_zone": SameZone,  # filter (prefill pool: pairs with the decode engine's zone)
     "topology": TopologyAffinity,  # scorer (prefill pool: the decode engine's network neighbours)

@@ -12,13 +12,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SUBPACKAGES = ("http", "request", "engines", "tokenization", "fairness", "cluster", "ops", "config")
+SUBPACKAGES = ("http", "request", "engines", "adapters", "tokenization", "fairness", "cluster", "ops", "config")
 ALLOWED: dict[str, set[str]] = {
     # the top: the process's entry points
     "(top)": {
         "http",
         "request",
         "engines",
+        "adapters",
         "tokenization",
         "fairness",
         "cluster",
@@ -30,6 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "http": {
         "request",
         "engines",
+        "adapters",
         "tokenization",
         "fairness",
         "cluster",
@@ -42,6 +44,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "request": {
         "engines",
+        "adapters",
         "tokenization",
         "fairness",
         "ops",
@@ -54,6 +57,7 @@ ALLOWED: dict[str, set[str]] = {
         "cluster.redis_state",
     },
     "engines": {"config", "background", "policies", "http.errors"},
+    "adapters": {"config", "engines"},  # LoRA adapters: the engines' lists and their admin endpoint
     "tokenization": {"config", "http.errors", "request.protocol", "engine_model"},  # vLLM's chat rendering
     "fairness": {"config", "http.errors"},
     "cluster": {

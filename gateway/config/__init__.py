@@ -28,11 +28,13 @@ from gateway.config.routing import (
     TiersConfig,
 )
 from gateway.config.schema import (
+    AdapterConfig,
     AdmissionConfig,
     EnginesConfig,
     FailoverConfig,
     GatewayConfig,
     LimitsConfig,
+    LoraConfig,
     ModelConfig,
     PinnedFiles,
     PlannerConfig,
@@ -47,6 +49,7 @@ from gateway.config.schema import (
 )
 
 __all__ = [
+    "AdapterConfig",
     "AdminConfig",
     "AdmissionConfig",
     "AuthConfig",
@@ -62,6 +65,7 @@ __all__ = [
     "KeyEntry",
     "LimitsConfig",
     "Loc",
+    "LoraConfig",
     "MigrationConfig",
     "ModelConfig",
     "OutlierConfig",

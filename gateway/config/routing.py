@@ -131,7 +131,11 @@ class PoolRoutingConfig(_Strict):
 
 
 def _default_scorers() -> list[ScorerSpec]:
-    return [ScorerSpec(name="prefix_affinity", weight=2.0), ScorerSpec(name="load", weight=1.0)]
+    return [
+        ScorerSpec(name="prefix_affinity", weight=2.0),
+        ScorerSpec(name="load", weight=1.0),
+        ScorerSpec(name="lora_affinity", weight=1.0),  # 0 everywhere for a base-model request
+    ]
 
 
 class PrefixConfig(_Strict):

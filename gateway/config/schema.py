@@ -75,6 +75,22 @@ class ServerConfig(_Strict):
         return level.lower() if isinstance(level, str) else level
 
 
+ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$"  # what an engine accepts as a model name, bounded
+
+
+class AdapterConfig(_Strict):
+    """A LoRA adapter of a base model, served under its own name (vLLM ``--lora-modules name=path``)."""
+
+    name: str = Field(pattern=ADAPTER_NAME, description="the model name clients send for this adapter")
+    path: str = Field(
+        min_length=1,
+        max_length=4096,
+        description="where the engines load it from, exactly as they are given it (vLLM hashes this "
+        "string into the adapter's KV blocks: /a/b and /a/b/ are different adapters)",
+    )
+    max_rank: int | None = Field(None, gt=0, description="its LoRA rank (engines need --max-lora-rank at least this)")
+
+
 class ModelConfig(_Strict):
     """One served model. The chat fields mirror the engines' vLLM flags: set them as the engines
     are started, or the gateway's token counts drift from the engines'."""
@@ -127,6 +143,32 @@ class ModelConfig(_Strict):
         "auto",
         description="vLLM --tokenizer-mode. Modes with their own chat renderer or tokenizer (mistral, "
         "deepseek_v32, deepseek_v4, kimi_k3, cohere, ...) make the gateway's counts approximate",
+    )
+    adapters: list[AdapterConfig] = Field(
+        default_factory=list,
+        max_length=1024,
+        description="LoRA adapters of this model, each served under its own name with this model's "
+        "tokenizer and template (more are discovered from the engines' /v1/models)",
+    )
+
+
+class LoraConfig(_Strict):
+    """LoRA adapters across the engines (docs/adapters.md): which engine holds which adapter comes
+    from their /v1/models, refreshed on an interval; with ``dynamic_loading`` the gateway loads an
+    adapter on the engines it picks when none holds it (vLLM's /v1/load_lora_adapter, which needs
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 on the engines)."""
+
+    discover: bool = Field(
+        True, description="serve adapters the engines list in /v1/models (parent: a configured model)"
+    )
+    refresh_s: float = Field(10.0, gt=0, le=3600, description="how often each engine's adapters are read again")
+    dynamic_loading: bool = Field(False, description="load a configured adapter on the engines routing picks")
+    load_timeout_s: float = Field(60.0, gt=0, le=600, description="longest a request waits for an adapter load")
+    max_adapters_per_engine: int = Field(
+        0,
+        ge=0,
+        description="with dynamic loading: adapters the gateway keeps loaded on one engine; loading one more "
+        "unloads the least recently used one it loaded (0: no bound)",
     )
 
 
@@ -349,6 +391,7 @@ class GatewayConfig(_Strict):
     auth: AuthConfig = AuthConfig()
     fairness: FairnessConfig = FairnessConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    lora: LoraConfig = LoraConfig()
 
     # The files this config names, as read with it (``pin``); None: read them when asked.
     _pinned: PinnedFiles | None = PrivateAttr(None)
@@ -358,6 +401,11 @@ class GatewayConfig(_Strict):
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError("two models share a name")
+        adapters = [a.name for m in self.models for a in m.adapters]
+        if clash := sorted(set(adapters) & set(names)):
+            raise ValueError(f"adapter {clash[0]} has the name of a model")
+        if len(set(adapters)) != len(adapters):
+            raise ValueError("two adapters share a name")
         return self
 
     @model_validator(mode="after")

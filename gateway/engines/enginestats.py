@@ -16,7 +16,12 @@ silently zero a routing signal:
   takes back. ``Pools.report`` compares them with the previous report;
 - the prompt tokens it served from each cache tier, ``vllm:prompt_tokens_cached_by_source`` by its
   ``source`` label (``device``, ``host``, ``disk``, ``p2p``, ``external_unspecified``; vLLM 0.32):
-  what the tier beliefs are checked against (``policies/beliefs/tier_audit.py``).
+  what the tier beliefs are checked against (``policies/beliefs/tier_audit.py``);
+- LoRA: ``vllm:lora_requests_info``, whose value is the time it was written and whose labels say
+  ``max_lora`` (--max-loras) and ``running_lora_adapters`` (comma-separated names; vLLM 0.32 puts
+  every adapter with a request in flight in both its running and waiting labels,
+  ``vllm/v1/metrics/stats.py`` lines 694-700). Old label sets are never removed: the newest
+  series is the engine's state.
 
 Series with several label sets (one per engine core or model) are summed (requests) or maxed (usage).
 Parsing is a line scan for these names only: a vLLM metrics page is ~1,000 lines of histograms the
@@ -44,6 +49,7 @@ KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:cpu_c
 CACHE_INFO = "vllm:cache_config_info"
 START_TIME = "process_start_time_seconds"
 SERVED = "vllm:request_success_total"
+LORA_INFO = "vllm:lora_requests_info"
 CACHED_BY_SOURCE = ("vllm:prompt_tokens_cached_by_source_total", "vllm:prompt_tokens_cached_by_source")
 MAX_PAGE_BYTES = 8 << 20
 
@@ -52,6 +58,8 @@ _PREFIX_CACHING = re.compile(r'enable_prefix_caching="(\w+)"')
 _GPU_BLOCKS = re.compile(r'[{,]num_gpu_blocks="(\d+)"')
 _CPU_BLOCKS = re.compile(r'[{,]num_cpu_blocks="(\d+)"')
 _SOURCE = re.compile(r'[{,]source="(\w+)"')
+_MAX_LORA = re.compile(r'[{,]max_lora="(\d+)"')
+_RUNNING_LORAS = re.compile(r'[{,]running_lora_adapters="([^"]*)"')
 
 
 def _value(line: str) -> float | None:
@@ -83,6 +91,8 @@ def parse_stats(text: str, at: float) -> EngineStats | None:
         page.gpu_blocks,
         page.cpu_blocks,
         page.by_source,
+        page.lora_slots,
+        page.lora_active,
     )
 
 
@@ -100,6 +110,9 @@ class _Page:
         self.served: float | None = None
         self.by_source: dict[str, float] | None = None
         self.seen = False  # any engine load signal at all
+        self.lora_slots: int | None = None
+        self.lora_active: frozenset[str] = frozenset()
+        self._lora_at = -1.0  # the newest lora_requests_info series' value (when it was written)
 
     def read(self, name: str, line: str) -> None:
         if name == CACHE_INFO:
@@ -119,6 +132,10 @@ class _Page:
             self.kv = v if self.kv is None else max(self.kv, v)
         elif name == SERVED:
             self.served = (self.served or 0.0) + v
+        elif name == LORA_INFO and v > self._lora_at and (m := _MAX_LORA.search(line)):
+            self._lora_at, self.lora_slots = v, int(m.group(1))
+            running = _RUNNING_LORAS.search(line)
+            self.lora_active = frozenset(n for n in (running.group(1) if running else "").split(",") if n)
         elif name in CACHED_BY_SOURCE and (m := _SOURCE.search(line)):
             by_source = self.by_source = self.by_source if self.by_source is not None else {}
             by_source[m.group(1)] = by_source.get(m.group(1), 0.0) + v

@@ -1,6 +1,8 @@
 """Which models each engine serves, from its own ``GET /v1/models``, against the configured names.
 
-Checked when the gateway starts, on every config reload, and whenever an engine comes (back) up:
+Checked when the gateway starts, on every config reload, whenever an engine comes (back) up, and
+every ``lora.refresh_s`` (LoRA adapters are loaded and unloaded at run time; the adapter cards'
+``root`` and ``parent`` say where each was loaded from and of which base model):
 a mismatch shows in ``/ready`` (the names on both sides), in ``pdgate_endpoint_model_missing`` and
 in the log, instead of as 404s at request time. Routing leaves out an engine known not to serve a
 request's model (``Endpoint.served_models``); an engine not checked yet is not left out.
@@ -16,6 +18,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from gateway.background import cancel_checkpoint, stop_task
 from gateway.engines.pools import Endpoint, Pools
 
 log = logging.getLogger(__name__)
@@ -32,10 +35,14 @@ class ServedModels:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.configured: tuple[str, ...] = tuple(configured)
         self._reported: dict[tuple[str, str], tuple[str, ...]] = {}  # (pool, url) -> the missing names logged
+        self.refresh_s = 10.0
+        self._task: asyncio.Task[None] | None = None
 
-    def configure(self, configured: Sequence[str], timeout_s: float) -> None:
+    def configure(self, configured: Sequence[str], timeout_s: float, refresh_s: float | None = None) -> None:
         self.configured = tuple(configured)
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        if refresh_s is not None:
+            self.refresh_s = refresh_s
 
     async def check(self, ep: Endpoint) -> None:
         """Ask ``ep`` what it serves; on failure what it said before stays (or stays unknown)."""
@@ -47,14 +54,33 @@ class ServedModels:
         except (aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError) as err:
             log.debug("GET %s/v1/models failed: %s", ep.url, type(err).__name__)
             return
-        names = {m.get("id") for m in data.get("data", ()) if isinstance(m, dict)} if isinstance(data, dict) else set()
-        self._pools.set_served(ep, frozenset(n for n in names if isinstance(n, str)))
+        cards = [m for m in data.get("data", ()) if isinstance(m, dict)] if isinstance(data, dict) else []
+        names = frozenset(n for m in cards if isinstance(n := m.get("id"), str))
+        self._pools.set_served(ep, names, _adapters(cards))
         self._log_change(ep)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(ep) for ep in self._pools.all()))
         for ep in self._pools.all():
             self._log_change(ep)  # a reload may change the configured names, not the engines
+
+    async def _refresh(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await asyncio.gather(*(self.check(ep) for ep in self._pools.all() if ep.healthy))
+            except Exception:  # one bad round must not end the refreshes (not BaseException)
+                log.exception("model list refresh failed")
+            cancel_checkpoint()
+
+    def start(self) -> None:
+        """Read every engine's list again each ``refresh_s``: adapters come and go at run time."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._refresh(), name="model-lists")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        await stop_task(task)
 
     def missing(self, ep: Endpoint) -> list[str]:
         """Configured names the engine does not serve ([] while not known)."""
@@ -89,3 +115,17 @@ class ServedModels:
         ]
         unknown = [ep.url for ep in self._pools.all() if ep.served_models is None]
         return {"configured": list(self.configured), "mismatched": mismatched, "unchecked": unknown}
+
+
+MAX_ADAPTERS = 4096  # adapter cards read from one engine's list
+
+
+def _adapters(cards: list[dict[str, Any]]) -> dict[str, tuple[str, str]]:
+    """The list's LoRA adapters, as vLLM writes their cards: name -> (the path it loaded them
+    from, ``root``; the base model, ``parent``). A base model's card has no parent."""
+    found: dict[str, tuple[str, str]] = {}
+    for m in cards:
+        name, root, parent = m.get("id"), m.get("root"), m.get("parent")
+        if isinstance(name, str) and isinstance(root, str) and isinstance(parent, str) and len(found) < MAX_ADAPTERS:
+            found[name] = (root, parent)
+    return found

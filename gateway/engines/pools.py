@@ -42,6 +42,10 @@ class EngineStats:
     # vllm:prompt_tokens_cached_by_source by source: prompt tokens served from each cache tier
     # (None: the engine does not count them)
     cached_by_source: dict[str, float] | None = None
+    # vllm:lora_requests_info's newest series: --max-loras (None: LoRA off) and the adapters with
+    # requests in flight
+    lora_slots: int | None = None
+    lora_active: frozenset[str] = frozenset()
 
     def restarted_since(self, old: EngineStats) -> bool:
         """Whether this report comes from another run of the engine than ``old``."""
@@ -70,6 +74,8 @@ class Endpoint:
     on_release: Callable[[str], None] | None = None  # the pools' "capacity freed" signal (with its pool)
     # The model names the engine's /v1/models lists (None: not known yet).
     served_models: frozenset[str] | None = None
+    # Its LoRA adapters, from the same list: name -> (the path it loaded it from, the base model).
+    adapters: Mapping[str, tuple[str, str]] = field(default_factory=dict)
     was_up: bool = False  # it passed a health check at some point (a later down-and-up is a recovery)
     clock: Callable[[], float] = time.monotonic  # the pools' clock (tests inject one)
     # Passive health (outlier ejection), fed by the outcome of real requests.
@@ -143,6 +149,8 @@ class Endpoint:
             s_per_token,
             self.served_models,
             self.topology,
+            st.lora_slots,
+            st.lora_active,
         )
 
     def acquire(self) -> None:
@@ -202,10 +210,12 @@ class Pools:
         # Requests other gateway replicas have in flight per endpoint url (shared state), if any.
         self.others: Mapping[str, int] = {}
         self.release_listeners: list[Callable[[str], None]] = []  # told the pool of every freed slot
+        self.served_version = 0  # counts changes of what the engines serve (derived lookups cache on it)
         # told of every fresh /metrics report, and whether it comes from a new run of the engine
         self.report_listeners: list[Callable[[Endpoint, EngineStats, bool], None]] = []
         self.outlier = outlier or OutlierConfig()
-        self._not_serving: dict[str, frozenset[tuple[str, str]]] = {}  # not_serving's answers, per model
+        # not_serving's answers, per model and loadability
+        self._not_serving: dict[tuple[str, bool], frozenset[tuple[str, str]]] = {}
         self.update(prefill, decode, topology)
 
     def update(
@@ -237,19 +247,31 @@ class Pools:
         """The engine at ``url`` runs without prefix caching (its /metrics say so)."""
         return url in self.caching_off_urls
 
-    def not_serving(self, model: str) -> frozenset[tuple[str, str]]:
-        """(pool, url) of the endpoints whose /v1/models lacks ``model`` (computed once per change)."""
-        gaps = self._not_serving.get(model)
+    def not_serving(self, model: str, *, loadable: bool = False) -> frozenset[tuple[str, str]]:
+        """(pool, url) of the endpoints whose /v1/models lacks ``model`` (computed once per change);
+        ``loadable``: ``model`` is a LoRA adapter the gateway may load, so an engine with LoRA on
+        (its metrics report adapter slots) is not one of them."""
+        key = (model, loadable)
+        gaps = self._not_serving.get(key)
         if gaps is None:
-            gaps = self._not_serving[model] = frozenset(
-                (e.pool, e.url) for e in self.all() if e.served_models is not None and model not in e.served_models
+            gaps = self._not_serving[key] = frozenset(
+                (e.pool, e.url)
+                for e in self.all()
+                if e.served_models is not None
+                and model not in e.served_models
+                and not (loadable and e.stats is not None and e.stats.lora_slots is not None)
             )
         return gaps
 
-    def set_served(self, ep: Endpoint, models: frozenset[str] | None) -> None:
-        """What ``ep`` serves (its /v1/models; None: not known)."""
+    def set_served(
+        self, ep: Endpoint, models: frozenset[str] | None, adapters: Mapping[str, tuple[str, str]] | None = None
+    ) -> None:
+        """What ``ep`` serves (its /v1/models; None: not known), and which of it are LoRA adapters."""
         ep.served_models = models
+        if adapters is not None or models is None:
+            ep.adapters = adapters or {}
         self._not_serving = {}
+        self.served_version += 1
 
     def _refresh_beliefs(self) -> None:
         """Derived per-request lookups: keep them in step with endpoint changes."""
@@ -269,6 +291,8 @@ class Pools:
         old, ep.stats = ep.stats, stats
         if (old.prefix_caching if old else None) != stats.prefix_caching:
             self._refresh_beliefs()
+        elif (old.lora_slots if old else None) != stats.lora_slots:
+            self._not_serving = {}  # whether it can load adapters changed
         restarted = old is not None and stats.restarted_since(old)
         if restarted:
             self.restarted(ep, "its /metrics show a new process")

@@ -105,6 +105,18 @@ def _routes(config_path: str | Path | None, created: int) -> tuple[dict[str, Inf
             }
             for m in rt.cfg.models
         ]
+        data += [  # as vLLM lists them: the path they load from as root, the base model as parent
+            {
+                "id": a.name,
+                "object": "model",
+                "created": created,
+                "owned_by": "pdgate",
+                "root": a.path,
+                "parent": a.base,
+                "max_model_len": None,
+            }
+            for a in (rt.adapters.all() if rt.adapters is not None else ())
+        ]
         return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
     async def health_route(request: Request) -> Response:

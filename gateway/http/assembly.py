@@ -15,6 +15,7 @@ from pathlib import Path
 import aiohttp
 from opentelemetry.sdk.trace.export import SpanExporter
 
+from gateway.adapters.loader import AdapterLoader
 from gateway.background import STOP_BOUND_S
 from gateway.cluster.redis_state import RedisState
 from gateway.cluster.workerbus import WorkerBus
@@ -134,6 +135,7 @@ async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | No
     discovery = Discovery(discovered)
     session = make_session(cfg.engines)  # control plane: the engines' TLS settings too
     models = ServedModels(pools, session, [m.name for m in cfg.models], cfg.health.timeout_s)
+    models.refresh_s = cfg.lora.refresh_s
     metrics = GatewayMetrics(
         pools, index, subs.all, shared, lambda: discovery.watchers.values(), estimates.prefill_s_per_token, models
     )
@@ -194,6 +196,7 @@ async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | No
         session=session,
         subs=subs,
         models=models,
+        loader=AdapterLoader(pools, session, cfg.lora),
         health=health,
         shared=shared,
         discovery=discovery,
@@ -202,6 +205,8 @@ async def assemble(cfg: GatewayConfig, version: str, tokenizers: Tokenizers | No
     )
     pools.release_listeners.append(services.queues.released)
     metrics.watch_admission(services.gate, opts.connections, services.lag)
+    if services.loader is not None:
+        metrics.watch_adapter_loads(services.loader)
     metrics.watch_tenants(usage, services.tenant_labels, services.queues.queued)
     metrics.config_loaded(version)
     gw = Gateway(Runtime.build(cfg, version, services, tokenizers, cfg.admin_token()), services)
@@ -293,6 +298,12 @@ def _register(life: Lifecycle, gw: Gateway, p: _Parts, collector: Collector | No
         "engine stats", start=p.scraper.start, stop=p.scraper.stop, configure=lambda c: p.scraper.configure(c.signals)
     )
     life.add("loop lag", start=s.lag.start, stop=s.lag.stop)
+    if s.models is not None:
+        models = s.models
+        life.add("model lists", start=models.start, stop=models.stop)
+    if s.loader is not None:
+        loader = s.loader
+        life.add("adapter loader", stop=loader.close, configure=lambda c: loader.configure(c.lora))
     if (learned := s.learners) is not None and learned.tiers is not None:
         tiers = learned.tiers.tiers
         life.add("tier beliefs", configure=lambda c: configure_tiers(tiers, c, s.pools))

@@ -101,7 +101,7 @@ async def apply_config(
     services.gate.limit = new.admission.max_in_flight
     services.configure(new.fairness, runtime.tenancy.names)
     if services.models:
-        services.models.configure([m.name for m in new.models], new.health.timeout_s)
+        services.models.configure([m.name for m in new.models], new.health.timeout_s, new.lora.refresh_s)
     if services.subs:
         await services.subs.update(eff)
     if services.discovery:

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from gateway.tokenization import fasttok
 
 if TYPE_CHECKING:
+    from gateway.adapters.loader import AdapterLoader
     from gateway.cluster.redis_state import RedisState
     from gateway.cluster.workerbus import WorkerBus
     from gateway.engines.discovery import SliceWatcher
@@ -445,3 +446,31 @@ class TierCounterCollector:
             distrusted.add_metric([pool, url], 1.0 if state.distrusted else 0.0)
         yield ratio
         yield distrusted
+
+
+class AdapterLoadCollector:
+    """LoRA adapters this gateway loaded on (and unloaded from) the engines, by result."""
+
+    def __init__(self, loader: AdapterLoader) -> None:
+        self._loader = loader
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        loads = CounterMetricFamily(
+            "pdgate_adapter_loads",
+            "LoRA adapter loads the gateway asked engines for (lora.dynamic_loading), by result",
+            labels=["result"],
+        )
+        for result in ("ok", "failed", "timeout"):
+            loads.add_metric([result], self._loader.loads[result])
+        unloads = CounterMetricFamily(
+            "pdgate_adapter_unloads",
+            "LoRA adapters the gateway unloaded for room (lora.max_adapters_per_engine), by result",
+            labels=["result"],
+        )
+        for result in ("ok", "failed"):
+            unloads.add_metric([result], self._loader.unloads[result])
+        yield loads
+        yield unloads

@@ -24,6 +24,7 @@ from policies.beliefs.tiers import TIERS, TIERS_NAMES, hold_of
 if TYPE_CHECKING:
     from starlette.requests import Request
 
+    from gateway.adapters.loader import AdapterLoader
     from gateway.cluster.workerbus import WorkerBus
     from gateway.engines.discovery import SliceWatcher
     from gateway.engines.modelcheck import ServedModels
@@ -408,6 +409,10 @@ class GatewayMetrics:
     def watch_tier_counters(self, check: TierCounterCheck, pools: Pools) -> None:
         """Export the engines' counters against the tier beliefs (policies/beliefs/tier_audit.py)."""
         self.registry.register(collectors.TierCounterCollector(check, pools))
+
+    def watch_adapter_loads(self, loader: AdapterLoader) -> None:
+        """Export the LoRA adapter loads and unloads (gateway/adapters/loader.py)."""
+        self.registry.register(collectors.AdapterLoadCollector(loader))
 
     def watch_bus(self, bus: WorkerBus) -> None:
         """Export what the workers' hub dropped (gateway/cluster/workerbus.py), read at scrape time."""

@@ -69,6 +69,8 @@ class RequestRecord:
     # A stream that broke off after its 200 went out: the status of the error event the client got
     # instead of the rest (``status`` stays what the client's HTTP response said).
     error_status: int | None = None
+    adapter: str = ""  # the LoRA adapter the request named ("": a base model; ``model`` is its base)
+    adapter_loads: list[dict[str, Any]] = field(default_factory=list)  # dynamic loads it waited for
 
     @property
     def prefill_s(self) -> float | None:
@@ -144,6 +146,10 @@ class RequestRecord:
         }
         if self.tenant:
             line["tenant"], line["priority"] = self.tenant, self.priority
+        if self.adapter:
+            line["adapter"] = self.adapter
+        if self.adapter_loads:
+            line["adapter_loads"] = self.adapter_loads
         if self.failover:
             line["failover"] = self.failover
         if self.migrations:

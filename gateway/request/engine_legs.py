@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.adapters.loader import AdapterUnavailable
 from gateway.context import Runtime, Services
 from gateway.engines import legs
 from gateway.engines.legs import DecodeStream, LegFailed, PrefillAnswer
@@ -97,8 +98,25 @@ class EngineLegs:
         decision = part.decision
         assert decision is not None, "routed parts only"
         asyncio.get_running_loop().call_soon(self._routed, part)
+        chosen = [decision.prefill, decision.decode] if decision.prefill is not None else [decision.decode]
+        await self._adapter_on(part, [self.svc.pools.get(v) for v in chosen])  # both legs' loads at once
         handle = await self._prefill(part, decision) if decision.path is Path.PD else None
         return await self._decode(part, decision, handle)
+
+    async def _adapter_on(self, part: Part, eps: list[Endpoint]) -> None:
+        """The request's LoRA adapter loaded on ``eps`` where they lack it (``lora.dynamic_loading``;
+        a failover engine too); 503 when it cannot be. Nothing for base-model requests."""
+        loader, name = self.svc.loader, part.ctx.adapter
+        if loader is None or name is None or not part.prep.loadable or self.rt.adapters is None:
+            return
+        adapter = self.rt.adapters.resolve(name)
+        if adapter is None:
+            return
+        try:
+            reports = await loader.ensure(eps, adapter)
+        except AdapterUnavailable as err:
+            raise APIError(503, str(err), code="adapter_unavailable", type_="ServiceUnavailableError") from None
+        self.rec.adapter_loads.extend(r.as_dict() for r in reports)
 
     def end(self, leg: OpenDecode, outcome: LegOutcome, clean: bool, status: int, cached: int | None) -> None:
         """The decode leg is over: its connection closed (kept for reuse if ``clean``), its slot on
@@ -158,6 +176,7 @@ class EngineLegs:
 
     async def _prefill_leg(self, part: Part, ep: Endpoint) -> PrefillAnswer:
         rec = self.rec
+        await self._adapter_on(part, [ep])  # a retry's engine may lack the adapter
         tokens = part.ctx.uncached(ep.url)
         ticket = ep.start_prefill(tokens)
         if self.account is not None and self.who is not None:  # the tenant's prefill use
@@ -251,6 +270,7 @@ class EngineLegs:
         backlog until the first token (the cost model's queue estimate); a whole answer's first
         token cannot be seen, so non-streamed legs do not count."""
         rec = self.rec
+        await self._adapter_on(part, [ep])  # a failover's engine may lack the adapter
         path = Path.DIRECT if handle is None else Path.PD
         body = part.body if handle is None else {**part.body, "kv_transfer_params": handle.kv_params}
         prefill_url = part.prefilled_on.url if handle is not None and part.prefilled_on else None

@@ -33,6 +33,7 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
+from gateway.adapters.catalogue import Adapter
 from gateway.context import Runtime, Services
 from gateway.fairness.accounting import TenantAccount
 from gateway.fairness.admission import too_busy
@@ -91,6 +92,7 @@ class Exchange:
             self.rec.trace.set({"http.request.method": "POST", "pdgate.request_id": self.rec.request_id})
         self.prompts: PromptIds | None = None
         self.prep: Prepared | None = None
+        self.adapter: Adapter | None = None  # the LoRA adapter the request names, if it names one
         self.decision: Decision | None = None
         self.parts: list[Part] = []  # the request's own, then one per migration
         self.outcome = Outcome()  # what the client was told
@@ -225,12 +227,15 @@ class Exchange:
         rt, rec = self.rt, self.rec
         t0 = time.perf_counter_ns()
         req = parse_body(body, self.kind)
-        tok = rt.tokenizers.get(req.model)
-        if tok is None:
+        served = rt.served(req.model)
+        if served is None:
             raise APIError(
                 404, f"The model `{clip(req.model, 256)}` does not exist.", param="model", code="model_not_found"
             )
-        rec.model, rec.stream = req.model, req.stream
+        tok, self.adapter = served
+        # metrics are labelled by the base model (bounded); the access log names the adapter
+        rec.model, rec.stream = tok.cfg.name, req.stream
+        rec.adapter = self.adapter.name if self.adapter is not None else ""
         check_output_limit(req, rt.cfg.limits, tok.cfg.max_model_len)
         fair = rt.cfg.fairness
         if fair.enabled and fair.engine_priority and self.who is not None and self.who.priority:
@@ -240,8 +245,9 @@ class Exchange:
 
     async def _tokenize(self, req: ParsedRequest) -> None:
         rt, rec = self.rt, self.rec
-        tok = rt.tokenizers.get(req.model)
-        assert tok is not None, "parsed requests only"
+        served = rt.served(req.model)
+        assert served is not None, "parsed requests only"
+        tok = served[0]
         t0 = time.perf_counter_ns()
         prompts = self.prompts = await rt.tokenizers.prompt_ids(tok, req)
         t1 = time.perf_counter_ns()
@@ -272,6 +278,8 @@ class Exchange:
             req.local_only(),
             self.request.headers,
             salt if isinstance(salt, str) else None,
+            lora=self.adapter.lora if self.adapter is not None else None,
+            loadable=self.adapter is not None and self.adapter.configured and rt.cfg.lora.dynamic_loading,
         )
         route, waited = await self._pick(prep, self._deadline, explain=explain)
         t2 = time.perf_counter_ns()

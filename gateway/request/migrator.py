@@ -87,7 +87,7 @@ class Migrator:
             why = "non_streaming"
         if why is None and migration.max_per_request > 0:
             opts = req.body.get("stream_options") or {}
-            max_model_len = rt.tokenizers.get(req.model).cfg.max_model_len  # type: ignore[union-attr]
+            max_model_len = rt.served(req.model)[0].cfg.max_model_len  # type: ignore[index]
             self.answer = Answer(
                 req.kind,
                 stream=req.stream,
@@ -209,8 +209,9 @@ class Migrator:
     async def _continuation(self, answer: Answer, trace: RequestTrace) -> Part | None:
         """The next part: where the answer resumes (None: nowhere safe), its body and context."""
         req = self.req
-        tok = self.rt.tokenizers.get(req.model)
-        assert tok is not None
+        served = self.rt.served(req.model)
+        assert served is not None
+        tok, adapter = served
         prompt = answer.prompt()
         budget = output_budget(req)
         point = await self.rt.tokenizers.run(
@@ -243,7 +244,14 @@ class Migrator:
         request_id = f"{self.rec.request_id}-m{number}"
         salt = req.body.get("cache_salt")
         prep = await self.rt.router.prepare(
-            req.model, request_id, ids, None, self.headers, salt if isinstance(salt, str) else None
+            req.model,
+            request_id,
+            ids,
+            None,
+            self.headers,
+            salt if isinstance(salt, str) else None,
+            lora=adapter.lora if adapter is not None else None,
+            loadable=adapter is not None and adapter.configured and self.rt.cfg.lora.dynamic_loading,
         )
         part = Part(
             number, "/v1/completions", body, True, prep, request_id, trace, max_head_bytes=answer.max_event_bytes

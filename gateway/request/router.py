@@ -114,6 +114,9 @@ class Prepared:
     ctx: RequestContext
     hashes: Sequence[BlockHash]
     block_size: int
+    # A LoRA adapter the gateway may load on an engine that lacks it (dynamic loading): engines
+    # with LoRA on stay candidates even when they do not list it.
+    loadable: bool = False
 
 
 class Router:
@@ -171,13 +174,17 @@ class Router:
         local_only: str | None,
         headers: Mapping[str, str],
         cache_salt: str | None = None,
+        lora: tuple[str, str] | None = None,
+        loadable: bool = False,
     ) -> Prepared:
+        """``lora``: the (name, path) of the LoRA adapter the request names, hashed into every block
+        as the engines do; ``loadable``: dynamic loading may put it on an engine lacking it."""
         spec = self.hash_spec()
         hashes: Sequence[BlockHash] = ()
         settled: Mapping[str, int] = {}
         cached: Mapping[str, int] = {}
         if spec is not None and len(token_ids) >= spec.block_size:
-            hashes = block_hashes(token_ids, spec, cache_salt=cache_salt)
+            hashes = block_hashes(token_ids, spec, cache_salt=cache_salt, lora=lora)
             blocks = self._index.match(hashes)
             if self._shared is not None:  # what other replicas routed (bounded wait; {} when Redis is down)
                 for url, n in (await self._shared.match(hashes)).items():
@@ -190,13 +197,22 @@ class Router:
                 settled if in_flight is blocks else {url: n * size for url, n in in_flight.items() if url not in off}
             )
         ctx = RequestContext(
-            model, request_id, token_ids, local_only, headers, cached, settled, hashes, spec.block_size if spec else 0
+            model,
+            request_id,
+            token_ids,
+            local_only,
+            headers,
+            cached,
+            settled,
+            hashes,
+            spec.block_size if spec else 0,
+            adapter=lora[0] if lora else None,
         )
         if self._tiers is not None and hashes and spec is not None:
             ctx.data.put(TIERS, self._tier_holds(ctx, hashes, spec.block_size))
         for publisher in self._publishers:
             publisher.publish(ctx)
-        return Prepared(ctx, hashes, spec.block_size if spec else 0)
+        return Prepared(ctx, hashes, spec.block_size if spec else 0, loadable and lora is not None)
 
     def _tier_holds(self, ctx: RequestContext, hashes: Sequence[BlockHash], size: int) -> dict[str, TierHold]:
         """Each engine's tier breakdown of the prompt: its GPU hit, then what it can load from its
@@ -226,7 +242,7 @@ class Router:
         engines are all at ``max_prefill``, instead of sending it direct). ``exclude``: decode
         engines this request must not use (a migration's continuation leaves out those that failed it)."""
         model = prep.ctx.model
-        snap = _serving(self._pools.snapshot(), self._pools.not_serving(model), model)
+        snap = _serving(self._pools.snapshot(), self._pools.not_serving(model, loadable=prep.loadable), model)
         if exclude:
             snap = PoolSnapshot(snap.prefill, tuple(v for v in snap.decode if v.url not in exclude))
         full = snap

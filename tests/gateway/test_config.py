@@ -83,7 +83,7 @@ def test_endpoint_objects_with_kv_events_and_pipeline_per_pool():
     assert cfg.pools.decode.endpoints[1].kv_events == "tcp://d1:5557"
     scorer = cfg.routing.decode.scorers[0]
     assert (scorer.name, scorer.weight, scorer.params) == ("session_affinity", 3, {"header": "x-chat"})
-    assert [s.name for s in cfg.routing.prefill.scorers] == ["prefix_affinity", "load"]  # defaults
+    assert [s.name for s in cfg.routing.prefill.scorers] == ["prefix_affinity", "load", "lora_affinity"]  # defaults
     assert cfg.routing.decider.params == {"kv_bandwidth_gbps": 100}
 
 
@@ -152,7 +152,8 @@ def routing_errors(routing: dict) -> list[str]:
         (
             {"decode": {"scorers": [{"name": "prefix_afinity"}]}},
             "routing.decode.scorers[0].name: unknown policy 'prefix_afinity' (known: bounded_load, cost_model, "
-            "least_inflight, load, max_score, prefix_affinity, same_zone, session_affinity, token_threshold, topology)",
+            "least_inflight, load, lora_affinity, max_score, prefix_affinity, same_zone, session_affinity, "
+            "token_threshold, topology)",
         ),
     ],
 )
@@ -261,9 +262,9 @@ def test_another_kind_as_the_decider_is_said_before_its_parameters():
             "fairness.tenants.team-a.weigth: unknown key (did you mean 'weight'?)",
         ),
         (
-            {"colour": "red"},
-            "colour: unknown key (known: admin, admission, auth, engines, failover, fairness, health, "
-            "limits, models, planner, pools, routing, server, signals, state, telemetry, timeouts, tokenizer)",
+            {"volume": "loud"},
+            "volume: unknown key (known: admin, admission, auth, engines, failover, fairness, health, "
+            "limits, lora, models, planner, pools, routing, server, signals, state, telemetry, timeouts, tokenizer)",
         ),
     ],
 )

@@ -93,3 +93,17 @@ def test_cached_tokens_by_source_are_read_per_source_summed_across_engine_cores(
     )
     assert parse_stats(page, at=0.0).cached_by_source == {"device": 336.0, "external_unspecified": 512.0}
     assert parse_stats(V1_PAGE, at=0.0).cached_by_source is None  # an engine without them
+
+
+def test_lora_slots_and_active_adapters_come_from_the_newest_lora_requests_info_series():
+    """vLLM 0.32 keeps every label set it ever wrote; the value is when it was written."""
+    page = V1_PAGE + (
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7964909432e+09\n'
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="adpA,adpB",waiting_lora_adapters="adpA,adpB"}'
+        " 1.7964909439e+09\n"
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="adpJ",waiting_lora_adapters="adpJ"}'
+        " 1.79649065e+09\n"
+    )
+    st = parse_stats(page, at=0.0)
+    assert (st.lora_slots, st.lora_active) == (2, frozenset({"adpA", "adpB"}))
+    assert parse_stats(V1_PAGE, at=0.0).lora_slots is None  # LoRA off

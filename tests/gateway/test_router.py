@@ -2,9 +2,11 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from gateway.config import RoutingConfig
 from gateway.engines.pools import EngineStats, Pools
-from gateway.request.router import Prepared, Router
+from gateway.request.router import NotServed, Prepared, Router
 from policies.base import Finished, LegOutcome, LegReport, Path
 from policies.beliefs.prefix_index import PrefixIndex
 from policies.beliefs.prefix_learning import PrefixBeliefs
@@ -228,3 +230,35 @@ async def test_with_tiers_off_nothing_is_published():
     router, _, _ = make()
     prep = await router.prepare("m", "r", list(range(100)), None, {})
     assert prep.ctx.data.get(TIERS) is None
+
+
+async def test_an_adapters_prompt_is_hashed_with_its_name_and_path_and_matches_no_other_cache():
+    router, _, index = make()
+    tokens = list(range(100))
+    a = await router.prepare("adpA", "r", tokens, None, {}, lora=("adpA", "/adapters/adpA"))
+    assert a.ctx.adapter == "adpA"
+    served(index, a, router.route(a))
+    assert (await router.prepare("adpA", "r", tokens, None, {}, lora=("adpA", "/adapters/adpA"))).ctx.cached_tokens
+    assert (await router.prepare("m", "r", tokens, None, {})).ctx.cached_tokens == {}  # the base model's
+    other = await router.prepare("adpB", "r", tokens, None, {}, lora=("adpB", "/adapters/adpA"))
+    moved = await router.prepare("adpA", "r", tokens, None, {}, lora=("adpA", "/adapters/adpA/"))
+    assert other.ctx.cached_tokens == {} and moved.ctx.cached_tokens == {}  # vLLM hashes both strings
+
+
+async def test_engines_lacking_an_adapter_are_left_out_unless_the_gateway_may_load_it():
+    router, pools, _ = make()
+    d0, d1 = pools.decode
+    for ep in pools.all():
+        pools.set_served(ep, frozenset({"m", "adpA"}) if ep is not d1 else frozenset({"m"}))
+        ep.stats = EngineStats(0, 0, 0.0, 16, time.monotonic(), lora_slots=2)
+    tokens = list(range(20))
+    fixed = await router.prepare("adpA", "r", tokens, None, {}, lora=("adpA", "/a"))
+    assert {router.route(fixed).decision.decode.url for _ in range(20)} == {d0.url}
+    d0.healthy = False  # the one holder gone
+    with pytest.raises(NotServed):
+        router.route(fixed)
+    loadable = await router.prepare("adpA", "r", tokens, None, {}, lora=("adpA", "/a"), loadable=True)
+    assert router.route(loadable).decision.decode.url == d1.url  # LoRA on: it can load the adapter
+    pools.report(d1, EngineStats(0, 0, 0.0, 16, time.monotonic()))  # its next scrape: LoRA off there
+    with pytest.raises(NotServed):
+        router.route(loadable)
