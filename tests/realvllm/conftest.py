@@ -27,6 +27,7 @@ from tests.procs import Proc, ProcGroup, free_port
 
 from . import engines as E
 from . import guide
+from .lora import make_adapter
 
 THRESHOLD = 512  # the gateway's token_threshold decider: P/D from this many prompt tokens
 # The engines' PYTHONHASHSEED, the seed of their prefix-cache block hashes: the guide's.
@@ -47,6 +48,11 @@ class Pair:
     kv_events: str  # the decode engine's KV event publisher, as a subscriber connects to it
     kv_events_replay: str
     collector: Collector  # both engines export their request spans here (OTLP/HTTP)
+    adapters: dict[str, Path]  # tiny LoRA adapters: adpA loaded at start on both, adpB loadable
+
+
+ADAPTER = "adpA"  # loaded by both engines at start (--lora-modules)
+LOADABLE = "adpB"  # on disk only: dynamic loading puts it on the engines the gateway picks
 
 
 @dataclass
@@ -69,6 +75,15 @@ def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     pair = None
     try:
         p_core, d_core = E.engine_cores()
+        adapters = {
+            name: make_adapter(model_dir, work / "adapters" / name, seed)
+            for seed, name in enumerate((ADAPTER, LOADABLE))
+        }
+        # LoRA on both engines (tests/realvllm/test_lora_real.py): one adapter at start, room for two
+        # in a batch, runtime loading allowed (vLLM's /v1/load_lora_adapter).
+        lora_args = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
+        lora_args += ["--lora-modules", f"{ADAPTER}={adapters[ADAPTER]}"]
+        lora_env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
         # vLLM joins the trace context it is sent and exports one span per request; every 0.2 s.
         tracing_args = ["--otlp-traces-endpoint", collector.url]
         tracing_env = {
@@ -80,7 +95,14 @@ def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         # and dev mode on the decode engine for /reset_prefix_cache.
         pub, replay = free_port(), free_port()
         prefill = E.start_guide_engine(
-            group, "prefill", venv, model_dir, work, p_core, extra_args=tracing_args, extra_env=tracing_env
+            group,
+            "prefill",
+            venv,
+            model_dir,
+            work,
+            p_core,
+            extra_args=tracing_args + lora_args,
+            extra_env={**tracing_env, **lora_env},
         )
         decode = E.start_guide_engine(
             group,
@@ -91,10 +113,11 @@ def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
             d_core,
             events_port=pub,
             replay_port=replay,
-            extra_args=tracing_args,
-            extra_env={"VLLM_SERVER_DEV_MODE": "1", **tracing_env},
+            extra_args=tracing_args + lora_args,
+            extra_env={"VLLM_SERVER_DEV_MODE": "1", **tracing_env, **lora_env},
         )
-        pair = Pair(prefill, decode, model_dir, group, f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", collector)
+        events = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
+        pair = Pair(prefill, decode, model_dir, group, *events, collector, adapters)
         failure = None
         try:
             E.wait_ready([prefill, decode])

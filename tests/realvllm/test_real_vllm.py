@@ -25,7 +25,7 @@ import pytest
 from tests.promtext import sample
 
 from . import engines as E
-from .conftest import THRESHOLD, Gateway, Pair
+from .conftest import ADAPTER, THRESHOLD, Gateway, Pair
 
 pytestmark = [pytest.mark.realvllm, pytest.mark.e2e]
 
@@ -162,10 +162,13 @@ def expect(pair: Pair, gw: Gateway, before: Counters, path: str, prompt_tokens: 
 
 
 def test_gateway_lists_the_model_the_engines_serve(vllm_pair, client):
-    assert [m.id for m in client.models.list().data] == [E.MODEL_NAME]
+    """And the LoRA adapter both engines load at start, as vLLM lists it (parent: the base model)."""
+    listed = client.models.list().data
+    assert [m.id for m in listed] == [E.MODEL_NAME, ADAPTER]
+    assert (listed[1].parent, listed[1].root) == (E.MODEL_NAME, str(vllm_pair.adapters[ADAPTER]))
     for eng in (vllm_pair.prefill, vllm_pair.decode):
         served = httpx.get(eng.url + "/v1/models", timeout=10).json()["data"]
-        assert [(m["id"], m["max_model_len"]) for m in served] == [(E.MODEL_NAME, E.MAX_MODEL_LEN)]
+        assert [(m["id"], m["max_model_len"]) for m in served] == [(E.MODEL_NAME, E.MAX_MODEL_LEN), (ADAPTER, None)]
 
 
 @pytest.mark.parametrize(
