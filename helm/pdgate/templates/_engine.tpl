@@ -14,6 +14,8 @@ The engine pod, written once: (dict "root" $ "pool" "prefill" "role" ROLE) rende
 {{- $p := index $v $pool }}
 {{- $lmcache := include "pdgate.lmcacheOn" (list $ $pool) }}
 {{- $api := ne $role "worker" }}
+{{- $lora := $v.lora.enabled }}
+{{- $loraSource := ternary (include "pdgate.loraSource" $) "" $lora }}
 {{- $annotations := dict }}
 {{- if $lmcache }}
 {{- $_ := set $annotations "checksum/lmcache" (include "pdgate.lmcacheConfig" (list $ $pool) | sha256sum) }}
@@ -47,7 +49,7 @@ spec:
   {{- end }}
   terminationGracePeriodSeconds: {{ $p.terminationGracePeriodSeconds }}
   {{- $preflight := include "pdgate.preflightInit" $ }}
-  {{- if or $p.initContainers $preflight }}
+  {{- if or $p.initContainers $preflight (eq $loraSource "s3") }}
   initContainers:
     {{- with $p.initContainers }}
     {{- toYaml . | nindent 4 }}
@@ -77,6 +79,29 @@ spec:
         {{- include "pdgate.engineSecurityContext" $ | trim | nindent 8 }}
       volumeMounts:
         {{- include "pdgate.engineFabricMounts" $ | trim | nindent 8 }}
+    {{- end }}
+    {{- if eq $loraSource "s3" }}
+    {{- $s3 := $v.lora.source.s3 }}
+    # The LoRA adapters: lora.source.s3.uri copied into the emptyDir vLLM loads them from
+    # (credentials: the pod's ServiceAccount, IRSA or EKS Pod Identity)
+    - name: lora-sync
+      image: "{{ $s3.image.repository }}:{{ $s3.image.tag }}"
+      imagePullPolicy: {{ $s3.image.pullPolicy }}
+      command:
+        {{- toYaml (concat (list "aws" "s3" "sync" $s3.uri $v.lora.mountPath "--no-progress") ($s3.extraArgs | default list)) | nindent 8 }}
+      {{- with $s3.region }}
+      env:
+        - {name: AWS_REGION, value: {{ . | quote }}}
+      {{- end }}
+      {{- with $s3.resources }}
+      resources:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      securityContext:
+        allowPrivilegeEscalation: false
+        capabilities: {drop: [ALL]}
+      volumeMounts:
+        - {name: lora-adapters, mountPath: {{ $v.lora.mountPath | quote }}}
     {{- end }}
   {{- end }}
   containers:
@@ -114,6 +139,24 @@ spec:
         {{- with $v.model.loadFormat }}
         - --load-format
         - {{ . }}
+        {{- end }}
+        {{- if $lora }}
+        {{- $l := $v.lora }}
+        - --enable-lora
+        - --max-loras
+        - {{ $l.maxLoras | int | quote }}
+        {{- if $l.maxCpuLoras }}
+        - --max-cpu-loras
+        - {{ $l.maxCpuLoras | int | quote }}
+        {{- end }}
+        - --max-lora-rank
+        - {{ $l.maxLoraRank | int | quote }}
+        {{- with include "pdgate.loraModules" $ | fromJsonArray }}
+        - --lora-modules  # one flag, every item: vLLM keeps only the last --lora-modules
+        {{- range . }}
+        - {{ . | toJson }}
+        {{- end }}
+        {{- end }}
         {{- end }}
         {{- if $p.multiNode.enabled }}
         {{- /* vLLM's own multi-node launch (no Ray): every pod runs vllm serve with the same
@@ -176,15 +219,28 @@ spec:
         {{- end }}
         {{- end }}
         {{- end }}
+        {{- if and $lora $v.lora.dynamicLoading }}
+        - {name: VLLM_ALLOW_RUNTIME_LORA_UPDATING, value: "1"}  # /v1/load_lora_adapter (lora.dynamicLoading)
+        {{- end }}
         {{- include "pdgate.engineFabricEnv" (list $ $pool) | trim | nindent 8 }}
       resources:
         {{- range $section := list "requests" "limits" }}
         {{- $r := deepCopy (index $p.resources $section | default dict) }}
         {{- $_ := set $r "nvidia.com/gpu" $p.gpus }}
         {{- include "pdgate.fabricResources" (list $ $pool $r) }}
-        {{- if and (eq $section "requests") (eq $v.model.cache.type "emptyDir") (not (hasKey $r "ephemeral-storage")) }}
-        {{- /* the model cache lives on the node's disk: let the scheduler count it */}}
-        {{- $_ := set $r "ephemeral-storage" $v.model.cache.sizeLimit }}
+        {{- if and (eq $section "requests") (not (hasKey $r "ephemeral-storage")) }}
+        {{- /* the model cache (and the adapters copied from S3) live on the node's disk: let the scheduler count them */}}
+        {{- $disk := list }}
+        {{- if eq $v.model.cache.type "emptyDir" }}{{ $disk = append $disk $v.model.cache.sizeLimit }}{{ end }}
+        {{- if eq $loraSource "s3" }}{{ $disk = append $disk $v.lora.source.s3.sizeLimit }}{{ end }}
+        {{- if eq (len $disk) 1 }}
+        {{- $_ := set $r "ephemeral-storage" (first $disk) }}
+        {{- else if $disk }}
+        {{- $mi := 0.0 }}
+        {{- range $disk }}{{ $mi = addf $mi (mulf (include "pdgate.gib" . | float64) 1024) }}{{ end }}
+        {{- $mi = ceil $mi | int }}
+        {{- $_ := set $r "ephemeral-storage" (ternary (printf "%dGi" (div $mi 1024)) (printf "%dMi" $mi) (eq (mod $mi 1024) 0)) }}
+        {{- end }}
         {{- end }}
         {{ $section }}:
           {{- toYaml $r | nindent 10 }}
@@ -216,6 +272,14 @@ spec:
         {{- if $lmcache }}
         - {name: lmcache, mountPath: /etc/lmcache, readOnly: true}
         {{- end }}
+        {{- if $loraSource }}
+        - name: lora-adapters
+          mountPath: {{ $v.lora.mountPath | quote }}
+          readOnly: true
+          {{- if and (eq $loraSource "pvc") $v.lora.source.pvc.subPath }}
+          subPath: {{ $v.lora.source.pvc.subPath | quote }}
+          {{- end }}
+        {{- end }}
         {{- include "pdgate.engineFabricMounts" $ | trim | nindent 8 }}
         {{- with $p.extraVolumeMounts }}
         {{- toYaml . | nindent 8 }}
@@ -239,6 +303,13 @@ spec:
       configMap:
         name: {{ include "pdgate.componentName" (list $ "preflight") }}
         defaultMode: 0444
+    {{- end }}
+    {{- if eq $loraSource "pvc" }}
+    - name: lora-adapters
+      persistentVolumeClaim: {claimName: {{ $v.lora.source.pvc.claimName | quote }}, readOnly: true}
+    {{- else if eq $loraSource "s3" }}
+    - name: lora-adapters  # filled by the lora-sync init container
+      emptyDir: {sizeLimit: {{ $v.lora.source.s3.sizeLimit }}}
     {{- end }}
     {{- with $p.extraVolumes }}
     {{- toYaml . | nindent 4 }}

@@ -138,6 +138,20 @@ every GPU worker (one per tensor parallel rank): the pod's L1 is split over them
 {{- $cfg := dict "server" (dict "host" "0.0.0.0" "port" (int $v.gateway.port) "log_level" $v.gateway.logLevel "workers" (include "pdgate.gatewayWorkers" . | int)) }}
 {{- $model := dict "name" $v.model.name "tokenizer" (default $v.model.id $v.model.tokenizer) "max_model_len" (int $v.model.maxModelLen) }}
 {{- $_ := set $cfg "models" (list $model) }}
+{{- if $v.lora.enabled }}
+{{- /* the adapters' paths as the engines' --lora-modules give them: the same strings */}}
+{{- $adapters := list }}
+{{- range include "pdgate.loraAdapters" . | fromJsonArray }}
+{{- $a := dict "name" .name "path" .path }}
+{{- if .maxRank }}{{ $_ := set $a "max_rank" (int .maxRank) }}{{ end }}
+{{- $adapters = append $adapters $a }}
+{{- end }}
+{{- if $adapters }}
+{{- $_ := set $model "adapters" $adapters }}
+{{- end }}
+{{- $l := $v.lora }}
+{{- $_ := set $cfg "lora" (dict "discover" $l.discover "refresh_s" (float64 $l.refreshSeconds) "dynamic_loading" $l.dynamicLoading "load_timeout_s" (float64 $l.loadTimeoutSeconds) "max_adapters_per_engine" (int $l.maxAdaptersPerEngine)) }}
+{{- end }}
 {{- $pools := dict }}
 {{- range $pool := list "prefill" "decode" }}
 {{- $p := index $v $pool }}
@@ -382,6 +396,9 @@ scorers are the gateway's defaults, written out because a pool's routing replace
 {{- fail "model.preload downloads a Hugging Face model id; model.id is on S3 (streamed by the engines): turn one of them off" }}
 {{- end }}
 {{- end }}
+{{- if $v.lora.enabled }}
+{{- include "pdgate.loraCheck" . }}
+{{- end }}
 {{- end }}
 
 {{/* The pool's rollout strategy: <pool>.strategy, else no surge unless the pool may be one replica */}}
@@ -418,4 +435,124 @@ chart never leaves the count to the gateway.
 {{- max 1 (ceil (float64 $cpu)) | int }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/* The last value <args> give one of <flags> (list ARGS (list "--flag" "-f")): "--flag=V" or
+"--flag V", vLLM's underscore spellings (--flag_name) included; "" when none does */}}
+{{- define "pdgate.extraArgValue" -}}
+{{- $flags := index . 1 }}
+{{- $value := "" }}
+{{- $take := false }}
+{{- range (index . 0) | default list }}
+{{- $a := toString . }}
+{{- if $take }}
+{{- $value = $a }}
+{{- $take = false }}
+{{- else }}
+{{- $flag := regexReplaceAll "=.*$" $a "" }}
+{{- if hasPrefix "--" $flag }}{{ $flag = replace "_" "-" $flag }}{{ end }}
+{{- if has $flag $flags }}
+{{- if contains "=" $a }}{{ $value = regexReplaceAll "^[^=]*=" $a "" }}{{ else }}{{ $take = true }}{{ end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $value }}
+{{- end }}
+
+{{/* Where the LoRA adapters' files come from: "pvc", "s3" or "" (no volume: paths given) */}}
+{{- define "pdgate.loraSource" -}}
+{{- $s := .Values.lora.source }}
+{{- if $s.pvc.claimName }}pvc
+{{- else if $s.s3.uri }}s3
+{{- end }}
+{{- end }}
+
+{{/* LoRA settings that are each valid but do not work together (lora.enabled only) */}}
+{{- define "pdgate.loraCheck" -}}
+{{- $v := .Values }}
+{{- $l := $v.lora }}
+{{- $ranks := list 1 8 16 32 64 128 256 320 512 }}
+{{- if not (has (int $l.maxLoraRank) $ranks) }}
+{{- fail (printf "lora.maxLoraRank %v is not a rank vLLM accepts: one of 1, 8, 16, 32, 64, 128, 256, 320, 512 (vLLM --max-lora-rank; at least every adapter's rank)" $l.maxLoraRank) }}
+{{- end }}
+{{- if and $l.maxCpuLoras (lt (int $l.maxCpuLoras) (int $l.maxLoras)) }}
+{{- fail (printf "lora.maxCpuLoras %d is below lora.maxLoras %d: vLLM refuses it (--max-cpu-loras, the adapters kept loaded, must hold the ones in a batch); raise it or leave it null" (int $l.maxCpuLoras) (int $l.maxLoras)) }}
+{{- end }}
+{{- if and $l.source.pvc.claimName $l.source.s3.uri }}
+{{- fail "lora.source: pvc.claimName and s3.uri are both set; the adapters come from one of them" }}
+{{- end }}
+{{- $source := include "pdgate.loraSource" . }}
+{{- $names := list }}
+{{- range $i, $a := $l.adapters }}
+{{- if has $a.name $names }}
+{{- fail (printf "lora.adapters: two adapters are named %s (each name is a model clients ask for)" $a.name) }}
+{{- end }}
+{{- $names = append $names $a.name }}
+{{- if eq $a.name $v.model.name }}
+{{- fail (printf "lora.adapters[%d]: %s is model.name: an adapter is served under a name of its own" $i $a.name) }}
+{{- end }}
+{{- if and (not $a.path) (not $source) }}
+{{- fail (printf "lora.adapters[%d] (%s) has no path and lora.source mounts nothing: set lora.source.pvc.claimName or lora.source.s3.uri (the path is then %s/%s), or give the adapter's path" $i $a.name $l.mountPath $a.name) }}
+{{- end }}
+{{- if and $a.maxRank (gt (int $a.maxRank) (int $l.maxLoraRank)) }}
+{{- fail (printf "lora.adapters[%d] (%s): maxRank %d is above lora.maxLoraRank %d: vLLM cannot load it (and an adapter that fails at start stops the engine); raise lora.maxLoraRank" $i $a.name (int $a.maxRank) (int $l.maxLoraRank)) }}
+{{- end }}
+{{- if and (eq (toString $a.preload) "false") (not $l.dynamicLoading) }}
+{{- fail (printf "lora.adapters[%d] (%s): preload false needs lora.dynamicLoading (the gateway loads it when first asked for); without it no engine would ever hold it" $i $a.name) }}
+{{- end }}
+{{- end }}
+{{- range $pool := list "prefill" "decode" }}
+{{- $p := index $v $pool }}
+{{- if $p.enabled }}
+{{- range $a := $p.extraArgs }}
+{{- $flag := regexReplaceAll "=.*$" (toString $a) "" | replace "_" "-" }}
+{{- if has $flag (list "--enable-lora" "--no-enable-lora" "--max-loras" "--max-cpu-loras" "--max-lora-rank" "--lora-modules") }}
+{{- fail (printf "%s.extraArgs sets %s: with lora.enabled the chart sets it from lora.* (the same on both pools; a second --lora-modules would replace the chart's list)" $pool $flag) }}
+{{- end }}
+{{- end }}
+{{- if $l.dynamicLoading }}
+{{- $asc := include "pdgate.extraArgValue" (list $p.extraArgs (list "--api-server-count" "-asc")) }}
+{{- if $asc }}
+{{- if gt (int $asc) 1 }}
+{{- fail (printf "%s.extraArgs sets --api-server-count %s: vLLM refuses runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING, lora.dynamicLoading) with more than one API server per engine; drop it or turn lora.dynamicLoading off" $pool $asc) }}
+{{- end }}
+{{- else }}
+{{- $dp := include "pdgate.extraArgValue" (list $p.extraArgs (list "--data-parallel-size" "-dp")) }}
+{{- if and $dp (gt (int $dp) 1) }}
+{{- fail (printf "%s.extraArgs sets --data-parallel-size %s, and vLLM then runs that many API servers per engine (its default --api-server-count), which runtime LoRA loading (lora.dynamicLoading) refuses: add --api-server-count 1 to %s.extraArgs or turn lora.dynamicLoading off" $pool $dp $pool) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The LoRA adapters as a JSON list of {name, path, maxRank, preload}, each path exactly as the
+engines load it and the gateway names it: the adapter's own, else lora.mountPath/name */}}
+{{- define "pdgate.loraAdapters" -}}
+{{- include "pdgate.loraCheck" . }}
+{{- $l := .Values.lora }}
+{{- $out := list }}
+{{- range $l.adapters }}
+{{- $a := dict "name" .name "path" (.path | default (printf "%s/%s" $l.mountPath .name)) "preload" (ne (toString .preload) "false") }}
+{{- if .maxRank }}{{ $_ := set $a "maxRank" (int .maxRank) }}{{ end }}
+{{- $out = append $out $a }}
+{{- end }}
+{{- toJson $out }}
+{{- end }}
+
+{{/* vLLM --lora-modules items: name=path, or the JSON form where the path holds "=" or ","
+(vLLM reads an item with "=" and no "," as name=path, anything else as JSON) */}}
+{{- define "pdgate.loraModules" -}}
+{{- $items := list }}
+{{- range include "pdgate.loraAdapters" . | fromJsonArray }}
+{{- if .preload }}
+{{- if or (contains "=" .path) (contains "," .path) }}
+{{- $items = append $items (toJson (dict "name" .name "path" .path)) }}
+{{- else }}
+{{- $items = append $items (printf "%s=%s" .name .path) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- toJson $items }}
 {{- end }}
