@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine_model.adapters import MAX_LORA_RANKS, LoRAModule
 from engine_model.faults import FaultSpecError, parse_spec
 from engine_model.kv_events import KVEventsConfig
 
@@ -74,6 +75,16 @@ class SimConfig:
     l2_bandwidth_gbps: float = 0.0  # L2 link in Gbit/s, with kv_bytes_per_token (0: no bandwidth term)
     l2_timeout: float = 0.5  # seconds one Redis call may take before the engine carries on without it
     self_describing_kv_events: bool = False  # vLLM's kv_connector_extra_config.self_describing_kv_events
+    # LoRA adapters (engine_model.adapters), vLLM's flags: --enable-lora, --max-loras (distinct
+    # adapters in one batch), --max-cpu-loras (adapters kept loaded, LRU; None: max_loras),
+    # --max-lora-rank, --lora-modules; lora_load_time: the sim's cost of loading one adapter.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
+    max_lora_rank: int = 16
+    lora_modules: list[LoRAModule] = field(default_factory=list)
+    lora_load_time: float = 0.05
+    allow_runtime_lora_updating: bool = False  # VLLM_ALLOW_RUNTIME_LORA_UPDATING: the load/unload routes
     faults: dict[str, Any] | None = None  # start-up fault spec (engine_model.faults), also set at runtime
     log_level: str = "warning"
 
@@ -81,6 +92,25 @@ class SimConfig:
         self._check_choices()
         self._check_sizes()
         self._check_times()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """vLLM's LoRAConfig bounds (vllm/config/lora.py:26-47,118-126); --lora-modules needs
+        --enable-lora (vLLM fails at start-up: "LoRA is not enabled")."""
+        if self.max_loras < 1:
+            raise ValueError("max_loras must be at least 1")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
+        if self.max_lora_rank not in MAX_LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {', '.join(map(str, MAX_LORA_RANKS))}")
+        if self.lora_load_time < 0:
+            raise ValueError("lora_load_time must not be negative")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError(
+                "--lora-modules needs --enable-lora (LoRA is not enabled. Use --enable-lora to enable LoRA.)"
+            )
 
     def _check_sizes(self) -> None:
         """Counts and sizes, as vLLM bounds them (one full-length request must fit the KV cache)."""
@@ -187,6 +217,7 @@ class SimConfig:
                 self.l1_load_time_per_token,
                 self.l2_latency,
                 self.l2_bandwidth_gbps,
+                self.enable_lora and self.lora_load_time,
             )
         )
 

@@ -29,7 +29,9 @@ Model (a small cousin of vLLM's v1 scheduler):
 * The P/D legs (a prefill leg's held blocks, a decode leg's KV pull, their failures and
   heartbeats) are :mod:`engine_model.kv_transfer`, mixed into :class:`Engine`; the offload tiers
   (an L1 in host memory, a shared L2: :mod:`engine_model.tiers`) are
-  :mod:`engine_model.tier_loads`, mixed in too; the request types are :mod:`engine_model.seq`.
+  :mod:`engine_model.tier_loads`, mixed in too, as are LoRA adapters (:mod:`engine_model.adapters`:
+  the adapter cache and its load time, the ``max_loras`` cap); the request types are
+  :mod:`engine_model.seq`.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine_model.adapters import LoRAScheduling, LoRASlots
 from engine_model.config import SimConfig, attention_pairs
 from engine_model.faults import Faults
 from engine_model.kv import KVClient
@@ -62,17 +65,20 @@ class _Step:
     """One scheduler step being put together: what runs, and the token budget left."""
 
     budget: int
+    loras: LoRASlots | None = None  # the adapters scheduled so far (with --enable-lora)
     batch: list[tuple[Seq, int]] = field(default_factory=list)
     prefill_tokens: int = 0
 
     def add(self, seq: Seq, chunk: int, prefill: bool) -> None:
         self.batch.append((seq, chunk))
+        if self.loras is not None:
+            self.loras.add(seq.lora)
         self.budget -= chunk
         if prefill:
             self.prefill_tokens += chunk
 
 
-class Engine(KVTransfer, TierLoads):
+class Engine(KVTransfer, TierLoads, LoRAScheduling):
     """One simulated engine: its queues, its blocks and the step loop that runs them."""
 
     def __init__(
@@ -116,6 +122,7 @@ class Engine(KVTransfer, TierLoads):
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._bg: set[asyncio.Task[None]] = set()
+        self._init_loras()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -175,8 +182,9 @@ class Engine(KVTransfer, TierLoads):
 
     def update_gauges(self) -> None:
         m = self.m
-        capacity = len(self.waiting) + len(self.ready_kv)
-        deferred = len(self.remote_kv) + len(self.probing)
+        skipped = len(self.lora_deferred)  # vLLM counts skipped requests as deferred
+        capacity = len(self.waiting) + len(self.ready_kv) - skipped
+        deferred = len(self.remote_kv) + len(self.probing) + skipped
         m.running.set(len(self.running))
         m.waiting.set(capacity + deferred)
         m.waiting_capacity.set(capacity)
@@ -214,6 +222,7 @@ class Engine(KVTransfer, TierLoads):
             if seq.pull_task is not None:
                 seq.pull_task.cancel()  # its finally-clause notifies the prefill engine
         self._free(seq)
+        self._lora_done(seq)
         seq.state = FINISHED
         seq.finish_reason = "abort"
         seq.finished_t = self._clock()
@@ -256,7 +265,7 @@ class Engine(KVTransfer, TierLoads):
         if max_blocks <= 0:
             return []
         if len(seq.digests) < max_blocks:
-            extend_digests(seq.digests, seq.prompt_ids + seq.output_ids, max_blocks, spec)
+            extend_digests(seq.digests, seq.prompt_ids + seq.output_ids, max_blocks, spec, seq.hash_extra)
         return self.pool.lookup(seq.digests, max_blocks)
 
     def _admit_blocks(self, seq: Seq, hits: list[int], n_tokens: int) -> bool:
@@ -284,8 +293,8 @@ class Engine(KVTransfer, TierLoads):
         if full <= done:
             return
         tokens = seq.prompt_ids + seq.output_ids if seq.output_ids else seq.prompt_ids
-        extend_digests(seq.digests, tokens, full, spec)
-        self.pool.cache(seq.blocks, seq.digests, done, full, tokens)
+        extend_digests(seq.digests, tokens, full, spec, seq.hash_extra)
+        self.pool.cache(seq.blocks, seq.digests, done, full, tokens, seq.lora)
         self._offer_blocks(seq, done, full, tokens)
         seq.num_cached_blocks = full
 
@@ -321,18 +330,20 @@ class Engine(KVTransfer, TierLoads):
     # ------------------------------------------------------------------ the step loop
     async def _loop(self) -> None:
         while True:
+            if self._lora_calls:
+                await self._run_lora_calls()  # add_lora utility calls, between steps
             if not (self.running or self.waiting or self.ready_kv):
                 await self._idle()
                 continue
             now = self._clock()
-            step = _Step(self.cfg.max_num_batched_tokens)
+            step = _Step(self.cfg.max_num_batched_tokens, self.lora_slots())
             self._schedule_running(step)
             self._admit_waiting(step, now)
             if not step.batch:
                 # Nothing can run (no blocks, or only KV loads in flight): wait for a change.
                 await self._idle()
                 continue
-            await asyncio.sleep(self._step_time(step))
+            await asyncio.sleep(self._step_time(step) + self._apply_adapters(step.batch))
             self._complete(step)
 
     async def _idle(self) -> None:
@@ -359,12 +370,18 @@ class Engine(KVTransfer, TierLoads):
             step.add(seq, chunk, seq.in_prefill)
 
     def _admit_waiting(self, step: _Step, now: float) -> None:
-        """Then waiting seqs (those whose KV arrived first) while a slot, budget and blocks last."""
+        """Then waiting seqs (those whose KV arrived first) while a slot, budget and blocks last.
+        A seq whose adapter would exceed ``max_loras`` is skipped and keeps its place (vLLM)."""
+        skipped: tuple[list[Seq], list[Seq]] = ([], [])
         while step.budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             queue = self.ready_kv or self.waiting
             if not queue:
                 break
             seq = queue[0]
+            if step.loras is not None and not step.loras.fits(seq.lora):
+                skipped[queue is self.waiting].append(queue.popleft())
+                self.lora_deferred.add(seq)
+                continue
             fresh = seq.num_computed == 0  # vLLM looks the prefix cache up for these
             hits = self._lookup(seq) if fresh else []
             n1, n2 = self._tier_hits(seq, hits) if fresh else (0, 0)
@@ -377,6 +394,9 @@ class Engine(KVTransfer, TierLoads):
             if not admitted:
                 break
             queue.popleft()
+            self.lora_deferred.discard(seq)
+        self.ready_kv.extendleft(reversed(skipped[0]))
+        self.waiting.extendleft(reversed(skipped[1]))
 
     def _start_pull(self, seq: Seq, hits: list[int], now: float) -> bool:
         """Admit a decode leg: local hits first; the rest of the prompt is loaded from the
@@ -443,6 +463,7 @@ class Engine(KVTransfer, TierLoads):
                 self._sample(seq, now)
                 generated += 1
         self.m.iteration_tokens.observe(step.prefill_tokens + generated)
+        self._record_lora_info()
         self._commit_tiers()
         self._publish_events()  # one KVEventBatch per step, as vLLM's scheduler does
 
@@ -458,6 +479,7 @@ class Engine(KVTransfer, TierLoads):
         if seq.first_token_t is None:
             seq.first_token_t = now
             m.ttft.observe(now - seq.arrival)
+            self._lora_output(seq)
         else:
             # The call that set first_token_t also set last_token_t (end of this method).
             assert seq.last_token_t is not None
@@ -509,6 +531,7 @@ class Engine(KVTransfer, TierLoads):
         seq.state = FINISHED
         seq.finish_reason = reason
         seq.finished_t = now
+        self._lora_done(seq)
         if seq.kind == PREFILL and reason in ("length", "stop") and seq.blocks:
             self._hold(seq)
         else:

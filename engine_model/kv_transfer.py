@@ -191,7 +191,7 @@ class KVTransfer:
             chain = chains.get(id(seq))
             if chain is None:
                 n = min(upto, n_req) if isinstance(n_req, int) and n_req > 0 else upto
-                chain = chains[id(seq)] = block_chain((seq.prompt_ids + seq.output_ids)[:n], bs)
+                chain = chains[id(seq)] = block_chain((seq.prompt_ids + seq.output_ids)[:n], bs, salt=seq.kv_salt)
             tags.append(chain[i] if i < len(chain) else None)
         return {"status": "ok" if known else "unknown", "engine_id": own, "block_size": bs, "tags": tags}
 
@@ -318,7 +318,8 @@ class KVTransfer:
             if wait:
                 await asyncio.sleep(wait)
             xfer = self._clock() - t0
-            expected = block_chain(seq.prompt_ids, int(reply.get("block_size") or cfg.block_size))[first_block:]
+            bs = int(reply.get("block_size") or cfg.block_size)
+            expected = block_chain(seq.prompt_ids, bs, salt=seq.kv_salt)[first_block:]
             tags = reply.get("tags") or []
             if tags[: len(expected)] != expected:
                 # The blocks held someone else's KV (or nothing): the output is garbage, but

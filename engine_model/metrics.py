@@ -369,6 +369,17 @@ class SimMetrics:
             multiprocess_mode="mostrecent",
         )
         info.labels(**cache_config_labels(cfg)).set(1)
+        # vllm/v1/metrics/loggers.py:1092-1111: only with --enable-lora; its series are set to the
+        # current Unix time after each step (engine_model.adapters), and never removed.
+        self.lora_info: Gauge | None = None
+        if cfg.enable_lora:
+            self.lora_info = Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=reg,
+                multiprocess_mode="sum",
+            )
 
         # NIXL connector (vllm/distributed/kv_transfer/kv_connector/v1/nixl/stats.py)
         self.nixl_xfer_time = hist(

@@ -21,7 +21,9 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
+from engine_model.adapters import LoRARequest
 from engine_model.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from policies.beliefs.blockhash import Digest, HashSpec, block_digests
 
@@ -38,15 +40,22 @@ def engine_hash_spec(block_size: int, algo: str) -> HashSpec:
     return HashSpec(block_size=block_size, algo=algo, seed=seed, int_hashes=int_hashes)  # type: ignore[arg-type]
 
 
-def extend_digests(digests: list[Digest], tokens: Sequence[int], n_blocks: int, spec: HashSpec) -> None:
+def extend_digests(
+    digests: list[Digest],
+    tokens: Sequence[int],
+    n_blocks: int,
+    spec: HashSpec,
+    every_extra: tuple[Any, ...] | None = None,
+) -> None:
     """Grow ``digests`` (a request's chained block digests) to cover its first ``n_blocks`` full
-    blocks, hashing only the blocks not hashed yet."""
+    blocks, hashing only the blocks not hashed yet. ``every_extra``: the extra key of every block
+    (a LoRA request's ``(("lora", name, path),)``)."""
     have = len(digests)
     if have >= n_blocks:
         return
     bs = spec.block_size
     parent = digests[-1] if digests else None
-    digests.extend(block_digests(tokens[have * bs : n_blocks * bs], spec, parent=parent))
+    digests.extend(block_digests(tokens[have * bs : n_blocks * bs], spec, parent=parent, every_extra=every_extra))
 
 
 class BlockPool:
@@ -145,10 +154,13 @@ class BlockPool:
         start: int,
         end: int,
         tokens: Sequence[int],
+        lora: LoRARequest | None = None,
     ) -> None:
         """Register ``blocks[start:end]`` (full blocks of one request) under their digests and
         emit one BlockStored for the run. ``tokens``: the request's token ids (at least
-        ``end * block_size`` of them)."""
+        ``end * block_size`` of them). ``lora``: the request's adapter; the event names it (its int
+        id and name) and gives each block the untagged key ``(name,)`` (vLLM's
+        ``to_event_extra_keys``: the path is left out)."""
         if start >= end or self.spec is None:
             return
         for i in range(start, end):
@@ -166,10 +178,10 @@ class BlockPool:
                     parent_block_hash=ext(digests[start - 1]) if start else None,
                     token_ids=list(tokens[start * bs : end * bs]),
                     block_size=bs,
-                    lora_id=None,
+                    lora_id=lora.int_id if lora is not None else None,
                     medium=MEDIUM_GPU,
-                    lora_name=None,
-                    extra_keys=[None] * (end - start),
+                    lora_name=lora.name if lora is not None else None,
+                    extra_keys=[(lora.name,) if lora is not None else None] * (end - start),
                     group_idx=0,
                 )
             )

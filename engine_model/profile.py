@@ -62,6 +62,7 @@ def load(name_or_path: str) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"profile {path.name}: unknown top-level keys {sorted(unknown)}")
     not_engine = {"profile", "time_scale", "faults", "kv_events_config", "l2_url", "l2_key_prefix"}
+    not_engine |= {"lora_modules", "allow_runtime_lora_updating"}  # what is served, not the hardware
     known = {f.name: str(f.type) for f in fields(SimConfig) if f.name not in not_engine}
     bad = set(doc["engine"]) - set(known)
     if bad:

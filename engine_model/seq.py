@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine_model.adapters import LoRARequest
 from engine_model.tokens import OutputContext
 
 PLAIN, PREFILL, DECODE = "plain", "prefill", "decode"
@@ -66,6 +67,7 @@ class Seq:
         "l2_present",
         "last_token_t",
         "local_hit",
+        "lora",
         "max_tokens",
         "min_tokens",
         "n_param",
@@ -103,8 +105,12 @@ class Seq:
         kv_in: dict[str, Any] | None = None,
         n_param: int = 1,
         collector: Collector | None = None,
+        lora: LoRARequest | None = None,
     ) -> None:
+        """``lora``: the adapter it runs with (None: the base model). Its weights change the KV
+        (:meth:`kv_salt`) and the output, and its name and path the block hashes."""
         self.req_id = req_id
+        self.lora = lora
         self.prompt_ids = prompt_ids
         self.prompt_len = len(prompt_ids)
         self.max_tokens = max_tokens
@@ -116,7 +122,7 @@ class Seq:
         self.kv_in = kv_in
         self.n_param = n_param
         self.collector = collector
-        self.context = OutputContext(prompt_ids, salt=choice.to_bytes(4, "little") if choice else b"")
+        self.context = OutputContext(prompt_ids, salt=self.kv_salt + (choice.to_bytes(4, "little") if choice else b""))
         self.state = WAITING
         self.arrival = _now()
         self.scheduled_t: float | None = None
@@ -147,6 +153,16 @@ class Seq:
         self.tokens_sent = 0  # streaming bookkeeping (sim.streaming)
         self.text_len_sent = 0
         self.final_sent = False
+
+    @property
+    def kv_salt(self) -> bytes:
+        """What, besides the tokens, its KV depends on: the adapter's weights (b"" for the base model)."""
+        return self.lora.weights if self.lora is not None else b""
+
+    @property
+    def hash_extra(self) -> tuple[tuple[str, str, str], ...] | None:
+        """The extra key of every one of its block hashes (vLLM's LoRA key), or None."""
+        return self.lora.hash_extra if self.lora is not None else None
 
     @property
     def num_tokens(self) -> int:

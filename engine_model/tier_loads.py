@@ -99,7 +99,7 @@ class TierLoads:
         max_blocks = self._max_hit_blocks(seq)
         if max_blocks <= 0:
             return False
-        extend_digests(seq.digests, seq.prompt_ids, max_blocks, spec)
+        extend_digests(seq.digests, seq.prompt_ids, max_blocks, spec, seq.hash_extra)
         gpu = len(self._lookup(seq))  # the GPU and the L1 already hold it all: no need to ask
         return gpu + tiers.l1.match(seq.digests, gpu, max_blocks) < max_blocks
 

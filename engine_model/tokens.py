@@ -79,12 +79,14 @@ class OutputContext:
         self._h.update(token_id.to_bytes(8, "little"))
 
 
-def block_chain(token_ids: Sequence[int], block_size: int, n_blocks: int | None = None) -> list[str]:
+def block_chain(token_ids: Sequence[int], block_size: int, n_blocks: int | None = None, salt: bytes = b"") -> list[str]:
     """One tag per KV block: a digest of every token up to the end of that block (like vLLM's
-    chained block hashes). Two blocks hold the same KV iff their tags are equal."""
+    chained block hashes). Two blocks hold the same KV iff their tags are equal. ``salt``: what
+    else the KV depends on (a LoRA adapter's weights; b"" for the base model)."""
     n = len(token_ids)
     count = -(-n // block_size) if n_blocks is None else min(n_blocks, -(-n // block_size))
     h = hashlib.blake2b(digest_size=12)
+    h.update(salt)
     out = []
     for i in range(count):
         h.update(array("Q", token_ids[i * block_size : (i + 1) * block_size]).tobytes())

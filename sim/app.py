@@ -6,7 +6,9 @@ vLLM-compatible routes: ``POST /v1/completions``, ``POST /v1/chat/completions``
 what vllm-router calls before its P/D legs), ``GET /v1/models``, ``GET /health``, ``GET /version``,
 ``GET /metrics``, and with ``VLLM_SERVER_DEV_MODE=1`` vLLM's dev route
 ``POST /reset_prefix_cache`` (``?reset_running_requests=true`` preempts running requests first)
--> ``{"success": bool}``; with ``--enable-request-id-headers``, X-Request-Id on every answer.
+-> ``{"success": bool}``; with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``, ``POST /v1/load_lora_adapter``
+and ``POST /v1/unload_lora_adapter`` (:mod:`sim.lora_routes`, which also lists the adapters in
+``/v1/models``); with ``--enable-request-id-headers``, X-Request-Id on every answer.
 
 The simulator's own ``/sim/*`` routes (records, state, faults, crash) are :mod:`sim.controls`;
 what the app owns (engine, side channel, publisher, records) is :class:`sim.state.SimState`,
@@ -30,7 +32,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from engine_model.config import SimConfig
-from sim import controls
+from sim import controls, lora_routes
 from sim.asgi import Receive, Scope, Send, header, json_response
 from sim.errors import ApiError, parse_json_like_fastapi, validation_error
 from sim.generate import GenerateEndpoint
@@ -44,41 +46,38 @@ def _sim(request: Request) -> SimState:
     return state
 
 
+def _permission() -> dict[str, Any]:
+    return {
+        "id": f"modelperm-{random_id()}",
+        "object": "model_permission",
+        "created": int(time.time()),
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+
+
 async def models(request: Request) -> Response:
-    cfg = _sim(request).cfg
-    root = cfg.tokenizer or cfg.model
-    return json_response(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": cfg.model,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "vllm",
-                    "root": root,
-                    "parent": None,
-                    "max_model_len": cfg.max_model_len,
-                    "permission": [
-                        {
-                            "id": f"modelperm-{random_id()}",
-                            "object": "model_permission",
-                            "created": int(time.time()),
-                            "allow_create_engine": False,
-                            "allow_sampling": True,
-                            "allow_logprobs": True,
-                            "allow_search_indices": False,
-                            "allow_view": True,
-                            "allow_fine_tuning": False,
-                            "organization": "*",
-                            "group": None,
-                            "is_blocking": False,
-                        }
-                    ],
-                }
-            ],
-        }
-    )
+    """The base model's card, then one per LoRA adapter (:mod:`sim.lora_routes`)."""
+    state = _sim(request)
+    cfg = state.cfg
+    base = {
+        "id": cfg.model,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "vllm",
+        "root": cfg.tokenizer or cfg.model,
+        "parent": None,
+        "max_model_len": cfg.max_model_len,
+        "permission": [_permission()],
+    }
+    return json_response({"object": "list", "data": [base, *state.loras.cards(_permission)]})
 
 
 async def render(request: Request) -> Response:
@@ -103,7 +102,7 @@ async def render(request: Request) -> Response:
             body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
         if chat and isinstance(body, dict) and body.get("use_beam_search"):
             raise validation_error("Beam search is not supported by the render endpoint")
-        job = (parse_chat if chat else parse_completion)(body, state.cfg, state.tok, None)
+        job = (parse_chat if chat else parse_completion)(body, state.cfg, state.tok, None, state.loras.requests)
     except ApiError as e:
         return json_response(e.body(), e.status)
     out = render_requests(body, job)
@@ -193,6 +192,8 @@ def create_app(cfg: SimConfig) -> Starlette:
     ]
     if cfg.server_dev_mode:
         routes.append(Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]))
+    if cfg.allow_runtime_lora_updating:
+        routes.extend(lora_routes.ROUTES)
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     app.state.sim = state
     if cfg.enable_request_id_headers:

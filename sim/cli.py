@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 
+from engine_model.adapters import MAX_LORA_RANKS, AdapterLoadError, check_adapter, parse_lora_module
 from engine_model.config import HASH_ALGOS, KV_LOAD_FAILURE_POLICIES, ROLES, SimConfig
 from engine_model.faults import DropLogFilter
 from engine_model.kv_events import KVEventsConfig
@@ -177,6 +178,7 @@ def build_parser(prog: str | None = None) -> Parser:
         "(vLLM: kv_load_failure_policy in --kv-transfer-config)",
     )
     _tier_flags(p, d)
+    _lora_flags(p, d)
     p.add_argument(
         "--faults",
         default=None,
@@ -236,6 +238,47 @@ def _tier_flags(p: Parser, d: dict[str, Any]) -> None:
     )
 
 
+def _lora_flags(p: Parser, d: dict[str, Any]) -> None:
+    """LoRA adapters, vLLM's flags (engine_model/adapters.py; sim/README.md, "LoRA adapters")."""
+    p.add_argument(
+        "--enable-lora",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="serve LoRA adapters (vLLM's flag; needed by --lora-modules and the runtime load route)",
+    )
+    p.add_argument(
+        "--max-loras", type=int, default=d["max_loras"].default, help="distinct adapters in one running batch"
+    )
+    p.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters kept loaded, least recently used evicted (default: --max-loras; must be >= it)",
+    )
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        choices=MAX_LORA_RANKS,
+        default=d["max_lora_rank"].default,
+        help="largest adapter rank accepted (adapter_config.json's r)",
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="ITEM",
+        help='adapters loaded at start-up: name=path or JSON {"name": ..., "path": ..., "base_model_name": ...} '
+        "(several after the flag); the path must be a folder",
+    )
+    p.add_argument(
+        "--lora-load-time",
+        type=float,
+        default=d["lora_load_time"].default,
+        help="sim knob: seconds to load an adapter that is not among the --max-cpu-loras loaded ones "
+        "(in the step that first needs it; x --time-scale)",
+    )
+
+
 def _explicit(argv: list[str] | None) -> set[str]:
     """Destinations given on the command line (they override a profile's settings)."""
     parser = build_parser()
@@ -273,7 +316,22 @@ def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) ->
             raise ValueError(f"--faults is not valid JSON: {e}") from e
     # vLLM mounts its development routes (/reset_prefix_cache, ...) only with this variable.
     kw["server_dev_mode"] = os.environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0", "false", "False")
-    return SimConfig(**kw)
+    # ... and its LoRA load/unload routes only with this one (vllm/envs.py:1206-1209).
+    runtime_lora = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
+    kw["allow_runtime_lora_updating"] = runtime_lora
+    kw["lora_modules"] = [parse_lora_module(item) for item in kw.get("lora_modules") or [] if item]
+    cfg = SimConfig(**kw)
+    seen: set[str] = set()
+    for mod in cfg.lora_modules:  # what the start-up load would refuse, said now in one line
+        if mod.name in seen or mod.name == cfg.model:
+            why = "is given twice" if mod.name in seen else "conflicts with a served base model"
+            raise ValueError(f"--lora-modules: the lora adapter '{mod.name}' {why}")
+        seen.add(mod.name)
+        try:
+            check_adapter(mod.name, mod.path, cfg.max_lora_rank)
+        except AdapterLoadError as e:
+            raise ValueError(f"--lora-modules {mod.name}={mod.path}: {e.message}") from None
+    return cfg
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:

@@ -15,7 +15,10 @@
   the faults and how often each was injected); ``tiers`` (null without ``--cpu-blocks``): the
   L1's occupancy (``l1: {blocks, capacity, pinned}``), tokens served by each tier, blocks
   stored and evicted, and the shared L2 (``l2: {store, url, key_prefix, capacity, blocks,
-  reachable, errors}``, ``blocks`` null while the store does not answer).
+  reachable, errors}``, ``blocks`` null while the store does not answer); ``lora`` (null without
+  ``--enable-lora``): ``adapters`` served (name -> ``{id, path}``), the engine's ``loaded`` ones
+  (least recently used first), ``loads``, ``evictions``, ``in_flight`` (requests per adapter, as
+  ``vllm:lora_requests_info`` sees them) and ``deferred`` (waiting for a ``--max-loras`` slot).
 * ``GET /sim/faults``, ``PUT /sim/faults`` (JSON spec, replaces the faults), ``DELETE
   /sim/faults`` (no faults, counters reset): fault injection (:mod:`engine_model.faults`), answering
   ``{"faults": {...}, "injected": {...}}``; a bad spec gets 400 ``{"detail": ...}``.
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import orjson
 from starlette.background import BackgroundTask
@@ -87,6 +91,7 @@ async def sim_state(request: Request) -> Response:
             "profile": cfg.profile,
             "time_scale": cfg.time_scale,
             "faults": state.faults.snapshot(),
+            "lora": _lora_state(state),
             "kv_events": None
             if state.publisher is None
             else {
@@ -98,6 +103,16 @@ async def sim_state(request: Request) -> Response:
             },
         }
     )
+
+
+def _lora_state(state: SimState) -> dict[str, Any] | None:
+    """The adapters served (name -> id, path) and the engine's cache; None without --enable-lora."""
+    e = state.engine
+    snap = e.lora_snapshot() if e is not None else None
+    if snap is None:
+        return None
+    snap["adapters"] = {n: {"id": lr.int_id, "path": lr.path} for n, lr in state.loras.requests.items()}
+    return snap
 
 
 async def sim_faults(request: Request) -> Response:

@@ -83,7 +83,7 @@ class GenerateEndpoint:
                 rec["stream"] = bool(body.get("stream"))
                 if rec["kind"] == DECODE and isinstance(kv, dict):
                     kv_for_release = kv
-            job = self.parse(body, state.cfg, state.tok, header_id)
+            job = self.parse(body, state.cfg, state.tok, header_id, state.loras.requests)
             rec["response_id"] = job.response_id
         except ApiError as e:
             if kv_for_release is not None and e.err_type != "Bad Request":
@@ -216,9 +216,9 @@ class GenerateEndpoint:
             return
         details = state.cfg.enable_prompt_tokens_details
         if job.endpoint == "completions":
-            body = completion_response(job, state.cfg.model, state.fingerprint, details)
+            body = completion_response(job, job.model or state.cfg.model, state.fingerprint, details)
         else:
-            body = chat_response(job, state.cfg.model, state.fingerprint, details)
+            body = chat_response(job, job.model or state.cfg.model, state.fingerprint, details)
         finish_record(job, rec, "completed", 200)
         await send_json(send, 200, body)
 
@@ -241,6 +241,7 @@ def _submit(engine: Engine, job: Job, ids: list[str]) -> Collector:
                 kv_in=job.kv_in,
                 n_param=job.n,
                 collector=collector,
+                lora=job.lora,
             )
             job.seqs.append(seq)
     for seq in job.seqs:

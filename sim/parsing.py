@@ -11,9 +11,11 @@ template) and the length and ``max_tokens`` checks. The response side is :mod:`s
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine_model.adapters import LoRARequest
 from engine_model.chat_messages import normalize_messages
 from engine_model.chat_template import detect_content_format
 from engine_model.config import SimConfig
@@ -55,6 +57,8 @@ class Job:
     role: str = "assistant"
     created: int = 0
     seqs: list[Seq] = field(default_factory=list)
+    lora: LoRARequest | None = None  # the adapter ``model`` named (None: the base model)
+    model: str = ""  # what the response's ``model`` says: the adapter's name, else the served name
 
 
 def classify_kv(kv: Any) -> str:
@@ -116,12 +120,21 @@ def _check_common(body: dict[str, Any], cfg: SimConfig) -> None:
         raise schema_error("Input should be a valid string", "body.model")
 
 
-def check_model(body: dict[str, Any], cfg: SimConfig) -> None:
+Adapters = Mapping[str, LoRARequest]  # the LoRA adapters a request's ``model`` may name, by name
+
+
+def check_model(body: dict[str, Any], cfg: SimConfig, loras: Adapters | None = None) -> LoRARequest | None:
+    """vLLM's ``_check_model``: no model or the served name is the base model, a loaded adapter's
+    name is that adapter; anything else is a 404 that lists the base names only."""
     model = body.get("model")
-    if model and model != cfg.model:
+    if not model or model == cfg.model:
+        return None
+    lora = loras.get(model) if loras else None
+    if lora is None:
         raise ApiError(
             f"The model `{model}` does not exist. Valid aliases: {cfg.model}.", 404, "NotFoundError", "model"
         )
+    return lora
 
 
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool, bool]:
@@ -270,7 +283,9 @@ def _reject_unsupported(body: dict[str, Any], names: tuple[str, ...]) -> None:
             raise not_supported(name)
 
 
-def parse_completion(body: Any, cfg: SimConfig, tok: ByteTokenizer | HFTokenizer, header_id: str | None) -> Job:
+def parse_completion(
+    body: Any, cfg: SimConfig, tok: ByteTokenizer | HFTokenizer, header_id: str | None, loras: Adapters | None = None
+) -> Job:
     if not isinstance(body, dict):
         raise schema_error("Input should be a valid dictionary or object to extract fields from")
     _check_common(body, cfg)
@@ -305,7 +320,7 @@ def parse_completion(body: Any, cfg: SimConfig, tok: ByteTokenizer | HFTokenizer
     stop = _str_list(body, "stop")
     stop_ids = _int_list(body, "stop_token_ids")
     kind, kv = _kv_params(body, cfg)
-    check_model(body, cfg)
+    lora = check_model(body, cfg, loras)
     _reject_unsupported(body, _UNSUPPORTED_COMPLETION)
     if kind != PLAIN and (n > 1 or len(raw_prompts) > 1):
         raise not_supported("n > 1 or several prompts with kv_transfer_params")
@@ -340,6 +355,8 @@ def parse_completion(body: Any, cfg: SimConfig, tok: ByteTokenizer | HFTokenizer
         ignore_eos=bool(body.get("ignore_eos")),
         return_token_ids=bool(body.get("return_token_ids")),
         kv_in=kv,
+        lora=lora,
+        model=lora.name if lora is not None else cfg.model,
     )
 
 
@@ -364,7 +381,9 @@ def _message_text(content: Any, idx: int) -> str:
     raise schema_error("Input should be a valid string or list of content parts", f"body.messages.{idx}.content")
 
 
-def parse_chat(body: Any, cfg: SimConfig, tok: ByteTokenizer | HFTokenizer, header_id: str | None) -> Job:
+def parse_chat(
+    body: Any, cfg: SimConfig, tok: ByteTokenizer | HFTokenizer, header_id: str | None, loras: Adapters | None = None
+) -> Job:
     if not isinstance(body, dict):
         raise schema_error("Input should be a valid dictionary or object to extract fields from")
     _check_common(body, cfg)
@@ -397,7 +416,7 @@ def parse_chat(body: Any, cfg: SimConfig, tok: ByteTokenizer | HFTokenizer, head
     stop = _str_list(body, "stop")
     stop_ids = _int_list(body, "stop_token_ids")
     kind, kv = _kv_params(body, cfg)
-    check_model(body, cfg)
+    lora = check_model(body, cfg, loras)
     _reject_unsupported(body, _UNSUPPORTED_CHAT)
     if kind != PLAIN and n > 1:
         raise not_supported("n > 1 with kv_transfer_params")
@@ -443,6 +462,8 @@ def parse_chat(body: Any, cfg: SimConfig, tok: ByteTokenizer | HFTokenizer, head
         return_token_ids=bool(body.get("return_token_ids")),
         kv_in=kv,
         role=role,
+        lora=lora,
+        model=lora.name if lora is not None else cfg.model,
     )
 
 

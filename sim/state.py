@@ -1,6 +1,6 @@
 """What one simulated engine's app owns (:class:`SimState`): the config, the tokenizer, the engine
-and its side-channel server, the KV event publisher, the fault injector, the metrics, and the
-request records behind ``GET /sim/requests`` (:class:`Records`).
+and its side-channel server, the KV event publisher, the fault injector, the metrics, the LoRA
+adapters requests may name, and the request records behind ``GET /sim/requests`` (:class:`Records`).
 
 Kept apart from the routes so that every route module (:mod:`sim.app`, :mod:`sim.generate`,
 :mod:`sim.controls`) and the in-process tests share one definition of an engine's state, and so
@@ -27,6 +27,7 @@ from engine_model.kv_events import EventSink, ZmqEventPublisher
 from engine_model.metrics import SimMetrics
 from engine_model.tokens import load_tokenizer
 from sim.asgi import Scope
+from sim.lora_routes import LoRARegistry
 from sim.parsing import Job
 from sim.responses import VLLM_VERSION
 
@@ -93,6 +94,7 @@ class SimState:
             ZmqEventPublisher(cfg.kv_events_config, bind_host=cfg.host) if cfg.kv_events_config.active else None
         )
         self.records = Records()
+        self.loras = LoRARegistry(cfg)  # the LoRA adapters requests may name
         self.faults = Faults(cfg.faults)
         self.exit: Callable[[int], None] = os._exit  # POST /sim/crash (tests in-process replace it)
         digest = hashlib.sha256(
@@ -120,6 +122,11 @@ class SimState:
         engine.kv_port = await self.kv_server.start()
         await engine.start()
         self.engine = engine
+        try:
+            await self.loras.load_static(engine)  # --lora-modules, through the engine's add_lora
+        except ValueError:
+            await self.stop()
+            raise
         log.info(
             "sim engine %s (role %s, model %s) side channel on %s:%s",
             self.cfg.engine_id,

@@ -35,7 +35,7 @@ async def stream(
         "id": job.response_id,
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": job.created,
-        "model": state.cfg.model,
+        "model": job.model or state.cfg.model,
     }
     first_iteration = True
     await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
