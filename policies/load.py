@@ -2,7 +2,12 @@
 (waiting and running requests, KV cache usage) when its scraped metrics are fresh.
 
 load = in_flight + waiting_weight * waiting + running_weight * running + kv_weight * kv_usage * 10
-score = 1 - load / max(load over candidates)   (all idle: every score is 1)
+score = 1 - load / max(load over candidates, scale_floor)   (all idle: every score is 1)
+
+The floor keeps a small difference small: against only the busiest candidate's load, one running
+request (0.25) against none took a whole point, and outweighed a decode engine's L1-held prefix or
+the only engine holding a request's LoRA adapter (a load it then had to make). Below the floor a
+load costs its share of the floor; under real load the busiest candidate scales it, as before.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ class LoadParams(PolicyParams):
     waiting_weight: Number = Field(1.0, ge=0, description="per request the engine reports waiting")
     running_weight: Number = Field(0.25, ge=0, description="per request the engine reports running")
     kv_weight: Number = Field(1.0, ge=0, description="per 10% of KV cache in use")
+    scale_floor: Number = Field(
+        4.0, gt=0, description="loads are scored against the busiest candidate's, but never a smaller one than this"
+    )
 
 
 class Load(Policy[LoadParams]):
@@ -34,7 +42,5 @@ class Load(Policy[LoadParams]):
 
     def score(self, ctx: RequestContext, candidates: Sequence[EndpointView]) -> Sequence[float]:
         loads = [self.load(e) for e in candidates]
-        top = max(loads, default=0.0)
-        if top <= 0:
-            return [1.0] * len(candidates)
+        top = max(max(loads, default=0.0), float(self.params.scale_floor))
         return [1.0 - x / top for x in loads]

@@ -21,7 +21,8 @@ silently zero a routing signal:
   ``max_lora`` (--max-loras) and ``running_lora_adapters`` (comma-separated names; vLLM 0.32 puts
   every adapter with a request in flight in both its running and waiting labels,
   ``vllm/v1/metrics/stats.py`` lines 694-700). Old label sets are never removed: the newest
-  series is the engine's state.
+  series is the engine's state. vLLM declares the gauge (its ``# TYPE`` line) only with LoRA on,
+  and writes its first sample after its first step: the declaration says LoRA is on.
 
 Series with several label sets (one per engine core or model) are summed (requests) or maxed (usage).
 Parsing is a line scan for these names only: a vLLM metrics page is ~1,000 lines of histograms the
@@ -50,6 +51,7 @@ CACHE_INFO = "vllm:cache_config_info"
 START_TIME = "process_start_time_seconds"
 SERVED = "vllm:request_success_total"
 LORA_INFO = "vllm:lora_requests_info"
+LORA_DECLARED = "# TYPE " + LORA_INFO  # vLLM declares the gauge only with LoRA on
 CACHED_BY_SOURCE = ("vllm:prompt_tokens_cached_by_source_total", "vllm:prompt_tokens_cached_by_source")
 MAX_PAGE_BYTES = 8 << 20
 
@@ -75,6 +77,8 @@ def parse_stats(text: str, at: float) -> EngineStats | None:
     for line in text.splitlines():
         if line.startswith(START_TIME):
             page.started = _value(line)
+        elif line.startswith(LORA_DECLARED):  # LoRA on, before the gauge's first sample
+            page.lora = True
         elif line.startswith("vllm:"):
             page.read(line.split("{", 1)[0].split(" ", 1)[0], line)
     if not page.seen:
@@ -93,6 +97,7 @@ def parse_stats(text: str, at: float) -> EngineStats | None:
         page.by_source,
         page.lora_slots,
         page.lora_active,
+        page.lora,
     )
 
 
@@ -110,6 +115,7 @@ class _Page:
         self.served: float | None = None
         self.by_source: dict[str, float] | None = None
         self.seen = False  # any engine load signal at all
+        self.lora = False  # the engine runs with LoRA on
         self.lora_slots: int | None = None
         self.lora_active: frozenset[str] = frozenset()
         self._lora_at = -1.0  # the newest lora_requests_info series' value (when it was written)
@@ -133,7 +139,7 @@ class _Page:
         elif name == SERVED:
             self.served = (self.served or 0.0) + v
         elif name == LORA_INFO and v > self._lora_at and (m := _MAX_LORA.search(line)):
-            self._lora_at, self.lora_slots = v, int(m.group(1))
+            self._lora_at, self.lora_slots, self.lora = v, int(m.group(1)), True
             running = _RUNNING_LORAS.search(line)
             self.lora_active = frozenset(n for n in (running.group(1) if running else "").split(",") if n)
         elif name in CACHED_BY_SOURCE and (m := _SOURCE.search(line)):

@@ -46,6 +46,7 @@ class EngineStats:
     # requests in flight
     lora_slots: int | None = None
     lora_active: frozenset[str] = frozenset()
+    lora: bool = False  # LoRA is on (it can load adapters at run time, if allowed to)
 
     def restarted_since(self, old: EngineStats) -> bool:
         """Whether this report comes from another run of the engine than ``old``."""
@@ -259,7 +260,7 @@ class Pools:
                 for e in self.all()
                 if e.served_models is not None
                 and model not in e.served_models
-                and not (loadable and e.stats is not None and e.stats.lora_slots is not None)
+                and not (loadable and e.stats is not None and e.stats.lora)
             )
         return gaps
 
@@ -291,7 +292,7 @@ class Pools:
         old, ep.stats = ep.stats, stats
         if (old.prefix_caching if old else None) != stats.prefix_caching:
             self._refresh_beliefs()
-        elif (old.lora_slots if old else None) != stats.lora_slots:
+        elif (old.lora if old else None) != stats.lora:
             self._not_serving = {}  # whether it can load adapters changed
         restarted = old is not None and stats.restarted_since(old)
         if restarted:

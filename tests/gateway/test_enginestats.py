@@ -106,4 +106,7 @@ def test_lora_slots_and_active_adapters_come_from_the_newest_lora_requests_info_
     )
     st = parse_stats(page, at=0.0)
     assert (st.lora_slots, st.lora_active) == (2, frozenset({"adpA", "adpB"}))
-    assert parse_stats(V1_PAGE, at=0.0).lora_slots is None  # LoRA off
+    assert parse_stats(V1_PAGE, at=0.0).lora_slots is None and not parse_stats(V1_PAGE, at=0.0).lora  # LoRA off
+    declared = V1_PAGE + "# HELP vllm:lora_requests_info Running stats on lora requests.\n"
+    declared += "# TYPE vllm:lora_requests_info gauge\n"  # LoRA on, no step run yet: no sample
+    assert parse_stats(declared, at=0.0).lora and parse_stats(declared, at=0.0).lora_slots is None

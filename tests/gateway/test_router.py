@@ -250,7 +250,7 @@ async def test_engines_lacking_an_adapter_are_left_out_unless_the_gateway_may_lo
     d0, d1 = pools.decode
     for ep in pools.all():
         pools.set_served(ep, frozenset({"m", "adpA"}) if ep is not d1 else frozenset({"m"}))
-        ep.stats = EngineStats(0, 0, 0.0, 16, time.monotonic(), lora_slots=2)
+        ep.stats = EngineStats(0, 0, 0.0, 16, time.monotonic(), lora_slots=2, lora=True)
     tokens = list(range(20))
     fixed = await router.prepare("adpA", "r", tokens, None, {}, lora=("adpA", "/a"))
     assert {router.route(fixed).decision.decode.url for _ in range(20)} == {d0.url}

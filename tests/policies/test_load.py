@@ -32,3 +32,11 @@ def test_rejects_negative_weights():
         Load(waiting_weight=-1)
     with pytest.raises(ValueError, match="kv_weight: Input should be a valid number"):
         Load(kv_weight=True)
+
+
+def test_a_small_load_costs_its_share_of_the_floor_a_large_one_scales_with_the_busiest():
+    one_running = Load().score(ctx(1), [ep("a", running=1), ep("b")])
+    assert one_running == [1 - 0.25 / 4, 1.0]  # not [0, 1]: one running request is no reason to move
+    busy = Load().score(ctx(1), [ep("a", in_flight=10), ep("b", in_flight=5)])
+    assert busy == [0.0, 0.5]
+    assert Load(scale_floor=0.25).score(ctx(1), [ep("a", running=1), ep("b")]) == [0.0, 1.0]

@@ -48,7 +48,7 @@ DOCUMENTED = {
     },
     "bounded_load": {"load_factor": 1.25, "slack": 2},
     "prefix_affinity": {},
-    "load": {"inflight_weight": 1, "waiting_weight": 1, "running_weight": 0.25, "kv_weight": 1},
+    "load": {"inflight_weight": 1, "waiting_weight": 1, "running_weight": 0.25, "kv_weight": 1, "scale_floor": 4},
     "lora_affinity": {"free_slot": 0.8, "full_slots": 0.4},
     "session_affinity": {"header": "x-session-id", "load_factor": 1.25, "vnodes": 64},
     "max_score": {"tie_margin": 1e-6},

@@ -61,7 +61,7 @@ def test_pipeline_weighs_scorers_and_explains():
     assert route.decision.decode.url == "d0"
     steps = route.trace["decode"]
     assert steps[0] == {"scorer": "prefix_affinity", "weight": 2.0, "scores": {"d0": 0.75, "d1": 0.0}}
-    assert steps[1]["scores"] == {"d0": 0.0, "d1": 1.0}
+    assert steps[1]["scores"] == {"d0": 0.25, "d1": 1.0}  # 3 in flight against the floor of 4
     assert steps[2]["picked"] == "d0"
     # without the cached prefix, load decides
     assert pipeline(1000, scorers).route(ctx(64), pools).decision.decode.url == "d1"
