@@ -12,6 +12,8 @@ The same scenarios on real vLLM engines: ``tests/realvllm/test_routing_beliefs.p
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -84,6 +86,9 @@ def restart_decode(cluster: Cluster, *flags: str) -> None:
         )
 
     assert wait_for(back, timeout=15), "the gateway never noticed the decode engine's restart"
+    # The restart may have been noticed before the new run's /metrics answered (a recovery whose
+    # scrape failed): a few scrape intervals (0.2 s) for its flags (prefix caching) to be read.
+    time.sleep(1.0)
 
 
 def test_turn_two_goes_direct_on_a_cache_the_engine_really_has(cluster):
