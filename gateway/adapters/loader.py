@@ -10,9 +10,12 @@ there first, through vLLM's ``POST /v1/load_lora_adapter`` (the engines need
   cannot take it (e.g. its rank over ``--max-lora-rank``): those fail the request with 503 and the
   engine's message (``vllm/entrypoints/openai/models/serving.py`` lines 198-213, 266-275).
 - **Bounded**: with ``lora.max_adapters_per_engine``, loading one more on an engine unloads the
-  least recently used adapter this gateway loaded there and that has no request running
-  (``/v1/unload_lora_adapter``). vLLM's unload removes the name from the engine's list; the
-  weights leave its LRU cache when room is needed (``serving.py`` lines 231-245).
+  least recently used adapter this gateway loaded there that has no request running and none
+  routed there in the last ``lora.unload_idle_s`` (``/v1/unload_lora_adapter``). The engine's
+  running list shows a request only once the engine has it, a scrape later: without that wait an
+  adapter a request was on its way to could go (seen in bench/adapters.py as the engine's 404).
+  vLLM's unload removes the name from the engine's list; the weights leave its LRU cache when room
+  is needed (``serving.py`` lines 231-245).
 
 What was loaded shows in ``pdgate_adapter_loads_total{result}`` and
 ``pdgate_adapter_unloads_total{result}``, and each request's access-log line lists its loads.
@@ -66,6 +69,10 @@ class AdapterLoader:
         self.configure(cfg)
         self._loading: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._loaded: dict[str, OrderedDict[str, None]] = {}  # url -> adapters this gateway loaded, LRU first
+        # (url, adapter) -> when a request was last routed there with it: an adapter a request may
+        # still be on its way to is not unloaded (the engine's running list shows it only once the
+        # engine has the request, and a scrape later)
+        self._routed: dict[tuple[str, str], float] = {}
         self.loads: Counter[str] = Counter()  # by result: ok, failed, timeout
         self.unloads: Counter[str] = Counter()  # by result: ok, failed
 
@@ -73,6 +80,7 @@ class AdapterLoader:
         self.enabled = cfg.dynamic_loading
         self.timeout_s = cfg.load_timeout_s
         self.max_per_engine = cfg.max_adapters_per_engine
+        self.unload_idle_s = cfg.unload_idle_s
 
     def needs(self, ep: Endpoint, adapter: Adapter) -> bool:
         """Whether ``ep`` must load ``adapter`` before serving it (and dynamic loading may)."""
@@ -83,7 +91,9 @@ class AdapterLoader:
         """Every engine in ``eps`` lists ``adapter`` after this, or AdapterUnavailable is raised
         (the first failure's message); the loads waited for, as reported."""
         todo = [ep for ep in eps if self.needs(ep, adapter)]
+        now = time.monotonic()
         for ep in eps:
+            self._routed[(ep.url, adapter.name)] = now
             if ep not in todo and ep.url in self._loaded and adapter.name in self._loaded[ep.url]:
                 self._loaded[ep.url].move_to_end(adapter.name)  # used: the last to be unloaded
         if not todo:
@@ -152,10 +162,12 @@ class AdapterLoader:
         if not self.max_per_engine or len(loaded) <= self.max_per_engine:
             return
         active = ep.stats.lora_active if ep.stats is not None else frozenset()
+        recent = time.monotonic() - self.unload_idle_s
         for name in list(loaded):
             if len(loaded) <= self.max_per_engine:
                 return
-            if name == just_loaded or name in active or (ep.url, name) in self._loading:
+            busy = name in active or self._routed.get((ep.url, name), 0.0) > recent
+            if name == just_loaded or busy or (ep.url, name) in self._loading:
                 continue
             await self._unload(ep, name)
 
@@ -185,6 +197,7 @@ class AdapterLoader:
     def forget(self, url: str) -> None:
         """``url`` left or restarted: what this gateway loaded there is gone with it."""
         self._loaded.pop(url, None)
+        self._routed = {k: t for k, t in self._routed.items() if k[0] != url}
 
     async def close(self) -> None:
         """Bounded: loads in flight are cancelled (their waiters get AdapterUnavailable or cancel)."""

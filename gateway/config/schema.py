@@ -170,6 +170,13 @@ class LoraConfig(_Strict):
         description="with dynamic loading: adapters the gateway keeps loaded on one engine; loading one more "
         "unloads the least recently used one it loaded (0: no bound)",
     )
+    unload_idle_s: float = Field(
+        30.0,
+        ge=0,
+        le=3600,
+        description="an adapter a request was routed with this recently is not unloaded for room (the "
+        "request may not have reached the engine yet)",
+    )
 
 
 class StateConfig(_Strict):

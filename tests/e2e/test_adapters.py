@@ -53,7 +53,7 @@ def cluster(tokenizer_dir, tmp_path_factory):
             THRESHOLD,
             models=[model],
             admin={"token_file": str(token_file)},
-            lora={"dynamic_loading": True, "refresh_s": 0.5, "max_adapters_per_engine": 1},
+            lora={"dynamic_loading": True, "refresh_s": 0.5, "max_adapters_per_engine": 1, "unload_idle_s": 0.5},
             signals={"scrape_interval_s": 0.3},
         )
         yield c
