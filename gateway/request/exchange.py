@@ -49,7 +49,7 @@ from gateway.request.migrator import Migrator, settle
 from gateway.request.protocol import Kind, ParsedRequest, check_output_limit, parse_body, too_large
 from gateway.request.relay import ClientWire, Headers
 from gateway.request.router import Prepared
-from gateway.tokenization.tokenizer import PromptIds
+from gateway.tokenization.tokenizer import ModelTokenizer, PromptIds
 from policies.base import Decision, Finished, Path, RequestContext
 from policies.beliefs.tiers import TIERS
 from policies.pipeline import Route
@@ -93,6 +93,7 @@ class Exchange:
         self.prompts: PromptIds | None = None
         self.prep: Prepared | None = None
         self.adapter: Adapter | None = None  # the LoRA adapter the request names, if it names one
+        self.tok: ModelTokenizer | None = None  # its (base) model's tokenizer, once parsed
         self.decision: Decision | None = None
         self.parts: list[Part] = []  # the request's own, then one per migration
         self.outcome = Outcome()  # what the client was told
@@ -233,6 +234,7 @@ class Exchange:
                 404, f"The model `{clip(req.model, 256)}` does not exist.", param="model", code="model_not_found"
             )
         tok, self.adapter = served
+        self.tok = tok
         # metrics are labelled by the base model (bounded); the access log names the adapter
         rec.model, rec.stream = tok.cfg.name, req.stream
         rec.adapter = self.adapter.name if self.adapter is not None else ""
@@ -245,9 +247,8 @@ class Exchange:
 
     async def _tokenize(self, req: ParsedRequest) -> None:
         rt, rec = self.rt, self.rec
-        served = rt.served(req.model)
-        assert served is not None, "parsed requests only"
-        tok = served[0]
+        tok = self.tok
+        assert tok is not None, "parsed requests only"
         t0 = time.perf_counter_ns()
         prompts = self.prompts = await rt.tokenizers.prompt_ids(tok, req)
         t1 = time.perf_counter_ns()
