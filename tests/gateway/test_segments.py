@@ -277,6 +277,16 @@ def test_cache_is_bounded_and_thread_safe(llama3: tuple[ModelTokenizer, ModelTok
     assert 0 < enc.cached_tokens() <= 2000
 
 
+def test_fast_reason_is_said_once() -> None:
+    """Where neither fast source takes a tokenizer (the proof, or ranks read off its vocabulary), the
+    reason both give is said once; segmenting stays on."""
+    tok = build(normalizer=normalizers.Lowercase(), added=[AddedToken("<m>", special=True, normalized=False)])
+    enc = SegmentEncoder(tok, fast=True)
+    assert enc.enabled and not enc.fast
+    assert enc.fast_reason == "a normalizer"
+    assert enc.run_time_check is None
+
+
 def test_reuse_off() -> None:
     tok = build(added=[AddedToken("<m>", special=True, normalized=False)])
     enc = SegmentEncoder(tok, max_tokens=0)
