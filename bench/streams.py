@@ -14,6 +14,7 @@ inter-chunk gap p50/p99 (events in one read count from that read), and stream du
 the ideal ``tokens / rate``.
 
     python -m bench.streams [--streams 500,1000,2000,4000] [--rate 50] [--tokens 100]
+        [--gateway-cores 2,3 --load-cores 4-15]
         [--out docs/benchmarks/streams.json] [--plot docs/benchmarks/streams.png]
 """
 
@@ -330,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
         help="pdgate's admission.max_loop_lag_ms (0: never shed; 429s count as errors)",
     )
     parser.add_argument("--vllm-router", default=None, help="an existing vllm-router binary")
+    parser.add_argument(
+        "--gateway-cores", default="", help="CPU list for each gateway under test (taskset -c), e.g. 2,3"
+    )
+    parser.add_argument("--load-cores", default="", help="CPU list for the backend and the load generators")
     parser.add_argument("--out", default="docs/benchmarks/streams.json")
     parser.add_argument("--plot", default="docs/benchmarks/streams.png")
     parser.add_argument("--replot", metavar="JSON", help="only draw --plot from an earlier run's --out")
@@ -347,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     from tests.procs import ProcGroup, free_port
 
     tokenizer = build_tokenizer(cache_dir() / "demo-tokenizer")
+    if args.load_cores:  # the backend and the client processes start from here: they inherit it
+        os.sched_setaffinity(0, _cpu_list(args.load_cores))
+    pin = ["taskset", "-c", args.gateway_cores] if args.gateway_cores else []
     logs = Path(tempfile.mkdtemp(prefix="pdgate-streams-"))
     group = ProcGroup(logs)
     targets = [t for t in args.targets.split(",") if t]
@@ -393,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 (logs / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
                 proc = group.start(
-                    name, [sys.executable, "-m", "gateway", "serve", "--config", str(logs / f"{name}.yaml")]
+                    name, [*pin, sys.executable, "-m", "gateway", "serve", "--config", str(logs / f"{name}.yaml")]
                 )
                 proc.wait_http(f"http://127.0.0.1:{port}/ready", timeout=60)
                 time.sleep(2.0)  # every worker up
@@ -406,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc = group.start(
                     name,
                     [
+                        *pin,
                         str(vllm_router_binary(args.vllm_router)),
                         "--host",
                         "127.0.0.1",
@@ -435,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
                 pid = pids.get(name)
                 cpu0 = cpu_seconds(pid) if pid else 0.0
                 r = {"target": name, **run_load(urls[name], n, args.clients, args.ramp_s, args.tokens, args.rate)}
+                r["cores"] = _allowed_cpus(pid) if pid else _allowed_cpus(os.getpid())
                 if pid:  # the router's own CPU (all its processes) per relayed event
                     events = (n - r["errors"] - r["refused_429"]) * (args.tokens + 1)
                     r["router_cpu_us_per_chunk"] = round((cpu_seconds(pid) - cpu0) / max(1, events) * 1e6, 2)
@@ -444,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         group.stop_all()
     report = {
-        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "model": _cpu_model()},
+        "cores": {"gateways": args.gateway_cores or "all", "backend_and_load": args.load_cores or "all"},
         "rate_tokens_per_s": args.rate,
         "pdgate_max_loop_lag_ms": args.max_loop_lag_ms,
         "tokens": args.tokens,
@@ -492,6 +503,30 @@ def _plot(results: list[dict[str, Any]], path: Path) -> None:
     s.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def _cpu_list(spec: str) -> set[int]:
+    """``0-3,6`` as a set of CPU numbers (taskset's list format)."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def _allowed_cpus(pid: int) -> str:
+    """The CPUs a process may run on, as the kernel says (``Cpus_allowed_list``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return line.split(":", 1)[1].strip()
+    return "?"
+
+
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "?"
 
 
 if __name__ == "__main__":

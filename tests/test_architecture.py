@@ -54,6 +54,7 @@ ALLOWED: dict[str, set[str]] = {
         "policies",
         "http.errors",
         "http.auth",
+        "http.splice",  # the client connection's body writer (a relay sink)
         "cluster.redis_state",
     },
     "engines": {"config", "background", "policies", "http.errors"},

@@ -211,6 +211,13 @@ class AdmissionConfig(_Strict):
         description="new requests get 429 while the worker's event loop "
         "runs this late (its measured capacity is used up); 0: never",
     )
+    overload_hold_s: float = Field(
+        1.0,
+        ge=0,
+        le=60,
+        description="the loop must run later than max_loop_lag_ms for this long before new requests get "
+        "429 (a burst the gateway absorbs is served; five times the bound late is shed at once)",
+    )
     queue_timeout_s: float = Field(5.0, ge=0, description="longest a request waits for capacity before 429")
     retry_after_s: float = Field(1.0, gt=0, description="the Retry-After a 429 carries")
 
@@ -313,6 +320,12 @@ class EnginesConfig(_Strict):
         "h1",
         description="h1: the gateway's own HTTP/1.1 client (the cheapest per request); aiohttp: the "
         "reference implementation on aiohttp, same behavior",
+    )
+    splice: bool = Field(
+        True,
+        description="a stream relayed byte for byte goes from the engine's connection straight onto the "
+        "client's (no wake-up of the request per chunk: gateway/http/splice.py); false: chunk by chunk "
+        "through ASGI (for ruling the splice out)",
     )
     ca_file: str | None = Field(None, description="CA bundle verifying https:// engines; unset: the system's CAs")
     cert_file: str | None = Field(None, description="client certificate (PEM) presented to https:// engines")

@@ -33,6 +33,7 @@ import httptools
 from gateway.engines.transport import (
     MAX_HEAD_BYTES,
     MAX_HEADERS,
+    BodySink,
     ClientError,
     ConnectError,
     FirstTimeout,
@@ -42,6 +43,7 @@ from gateway.engines.transport import (
     Timeouts,
     read_whole,
     tls_context,
+    wait_drained,
 )
 
 __all__ = [
@@ -96,6 +98,8 @@ class _Connection(asyncio.Protocol):
         self.error: ClientError | None = None
         self.body: list[bytes] = []
         self.buffered = 0
+        self.sink: BodySink | None = None  # splicing: body bytes go straight there, nobody is woken
+        self.spliced_at = 0.0  # when the last body bytes went into the sink
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
 
@@ -192,6 +196,8 @@ class _Connection(asyncio.Protocol):
             self.error = err
             self.close()
         else:
+            if self.sink is not None and not self.done:
+                return  # spliced: the waiter only wants the end, an error or its timer
             if self.buffered > READ_HIGH_WATER and not self._paused and self.transport is not None:
                 self._paused = True
                 self.transport.pause_reading()
@@ -241,8 +247,21 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if self.done:
             return
-        self.body.append(body)
-        self.buffered += len(body)
+        sink = self.sink
+        if sink is None:
+            self.body.append(body)
+            self.buffered += len(body)
+            return
+        self.spliced_at = self._loop.time()
+        if not sink.write(body) and not self._paused and self.transport is not None:
+            self._paused = True  # the client reads slower than the engine writes: hold the engine back
+            self.transport.pause_reading()
+            sink.drained(self._sink_drained)
+
+    def _sink_drained(self) -> None:
+        if self._paused and not self.closed and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
 
     def on_message_complete(self) -> None:
         if self.head and not self.done:
@@ -304,6 +323,41 @@ class Response:
     async def read(self) -> bytes:
         """The whole (remaining) body."""
         return await read_whole(self.read_some)
+
+    async def splice(self, sink: BodySink) -> None:
+        """Every remaining body byte into ``sink``, written from the parser's callback as it
+        arrives: no wake-up, buffer or await per piece (the relay's cost per streamed chunk).
+        The idle bound counts from the last bytes in; it is checked when the one timer fires."""
+        conn = self._conn
+        assert conn is not None, "response already released"
+        while conn.body:  # what came before (and while the sink was full): in order, first
+            if not sink.write(conn.take()):
+                await wait_drained(sink)
+        loop = self._pool.loop
+        conn.spliced_at = loop.time()
+        conn.sink = sink  # no await since the buffer was found empty: no byte can pass the sink
+        try:
+            while not conn.done:
+                if conn.error is not None:
+                    raise conn.error
+                idle = self._idle
+                deadline = self._deadline
+                if idle is not None:
+                    idle_end = conn.spliced_at + idle
+                    deadline = idle_end if deadline is None else min(idle_end, deadline)
+                try:
+                    await conn.wait(deadline)
+                except TimeoutError:
+                    now = loop.time()
+                    if (self._deadline is not None and now >= self._deadline) or (
+                        idle is not None and now >= conn.spliced_at + idle
+                    ):
+                        raise
+                    # bytes came meanwhile (without waking this wait): the idle bound moves on
+            if conn.error is not None:
+                raise conn.error
+        finally:
+            conn.sink = None
 
     def release(self) -> None:
         conn, self._conn = self._conn, None

@@ -17,6 +17,7 @@ them. Failures below HTTP raise ``ClientError`` subclasses, timeouts ``TimeoutEr
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -71,6 +72,19 @@ class Timeouts:
     first: float | None = None
 
 
+class BodySink(Protocol):
+    """Where ``EngineResponse.splice`` puts body bytes as they arrive (the client's connection)."""
+
+    def write(self, data: bytes) -> bool:
+        """Take ``data``; False when the taker's buffer is full: call no more until ``drained``
+        calls back."""
+        ...
+
+    def drained(self, resume: Callable[[], None]) -> None:
+        """Call ``resume`` once ``write`` may be called again (at once if it may now)."""
+        ...
+
+
 class EngineResponse(Protocol):
     """An engine's response whose status and headers are in; the body is read on demand."""
 
@@ -91,6 +105,11 @@ class EngineResponse(Protocol):
 
     async def read(self) -> bytes:
         """The whole (remaining) body."""
+        ...
+
+    async def splice(self, sink: BodySink) -> None:
+        """Every remaining body byte into ``sink`` as it arrives, until the end; the same bytes
+        and errors as ``read_some`` in a loop, without waking the caller per piece."""
         ...
 
     def end_first(self) -> None:
@@ -127,6 +146,20 @@ async def read_whole(read_some: Callable[[], Awaitable[bytes]]) -> bytes:
     while chunk := await read_some():
         parts.append(chunk)
     return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def splice_by_reading(read_some: Callable[[], Awaitable[bytes]], sink: BodySink) -> None:
+    """``EngineResponse.splice`` on ``read_some``: the reference behaviour."""
+    while chunk := await read_some():
+        if not sink.write(chunk):
+            await wait_drained(sink)
+
+
+async def wait_drained(sink: BodySink) -> None:
+    """Until ``sink`` takes more (its ``drained`` callback)."""
+    fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    sink.drained(lambda: None if fut.done() else fut.set_result(None))
+    await fut
 
 
 def tls_context(

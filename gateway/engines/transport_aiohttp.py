@@ -28,6 +28,7 @@ from aiohttp.http_exceptions import LineTooLong
 from gateway.engines.transport import (
     MAX_HEAD_BYTES,
     MAX_HEADERS,
+    BodySink,
     ClientError,
     ConnectError,
     FirstTimeout,
@@ -36,6 +37,7 @@ from gateway.engines.transport import (
     ServerDisconnected,
     Timeouts,
     read_whole,
+    splice_by_reading,
 )
 
 # Headers aiohttp would add on its own: the engines get what H1Client sends (Host, the caller's
@@ -139,6 +141,9 @@ class AiohttpResponse:
 
     async def read(self) -> bytes:
         return await read_whole(self.read_some)
+
+    async def splice(self, sink: BodySink) -> None:
+        await splice_by_reading(self.read_some, sink)
 
     def end_first(self) -> None:
         self._deadlines.first = None

@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
+from collections.abc import Callable
 from typing import Protocol
 
 from gateway.config import AdmissionConfig
@@ -177,6 +179,7 @@ class SharedGate(Gate):
 
 
 SMOOTHING = 0.3  # a new sample's weight in the smoothed lateness
+SHED_AT_ONCE = 5  # this many times the bound late: shed without waiting out the hold
 
 
 class Waits(Protocol):
@@ -188,13 +191,28 @@ class LoopLag:
     it fired, and the HTTP server notes how long new connections' requests waited in the kernel
     before they were read (``connections``: httpserver.Connections). Past a bound, a new request
     would only add to the delay every stream already sees, so admission answers 429 instead: the
-    capacity it protects is measured live, on whatever machine the gateway runs."""
+    capacity it protects is measured live, on whatever machine the gateway runs.
 
-    def __init__(self, interval_s: float = 0.01, connections: Waits | None = None) -> None:
+    A burst (thousands of streams opening within a second or two) makes the loop late for as long
+    as it takes to open them, then the streams run within capacity: shedding then would refuse
+    streams a proxy with a queue serves. So the delay must stay past the bound for ``hold_s``
+    (``admission.overload_hold_s``) before new requests are refused: a burst the gateway absorbs
+    is served, a load it cannot carry is still shed, and a delay ``SHED_AT_ONCE`` times the bound
+    is shed at once."""
+
+    def __init__(
+        self,
+        interval_s: float = 0.01,
+        connections: Waits | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.interval_s = interval_s
         self._connections = connections
+        self._clock = clock
         self.lag_s = 0.0  # smoothed (one late tick is a hiccup, many are an overload)
         self.peak_s = 0.0  # the largest single delay seen (for /metrics)
+        self._bound_s = 0.0  # the bound last asked about (admission's config)
+        self._above_since: float | None = None  # since when the delay has stayed past it
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -213,14 +231,33 @@ class LoopLag:
         self.lag_s += (late_s - self.lag_s) * SMOOTHING
         if self._connections is not None:  # no new connection for a tick: their wait fades too
             self._connections.wait_s /= 2
+        self._track()
+
+    def _track(self) -> None:
+        if self._bound_s > 0 and self.behind_s > self._bound_s:
+            if self._above_since is None:
+                self._above_since = self._clock()
+        else:
+            self._above_since = None
 
     @property
     def behind_s(self) -> float:
         """The worse of the two delays."""
         return max(self.lag_s, self._connections.wait_s if self._connections is not None else 0.0)
 
-    def over(self, bound_ms: float) -> bool:
-        return bound_ms > 0 and self.behind_s * 1000 > bound_ms
+    def over(self, bound_ms: float, hold_s: float = 0.0) -> bool:
+        """Whether new requests should be refused: later than ``bound_ms`` for ``hold_s`` now."""
+        if bound_ms <= 0:
+            return False
+        self._bound_s = bound_ms / 1000
+        behind = self.behind_s
+        if behind <= self._bound_s:
+            return False
+        if behind > self._bound_s * SHED_AT_ONCE:
+            return True
+        self._track()
+        since = self._above_since
+        return since is not None and self._clock() - since >= hold_s
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -64,6 +64,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.config import GatewayConfig
+from gateway.http.splice import CONNECTION, BodyWriter
 
 log = logging.getLogger(__name__)
 
@@ -267,6 +268,13 @@ class _Responses:
     def __init__(self, guard: GuardedProtocol) -> None:
         self._guard = guard
 
+    def on_message_begin(self) -> None:
+        self._guard._chunked = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"transfer-encoding" and b"chunked" in value.lower():
+            self._guard._chunked = True
+
     def on_headers_complete(self) -> None:
         self._guard._response_head()
 
@@ -309,6 +317,9 @@ class GuardedProtocol(asyncio.Protocol):
         self._close_after = False  # close once the response being written is whole
         self._announce = False  # ... and say so in its head (``connection: close``)
         self._head_only = False  # the response just begun answers a HEAD: its head is all of it
+        self._chunked = False  # the response being written is framed in chunks
+        self._writer: BodyWriter | None = None  # the relay's direct body writer (gateway/http/splice.py)
+        self._watched: _Watched | None = None  # the transport uvicorn's protocol writes through
 
     # -- asyncio.Protocol ------------------------------------------------------------------------------
 
@@ -322,7 +333,8 @@ class GuardedProtocol(asyncio.Protocol):
         self._entered = True
         self._socket = self._transport.get_extra_info("socket")
         self._responses = httptools.HttpResponseParser(_Responses(self))
-        self._inner.connection_made(cast(asyncio.Transport, _Watched(self._transport, self)))
+        self._watched = _Watched(self._transport, self)
+        self._inner.connection_made(cast(asyncio.Transport, self._watched))
         self._timer = self._loop.call_later(self.LIMITS.head_timeout_s, self._head_timed_out)
 
     def data_received(self, data: bytes) -> None:
@@ -348,7 +360,11 @@ class GuardedProtocol(asyncio.Protocol):
             self._last_byte = self._loop.time()
             if self._timer is None and self._paused_at is None:
                 self._timer = self._loop.call_at(self._body_due(), self._body_check)
-        self._inner.data_received(data)
+        token = CONNECTION.set(self)  # the ASGI task uvicorn starts here knows its connection
+        try:
+            self._inner.data_received(data)
+        finally:
+            CONNECTION.reset(token)
 
     def eof_received(self) -> bool | None:
         if self._entered:
@@ -371,6 +387,24 @@ class GuardedProtocol(asyncio.Protocol):
     def resume_writing(self) -> None:
         if self._entered:
             self._inner.resume_writing()
+            if self._writer is not None:
+                self._writer.resume_writing()
+
+    def body_writer(self) -> BodyWriter | None:
+        """A direct writer for the body of the response under way (gateway/http/splice.py):
+        only while one is, framed in chunks, on a connection still watched."""
+        if (
+            self._done
+            or self._responses is None
+            or self._transport is None
+            or self._watched is None
+            or not self._chunked
+            or self._head_only
+            or self._begun != self._answered + 1
+        ):
+            return None
+        self._writer = BodyWriter(self._watched.write, self._transport, lambda: self._done)
+        return self._writer
 
     # -- httptools callbacks (framing only) ------------------------------------------------------------
 
@@ -507,6 +541,7 @@ class GuardedProtocol(asyncio.Protocol):
         if self._interim:
             self._interim = False
             return
+        self._writer = None
         self._head_only = False  # whole by its own framing (a 204, a HEAD answered with length 0)
         self._answered += 1
 

@@ -5,14 +5,16 @@ response on the client's wire (gateway/request/relay.py's ``ClientWire``), the g
 first, then the engine's body. A migratable request's engine events are read and stitched
 (gateway/request/stitch.py): the client gets what the engine would have sent, as an SSE stream or
 assembled into one JSON answer, and a decode leg that breaks off mid-answer is handed to the
-``Migrator`` (gateway/request/migrator.py), whose continuation is relayed on as if nothing happened.
-Every other answer goes byte for byte, and one that breaks off ends with an error event and
-``[DONE]``, as vLLM ends a stream that fails. The relay counts what went out in the record (chunks,
-output tokens), ends each decode leg through ``EngineLegs`` (its connection closed or kept, its
-slot given back, the hooks told), and keeps the request's ``Outcome``: the status the client got,
-and whether it has the whole answer, so that a client hanging up after ``[DONE]`` is not recorded
-as one that left. A client that leaves mid-answer cancels the exchange (``ClientWire.watch``): the
-engine leg is cut and its connection dropped, which makes vLLM abort the request.
+``Migrator`` (gateway/request/migrator.py), whose continuation is relayed on as if nothing
+happened. Every other answer goes byte for byte (a stream's chunks written onto the client's
+connection from the engine connection's callback where the server allows it:
+gateway/http/splice.py), and one that breaks off ends with an error event and ``[DONE]``, as vLLM
+ends a stream that fails. The relay counts what went out in the record (chunks, output tokens),
+ends each decode leg through ``EngineLegs`` (its connection closed or kept, its slot given back,
+the hooks told), and keeps the request's ``Outcome``: the status the client got, and whether it has
+the whole answer, so that a client hanging up after ``[DONE]`` is not recorded as one that left. A
+client that leaves mid-answer cancels the exchange (``ClientWire.watch``): the engine leg is cut
+and its connection dropped, which makes vLLM abort the request.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Protocol
 from gateway.engines.transport import ClientError
 from gateway.engines.upstream import EngineError, transport_error
 from gateway.http.errors import APIError
+from gateway.http.splice import BodyWriter
 from gateway.ops.requestlog import RequestRecord
 from gateway.request.engine_legs import EngineLegs, OpenDecode
 from gateway.request.migrator import Cut, Migrator
@@ -71,12 +74,15 @@ class AnswerRelay:
         legs: EngineLegs,
         migrator: Migrator,
         headers: ResponseHeaders,
+        *,
+        splice: bool = True,
     ) -> None:
         self.rec = rec
         self.outcome = outcome
         self.legs = legs
         self.migrator = migrator
         self.headers = headers
+        self.splice = splice  # engines.splice: a byte-for-byte stream skips the event loop per chunk
 
     async def send(self, client: ClientWire, req: ParsedRequest, leg: OpenDecode) -> None:
         """Send the decode engine's answer on as it comes. The engine has the prompt's KV from here
@@ -123,6 +129,18 @@ class AnswerRelay:
         await client.start(resp.status, headers)
         chunk, send, read = leg.stream.head, client.asgi_send, resp.read_some
         try:
+            if chunk:  # what came with the first token (through uvicorn: it opens the body)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                rec.sent_chunk(chunk)
+                if chunk.endswith(DONE):
+                    outcome.answered = True
+                writer = client.body_writer() if self.splice else None
+                if writer is not None:
+                    # the rest from the engine connection's callback straight onto the client's
+                    await resp.splice(_Relayed(writer, rec, outcome))
+                    chunk = b""
+                else:
+                    chunk = await read()
             while chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 rec.sent_chunk(chunk)
@@ -226,6 +244,23 @@ class AnswerRelay:
         finally:
             self.legs.end(leg, ended, clean, resp.status, answer.cached_tokens)
         return cut
+
+
+class _Relayed:
+    """The client's connection as a splice sink, noting what the byte-for-byte loop notes per
+    chunk: the request record's token events (TTFT, ITL) and whether ``[DONE]`` went out."""
+
+    __slots__ = ("_outcome", "_rec", "_writer", "drained")
+
+    def __init__(self, writer: BodyWriter, rec: RequestRecord, outcome: Outcome) -> None:
+        self._writer, self._rec, self._outcome = writer, rec, outcome
+        self.drained = writer.drained
+
+    def write(self, data: bytes) -> bool:
+        self._rec.sent_chunk(data)
+        if data.endswith(DONE):
+            self._outcome.answered = True
+        return self._writer.write(data)
 
 
 def _is_stream(content_type: bytes | None) -> bool:

@@ -146,7 +146,7 @@ class Exchange:
         migrator = self._migrator(req, legs)
         part = self._first_part(route.decision, migrator)
         leg = await legs.open(part)
-        relay = AnswerRelay(self.rec, self.outcome, legs, migrator, self._headers)
+        relay = AnswerRelay(self.rec, self.outcome, legs, migrator, self._headers, splice=self.rt.cfg.engines.splice)
         await relay.send(client, req, leg)
 
     @property
@@ -197,7 +197,7 @@ class Exchange:
     async def _admit(self) -> None:
         adm = self.rt.cfg.admission
         lag = self.svc.lag
-        if lag.over(adm.max_loop_lag_ms):  # every stream already waits this long for the loop
+        if lag.over(adm.max_loop_lag_ms, adm.overload_hold_s):  # every stream already waits this long for the loop
             self.svc.metrics.rejected("overloaded")
             raise too_busy(adm, f"overloaded: requests wait {lag.behind_s * 1000:.0f} ms before it reads them")
         self._deadline = time.monotonic() + adm.queue_timeout_s

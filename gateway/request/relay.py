@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
 from gateway.http.errors import APIError
+from gateway.http.splice import BodyWriter, body_writer
 from gateway.request.protocol import Kind
 
 if TYPE_CHECKING:
@@ -115,6 +116,11 @@ class ClientWire:
 
     async def send(self, chunk: bytes) -> None:
         await self._send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    def body_writer(self) -> BodyWriter | None:
+        """A direct writer for the body of the response under way, where the server offers one
+        (gateway/http/splice.py): the caller writes through it until it ends the response."""
+        return body_writer()
 
     @property
     def asgi_send(self) -> Send:

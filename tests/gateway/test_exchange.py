@@ -269,14 +269,48 @@ async def test_an_engine_serving_other_models_is_left_out(h):
     assert r.status == 503 and r.json()["error"]["code"] == "model_not_served"
 
 
-async def test_an_overloaded_loop_answers_429_and_sends_nothing(h):
-    """admission.max_loop_lag_ms (100 by default): while the loop runs later than that, a new
-    request would only slow every stream further; it gets 429 at once."""
+async def test_an_overloaded_loop_answers_429_and_sends_nothing(tokenizer_dir):
+    """admission.max_loop_lag_ms (100 by default): while the loop runs later than that for
+    overload_hold_s, a new request would only slow every stream further; it gets 429 at once."""
+    h = make(tokenizer_dir, admission={"overload_hold_s": 0.2})
+    try:
+        await _overloaded_then_not(h)
+    finally:
+        h.close()
+
+
+async def test_a_burst_shorter_than_the_hold_is_served_and_a_longer_one_is_shed(tokenizer_dir):
+    """A burst makes the loop late for a moment (the streams it opens then run within capacity):
+    requests during it are served. Late for longer than overload_hold_s, they are refused."""
+    h = make(tokenizer_dir, admission={"overload_hold_s": 0.3})
+    try:
+        lag = h.gateway.services.lag
+        for _ in range(10):
+            lag.note(0.2)  # 200 ms late: past the bound, but only just now
+        h.upstream.on("decode", answer(completion("hi")))
+        assert (await h.send({"model": "tiny", "prompt": "hello", "max_tokens": 2})).status == 200
+        await asyncio.sleep(0.35)
+        lag.note(0.2)  # still late, past the hold now
+        r = await h.send({"model": "tiny", "prompt": "hello", "max_tokens": 2})
+        assert r.status == 429 and "overloaded" in r.json()["error"]["message"]
+        for _ in range(20):
+            lag.note(0.0)
+        for _ in range(5):
+            lag.note(1.5)  # (smoothed) over five times the bound: no hold
+        assert lag.over(100, 0.3)
+        settled(h)
+    finally:
+        h.close()
+
+
+async def _overloaded_then_not(h) -> None:
     lag = h.gateway.services.lag
     lag.note(0.2)
     assert not lag.over(100)  # one late tick is a hiccup
     for _ in range(10):
         lag.note(0.2)  # the loop keeps running 200 ms late
+    await asyncio.sleep(0.25)
+    lag.note(0.2)
     r = await h.send({"model": "tiny", "prompt": "hello", "max_tokens": 2})
     assert r.status == 429 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["code"] == "rate_limit_exceeded" and "overloaded" in r.json()["error"]["message"]

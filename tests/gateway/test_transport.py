@@ -912,3 +912,113 @@ async def test_decode_stream_outlives_decode_first_byte_once_its_first_token_is_
         assert up.head == b"data:"
         assert await up.resp.read() == b"x"
         up.close(reuse=True)
+
+
+# ---- splice: the body into a sink as it arrives (the relay's byte-for-byte path)
+
+
+class Sink:
+    """A ``BodySink`` that holds back after ``room`` writes until ``release``."""
+
+    def __init__(self, room: int = 1 << 30) -> None:
+        self.got: list[bytes] = []
+        self.room = room
+        self.resume: Callable[[], None] | None = None
+
+    def write(self, data: bytes) -> bool:
+        self.got.append(data)
+        return len(self.got) < self.room
+
+    def drained(self, resume: Callable[[], None]) -> None:
+        self.resume = resume
+
+    def release(self) -> None:
+        self.room = 1 << 30
+        resume, self.resume = self.resume, None
+        if resume is not None:
+            resume()
+
+
+async def test_splice_puts_the_same_bytes_in_the_sink_as_reading_and_keeps_the_connection(make: Make):
+    go_on = asyncio.Event()
+
+    async def handler(ex: Exchange) -> None:
+        await ex.answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n7\r\ndata: 1\r\n")
+        await go_on.wait()
+        await ex.answer(b"7\r\ndata: 2\r\n7\r\ndata: 3\r\n0\r\n\r\n")
+
+    async with Server(handler) as server:
+        client = make()
+        resp = await post(client, server, Timeouts(connect=5, idle=10))
+        assert await resp.read_some() == b"data: 1"
+        sink = Sink()
+        task = asyncio.ensure_future(resp.splice(sink))
+        await asyncio.sleep(0.05)
+        assert not task.done()  # the end has not come
+        go_on.set()
+        await asyncio.wait_for(task, 5)
+        assert b"".join(sink.got) == b"data: 2data: 3"
+        assert await resp.read_some() == b""
+        resp.release()
+        go_on.clear()
+        resp = await post(client, server)  # spliced whole, the connection is reused
+        go_on.set()
+        assert await resp.read() == b"data: 1data: 2data: 3"
+        resp.release()
+        assert server.connections == 1
+
+
+async def test_splice_holds_the_engine_back_while_the_sink_is_full(make: Make):
+    sent = asyncio.Event()
+
+    async def handler(ex: Exchange) -> None:
+        await ex.answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for i in range(3):
+            await ex.answer(b"1\r\n%d\r\n" % i)
+            await asyncio.sleep(0.02)
+        await ex.answer(b"0\r\n\r\n")
+        sent.set()
+
+    async with Server(handler) as server:
+        resp = await post(make(), server, Timeouts(connect=5, idle=10))
+        sink = Sink(room=1)
+        task = asyncio.ensure_future(resp.splice(sink))
+        await sent.wait()
+        await asyncio.sleep(0.05)
+        assert not task.done() and sink.resume is not None  # full after one piece: waiting to be drained
+        sink.release()
+        await asyncio.wait_for(task, 5)
+        assert b"".join(sink.got) == b"012"
+        resp.release()
+
+
+async def test_splice_raises_what_reading_raises_on_a_reset_and_on_silence(make: Make):
+    async def reset(ex: Exchange) -> None:
+        await ex.answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\npart\r\n")
+        await asyncio.sleep(0.05)
+        ex.reset()
+
+    async with Server(reset) as server:
+        resp = await post(make(), server, Timeouts(connect=5, idle=5))
+        sink = Sink()
+        with pytest.raises(ClientError):
+            await resp.splice(sink)
+        assert sink.got == [b"part"]
+        resp.close()
+
+    async def silent(ex: Exchange) -> None:
+        await ex.answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(4):  # talking for 0.4 s, every 0.1 s: within the idle bound
+            await asyncio.sleep(0.1)
+            await ex.answer(b"1\r\nx\r\n")
+        await ex.reader.read()  # then silent
+
+    async with Server(silent) as server:
+        resp = await post(make(), server, Timeouts(connect=5, idle=0.3))
+        sink = Sink()
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(TimeoutError):
+            await resp.splice(sink)
+        assert b"".join(sink.got) == b"xxxx"  # the bound moved with the bytes, then held
+        assert asyncio.get_running_loop().time() - started >= 0.6
+        resp.close()

@@ -1,0 +1,77 @@
+"""A streamed answer's body written straight onto the client's connection (the relay's fast path).
+
+Relayed through ASGI, every chunk an engine streams costs a task wake-up, a message dict and
+uvicorn's ``send`` coroutine on top of the two unavoidable system calls (read, write): most of the
+gateway's CPU per chunk (docs/benchmarks.md, "Stream relay"). When nothing needs to read the
+events (the answer is relayed byte for byte), the engine connection's parser callback can write
+each piece onto the client's connection itself: ``BodyWriter`` is that connection's side.
+
+How the relay finds its connection: the guard (gateway/http/server.py) sets ``CONNECTION`` while
+uvicorn's protocol handles the bytes that start a request, and uvicorn starts the request's ASGI
+task right there, so the task's context (asyncio copies it at creation) holds the guard of the
+connection it serves. Nothing a client sends can point it at another connection.
+
+The writer frames each piece as an HTTP/1.1 chunk and hands it to the transport uvicorn writes
+through (the guard frames every response byte, so it still sees where the response ends); the
+response's head and last chunk still go through uvicorn's ``send``. It is offered only while the
+connection's current response is a chunked one under way, and reports a full client buffer
+(``write`` False) so the engine connection stops reading until ``drained`` calls back.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable
+from typing import Any, Protocol
+
+# The write buffer past which the engine connection is held back (uvicorn's own high-water mark
+# for its transport's flow control is 64 KiB: the same bound).
+HIGH_WATER = 1 << 16
+
+
+class _Guard(Protocol):
+    def body_writer(self) -> BodyWriter | None: ...
+
+
+CONNECTION: contextvars.ContextVar[_Guard | None] = contextvars.ContextVar("pdgate_connection", default=None)
+
+
+def body_writer() -> BodyWriter | None:
+    """The writer for the response this task is sending, where its server offers one."""
+    guard = CONNECTION.get()
+    return guard.body_writer() if guard is not None else None
+
+
+class BodyWriter:
+    """Writes a chunked response's body pieces onto one connection (``transport.BodySink``)."""
+
+    __slots__ = ("_closed", "_transport", "_waiting", "_write")
+
+    def __init__(self, write: Callable[[bytes], None], transport: Any, closed: Callable[[], bool]) -> None:
+        self._write = write  # the guard's framed write (it watches every response byte)
+        self._transport = transport  # the socket's transport: its buffer size, whether it closes
+        self._closed = closed  # the guard cut the connection
+        self._waiting: Callable[[], None] | None = None
+
+    def write(self, data: bytes) -> bool:
+        if not data:
+            return True
+        if self._closed() or self._transport.is_closing():
+            return False  # the client is gone: hold the engine back until the exchange is cancelled
+        self._write(b"%x\r\n%s\r\n" % (len(data), data))
+        size: int = self._transport.get_write_buffer_size()
+        return size <= HIGH_WATER
+
+    def drained(self, resume: Callable[[], None]) -> None:
+        if self._closed() or self._transport.is_closing():
+            return  # never: the exchange is cancelled when the client's departure is noticed
+        if self._transport.get_write_buffer_size() <= HIGH_WATER:
+            resume()
+        else:
+            self._waiting = resume
+
+    def resume_writing(self) -> None:
+        """The connection's buffer drained (the protocol's ``resume_writing``)."""
+        resume, self._waiting = self._waiting, None
+        if resume is not None:
+            resume()
