@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 from starlette.testclient import TestClient
 
-from bench.decision import meta_llama3_folder
+from bench.decision_inputs import meta_llama3_folder
 from engine_model.tinymodel import build_tokenizer
 from gateway.config import GatewayConfig
 from gateway.demo import cache_dir

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args(argv)
 
-    from bench.decision import meta_llama3_folder
+    from bench.decision_inputs import meta_llama3_folder
     from engine_model.tinymodel import build_tokenizer
     from gateway.demo import cache_dir
     from tests.procs import ProcGroup, free_port

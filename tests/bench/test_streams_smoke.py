@@ -8,7 +8,7 @@ import sys
 
 import yaml
 
-from bench.streams import MODEL, run_load
+from bench.streams import MODEL, _allowed_cpus, _cpu_list, run_load
 from tests.procs import ProcGroup, free_port
 
 
@@ -38,3 +38,11 @@ def test_the_lean_backend_and_client_measure_streams(tmp_path, tokenizer_dir):
         assert through["errors"] == 0 and through["first_chunk_p50_ms"] is not None
     finally:
         group.stop_all()
+
+
+def test_core_lists_read_as_taskset_writes_them() -> None:
+    import os
+
+    assert _cpu_list("0-3,6") == {0, 1, 2, 3, 6}
+    assert _cpu_list("5") == {5}
+    assert _cpu_list(_allowed_cpus(os.getpid())) == os.sched_getaffinity(0)

@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import random
-import re
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from gateway.engines.pools import Pools
 from gateway.http.errors import APIError
 from gateway.ops.metrics import GatewayMetrics
 from gateway.request.protocol import parse_body
-from gateway.tokenization import fasttok
+from gateway.tokenization import fasttok, regex_classes
 from gateway.tokenization.tokenizer import ModelTokenizer, find_ranks_file
 
 LLAMA3_PATTERN = fasttok._LLAMA3
@@ -143,7 +142,7 @@ def tiny(tokenizer_dir) -> tuple[ModelTokenizer, ModelTokenizer]:
 
 @pytest.fixture(scope="module")
 def llama3(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelTokenizer, ModelTokenizer]:
-    from bench.decision import build_llama3_tokenizer
+    from bench.decision_inputs import build_llama3_tokenizer
 
     return pair(str(build_llama3_tokenizer(tmp_path_factory.mktemp("llama3"))))
 
@@ -365,7 +364,7 @@ VARIED = [
 
 
 def _meta_llama3(tmp_path_factory: pytest.TempPathFactory, original: bool) -> tuple[ModelTokenizer, ModelTokenizer]:
-    from bench.decision import meta_llama3_folder
+    from bench.decision_inputs import meta_llama3_folder
 
     folder = meta_llama3_folder(tmp_path_factory.mktemp("meta-llama3"), original=original)
     if folder is None:
@@ -501,7 +500,7 @@ SCRIPTS = {
 def test_meta_llama3_every_script(script: str, layout: str, request: pytest.FixtureRequest) -> None:
     """Japanese, Chinese, Korean, mixed-script, emoji and code text get the fast path and the Rust
     tokenizer's ids, alone, joined, and through the gateway's chat and completion paths."""
-    from bench.decision import Texts, japanese
+    from bench.decision_inputs import Texts, japanese
 
     on, off = request.getfixturevalue(layout)
     encoder = on.segments._fast
@@ -525,21 +524,13 @@ def test_meta_llama3_every_script(script: str, layout: str, request: pytest.Fixt
 # -- the regex engines, over every code point -------------------------------------------------------
 
 
-def test_code_points() -> None:
-    text = fasttok._code_points()
-    assert len(text) == 0x110000 - 0x800
-    assert text[0] == "\x00" and text[-1] == "\U0010ffff"
-    assert text[0xD7FF:0xD801] == "\ud7ff\ue000"
-    assert list(map(ord, text)) == [*range(0xD800), *range(0xE000, 0x110000)]
-
-
 def test_regex_engines_agree_on_every_code_point() -> None:
     """Re-derived the way the tokenizer runs its pattern (a Split pre-tokenizer), class by class over
     every code point, against tiktoken's engine: they agree (with the versions installed), and
     ``_engine_differences`` (its one-pass shortcut) says so for both known patterns."""
     import tiktoken
 
-    text = fasttok._code_points()
+    text = regex_classes.code_points()
     singles = {bytes([b]): b for b in range(256)}
 
     def onig(cls: str, text: str) -> set[str]:
@@ -563,24 +554,12 @@ def test_regex_engines_agree_on_every_code_point() -> None:
     assert fasttok._engine_differences(fasttok._GPT2) == ("", "")
 
 
-def test_class_differences_finds_where_the_engines_part() -> None:
-    text = fasttok._code_points()[:0x10000]
-    differ, members = fasttok._class_differences(r"\p{L}", r"[\p{L}--\p{Han}]", text)
-    assert "日" in differ and "本" in differ and "あ" not in differ and "a" not in differ
-    assert {ch for ch in differ if ch < "\u2e80"} == set()
-    assert "日" in members and "a" in members  # matched by either
-    assert fasttok._class_differences(r"\p{L}", r"\p{L}", text)[0] == set()
-    body = fasttok._class_body({"a", "b", "c", "x", "-", "]", "^", "\\"})
-    assert body == "\\-\\\\-\\^a-cx"  # ranges of consecutive characters, escaped
-    assert {chr(c) for c in range(128) if re.fullmatch(f"[{body}]", chr(c))} == set("abcx-]^\\")
-
-
 def test_characters_the_engines_class_differently_go_to_hf(
     base: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where the engines' Unicode tables differ (other versions), only text with those characters
     goes to the Rust tokenizer; a difference in ASCII refuses the fast path."""
-    monkeypatch.setattr(fasttok, "_engine_differences", lambda pattern: (fasttok._class_body({"日", "本"}), ""))
+    monkeypatch.setattr(fasttok, "_engine_differences", lambda pattern: (regex_classes.class_body({"日", "本"}), ""))
     encoder, why = load(base)
     assert encoder is not None, why
     assert "goes to HF" in why

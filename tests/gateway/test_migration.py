@@ -27,7 +27,7 @@ def tiny(tokenizer_dir: Path) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def llama3(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    from bench.decision import build_llama3_tokenizer
+    from bench.decision_inputs import build_llama3_tokenizer
 
     return Tokenizer.from_file(str(build_llama3_tokenizer(tmp_path_factory.mktemp("llama3")) / "tokenizer.json"))
 

@@ -86,7 +86,7 @@ def tiny(tokenizer_dir) -> tuple[ModelTokenizer, ModelTokenizer]:
 
 @pytest.fixture(scope="module")
 def llama3(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelTokenizer, ModelTokenizer]:
-    from bench.decision import build_llama3_tokenizer
+    from bench.decision_inputs import build_llama3_tokenizer
 
     return pair(str(build_llama3_tokenizer(tmp_path_factory.mktemp("llama3"))))
 
