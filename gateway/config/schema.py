@@ -323,7 +323,7 @@ class EnginesConfig(_Strict):
     )
     splice: bool = Field(
         True,
-        description="a stream relayed byte for byte goes from the engine's connection straight onto the "
+        description="a stream's chunks go from the engine's connection straight onto the "
         "client's (no wake-up of the request per chunk: gateway/http/splice.py); false: chunk by chunk "
         "through ASGI (for ruling the splice out)",
     )

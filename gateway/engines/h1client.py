@@ -196,8 +196,9 @@ class _Connection(asyncio.Protocol):
             self.error = err
             self.close()
         else:
-            if self.sink is not None and not self.done:
-                return  # spliced: the waiter only wants the end, an error or its timer
+            sink = self.sink
+            if sink is not None and not self.done and not sink.stopped:
+                return  # spliced: the waiter only wants the end, an error, a stop or its timer
             if self.buffered > READ_HIGH_WATER and not self._paused and self.transport is not None:
                 self._paused = True
                 self.transport.pause_reading()
@@ -251,6 +252,8 @@ class _Connection(asyncio.Protocol):
         if sink is None:
             self.body.append(body)
             self.buffered += len(body)
+            return
+        if sink.stopped:  # the relay wants no more: what follows is dropped, the connection closed
             return
         self.spliced_at = self._loop.time()
         if not sink.write(body) and not self._paused and self.transport is not None:
@@ -331,13 +334,15 @@ class Response:
         conn = self._conn
         assert conn is not None, "response already released"
         while conn.body:  # what came before (and while the sink was full): in order, first
-            if not sink.write(conn.take()):
+            if not sink.write(conn.take()) and not sink.stopped:
                 await wait_drained(sink)
+            if sink.stopped:
+                return
         loop = self._pool.loop
         conn.spliced_at = loop.time()
         conn.sink = sink  # no await since the buffer was found empty: no byte can pass the sink
         try:
-            while not conn.done:
+            while not conn.done and not sink.stopped:
                 if conn.error is not None:
                     raise conn.error
                 idle = self._idle
@@ -354,7 +359,7 @@ class Response:
                     ):
                         raise
                     # bytes came meanwhile (without waking this wait): the idle bound moves on
-            if conn.error is not None:
+            if conn.error is not None and not sink.stopped:  # a stopped sink knows why it stopped
                 raise conn.error
         finally:
             conn.sink = None

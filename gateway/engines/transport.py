@@ -73,7 +73,12 @@ class Timeouts:
 
 
 class BodySink(Protocol):
-    """Where ``EngineResponse.splice`` puts body bytes as they arrive (the client's connection)."""
+    """Where ``EngineResponse.splice`` puts body bytes as they arrive (the client's connection).
+
+    ``stopped`` turns true when the sink wants no more (a relay that found the stream broken):
+    ``splice`` then returns without reading on, and the caller closes the connection."""
+
+    stopped: bool
 
     def write(self, data: bytes) -> bool:
         """Take ``data``; False when the taker's buffer is full: call no more until ``drained``
@@ -108,8 +113,9 @@ class EngineResponse(Protocol):
         ...
 
     async def splice(self, sink: BodySink) -> None:
-        """Every remaining body byte into ``sink`` as it arrives, until the end; the same bytes
-        and errors as ``read_some`` in a loop, without waking the caller per piece."""
+        """Every remaining body byte into ``sink`` as it arrives, until the end or until the sink
+        is ``stopped``; the same bytes and errors as ``read_some`` in a loop, without waking the
+        caller per piece."""
         ...
 
     def end_first(self) -> None:
@@ -151,8 +157,10 @@ async def read_whole(read_some: Callable[[], Awaitable[bytes]]) -> bytes:
 async def splice_by_reading(read_some: Callable[[], Awaitable[bytes]], sink: BodySink) -> None:
     """``EngineResponse.splice`` on ``read_some``: the reference behaviour."""
     while chunk := await read_some():
-        if not sink.write(chunk):
+        if not sink.write(chunk) and not sink.stopped:
             await wait_drained(sink)
+        if sink.stopped:
+            return
 
 
 async def wait_drained(sink: BodySink) -> None:

@@ -2,9 +2,10 @@
 
 Relayed through ASGI, every chunk an engine streams costs a task wake-up, a message dict and
 uvicorn's ``send`` coroutine on top of the two unavoidable system calls (read, write): most of the
-gateway's CPU per chunk (docs/benchmarks.md, "Stream relay"). When nothing needs to read the
-events (the answer is relayed byte for byte), the engine connection's parser callback can write
-each piece onto the client's connection itself: ``BodyWriter`` is that connection's side.
+gateway's CPU per chunk (docs/benchmarks.md, "Stream relay"). Instead the engine connection's
+parser callback writes each piece onto the client's connection itself (after a migratable
+stream's events are read and rewritten, synchronously, in the same callback):
+``BodyWriter`` is that connection's side.
 
 How the relay finds its connection: the guard (gateway/http/server.py) sets ``CONNECTION`` while
 uvicorn's protocol handles the bytes that start a request, and uvicorn starts the request's ASGI

@@ -6,10 +6,12 @@ first, then the engine's body. A migratable request's engine events are read and
 (gateway/request/stitch.py): the client gets what the engine would have sent, as an SSE stream or
 assembled into one JSON answer, and a decode leg that breaks off mid-answer is handed to the
 ``Migrator`` (gateway/request/migrator.py), whose continuation is relayed on as if nothing
-happened. Every other answer goes byte for byte (a stream's chunks written onto the client's
-connection from the engine connection's callback where the server allows it:
-gateway/http/splice.py), and one that breaks off ends with an error event and ``[DONE]``, as vLLM
-ends a stream that fails. The relay counts what went out in the record (chunks, output tokens),
+happened. Every other answer goes byte for byte, and one that breaks off ends with an error event
+and ``[DONE]``, as vLLM ends a stream that fails. Either way, after a stream's first chunk the rest
+is spliced where the server allows it (gateway/http/splice.py): written onto the client's
+connection from the engine connection's callback (a migratable one's events read and rewritten
+there, the sink stopping at the first that breaks), without waking the request per chunk.
+The relay counts what went out in the record (chunks, output tokens),
 ends each decode leg through ``EngineLegs`` (its connection closed or kept, its slot given back,
 the hooks told), and keeps the request's ``Outcome``: the status the client got, and whether it has
 the whole answer, so that a client hanging up after ``[DONE]`` is not recorded as one that left. A
@@ -82,7 +84,8 @@ class AnswerRelay:
         self.legs = legs
         self.migrator = migrator
         self.headers = headers
-        self.splice = splice  # engines.splice: a byte-for-byte stream skips the event loop per chunk
+        self.splice = splice  # engines.splice: a stream's chunks skip the event loop
+        self._body_open = False  # a body chunk went out through uvicorn (it opens the chunked body)
 
     async def send(self, client: ClientWire, req: ParsedRequest, leg: OpenDecode) -> None:
         """Send the decode engine's answer on as it comes. The engine has the prompt's KV from here
@@ -218,17 +221,32 @@ class AnswerRelay:
         rec, resp = self.rec, leg.stream.resp
         ended, clean, cut = LegOutcome.CUT, False, None
         chunk, send, read = leg.stream.head, client.asgi_send, resp.read_some
+        spliced = False
         try:
             while chunk:
                 out = answer.feed(chunk)
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                     rec.sent_chunk(out)
+                    self._body_open = True
                 answer.check()
                 if answer.done:  # whatever happens to the connection now
                     ended = LegOutcome.OK
                     self.outcome.answered = answer.stream  # [DONE] is out: a hang-up now changes nothing
-                chunk = await read()
+                splice = self.splice and self._body_open and not spliced and not answer.done
+                writer = client.body_writer() if splice else None
+                if writer is not None:
+                    # the rest read and rewritten in the engine connection's callback, written
+                    # straight onto the client's; it stops at the first failure
+                    sink = _Stitched(writer, answer, rec, self.outcome)
+                    await resp.splice(sink)
+                    spliced = True
+                    answer.check()
+                    if answer.done:
+                        ended = LegOutcome.OK
+                    chunk = b""
+                else:
+                    chunk = await read()
             answer.ended()
             ended, clean = LegOutcome.OK, True
         except (TimeoutError, ClientError) as err:
@@ -250,17 +268,43 @@ class _Relayed:
     """The client's connection as a splice sink, noting what the byte-for-byte loop notes per
     chunk: the request record's token events (TTFT, ITL) and whether ``[DONE]`` went out."""
 
-    __slots__ = ("_outcome", "_rec", "_writer", "drained")
+    __slots__ = ("_outcome", "_rec", "_writer", "drained", "stopped")
 
     def __init__(self, writer: BodyWriter, rec: RequestRecord, outcome: Outcome) -> None:
         self._writer, self._rec, self._outcome = writer, rec, outcome
         self.drained = writer.drained
+        self.stopped = False  # a byte-for-byte relay takes the stream to its end
 
     def write(self, data: bytes) -> bool:
         self._rec.sent_chunk(data)
         if data.endswith(DONE):
             self._outcome.answered = True
         return self._writer.write(data)
+
+
+class _Stitched:
+    """The client's connection as a splice sink for a migratable stream: each engine piece read
+    and rewritten by the ``Answer`` in the engine connection's callback, what it makes written on;
+    at the first failure (``Answer.failure``) the sink stops, and ``_part`` raises it."""
+
+    __slots__ = ("_answer", "_outcome", "_rec", "_writer", "drained", "stopped")
+
+    def __init__(self, writer: BodyWriter, answer: Answer, rec: RequestRecord, outcome: Outcome) -> None:
+        self._writer, self._answer, self._rec, self._outcome = writer, answer, rec, outcome
+        self.drained = writer.drained
+        self.stopped = False
+
+    def write(self, data: bytes) -> bool:
+        answer = self._answer
+        out = answer.feed(data)
+        if answer.failure is not None:
+            self.stopped = True
+        if answer.done:
+            self._outcome.answered = True  # [DONE] is out: a hang-up now changes nothing
+        if not out:
+            return True
+        self._rec.sent_chunk(out)
+        return self._writer.write(out)
 
 
 def _is_stream(content_type: bytes | None) -> bool:

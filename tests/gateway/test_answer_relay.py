@@ -103,3 +103,67 @@ async def test_a_client_that_did_not_stream_gets_its_engines_stream_as_one_answe
     [line] = h.access
     assert (line["status"], line["output_tokens"], line["stream"]) == (200, 12, False)
     settled(h)
+
+
+# -- a migratable stream spliced: the sink the engine connection's callback writes through ----------
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.got: list[bytes] = []
+
+    def write(self, data: bytes) -> bool:
+        self.got.append(data)
+        return True
+
+    def drained(self, resume) -> None:
+        resume()
+
+
+class _Record:
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+
+    def sent_chunk(self, chunk: bytes) -> None:
+        self.chunks.append(chunk)
+
+
+def _event(text: str, token: int, finish: str | None = None) -> bytes:
+    choice = {"index": 0, "delta": {"content": text}, "finish_reason": finish, "token_ids": [token]}
+    head = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    return b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n"
+
+
+def test_the_stitched_sink_writes_what_the_answer_makes_and_stops_at_a_broken_event():
+    from gateway.request.answer_relay import Outcome, _Stitched
+    from gateway.request.stitch import Answer, Broken
+
+    answer = Answer(
+        "chat", stream=True, wants_ids=False, usage=False, continuous=False, prompt=[1, 2], max_event_bytes=1 << 16
+    )
+    writer, rec, outcome = _Writer(), _Record(), Outcome()
+    sink = _Stitched(writer, answer, rec, outcome)  # type: ignore[arg-type]
+    both = _event(" a", 7) + _event(" b", 8)[:20]  # one whole event and the start of the next
+    assert sink.write(both) and not sink.stopped
+    assert writer.got == rec.chunks and len(writer.got) == 1
+    assert b'"token_ids":null' in writer.got[0] and b'" a"' in writer.got[0]  # as the engine sends without ids
+    assert sink.write(_event(" b", 8)[20:] + b"data: {not json\n\n")
+    assert sink.stopped  # the broken event stops the splice; what came before it went out
+    assert b'" b"' in writer.got[-1] and list(answer.ids) == [7, 8]
+    with pytest.raises(Broken):
+        answer.check()
+    assert not outcome.answered
+
+
+def test_the_stitched_sink_marks_the_answer_whole_at_done():
+    from gateway.request.answer_relay import Outcome, _Stitched
+    from gateway.request.stitch import Answer
+
+    answer = Answer(
+        "chat", stream=True, wants_ids=False, usage=False, continuous=False, prompt=[1], max_event_bytes=1 << 16
+    )
+    writer, outcome = _Writer(), Outcome()
+    sink = _Stitched(writer, answer, _Record(), outcome)  # type: ignore[arg-type]
+    sink.write(_event(" a", 7, finish="stop") + b"data: [DONE]\n\n")
+    assert outcome.answered and answer.done and not sink.stopped
+    assert writer.got[-1].endswith(b"data: [DONE]\n\n")

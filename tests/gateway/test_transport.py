@@ -920,13 +920,17 @@ async def test_decode_stream_outlives_decode_first_byte_once_its_first_token_is_
 class Sink:
     """A ``BodySink`` that holds back after ``room`` writes until ``release``."""
 
-    def __init__(self, room: int = 1 << 30) -> None:
+    def __init__(self, room: int = 1 << 30, stop_at: bytes | None = None) -> None:
         self.got: list[bytes] = []
         self.room = room
         self.resume: Callable[[], None] | None = None
+        self.stop_at = stop_at  # stop once a piece holds this
+        self.stopped = False
 
     def write(self, data: bytes) -> bool:
         self.got.append(data)
+        if self.stop_at is not None and self.stop_at in data:
+            self.stopped = True
         return len(self.got) < self.room
 
     def drained(self, resume: Callable[[], None]) -> None:
@@ -1021,4 +1025,25 @@ async def test_splice_raises_what_reading_raises_on_a_reset_and_on_silence(make:
             await resp.splice(sink)
         assert b"".join(sink.got) == b"xxxx"  # the bound moved with the bytes, then held
         assert asyncio.get_running_loop().time() - started >= 0.6
+        resp.close()
+
+
+async def test_splice_returns_when_the_sink_stops_and_reads_no_further(make: Make):
+    go_on = asyncio.Event()
+
+    async def handler(ex: Exchange) -> None:
+        await ex.answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nok-1\r\n")
+        await asyncio.sleep(0.05)
+        await ex.answer(b"5\r\nbad-2\r\n")
+        await go_on.wait()
+        await ex.answer(b"4\r\nok-3\r\n0\r\n\r\n")
+
+    async with Server(handler) as server:
+        resp = await post(make(), server, Timeouts(connect=5, idle=10))
+        sink = Sink(stop_at=b"bad")
+        await asyncio.wait_for(resp.splice(sink), 5)  # returns at the stop, not at the end
+        assert b"".join(sink.got) == b"ok-1bad-2"
+        go_on.set()
+        await asyncio.sleep(0.05)
+        assert b"".join(sink.got) == b"ok-1bad-2"  # nothing after the stop reaches the sink
         resp.close()
