@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import cbor2
@@ -179,7 +180,10 @@ async def test_a_signed_message_that_breaks_the_protocol_changes_nothing(hub) ->
         pa.decode[0].in_flight = 2
         await until(lambda: pb.others.get(D1) == 2, timeout=5)
         for i, message in enumerate(INVALID, 1):
-            topic, stamp = b"w000", (a._stamp + i * 10_000_000).to_bytes(8, "big")  # newer than a's last
+            # Newer than anything a sends meanwhile (a busy machine may delay a's own next message
+            # past a small margin, and b would then drop this one as replayed, not invalid).
+            when = max(a._stamp, time.monotonic_ns()) + 3600 * 10**9 + i
+            topic, stamp = b"w000", when.to_bytes(8, "big")
             body = cbor2.dumps(message)
             await forger.send(topic, stamp, body, _mac(hub.address.secret, topic, stamp, body))
             await until(lambda i=i: b.dropped["invalid"] == i, timeout=5, what=f"{message!r:.80} dropped")
