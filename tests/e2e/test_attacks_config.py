@@ -96,9 +96,11 @@ def status(cluster: Cluster, key: str | None) -> int:
 
 
 def every_worker_answers(cluster: Cluster, key: str | None, status: int, workers: int = 2) -> bool:
-    """``key`` gets ``status`` from every worker (fresh connections until each answered twice)."""
+    """``key`` gets ``status`` from every worker (fresh connections until each answered twice; up
+    to 30 s, as a worker still loading its tokenizer on a busy machine accepts none yet)."""
     seen: dict[int, list[int]] = {}
-    for _ in range(200):
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
         worker, got = ask(cluster, key)
         if got in SHED:
             continue
