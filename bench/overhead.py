@@ -105,11 +105,19 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000
 
 
-def _body(stream: bool) -> bytes:
+QUESTION = "What is disaggregated prefill?"
+# Filler for --prompt-chars: prose, so the tokenizer's work per byte is a chat message's.
+FILLER = "The prefill pool reads the whole prompt once and hands its KV cache to a decode engine. "
+
+
+def _body(stream: bool, prompt_chars: int = 0) -> bytes:
+    content = QUESTION
+    if prompt_chars > len(QUESTION):
+        content = (FILLER * (prompt_chars // len(FILLER) + 1))[: prompt_chars - len(QUESTION)] + QUESTION
     return json.dumps(
         {
             "model": MODEL,
-            "messages": [{"role": "user", "content": "What is disaggregated prefill?"}],
+            "messages": [{"role": "user", "content": content}],
             "max_tokens": STREAM_TOKENS,
             "stream": stream,
         }
@@ -128,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - over the limit b
         default="1",
         help="pdgate worker counts to run (comma-separated, e.g. 1,2): "
         "targets gateway (the first) and gateway-wN (the others)",
+    )
+    parser.add_argument(
+        "--prompt-chars",
+        type=int,
+        default=0,
+        help="pad the user message to this many characters (0: a 30-character question); a typical chat "
+        "turn is 1-4 KB, past the short question's inline tokenization",
     )
     parser.add_argument("--baseline", default=None, help="a checkout of another pdgate version to compare with")
     parser.add_argument(
@@ -247,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - over the limit b
 
         for rnd in range(args.rounds):
             for stream, conc in plan:
-                body = _body(stream)
+                body = _body(stream, args.prompt_chars)
                 targets = [("engine", engine_url, None)]
                 names = [
                     "gateway",
@@ -342,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - over the limit b
         "pinned": args.pin,
         "requests_per_cell": args.requests * args.rounds,
         "stream_tokens": STREAM_TOKENS,
+        "prompt_bytes": len(_body(False, args.prompt_chars)),
         "rows": [asdict(r) for r in rows],
         "added": added,
         "ratios_pdgate_over_vllm_router": ratios,

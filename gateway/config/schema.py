@@ -359,8 +359,10 @@ class FailoverConfig(_Strict):
 class TokenizerConfig(_Strict):
     workers: int = Field(2, ge=1, description="threads that tokenize off the event loop")
     inline_max_bytes: int = Field(
-        256,
-        ge=0,  # measured: the largest body whose parse + tokenize stays under ~100 us
+        4096,
+        # measured (docs/benchmarks.md "Tokenizing inline"): a hop to a tokenizer thread costs the worker
+        # ~250 us of CPU in GIL hand-offs, more than tokenizing 2 KB in place; 4 KiB holds the loop <= ~0.5 ms
+        ge=0,
         description="request bodies this small are tokenized on the event loop (cheaper than a thread hop); "
         "larger ones on the tokenizer threads",
     )

@@ -190,7 +190,8 @@ async def test_large_bodies_are_tokenized_on_a_worker_thread(tok):
 
 
 def test_inline_limit_config_is_in_bytes():
-    assert TokenizerConfig().inline_max_bytes == 256
+    # a thread hop costs more CPU than tokenizing a few KB in place (docs/benchmarks.md "Tokenizing inline")
+    assert TokenizerConfig().inline_max_bytes == 4096
     assert "inline_max_chars" not in TokenizerConfig.model_fields
 
 
