@@ -176,7 +176,10 @@ def test_gateway_pod_is_locked_down_and_probed(rendered, case):
 
 def test_gateway_pdb_only_with_several_replicas(tools: Tools):
     docs = render(tools)
-    assert find(docs, "PodDisruptionBudget", "pdgate-gateway")["spec"]["minAvailable"] == 1
+    spec = find(docs, "PodDisruptionBudget", "pdgate-gateway")["spec"]
+    assert spec["minAvailable"] == 1
+    # a gateway that is not Ready (decode down) can still be evicted: drains never wait on it
+    assert spec["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
     docs = render(tools, "--set", "gateway.replicas=1", "--set", "redis.enabled=false")
     assert not of_kind(docs, "PodDisruptionBudget")
 
@@ -515,7 +518,7 @@ def test_engines_drain_before_sigterm_and_roll_without_an_outage(rendered, tools
     }
     pdb = find(big, "PodDisruptionBudget", "pdgate-prefill")
     selector = find(big, "Deployment", "pdgate-prefill")["spec"]["selector"]
-    assert pdb["spec"] == {"maxUnavailable": 1, "selector": selector}
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": selector, "unhealthyPodEvictionPolicy": "AlwaysAllow"}
     docs = render(
         tools,
         "--set",

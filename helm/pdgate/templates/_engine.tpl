@@ -130,6 +130,10 @@ spec:
         - --prefix-caching-hash-algo
         - {{ $e.prefixHashAlgo }}
         - --enable-prompt-tokens-details  # the gateway checks its prefix beliefs against usage's cached_tokens
+        {{- with (include "pdgate.engineShutdownTimeout" (list $ $pool) | int) }}
+        - --shutdown-timeout  # SIGTERM drains the requests in flight (engines.shutdownTimeoutSeconds)
+        - {{ . | quote }}
+        {{- end }}
         - --kv-transfer-config
         - {{ include "pdgate.kvTransferConfig" (list $ $pool) | squote }}
         {{- if $e.kvEvents.enabled }}
@@ -192,6 +196,13 @@ spec:
       env:
         - {name: PYTHONHASHSEED, value: {{ $e.pythonHashSeed | quote }}}
         - {name: HF_HOME, value: /models/huggingface}
+        {{- if ne $e.compileCache.type "none" }}
+        {{- /* every kernel cache on one volume (engines.compileCache): a restart does not recompile */}}
+        - {name: VLLM_CACHE_ROOT, value: /compile-cache/vllm}
+        - {name: TRITON_CACHE_DIR, value: /compile-cache/triton}
+        - {name: TORCHINDUCTOR_CACHE_DIR, value: /compile-cache/inductor}
+        - {name: FLASHINFER_WORKSPACE_BASE, value: /compile-cache}
+        {{- end }}
         - name: VLLM_NIXL_SIDE_CHANNEL_HOST  # the decode engine pulls KV from this address
           valueFrom: {fieldRef: {fieldPath: status.podIP}}
         - {name: VLLM_NIXL_SIDE_CHANNEL_PORT, value: {{ $v.nixl.sideChannelPort | quote }}}
@@ -269,6 +280,9 @@ spec:
       volumeMounts:
         - {name: dshm, mountPath: /dev/shm}
         - {name: models, mountPath: /models}
+        {{- if ne $e.compileCache.type "none" }}
+        - {name: compile-cache, mountPath: /compile-cache}
+        {{- end }}
         {{- if $lmcache }}
         - {name: lmcache, mountPath: /etc/lmcache, readOnly: true}
         {{- end }}
@@ -289,6 +303,10 @@ spec:
       emptyDir: {medium: Memory, sizeLimit: {{ $p.shmSize }}}
     - name: models
       {{- include "pdgate.modelCacheVolume" $ | trim | nindent 6 }}
+    {{- if ne $e.compileCache.type "none" }}
+    - name: compile-cache
+      {{- include "pdgate.compileCacheVolume" $ | trim | nindent 6 }}
+    {{- end }}
     {{- if $lmcache }}
     - name: lmcache
       configMap:

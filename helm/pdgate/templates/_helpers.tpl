@@ -324,6 +324,9 @@ scorers are the gateway's defaults, written out because a pool's routing replace
 {{- if has $flag (list "--tensor-parallel-size" "-tp" "--pipeline-parallel-size" "-pp" "--nnodes" "--node-rank" "--master-addr" "--headless") }}
 {{- fail (printf "%s.extraArgs sets %s: the chart sets it from %s.tensorParallelSize / pipelineParallelSize / multiNode, and checks them against %s.gpus" $pool $flag $pool $pool) }}
 {{- end }}
+{{- if eq $flag "--shutdown-timeout" }}
+{{- fail (printf "%s.extraArgs sets --shutdown-timeout: the chart sets it from engines.shutdownTimeoutSeconds and checks it against %s.terminationGracePeriodSeconds" $pool $pool) }}
+{{- end }}
 {{- end }}
 {{- $nodes := ternary (int $p.multiNode.size) 1 $p.multiNode.enabled }}
 {{- $ranks := mul (int $p.tensorParallelSize) (int $p.pipelineParallelSize) }}
@@ -339,6 +342,10 @@ scorers are the gateway's defaults, written out because a pool's routing replace
 {{- end }}
 {{- if ge (int $v.engines.preStopSleepSeconds) (int $p.terminationGracePeriodSeconds) }}
 {{- fail (printf "engines.preStopSleepSeconds (%d) must stay below %s.terminationGracePeriodSeconds (%d): the kubelet kills the pod at the end of the grace period, preStop included, and vLLM would get no time to stop" (int $v.engines.preStopSleepSeconds) $pool (int $p.terminationGracePeriodSeconds)) }}
+{{- end }}
+{{- $drain := include "pdgate.engineShutdownTimeout" (list $ $pool) | int }}
+{{- if gt (add (int $v.engines.preStopSleepSeconds) $drain 5) (int $p.terminationGracePeriodSeconds) }}
+{{- fail (printf "engines.shutdownTimeoutSeconds (%d) + engines.preStopSleepSeconds (%d) + 5 s to exit must fit in %s.terminationGracePeriodSeconds (%d): the kubelet kills vLLM at the end of the grace period, cutting the drain short" $drain (int $v.engines.preStopSleepSeconds) $pool (int $p.terminationGracePeriodSeconds)) }}
 {{- end }}
 {{- if and $p.multiNode.enabled (eq (toString (dig "type" "" ($p.strategy | default dict))) "Recreate") }}
 {{- fail (printf "%s.strategy.type Recreate: a LeaderWorkerSet (%s.multiNode) only rolls out with RollingUpdate (set %s.strategy.rollingUpdate.maxUnavailable instead)" $pool $pool $pool) }}
@@ -398,6 +405,33 @@ scorers are the gateway's defaults, written out because a pool's routing replace
 {{- end }}
 {{- if $v.lora.enabled }}
 {{- include "pdgate.loraCheck" . }}
+{{- end }}
+{{- with $v.gateway.service.awsHealthCheck }}
+{{- $grace := add 40 (int $v.gateway.preStopSleepSeconds) }}
+{{- $delay := include "pdgate.nlbDeregistrationDelay" $ | int }}
+{{- if and .enabled (eq $v.gateway.service.type "LoadBalancer") (lt $delay $grace) }}
+{{- fail (printf "gateway.service.awsHealthCheck.deregistrationDelaySeconds (%d) is below the gateway's grace period (%d s: preStopSleepSeconds + 40 s of stream draining): the NLB would reset streams the gateway is still finishing" $delay $grace) }}
+{{- end }}
+{{- end }}
+{{- include "pdgate.claimsExist" . }}
+{{- end }}
+
+{{/* Claims the release mounts but does not create (model cache, adapters, compile cache): against a
+live cluster (helm install/upgrade, --dry-run=server), a missing one fails the install by name rather
+than leaving every engine Pending. helm template has no cluster: lookup finds nothing, not even
+the namespace, and the check is skipped. */}}
+{{- define "pdgate.claimsExist" -}}
+{{- $v := .Values }}
+{{- if lookup "v1" "Namespace" "" .Release.Namespace }}
+{{- $claims := dict }}
+{{- if eq $v.model.cache.type "pvc" }}{{ $_ := set $claims $v.model.cache.claimName "model.cache.claimName (the model weights, e.g. FSx for Lustre: deploy/eks/README.md step 6)" }}{{ end }}
+{{- if and $v.lora.enabled $v.lora.source.pvc.claimName }}{{ $_ := set $claims $v.lora.source.pvc.claimName "lora.source.pvc.claimName (the adapters)" }}{{ end }}
+{{- if eq $v.engines.compileCache.type "pvc" }}{{ $_ := set $claims $v.engines.compileCache.claimName "engines.compileCache.claimName (compiled kernels)" }}{{ end }}
+{{- range $claim, $what := $claims }}
+{{- if not (lookup "v1" "PersistentVolumeClaim" $.Release.Namespace $claim) }}
+{{- fail (printf "PersistentVolumeClaim %q does not exist in namespace %s: %s. Create it first (kubectl -n %s get pvc), or change the value" $claim $.Release.Namespace $what $.Release.Namespace) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -555,4 +589,35 @@ engines load it and the gateway names it: the adapter's own, else lora.mountPath
 {{- end }}
 {{- end }}
 {{- toJson $items }}
+{{- end }}
+
+{{/* vLLM's --shutdown-timeout for a pool ((list $ pool)): engines.shutdownTimeoutSeconds, or what the
+grace period leaves after the preStop sleep and 15 s for the exit itself (never below 0). */}}
+{{- define "pdgate.engineShutdownTimeout" -}}
+{{- $ := index . 0 }}{{- $p := index $.Values (index . 1) }}{{- $e := $.Values.engines }}
+{{- if kindIs "invalid" $e.shutdownTimeoutSeconds }}
+{{- max 0 (sub (sub (int $p.terminationGracePeriodSeconds) (int $e.preStopSleepSeconds)) 15) }}
+{{- else }}
+{{- int $e.shutdownTimeoutSeconds }}
+{{- end }}
+{{- end }}
+
+{{/* The compiled-kernel cache volume's source (engines.compileCache), or nothing with type none */}}
+{{- define "pdgate.compileCacheVolume" -}}
+{{- $c := .Values.engines.compileCache }}
+{{- if eq $c.type "emptyDir" }}
+emptyDir: {sizeLimit: {{ $c.sizeLimit }}}
+{{- else if eq $c.type "hostPath" }}
+hostPath: {path: {{ $c.path | quote }}, type: DirectoryOrCreate}
+{{- else if eq $c.type "pvc" }}
+{{- if not $c.claimName }}{{ fail "engines.compileCache.type pvc needs engines.compileCache.claimName" }}{{ end }}
+persistentVolumeClaim: {claimName: {{ $c.claimName | quote }}}
+{{- end }}
+{{- end }}
+
+{{/* The NLB's deregistration delay: gateway.service.awsHealthCheck.deregistrationDelaySeconds, or the
+gateway's grace period (preStop sleep + 40 s of draining), so no stream is cut before the gateway ends it */}}
+{{- define "pdgate.nlbDeregistrationDelay" -}}
+{{- $d := .Values.gateway.service.awsHealthCheck.deregistrationDelaySeconds }}
+{{- if kindIs "invalid" $d }}{{ add 40 (int .Values.gateway.preStopSleepSeconds) }}{{ else }}{{ int $d }}{{ end }}
 {{- end }}

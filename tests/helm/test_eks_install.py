@@ -1,0 +1,273 @@
+"""The second pass over the EKS install (issue 33): what would stop or hurt a platform team on day
+one. Each test renders the chart as a user would install it and checks the manifest that fixes one
+point: drains that proceed while decode is down, engines that drain on SIGTERM and keep their
+compiled kernels, an NLB that checks /ready and lets streams finish, a two-node example, a
+`helm test` whose exec right is narrowed to the preflight script, and a test image from any
+registry. The admission policy's CEL is evaluated for real (cel-python), with the commands the
+rendered test pod runs."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import celpy
+import pytest
+
+from tests.procs import ProcGroup, free_port
+
+from .conftest import CHART, ROOT, Tools
+from .test_chart import find, helm_template, of_kind, render, render_notes
+
+BIG = ROOT / "deploy" / "values-llama-3.3-70b.yaml"
+TWO = ROOT / "deploy" / "values-llama-3.3-70b-two-nodes.yaml"
+
+
+def vllm(docs: list[dict], pool: str) -> dict:
+    pod = find(docs, "Deployment", f"pdgate-{pool}")["spec"]["template"]["spec"]
+    [c] = [c for c in pod["containers"] if c["name"] == "vllm"]
+    return c
+
+
+def flag(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args else None
+
+
+def refused(tools: Tools, *args: str, values=None) -> str:
+    out = helm_template(tools, *args, values=values)
+    assert out.returncode != 0, "the chart rendered what it should refuse"
+    return out.stderr
+
+
+# -- disruption budgets -----------------------------------------------------------------------------
+
+
+def test_drains_are_not_blocked_by_pods_that_are_not_ready(tools: Tools):
+    """The gateway is not Ready while no decode engine is: a minAvailable budget over not-Ready pods
+    would block every node drain during a decode outage, the moment a drain matters most."""
+    docs = render(tools, values=BIG)
+    for name in ("pdgate-gateway", "pdgate-prefill", "pdgate-decode"):
+        assert find(docs, "PodDisruptionBudget", name)["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+
+
+# -- engines: drain on SIGTERM, keep compiled kernels ------------------------------------------------
+
+
+def test_engines_drain_requests_in_flight_within_the_grace_period(tools: Tools):
+    docs = render(tools)
+    for pool in ("prefill", "decode"):
+        c = vllm(docs, pool)
+        grace = find(docs, "Deployment", f"pdgate-{pool}")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        sleep = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
+        drain = int(flag(c["args"], "--shutdown-timeout"))
+        assert drain == grace - sleep - 15 == 90  # 120 - 15 - 15 with the defaults
+    docs = render(tools, "--set", "engines.shutdownTimeoutSeconds=30")
+    assert flag(vllm(docs, "decode")["args"], "--shutdown-timeout") == "30"
+    # 0: vLLM's own default (abort in-flight requests): no flag at all
+    assert (
+        "--shutdown-timeout" not in vllm(render(tools, "--set", "engines.shutdownTimeoutSeconds=0"), "decode")["args"]
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--set", "engines.shutdownTimeoutSeconds=110"], "must fit in prefill.terminationGracePeriodSeconds (120)"),
+        (["--set", "decode.extraArgs={--shutdown-timeout,5}"], "the chart sets it from engines.shutdownTimeoutSeconds"),
+        (
+            ["--set", "engines.compileCache.type=pvc"],
+            "engines.compileCache.type pvc needs engines.compileCache.claimName",
+        ),
+    ],
+)
+def test_drain_and_cache_settings_that_cannot_work_are_refused(tools: Tools, args, message):
+    assert message in refused(tools, *args)
+
+
+def test_compiled_kernels_live_on_a_volume_that_outlives_the_container(tools: Tools):
+    docs = render(tools)
+    c = vllm(docs, "decode")
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["compile-cache"] == "/compile-cache"
+    for var in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE"):
+        assert env[var].startswith("/compile-cache")
+    pod = find(docs, "Deployment", "pdgate-decode")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["compile-cache"]["emptyDir"] == {"sizeLimit": "20Gi"}
+    docs = render(tools, "--set", "engines.compileCache.type=hostPath")
+    volumes = {v["name"]: v for v in find(docs, "Deployment", "pdgate-decode")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["compile-cache"]["hostPath"] == {
+        "path": "/var/lib/pdgate/compile-cache",
+        "type": "DirectoryOrCreate",
+    }
+    docs = render(tools, "--set", "engines.compileCache.type=none")
+    c = vllm(docs, "decode")
+    assert "compile-cache" not in {m["name"] for m in c["volumeMounts"]}
+    assert "VLLM_CACHE_ROOT" not in {e["name"] for e in c["env"]}
+
+
+# -- the NLB ---------------------------------------------------------------------------------------------
+
+
+def test_the_nlb_checks_ready_and_lets_streams_finish(tools: Tools):
+    docs = render(tools, values=BIG)
+    a = find(docs, "Service", "pdgate-gateway")["metadata"]["annotations"]
+    p = "service.beta.kubernetes.io/aws-load-balancer-healthcheck-"
+    assert a[p + "path"] == "/ready" and a[p + "protocol"] == "HTTP" and a[p + "port"] == "traffic-port"
+    delay = int(a["service.beta.kubernetes.io/aws-load-balancer-target-group-attributes"].split("=")[1])
+    grace = find(docs, "Deployment", "pdgate-gateway")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert delay >= grace  # the NLB keeps a draining target's connections as long as the gateway drains
+    # the example's own annotations stay, and a user's annotation wins over the chart's
+    assert a["service.beta.kubernetes.io/aws-load-balancer-scheme"] == "internal"
+    escaped = (p + "path").replace(".", "\\.")
+    docs = render(tools, "--set-string", f"gateway.service.annotations.{escaped}=/health", values=BIG)
+    assert find(docs, "Service", "pdgate-gateway")["metadata"]["annotations"][p + "path"] == "/health"
+    # a ClusterIP Service carries no load balancer annotations
+    assert "annotations" not in find(render(tools), "Service", "pdgate-gateway")["metadata"]
+    message = refused(tools, "--set", "gateway.service.awsHealthCheck.deregistrationDelaySeconds=20", values=BIG)
+    assert "below the gateway's grace period" in message
+
+
+# -- the examples ----------------------------------------------------------------------------------------
+
+
+def test_two_node_example_runs_one_engine_per_pool_without_a_spare_node(tools: Tools):
+    docs = render(tools, "-f", str(TWO), values=BIG)
+    for pool in ("prefill", "decode"):
+        dep = find(docs, "Deployment", f"pdgate-{pool}")
+        assert dep["spec"]["replicas"] == 1
+        assert dep["spec"]["strategy"] == {"type": "Recreate"}  # no surge: an upgrade needs no third p5
+        assert dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert not of_kind(docs, "HorizontalPodAutoscaler")
+    assert {d["metadata"]["name"] for d in of_kind(docs, "PodDisruptionBudget")} == {"pdgate-gateway"}
+
+
+def _install_check(tools: Tools, tmp_path: Path, claims: str) -> subprocess.CompletedProcess:
+    """``helm template --dry-run=server`` (what ``helm install`` renders with) against a stand-in API
+    server that holds namespace llm and the claims named in ``claims``."""
+    port = free_port()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\n"
+        f"clusters: [{{name: fake, cluster: {{server: 'http://127.0.0.1:{port}'}}}}]\n"
+        "users: [{name: u, user: {token: t}}]\n"
+        "contexts: [{name: c, context: {cluster: fake, user: u, namespace: llm}}]\ncurrent-context: c\n"
+    )
+    group = ProcGroup(tmp_path)
+    try:
+        api = group.start(
+            "kube-api", [sys.executable, "-m", "tests.helm.fake_kube_api", str(port), "llm", claims], cwd=ROOT
+        )
+        api.wait_http(f"http://127.0.0.1:{port}/version")
+        cmd = [str(tools.helm), "template", "pdgate", str(CHART), "-n", "llm", "--dry-run=server", "-f", str(BIG)]
+        return subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={"KUBECONFIG": str(kubeconfig), "HOME": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        )
+    finally:
+        group.stop_all()
+
+
+def test_install_names_a_missing_model_claim_instead_of_leaving_engines_pending(tools: Tools, tmp_path: Path):
+    out = _install_check(tools, tmp_path, "")
+    assert out.returncode != 0
+    assert 'PersistentVolumeClaim "models-fsx" does not exist in namespace llm' in out.stderr
+    out = _install_check(tools, tmp_path, "models-fsx")
+    assert out.returncode == 0, out.stderr
+    assert "kind: Deployment" in out.stdout
+
+
+def test_the_70b_example_preloads_the_weights_once(tools: Tools):
+    docs = render(tools, values=BIG)
+    [job] = [d for d in of_kind(docs, "Job") if "preload" in d["metadata"]["name"]]
+    assert job["metadata"]["annotations"]["helm.sh/hook"].startswith("pre-install")
+    claims = [
+        v["persistentVolumeClaim"]["claimName"]
+        for v in job["spec"]["template"]["spec"]["volumes"]
+        if "persistentVolumeClaim" in v
+    ]
+    assert claims == ["models-fsx"]
+
+
+# -- helm test: exec narrowed to the preflight -------------------------------------------------------------
+
+
+def _policy(docs: list[dict]) -> tuple[dict, celpy.Runner, celpy.Runner]:
+    [policy] = of_kind(docs, "ValidatingAdmissionPolicy")
+    env = celpy.Environment()
+    [cond] = policy["spec"]["matchConditions"]
+    [rule] = policy["spec"]["validations"]
+    return policy, env.program(env.compile(cond["expression"])), env.program(env.compile(rule["expression"]))
+
+
+def _allowed(rule: celpy.Runner, pod: str, command: list[str], container: str = "vllm", ns: str = "llm") -> bool:
+    act = {
+        "request": celpy.json_to_cel({"namespace": ns, "name": pod}),
+        "object": celpy.json_to_cel({"kind": "PodExecOptions", "container": container, "command": command}),
+    }
+    return bool(rule.evaluate(act))
+
+
+def test_the_test_pods_exec_right_reaches_only_the_preflight_in_engine_pods(tools: Tools):
+    docs = render(tools)
+    policy, cond, rule = _policy(docs)
+    ops = policy["spec"]["matchConstraints"]["resourceRules"][0]
+    assert ops["operations"] == ["CONNECT"] and ops["resources"] == ["pods/exec"]
+    [binding] = of_kind(docs, "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"] and binding["spec"]["validationActions"] == [
+        "Deny"
+    ]
+    # the policy applies to the test's own ServiceAccount, and only to it
+    [pod] = [d for d in of_kind(docs, "Pod") if d["metadata"]["annotations"].get("helm.sh/hook") == "test"]
+    account = f"system:serviceaccount:llm:{pod['spec']['serviceAccountName']}"
+    assert cond.evaluate({"request": celpy.json_to_cel({"userInfo": {"username": account}})})
+    assert not cond.evaluate(
+        {"request": celpy.json_to_cel({"userInfo": {"username": "system:serviceaccount:llm:default"}})}
+    )
+    # every exec the rendered test script makes is allowed...
+    script = pod["spec"]["containers"][0]["args"][-1] if pod["spec"]["containers"][0].get("args") else ""
+    script = script or " ".join(pod["spec"]["containers"][0]["command"])
+    execs = re.findall(r'kubectl -n "\$NS" exec "\$\w+" -c (\w+) -- (python3 \S+ \w+)', script)
+    assert {sub.split()[2] for _, sub in execs} >= {"serve", "pull"}
+    for container, command in execs:
+        for engine in ("pdgate-prefill-7d9f-abcde", "pdgate-decode-7d9f-fghij"):
+            assert _allowed(rule, engine, [*command.split(), "--backend", "UCX"], container)
+    # ...and nothing else: another pod, another container, a shell, another namespace
+    preflight = ["python3", "/opt/pdgate/preflight/preflight.py", "pull"]
+    assert not _allowed(rule, "pdgate-gateway-5c6d-xyz12", preflight)
+    assert not _allowed(rule, "other-app-decode-1", preflight)
+    assert not _allowed(rule, "pdgate-decode-7d9f-fghij", preflight, container="preflight")
+    assert not _allowed(rule, "pdgate-decode-7d9f-fghij", ["sh", "-c", "cat /var/run/secrets/token"])
+    assert not _allowed(rule, "pdgate-decode-7d9f-fghij", ["python3", "-c", "import os"])
+    assert not _allowed(rule, "pdgate-decode-7d9f-fghij", preflight, ns="other")
+
+
+def test_exec_policy_can_be_left_out_and_the_test_image_comes_from_any_registry(tools: Tools):
+    docs = render(
+        tools,
+        "--set",
+        "preflight.test.execPolicy=false",
+        "--set",
+        "preflight.test.image.registry=123456789012.dkr.ecr.us-east-1.amazonaws.com/docker-hub",
+    )
+    assert not of_kind(docs, "ValidatingAdmissionPolicy")
+    [pod] = [d for d in of_kind(docs, "Pod") if d["metadata"]["annotations"].get("helm.sh/hook") == "test"]
+    assert (
+        pod["spec"]["containers"][0]["image"]
+        == "123456789012.dkr.ecr.us-east-1.amazonaws.com/docker-hub/alpine/k8s:1.32.3"
+    )
+    [pod] = [d for d in of_kind(render(tools), "Pod") if d["metadata"]["annotations"].get("helm.sh/hook") == "test"]
+    assert pod["spec"]["containers"][0]["image"] == "docker.io/alpine/k8s:1.32.3"
+
+
+def test_notes_say_an_internal_nlb_answers_only_inside_the_vpc(tools: Tools, tmp_path: Path):
+    notes = render_notes(tools, tmp_path / "big", BIG)
+    assert "internal NLB" in notes and "port-forward" in notes
+    small = render_notes(tools, tmp_path / "small", ROOT / "deploy" / "values-small.yaml")
+    assert "internal NLB" not in small  # a ClusterIP Service: no load balancer to speak of
