@@ -1439,3 +1439,26 @@ def test_gateway_pairs_prefill_and_decode_engines_inside_their_zone(api, tokeniz
     finally:
         for e in engines.values():
             e.stop()
+
+
+LAZY_CLIENT = """
+import sys
+from gateway.tokenization import frameworks
+frameworks.keep_out()
+import gateway.cli, gateway.http.app
+from gateway.config import parse_config
+from gateway.engines.discovery import Discovery
+base = {"models": [{"name": "m", "tokenizer": "t", "max_model_len": 1024}]}
+parse_config({**base, "pools": {"decode": {"endpoints": ["http://127.0.0.1:1"]}}})
+print(int("kubernetes_asyncio" in sys.modules))
+parse_config({**base, "pools": {"decode": {"discovery": {"label_selector": "app=vllm", "port": 8000}}}})
+print(int("kubernetes_asyncio" in sys.modules))
+"""
+
+
+def test_the_kubernetes_client_is_loaded_only_with_discovery_configured():
+    """kubernetes_asyncio's client (every API model class) holds ~43 MB in each worker: a gateway
+    with static endpoints only never imports it; a discovery section does."""
+    out = subprocess.run([sys.executable, "-c", LAZY_CLIENT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "1"]

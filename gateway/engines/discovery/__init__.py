@@ -38,11 +38,29 @@ per watcher when the library's ``ApiClient`` (and its ``Watch``) is created.
 
 from __future__ import annotations
 
-from .access import AccessError, check_files
+from typing import TYPE_CHECKING, Any
+
 from .endpoints import ready_endpoints
 from .manager import POOLS, Discovery
 from .selector import LABEL_KEY, LABEL_VALUE, LabelSelector
-from .watcher import SliceWatcher
+
+if TYPE_CHECKING:
+    from .access import AccessError, check_files
+    from .watcher import SliceWatcher
+
+# kubernetes_asyncio's client (every API model class) holds ~43 MB of a worker's memory: imported
+# only once a pool has a discovery section (its watcher, or the config check of its files), never
+# in a gateway with static endpoints only.
+_LAZY = {"AccessError": ".access", "check_files": ".access", "SliceWatcher": ".watcher"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "LABEL_KEY",

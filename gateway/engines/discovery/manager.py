@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from gateway.background import cancel_checkpoint, stop_task
 from gateway.config import EndpointConfig, GatewayConfig
 
-from .watcher import SliceWatcher
+if TYPE_CHECKING:
+    from .watcher import SliceWatcher
+
 
 log = logging.getLogger("gateway.engines.discovery")
 
@@ -66,6 +69,8 @@ class Discovery:
                 # The new watcher starts from the old one's endpoints and keeps them until its first
                 # list replaces them: a reload must not empty the pool (a discovery-only decode pool
                 # would answer 503, and the prefixes learned for those engines would be forgotten).
+                from .watcher import SliceWatcher  # the Kubernetes client: only with discovery configured
+
                 watcher = SliceWatcher(name, want, self._changed, carried)
                 self.watchers[name] = watcher
                 await watcher.start()
