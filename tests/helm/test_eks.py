@@ -362,9 +362,17 @@ def test_engine_service_account_for_irsa_and_pod_identity(tools: Tools):
 
 def test_emptydir_model_cache_is_requested_as_ephemeral_storage(tools: Tools):
     c = container(render(tools, values=SMALL), "decode")
-    assert c["resources"]["requests"]["ephemeral-storage"] == "20Gi"  # = model.cache.sizeLimit
+    # model.cache.sizeLimit + engines.compileCache.sizeLimit (both emptyDirs on the node's disk)
+    assert c["resources"]["requests"]["ephemeral-storage"] == "40Gi"
     assert "ephemeral-storage" not in c["resources"]["limits"]
-    assert "ephemeral-storage" not in container(render(tools, values=BIG), "decode")["resources"]["requests"]  # pvc
+    # a pvc model cache: only the compile cache
+    assert container(render(tools, values=BIG), "decode")["resources"]["requests"]["ephemeral-storage"] == "20Gi"
+    assert (
+        "ephemeral-storage"
+        not in container(render(tools, "--set", "engines.compileCache.type=none", values=BIG), "decode")["resources"][
+            "requests"
+        ]
+    )
     c = container(render(tools, "--set", "decode.resources.requests.ephemeral-storage=300Gi"), "decode")
     assert c["resources"]["requests"]["ephemeral-storage"] == "300Gi"
 

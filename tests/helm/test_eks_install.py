@@ -8,6 +8,7 @@ rendered test pod runs."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -80,6 +81,9 @@ def test_engines_drain_requests_in_flight_within_the_grace_period(tools: Tools):
             ["--set", "engines.compileCache.type=pvc"],
             "engines.compileCache.type pvc needs engines.compileCache.claimName",
         ),
+        # the computed drain would be 0: the user must choose to abort, not get it silently
+        (["--set", "prefill.terminationGracePeriodSeconds=25"], "leaves no time for vLLM to drain"),
+        (["--kube-version", "1.29.0"], "set preflight.test.execPolicy=false"),
     ],
 )
 def test_drain_and_cache_settings_that_cannot_work_are_refused(tools: Tools, args, message):
@@ -97,6 +101,8 @@ def test_compiled_kernels_live_on_a_volume_that_outlives_the_container(tools: To
     pod = find(docs, "Deployment", "pdgate-decode")["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["compile-cache"]["emptyDir"] == {"sizeLimit": "20Gi"}
+    # the scheduler counts it on the node's disk, beside the model cache's 200Gi
+    assert c["resources"]["requests"]["ephemeral-storage"] == "220Gi"
     docs = render(tools, "--set", "engines.compileCache.type=hostPath")
     volumes = {v["name"]: v for v in find(docs, "Deployment", "pdgate-decode")["spec"]["template"]["spec"]["volumes"]}
     assert volumes["compile-cache"]["hostPath"] == {
@@ -125,6 +131,17 @@ def test_the_nlb_checks_ready_and_lets_streams_finish(tools: Tools):
     escaped = (p + "path").replace(".", "\\.")
     docs = render(tools, "--set-string", f"gateway.service.annotations.{escaped}=/health", values=BIG)
     assert find(docs, "Service", "pdgate-gateway")["metadata"]["annotations"][p + "path"] == "/health"
+    # an NLB through the AWS Load Balancer Controller, with ip targets
+    assert a["service.beta.kubernetes.io/aws-load-balancer-type"] == "external"
+    assert a["service.beta.kubernetes.io/aws-load-balancer-nlb-target-type"] == "ip"
+    # a user's own target group attributes keep the deregistration delay beside them
+    tga = "service.beta.kubernetes.io/aws-load-balancer-target-group-attributes"
+    escaped = tga.replace(".", "\\.")
+    docs = render(
+        tools, "--set-string", f"gateway.service.annotations.{escaped}=preserve_client_ip.enabled=true", values=BIG
+    )
+    merged = find(docs, "Service", "pdgate-gateway")["metadata"]["annotations"][tga]
+    assert merged == f"preserve_client_ip.enabled=true,deregistration_delay.timeout_seconds={grace}"
     # a ClusterIP Service carries no load balancer annotations
     assert "annotations" not in find(render(tools), "Service", "pdgate-gateway")["metadata"]
     message = refused(tools, "--set", "gateway.service.awsHealthCheck.deregistrationDelaySeconds=20", values=BIG)
@@ -145,9 +162,9 @@ def test_two_node_example_runs_one_engine_per_pool_without_a_spare_node(tools: T
     assert {d["metadata"]["name"] for d in of_kind(docs, "PodDisruptionBudget")} == {"pdgate-gateway"}
 
 
-def _install_check(tools: Tools, tmp_path: Path, claims: str) -> subprocess.CompletedProcess:
+def _install_check(tools: Tools, tmp_path: Path, state: dict, *args: str) -> subprocess.CompletedProcess:
     """``helm template --dry-run=server`` (what ``helm install`` renders with) against a stand-in API
-    server that holds namespace llm and the claims named in ``claims``."""
+    server holding namespace llm's claims and Secrets in ``state``; everything else is forbidden."""
     port = free_port()
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(
@@ -158,29 +175,40 @@ def _install_check(tools: Tools, tmp_path: Path, claims: str) -> subprocess.Comp
     )
     group = ProcGroup(tmp_path)
     try:
-        api = group.start(
-            "kube-api", [sys.executable, "-m", "tests.helm.fake_kube_api", str(port), "llm", claims], cwd=ROOT
-        )
+        argv = [sys.executable, "-m", "tests.helm.fake_kube_api", str(port), "llm", json.dumps(state)]
+        api = group.start("kube-api", argv, cwd=ROOT)
         api.wait_http(f"http://127.0.0.1:{port}/version")
-        cmd = [str(tools.helm), "template", "pdgate", str(CHART), "-n", "llm", "--dry-run=server", "-f", str(BIG)]
-        return subprocess.run(
-            cmd,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={"KUBECONFIG": str(kubeconfig), "HOME": str(tmp_path), "PATH": "/usr/bin:/bin"},
-        )
+        cmd = [str(tools.helm), "template", "pdgate", str(CHART), "-n", "llm", "--dry-run=server", *args]
+        env = {"KUBECONFIG": str(kubeconfig), "HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     finally:
         group.stop_all()
 
 
-def test_install_names_a_missing_model_claim_instead_of_leaving_engines_pending(tools: Tools, tmp_path: Path):
-    out = _install_check(tools, tmp_path, "")
+READY = {"claims": ["models-fsx"], "secrets": {"hf-token": ["HF_TOKEN"], "pdgate-api-keys": ["api-keys"]}}
+
+
+def test_install_names_a_missing_claim_or_secret_instead_of_leaving_pods_waiting(tools: Tools, tmp_path: Path):
+    out = _install_check(tools, tmp_path, {**READY, "claims": []}, "-f", str(BIG))
     assert out.returncode != 0
     assert 'PersistentVolumeClaim "models-fsx" does not exist in namespace llm' in out.stderr
-    out = _install_check(tools, tmp_path, "models-fsx")
+    out = _install_check(tools, tmp_path, {**READY, "secrets": {"pdgate-api-keys": ["api-keys"]}}, "-f", str(BIG))
+    assert 'Secret "hf-token" (model.hfTokenSecret) does not exist in namespace llm' in out.stderr
+    out = _install_check(
+        tools, tmp_path, {**READY, "secrets": {"hf-token": ["token"], "pdgate-api-keys": ["api-keys"]}}, "-f", str(BIG)
+    )
+    assert (
+        'Secret "hf-token" (model.hfTokenSecret) in namespace llm has no key "HF_TOKEN" (it has: token)' in out.stderr
+    )
+    out = _install_check(tools, tmp_path, READY, "-f", str(BIG))
     assert out.returncode == 0, out.stderr
     assert "kind: Deployment" in out.stdout
+
+
+def test_a_deployer_with_namespace_rights_only_installs_without_references(tools: Tools, tmp_path: Path):
+    """Reading the Namespace object (or anything outside it) is forbidden here: the checks never need it."""
+    out = _install_check(tools, tmp_path, {})
+    assert out.returncode == 0, out.stderr
 
 
 def test_the_70b_example_preloads_the_weights_once(tools: Tools):
@@ -193,6 +221,9 @@ def test_the_70b_example_preloads_the_weights_once(tools: Tools):
         if "persistentVolumeClaim" in v
     ]
     assert claims == ["models-fsx"]
+    # Meta's original checkpoint (as large as the weights, never read by vLLM) stays on the hub
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[-2:] == ["--exclude", "original/*"] and '"$@"' in command[2]
 
 
 # -- helm test: exec narrowed to the preflight -------------------------------------------------------------

@@ -198,7 +198,7 @@ def test_adapters_from_a_pvc_read_only_loaded_at_start(tools: Tools, tmp_path, c
         assert mount == {"name": "lora-adapters", "mountPath": "/adapters", "readOnly": True, "subPath": "llama-70b"}
         assert "initContainers" not in spec
         # the model cache's disk request is unchanged: the adapters are not on the node's disk
-        assert c["resources"]["requests"]["ephemeral-storage"] == "200Gi"
+        assert c["resources"]["requests"]["ephemeral-storage"] == "220Gi"  # model 200 + compile cache 20
 
 
 def test_adapters_from_s3_copied_at_start_with_runtime_loading(tools: Tools, tmp_path, capsys):
@@ -253,8 +253,8 @@ def test_adapters_from_s3_copied_at_start_with_runtime_loading(tools: Tools, tmp
         assert env(sync) == {"AWS_REGION": "us-west-2"}  # no credentials: IRSA / Pod Identity
         assert sync["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
         assert sync["resources"]["limits"] == {"memory": "1Gi"}
-        # the copy is on the node's disk too: the scheduler counts it with the model cache
-        assert c["resources"]["requests"]["ephemeral-storage"] == "220Gi"
+        # the copy is on the node's disk too: the scheduler counts it with the model and compile caches
+        assert c["resources"]["requests"]["ephemeral-storage"] == "240Gi"
 
 
 def test_static_s3_adapters_without_runtime_loading(tools: Tools, tmp_path, capsys):

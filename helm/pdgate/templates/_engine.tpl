@@ -201,6 +201,7 @@ spec:
         - {name: VLLM_CACHE_ROOT, value: /compile-cache/vllm}
         - {name: TRITON_CACHE_DIR, value: /compile-cache/triton}
         - {name: TORCHINDUCTOR_CACHE_DIR, value: /compile-cache/inductor}
+        - {name: CUDA_CACHE_PATH, value: /compile-cache/nv}  # the driver's PTX JIT cache
         - {name: FLASHINFER_WORKSPACE_BASE, value: /compile-cache}
         {{- end }}
         - name: VLLM_NIXL_SIDE_CHANNEL_HOST  # the decode engine pulls KV from this address
@@ -243,6 +244,7 @@ spec:
         {{- /* the model cache (and the adapters copied from S3) live on the node's disk: let the scheduler count them */}}
         {{- $disk := list }}
         {{- if eq $v.model.cache.type "emptyDir" }}{{ $disk = append $disk $v.model.cache.sizeLimit }}{{ end }}
+        {{- if eq $e.compileCache.type "emptyDir" }}{{ $disk = append $disk $e.compileCache.sizeLimit }}{{ end }}
         {{- if eq $loraSource "s3" }}{{ $disk = append $disk $v.lora.source.s3.sizeLimit }}{{ end }}
         {{- if eq (len $disk) 1 }}
         {{- $_ := set $r "ephemeral-storage" (first $disk) }}

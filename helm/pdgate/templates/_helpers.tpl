@@ -344,8 +344,12 @@ scorers are the gateway's defaults, written out because a pool's routing replace
 {{- fail (printf "engines.preStopSleepSeconds (%d) must stay below %s.terminationGracePeriodSeconds (%d): the kubelet kills the pod at the end of the grace period, preStop included, and vLLM would get no time to stop" (int $v.engines.preStopSleepSeconds) $pool (int $p.terminationGracePeriodSeconds)) }}
 {{- end }}
 {{- $drain := include "pdgate.engineShutdownTimeout" (list $ $pool) | int }}
-{{- if gt (add (int $v.engines.preStopSleepSeconds) $drain 5) (int $p.terminationGracePeriodSeconds) }}
-{{- fail (printf "engines.shutdownTimeoutSeconds (%d) + engines.preStopSleepSeconds (%d) + 5 s to exit must fit in %s.terminationGracePeriodSeconds (%d): the kubelet kills vLLM at the end of the grace period, cutting the drain short" $drain (int $v.engines.preStopSleepSeconds) $pool (int $p.terminationGracePeriodSeconds)) }}
+{{- if kindIs "invalid" $v.engines.shutdownTimeoutSeconds }}
+{{- if lt $drain 1 }}
+{{- fail (printf "%s.terminationGracePeriodSeconds (%d) leaves no time for vLLM to drain after engines.preStopSleepSeconds (%d) and 15 s to exit: raise the grace period, or set engines.shutdownTimeoutSeconds: 0 to abort requests in flight on purpose" $pool (int $p.terminationGracePeriodSeconds) (int $v.engines.preStopSleepSeconds)) }}
+{{- end }}
+{{- else if gt (add (int $v.engines.preStopSleepSeconds) $drain 15) (int $p.terminationGracePeriodSeconds) }}
+{{- fail (printf "engines.shutdownTimeoutSeconds (%d) + engines.preStopSleepSeconds (%d) + 15 s to exit must fit in %s.terminationGracePeriodSeconds (%d): the kubelet kills vLLM at the end of the grace period, cutting the drain short" $drain (int $v.engines.preStopSleepSeconds) $pool (int $p.terminationGracePeriodSeconds)) }}
 {{- end }}
 {{- if and $p.multiNode.enabled (eq (toString (dig "type" "" ($p.strategy | default dict))) "Recreate") }}
 {{- fail (printf "%s.strategy.type Recreate: a LeaderWorkerSet (%s.multiNode) only rolls out with RollingUpdate (set %s.strategy.rollingUpdate.maxUnavailable instead)" $pool $pool $pool) }}
@@ -413,23 +417,49 @@ scorers are the gateway's defaults, written out because a pool's routing replace
 {{- fail (printf "gateway.service.awsHealthCheck.deregistrationDelaySeconds (%d) is below the gateway's grace period (%d s: preStopSleepSeconds + 40 s of stream draining): the NLB would reset streams the gateway is still finishing" $delay $grace) }}
 {{- end }}
 {{- end }}
-{{- include "pdgate.claimsExist" . }}
+{{- include "pdgate.referencesExist" . }}
 {{- end }}
 
-{{/* Claims the release mounts but does not create (model cache, adapters, compile cache): against a
-live cluster (helm install/upgrade, --dry-run=server), a missing one fails the install by name rather
-than leaving every engine Pending. helm template has no cluster: lookup finds nothing, not even
-the namespace, and the check is skipped. */}}
-{{- define "pdgate.claimsExist" -}}
+{{/* Claims and Secrets the release uses but does not create (model cache, adapters, compile cache;
+the Hugging Face token, API keys, admin token, Redis and L2 URLs): against a live cluster (helm
+install/upgrade, --dry-run=server) a missing one fails the install by name, rather than leaving
+engines Pending or a hook Job waiting for the whole --timeout. Only named objects are looked up, in
+the release's namespace (Helm itself needs Secrets there), and claims by listing them. helm template
+has no cluster: the list comes back empty, with no items key, and the check is skipped. */}}
+{{- define "pdgate.referencesExist" -}}
 {{- $v := .Values }}
-{{- if lookup "v1" "Namespace" "" .Release.Namespace }}
+{{- $ns := .Release.Namespace }}
 {{- $claims := dict }}
 {{- if eq $v.model.cache.type "pvc" }}{{ $_ := set $claims $v.model.cache.claimName "model.cache.claimName (the model weights, e.g. FSx for Lustre: deploy/eks/README.md step 6)" }}{{ end }}
 {{- if and $v.lora.enabled $v.lora.source.pvc.claimName }}{{ $_ := set $claims $v.lora.source.pvc.claimName "lora.source.pvc.claimName (the adapters)" }}{{ end }}
 {{- if eq $v.engines.compileCache.type "pvc" }}{{ $_ := set $claims $v.engines.compileCache.claimName "engines.compileCache.claimName (compiled kernels)" }}{{ end }}
+{{- if $claims }}
+{{- $list := lookup "v1" "PersistentVolumeClaim" $ns "" }}
+{{- if hasKey $list "items" }}
+{{- $have := list }}{{ range $list.items }}{{ $have = append $have .metadata.name }}{{ end }}
 {{- range $claim, $what := $claims }}
-{{- if not (lookup "v1" "PersistentVolumeClaim" $.Release.Namespace $claim) }}
-{{- fail (printf "PersistentVolumeClaim %q does not exist in namespace %s: %s. Create it first (kubectl -n %s get pvc), or change the value" $claim $.Release.Namespace $what $.Release.Namespace) }}
+{{- if not (has $claim $have) }}
+{{- fail (printf "PersistentVolumeClaim %q does not exist in namespace %s: %s. Create it first (kubectl -n %s get pvc), or change the value" $claim $ns $what $ns) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $secrets := list }}
+{{- if $v.model.hfTokenSecret }}{{ $secrets = append $secrets (list $v.model.hfTokenSecret "HF_TOKEN" "model.hfTokenSecret") }}{{ end }}
+{{- with $v.gateway.apiKeysSecret }}{{ if .name }}{{ $secrets = append $secrets (list .name .key "gateway.apiKeysSecret") }}{{ end }}{{ end }}
+{{- with $v.gateway.adminTokenSecret }}{{ if .name }}{{ $secrets = append $secrets (list .name .key "gateway.adminTokenSecret") }}{{ end }}{{ end }}
+{{- with $v.redis.urlSecret }}{{ if .name }}{{ $secrets = append $secrets (list .name .key "redis.urlSecret") }}{{ end }}{{ end }}
+{{- with $v.lmcache.l2.urlSecret }}{{ if and $v.lmcache.enabled $v.lmcache.l2.enabled .name }}{{ $secrets = append $secrets (list .name .key "lmcache.l2.urlSecret") }}{{ end }}{{ end }}
+{{- if $secrets }}
+{{- if hasKey (lookup "v1" "Secret" $ns "") "items" }}{{/* a live cluster (Helm lists Secrets to store releases) */}}
+{{- range $secrets }}
+{{- $name := index . 0 }}{{ $key := index . 1 }}{{ $what := index . 2 }}
+{{- $secret := lookup "v1" "Secret" $ns $name }}
+{{- if not $secret }}
+{{- fail (printf "Secret %q (%s) does not exist in namespace %s: create it first (deploy/eks/README.md step 5: kubectl -n %s create secret generic %s --from-literal=%s=...)" $name $what $ns $ns $name $key) }}
+{{- else if not (hasKey ($secret.data | default dict) $key) }}
+{{- fail (printf "Secret %q (%s) in namespace %s has no key %q (it has: %s)" $name $what $ns $key (keys ($secret.data | default dict) | sortAlpha | join ", ")) }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- end }}
