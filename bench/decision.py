@@ -64,7 +64,8 @@ from gateway.engines.pools import EngineStats, Pools
 from gateway.request.protocol import ParsedRequest, parse_body
 from gateway.request.router import Router
 from gateway.tokenization import fasttok
-from gateway.tokenization.tokenizer import ModelTokenizer, find_ranks_file
+from gateway.tokenization.reference import find_ranks_file
+from gateway.tokenization.tokenizer import ModelTokenizer
 from policies.beliefs.blockhash import BlockHash, block_hashes
 from policies.beliefs.prefix_index import PrefixIndex
 

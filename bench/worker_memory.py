@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             "models": [{"name": "bench", "tokenizer": str(tokenizer), "max_model_len": 8192}],
             "pools": {"prefill": {"endpoints": []}, "decode": {"endpoints": [f"http://127.0.0.1:{be_port}"]}},
             "telemetry": {"access_log": False},
+            "admission": {"max_loop_lag_ms": 0},  # memory, not speed: never shed on a busy machine
         }
         (logs / "gateway.yaml").write_text(yaml.safe_dump(cfg))
         gw = group.start(

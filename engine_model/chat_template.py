@@ -18,6 +18,8 @@ import jinja2
 import jinja2.meta
 import jinja2.nodes as nodes
 
+from engine_model import chat_env
+
 ContentFormat = Literal["string", "openai"]
 
 
@@ -38,11 +40,8 @@ def _parse(template: str) -> nodes.Template | None:
     That environment knows transformers' own tags (``{% generation %}``) and loop controls; a plain
     environment fails on them, which would lose the content format and the template variables.
     """
-    from transformers.utils.chat_template_utils import _compile_jinja_template  # what vLLM uses too
-
     try:
-        # (transformers leaves _compile_jinja_template unannotated: the AST's type is said here)
-        ast: nodes.Template = _compile_jinja_template(template).environment.parse(template)
+        ast: nodes.Template = chat_env.environment().parse(template)
     except Exception:  # a broken template: vLLM falls back to defaults, rendering then reports it
         return None
     return ast

@@ -1,7 +1,8 @@
 """Token ids of a request's prompt, computed the way the engine computes them.
 
 Loading mirrors vLLM's: transformers' AutoTokenizer (a local folder or a hub name) with
-``truncation_side="left"``, as vLLM loads tokenizers for generative models. Chat prompts follow
+``truncation_side="left"``, as vLLM loads tokenizers for generative models (``reference.py``), run in
+a child process so that workers never import transformers (``bundle.py``, ``lean.py``). Chat prompts follow
 ``engine_model.chat``'s rules, are rendered to text and encoded by the Rust tokenizer directly (the same
 ids as the transformers wrapper, at well under half the cost). Truncation and length checks follow
 vLLM's ``TokenizeParams`` (``vllm/renderers/params.py``).
@@ -29,10 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,27 +42,14 @@ from engine_model import chat
 from gateway.config import ModelConfig, TokenizerConfig
 from gateway.http.errors import APIError, bad_request
 from gateway.request.protocol import ParsedRequest, check_lengths
-from gateway.tokenization import fasttok, frameworks, heap, hub
+from gateway.tokenization import bundle, heap, reference
+from gateway.tokenization.lean import LeanTokenizer
 from gateway.tokenization.segments import SegmentEncoder
 
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
-_IMPORT_LOCK = threading.Lock()
 
-# vLLM renders these models' chat prompts with its own Python code (or tokenizer) instead of the
-# Jinja chat template, so the gateway's chat counts for them are approximate.
-_RENDERER_ARCHITECTURES = {
-    "DeepseekV32ForCausalLM": "deepseek_v32",
-    "DeepseekV4ForCausalLM": "deepseek_v4",
-    "DeepseekV4ForConditionalGeneration": "deepseek_v4",
-    "DeepseekV41ForCausalLM": "deepseek_v41",
-    "KimiK3ForConditionalGeneration": "kimi_k3",
-    "MoonshotKimiaForCausalLM": "kimi_audio",
-    "InklingForCausalLM": "inkling",
-    "InklingForConditionalGeneration": "inkling",
-}
-_PLAIN_TOKENIZER_MODES = frozenset({"auto", "hf"})
 # Renderers that still tokenize with the model's Hugging Face tokenizer: only chat counts differ.
 _HF_TOKENIZER_RENDERERS = frozenset({"harmony", "kimi_k3", "cohere", "inkling"})
 EMPTY_PROMPT = "The decoder prompt cannot be empty"
@@ -109,68 +95,6 @@ def load_template(value: str | None) -> str | None:
         if any(c in value for c in "{}\n"):
             return value
         raise ValueError(f"chat_template {value!r} looks like a file path, but it cannot be read: {err}") from None
-
-
-def _model_config(cfg: ModelConfig) -> dict[str, Any]:
-    """The model's config.json next to its tokenizer, if there is one (no download)."""
-    from transformers.utils.hub import cached_file  # where it is defined (transformers.utils re-exports it)
-
-    try:
-        path = cached_file(
-            cfg.tokenizer,
-            "config.json",
-            revision=cfg.tokenizer_revision,
-            _raise_exceptions_for_missing_entries=False,
-            local_files_only=True,
-        )
-        return json.loads(Path(path).read_text(encoding="utf-8")) if path else {}
-    except Exception:  # no config, or one we cannot read: nothing to detect from
-        return {}
-
-
-def find_ranks_file(cfg: ModelConfig) -> str | None:
-    """The model's own tiktoken ranks next to its tokenizer (``fasttok.RANKS_FILES``: Meta's
-    ``original/tokenizer.model``), when the folder or the local hub cache has one (no download).
-    Preferred where present (it must hold exactly the vocabulary's tokens and ids); without one,
-    or when it is not that, ``fasttok.load_ranks`` reads the same ranks off tokenizer.json's
-    vocabulary, so downloads without ``original/`` (which also holds the weights) get them too."""
-    from transformers.utils.hub import cached_file  # where it is defined (transformers.utils re-exports it)
-
-    for name in fasttok.RANKS_FILES:
-        try:
-            path = cached_file(
-                cfg.tokenizer,
-                name,
-                revision=cfg.tokenizer_revision,
-                _raise_exceptions_for_missing_entries=False,
-                local_files_only=True,
-            )
-        except Exception:  # not there, or no cache to look in
-            continue
-        if path:
-            return str(path)
-    return None
-
-
-def detect_renderer(cfg: ModelConfig) -> str | None:
-    """Which of vLLM's own chat renderers this model gets (None: the Jinja template)."""
-    if cfg.tokenizer_mode not in _PLAIN_TOKENIZER_MODES:
-        return cfg.tokenizer_mode
-    config = _model_config(cfg)
-    if config.get("model_type") == "gpt_oss":
-        return "harmony"
-    for arch in config.get("architectures") or ():
-        if arch in _RENDERER_ARCHITECTURES:
-            return _RENDERER_ARCHITECTURES[arch]
-    folder = Path(cfg.tokenizer)
-    if (
-        cfg.tokenizer_mode == "auto"
-        and folder.is_dir()
-        and any(folder.glob("consolidated*.safetensors"))
-        and ((folder / "tekken.json").exists() or any(folder.glob("tokenizer.model.v*")))
-    ):
-        return "mistral"  # vLLM then uses mistral_common's tokenizer and renderer
-    return None
 
 
 class ModelTokenizer:
@@ -237,41 +161,17 @@ class ModelTokenizer:
 
     @classmethod
     def load(cls, cfg: ModelConfig) -> ModelTokenizer:
-        frameworks.keep_out()  # before transformers' first import: it would load torch (~700 MB)
-        with _IMPORT_LOCK:  # transformers' lazy imports fail when two threads race through them
-            from transformers import AutoTokenizer  # heavy import: only when a gateway starts
-
-        # A hub name: ask the hub once, fast (gateway/tokenization/hub.py), rather than through a minute of the
-        # library's retries; where it cannot serve, only the local hub cache can.
-        problem = None if hub.is_local(cfg.tokenizer) else hub.probe(cfg.tokenizer, cfg.tokenizer_revision)
-        try:
-            hf = AutoTokenizer.from_pretrained(
-                cfg.tokenizer,
-                revision=cfg.tokenizer_revision,
-                trust_remote_code=cfg.trust_remote_code,
-                truncation_side="left",
-                local_files_only=problem is not None,
-            )
-        except OSError:
-            if problem is None:
-                raise
-            raise problem.unavailable() from None
-        except ImportError as err:
-            framework = frameworks.blocked(err)
-            if framework is None:
-                raise
-            raise frameworks.FrameworkNeeded(
-                f"model {cfg.name}: its tokenizer's code imports {framework}, which the gateway keeps out of "
-                "its processes (it only tokenizes); give it a tokenizer that loads without it"
-            ) from None
+        """The model's tokenizer as vLLM loads it (transformers), kept as a ``LeanTokenizer`` when
+        that reproduces every probe transformers rendered and encoded (``bundle.py``), else as
+        transformers' own (a warning says why)."""
+        made = bundle.make(cfg)
+        tok: Any = LeanTokenizer(made)
+        problem = tok.differs(made)
         if problem is not None:
-            log.log(
-                logging.INFO if problem.chosen else logging.WARNING,
-                "model %s: %s; its tokenizer comes from the local hub cache",
-                cfg.name,
-                problem.what,
-            )
-        loaded = cls(hf, cfg, detect_renderer(cfg), ranks_file=find_ranks_file(cfg))
+            log.warning("model %s: %s; this process loads transformers to tokenize it", cfg.name, problem)
+            tok = reference.load(cfg).hf
+        loaded = cls(tok, cfg, made.renderer, ranks_file=made.ranks_file)
+        del made, tok
         heap.trim()  # the load's freed C memory back to the system (~200 MB for Llama 3)
         return loaded
 

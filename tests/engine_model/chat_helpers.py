@@ -37,7 +37,7 @@ def make(hf, max_model_len: int = 4096, **cfg) -> ModelTokenizer:
 
 
 def rendered(tok: ModelTokenizer, body: dict) -> str:
-    return tok.hf.decode(tok.prompt_ids(req(body))[0])
+    return tok.backend.decode(tok.prompt_ids(req(body))[0], skip_special_tokens=False)
 
 
 def user(content) -> list[dict]:

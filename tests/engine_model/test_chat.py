@@ -17,21 +17,23 @@ import pytest
 
 from gateway.config import ModelConfig, TokenizerConfig
 from gateway.http.errors import APIError
-from gateway.tokenization.tokenizer import ModelTokenizer, Tokenizers, detect_renderer
+from gateway.tokenization import reference
+from gateway.tokenization.reference import detect_renderer
+from gateway.tokenization.tokenizer import ModelTokenizer, Tokenizers
 from tests.engine_model.chat_helpers import make, req, user
 
 # -- rendering end to end --------------------------------------------------------------------------
 
 
-def test_chat_ids_match_transformers_rendering(tok):
+def test_chat_ids_match_transformers_rendering(tok, reference_hf):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
     ids = tok.prompt_ids(req({"messages": messages}))[0]
-    text = tok.hf.apply_chat_template(
+    text = reference_hf.apply_chat_template(
         [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in messages],
         tokenize=False,
         add_generation_prompt=True,
     )
-    assert ids == tok.hf.encode(text, add_special_tokens=False)
+    assert ids == reference_hf.encode(text, add_special_tokens=False)
     assert text.endswith("<|assistant|>\n")
 
 
@@ -117,18 +119,22 @@ def test_truncate_prompt_tokens_edge_values(hf):
         tok.prompt_ids(req(long | {"truncate_prompt_tokens": 33}, "completion"))
 
 
-def test_prompt_length_and_truncation(tok):
+def test_prompt_length_and_truncation(tok, reference_hf):
     long = req({"prompt": "word " * 200}, "completion")
     with pytest.raises(APIError) as info:
         tok.prompt_ids(long)
     assert info.value.code == "context_length_exceeded"
     cut = req({"truncate_prompt_tokens": 10, "truncation_side": "left", "prompt": "word " * 200}, "completion")
-    assert tok.prompt_ids(cut)[0] == tok.hf.encode("word " * 200)[-10:]
+    assert tok.prompt_ids(cut)[0] == reference_hf.encode("word " * 200)[-10:]
 
 
 def test_token_ids_are_not_checked_against_the_vocabulary(tok):
     """F14: the engine knows the model's (possibly padded) vocabulary; the gateway does not."""
-    assert tok.prompt_ids(req({"prompt": [1, 2, len(tok.hf) + 100]}, "completion"))[0] == [1, 2, len(tok.hf) + 100]
+    assert tok.prompt_ids(req({"prompt": [1, 2, tok.backend.get_vocab_size() + 100]}, "completion"))[0] == [
+        1,
+        2,
+        tok.backend.get_vocab_size() + 100,
+    ]
 
 
 def test_text_too_long_for_any_tokenization_is_refused_before_tokenizing(hf):
@@ -230,6 +236,7 @@ def test_tokenizer_json_truncation_and_padding_settings_are_ignored(tokenizer_di
     rust.enable_truncation(max_length=3)
     rust.enable_padding(length=50, pad_id=3, pad_token="<pad>")
     rust.save(str(folder / "tokenizer.json"))
-    tok = ModelTokenizer.load(ModelConfig(name="t", tokenizer=str(folder), max_model_len=64))
-    assert tok.prompt_ids(req({"prompt": TEXT}, "completion"))[0] == tok.hf(TEXT)["input_ids"]
-    assert 3 < len(tok.hf(TEXT)["input_ids"]) < 50
+    cfg = ModelConfig(name="t", tokenizer=str(folder), max_model_len=64)
+    tok, ref = ModelTokenizer.load(cfg), reference.load(cfg).hf
+    assert tok.prompt_ids(req({"prompt": TEXT}, "completion"))[0] == ref(TEXT)["input_ids"]
+    assert 3 < len(ref(TEXT)["input_ids"]) < 50

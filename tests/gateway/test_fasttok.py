@@ -23,7 +23,8 @@ from gateway.http.errors import APIError
 from gateway.ops.metrics import GatewayMetrics
 from gateway.request.protocol import parse_body
 from gateway.tokenization import fasttok, regex_classes
-from gateway.tokenization.tokenizer import ModelTokenizer, find_ranks_file
+from gateway.tokenization.reference import find_ranks_file
+from gateway.tokenization.tokenizer import ModelTokenizer
 
 LLAMA3_PATTERN = fasttok._LLAMA3
 ADVERSARIAL = [

@@ -20,7 +20,7 @@ from gateway.tokenization.tokenizer import ModelTokenizer
 tok = ModelTokenizer.load(ModelConfig(name="tiny", tokenizer=sys.argv[1], max_model_len=4096))
 text = tok.hf.apply_chat_template([{"role": "user", "content": "hello there"}], tokenize=False)
 print(json.dumps({"ids": tok.backend.encode(text).ids, "frameworks": __import__(
-    "gateway.tokenization.frameworks", fromlist=["loaded"]).loaded()}))
+    "gateway.tokenization.frameworks", fromlist=["loaded"]).loaded(), "transformers": "transformers" in sys.modules}))
 """
 
 
@@ -57,6 +57,7 @@ def test_a_tokenizer_loads_without_importing_any_framework(stubs, tokenizer_dir)
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["ids"] and out["frameworks"] == []
+    assert out["transformers"] is False  # loaded in a child process, handed over as a bundle (lean.py)
     assert not log.exists(), log.read_text()
     # the same ids as where no framework is installed at all
     plain = _run(LOAD, {}, str(tokenizer_dir))

@@ -21,7 +21,7 @@ SHOW_FLAGS = "{% for m in messages %}{{ m.content }}{% endfor %}|{{ enable_think
 
 @pytest.fixture(scope="module")
 def hf(tokenizer_dir):
-    return ModelTokenizer.load(ModelConfig(name="tiny", tokenizer=str(tokenizer_dir), max_model_len=64)).hf
+    return ModelTokenizer.load(ModelConfig(name="tiny", tokenizer=str(tokenizer_dir), max_model_len=64)).hf  # lean
 
 
 def make(hf, **cfg: Any) -> ModelTokenizer:
@@ -42,7 +42,7 @@ def refused(tok: ModelTokenizer, kwargs: Any) -> APIError:
 
 
 def rendered(tok: ModelTokenizer, kwargs: Any) -> str:
-    return str(tok.hf.decode(tok.prompt_ids(chat_req(kwargs))[0]))
+    return str(tok.backend.decode(tok.prompt_ids(chat_req(kwargs))[0], skip_special_tokens=False))
 
 
 # -- what passes to the template ----------------------------------------------------------------
