@@ -100,6 +100,7 @@ class _Connection(asyncio.Protocol):
         self.buffered = 0
         self.sink: BodySink | None = None  # splicing: body bytes go straight there, nobody is woken
         self.spliced_at = 0.0  # when the last body bytes went into the sink
+        self._held: list[bytes] = []  # spliced body pieces of the read under way, written as one
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
 
@@ -184,11 +185,15 @@ class _Connection(asyncio.Protocol):
             return
         try:
             self._parser.feed_data(data)
+            if self._held:
+                self._pass_held()
             if not self.head:  # httptools holds a partial header in memory: bound what it may hold
                 self.head_raw += len(data)
                 if self.head_raw > self._max_head + HEAD_SLACK:
                     raise HeadTooLarge(f"response head over {self._max_head} bytes")
         except httptools.HttpParserError as err:  # a callback's own error comes as the context
+            if self._held:  # what parsed before the error still goes on
+                self._pass_held()
             cause = err.__context__
             self.error = cause if isinstance(cause, ClientError) else ProtocolError(f"invalid HTTP response: {err}")
             self.close()
@@ -254,6 +259,18 @@ class _Connection(asyncio.Protocol):
             self.buffered += len(body)
             return
         if sink.stopped:  # the relay wants no more: what follows is dropped, the connection closed
+            return
+        self._held.append(body)  # the read's other pieces may follow: one write for all of them
+
+    def _pass_held(self) -> None:
+        """The spliced pieces of one read into the sink in one write: events that arrive together
+        (an engine answering several streams writes them back to back) cost one client write
+        system call, not one each."""
+        held = self._held
+        body = held[0] if len(held) == 1 else b"".join(held)
+        held.clear()
+        sink = self.sink
+        if sink is None or sink.stopped:
             return
         self.spliced_at = self._loop.time()
         if not sink.write(body) and not self._paused and self.transport is not None:

@@ -972,6 +972,29 @@ async def test_splice_puts_the_same_bytes_in_the_sink_as_reading_and_keeps_the_c
         assert server.connections == 1
 
 
+async def test_splice_hands_the_pieces_of_one_read_to_the_sink_in_one_write(make: Make):
+    """Events an engine writes back to back cost the client one write, not one each."""
+    go_on = asyncio.Event()
+
+    async def handler(ex: Exchange) -> None:
+        await ex.answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n7\r\ndata: 1\r\n")
+        await go_on.wait()
+        await ex.answer(b"7\r\ndata: 2\r\n7\r\ndata: 3\r\n7\r\ndata: 4\r\n")  # one write, three chunks
+        await asyncio.sleep(0.1)
+        await ex.answer(b"7\r\ndata: 5\r\n0\r\n\r\n")
+
+    async with Server(handler) as server:
+        resp = await post(make(), server, Timeouts(connect=5, idle=10))
+        assert await resp.read_some() == b"data: 1"
+        sink = Sink()
+        task = asyncio.ensure_future(resp.splice(sink))
+        await asyncio.sleep(0.02)
+        go_on.set()
+        await asyncio.wait_for(task, 5)
+        assert sink.got == [b"data: 2data: 3data: 4", b"data: 5"]
+        resp.release()
+
+
 async def test_splice_holds_the_engine_back_while_the_sink_is_full(make: Make):
     sent = asyncio.Event()
 
