@@ -91,6 +91,33 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def _epp(args: argparse.Namespace) -> int:
+    """``pdgate epp``: the gateway as Envoy's endpoint picker (gateway/epp/, docs/epp.md)."""
+    args.epp = True
+    return _serve_file(args)
+
+
+def _as_picker(cfg: GatewayConfig, grpc_port: int | None) -> GatewayConfig:
+    """``cfg`` for ``pdgate epp``: the picker on, one process (Envoy keeps one HTTP/2 connection
+    to a picker, so worker processes would not share its load: run replicas), and engines Envoy can
+    route to by address. Raises ValueError naming what does not fit."""
+    from gateway.epp.protocol import is_ip_endpoint
+
+    named = [("decode", e.url) for e in cfg.pools.decode.endpoints]
+    if cfg.epp.prefill == "header":  # llm-d's sidecar is given the prefill engine's address
+        named += [("prefill", e.url) for e in cfg.pools.prefill.endpoints]
+    for pool, url in named:
+        if not is_ip_endpoint(url):
+            raise ValueError(
+                f"pools.{pool}: {url} is not an IP address; Envoy routes to the picker's choice by address "
+                "(use the engines' addresses, or discovery, which gives pod IPs)"
+            )
+    epp = {"enabled": True} if grpc_port is None else {"enabled": True, "port": grpc_port}
+    return cfg.model_copy(
+        update={"epp": cfg.epp.model_copy(update=epp), "server": cfg.server.model_copy(update={"workers": 1})}
+    )
+
+
 def _serve_file(args: argparse.Namespace) -> int:
     from gateway.cluster.workers import serve as serve_workers
     from gateway.cluster.workers import worker_count
@@ -109,6 +136,12 @@ def _serve_file(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2
+    if getattr(args, "epp", False):
+        try:
+            cfg = _as_picker(cfg, args.grpc_port)
+        except ValueError as err:
+            print(f"{args.config}: {err}", file=sys.stderr)
+            return 2
     host = args.host or cfg.server.host
     port = args.port if args.port is not None else cfg.server.port
     # Given on the command line, they win over the file's for as long as the process runs (reloads
@@ -238,6 +271,20 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, help="override server.port")
     add_flags(serve)
     serve.set_defaults(func=_serve)
+
+    epp = sub.add_parser(
+        "epp",
+        help="run the gateway as Envoy's endpoint picker (Gateway API Inference Extension)",
+        description="Run the gateway as an endpoint picker: Envoy (or a Gateway API implementation) asks it over "
+        "ext_proc which engine serves each request and relays the bytes itself; the HTTP port keeps /ready, "
+        "/metrics, /debug/route, /admin and the OpenAI routes (a pdgate relay for requests that need one). "
+        "See docs/epp.md.",
+    )
+    epp.add_argument("--config", required=True, help="YAML config file (the same as serve's)")
+    epp.add_argument("--host", help="override server.host (the HTTP port)")
+    epp.add_argument("--port", type=int, help="override server.port (the HTTP port)")
+    epp.add_argument("--grpc-port", type=int, help="override epp.port (ext_proc, access log, health)")
+    epp.set_defaults(func=_epp)
 
     demo = sub.add_parser(
         "demo",

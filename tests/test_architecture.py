@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SUBPACKAGES = ("http", "request", "engines", "adapters", "tokenization", "fairness", "cluster", "ops", "config")
+SUBPACKAGES = ("http", "request", "engines", "adapters", "tokenization", "fairness", "cluster", "ops", "config", "epp")
 ALLOWED: dict[str, set[str]] = {
     # the top: the process's entry points
     "(top)": {
@@ -27,7 +27,8 @@ ALLOWED: dict[str, set[str]] = {
         "config",
         "policies",
         "engine_model",
-    },  # engine_model: `pdgate plan` and the demo's tokenizer
+        "epp.protocol",
+    },  # engine_model: `pdgate plan` and the demo's tokenizer; epp.protocol: `pdgate epp` checks addresses
     "http": {
         "request",
         "engines",
@@ -41,6 +42,7 @@ ALLOWED: dict[str, set[str]] = {
         "background",
         "lifecycle",
         "policies",
+        "epp.server",  # the assembly adds the endpoint picker's listener when epp.enabled
     },
     "request": {
         "engines",
@@ -88,6 +90,8 @@ ALLOWED: dict[str, set[str]] = {
         "engine_model",
     },  # the live planner's model
     "config": {"background", "policies", "engines.discovery", "engine_model"},  # the planner's profile, checked
+    # the endpoint picker: the request path up to the engine (request), its engines and errors
+    "epp": {"request", "engines.pools", "config", "context", "background", "policies", "http.errors"},
 }
 TOP_MODULES = {"background", "context", "lifecycle", "cli", "demo", "ports"}
 # The top-level packages and what each may import: a DAG with the pure policies at its bottom and

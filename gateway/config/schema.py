@@ -394,6 +394,33 @@ class TelemetryConfig(_Strict):
     access_log: bool = Field(True, description="one JSON line per request on stdout")
 
 
+class EppConfig(_Strict):
+    """pdgate as an endpoint picker behind Envoy (``pdgate epp``, docs/epp.md): Envoy asks over
+    ext_proc which engine serves each request and relays the bytes itself. Read at startup: a
+    change of ``port`` or ``host`` takes a restart."""
+
+    enabled: bool = Field(False, description="serve the ext_proc endpoint picker (`pdgate epp` sets it)")
+    host: str = "0.0.0.0"
+    port: int = Field(9002, ge=0, le=65535, description="the picker's gRPC port (ext_proc, access log, health)")
+    fallbacks: int = Field(
+        2,
+        ge=0,
+        le=8,
+        description="decode endpoints after the chosen one, in order, that Envoy may retry (override_host)",
+    )
+    prefill: Literal["picker", "header"] = Field(
+        "picker",
+        description="picker: on the P/D path the picker runs the prefill leg and puts its KV handle in the "
+        "body; header: it only names the prefill engine in x-prefiller-host-port (llm-d's decode sidecar)",
+    )
+    completion_timeout_s: float = Field(
+        3600.0,
+        gt=0,
+        description="a routed request's admission slot and engine count wait this long for Envoy's access "
+        "log entry; then they are released and the request counted as unconfirmed",
+    )
+
+
 class GatewayConfig(_Strict):
     server: ServerConfig = ServerConfig()
     models: list[ModelConfig] = Field(min_length=1)
@@ -414,6 +441,7 @@ class GatewayConfig(_Strict):
     fairness: FairnessConfig = FairnessConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     lora: LoraConfig = LoraConfig()
+    epp: EppConfig = EppConfig()
 
     # The files this config names, as read with it (``pin``); None: read them when asked.
     _pinned: PinnedFiles | None = PrivateAttr(None)

@@ -313,6 +313,11 @@ def _register(life: Lifecycle, gw: Gateway, p: _Parts, collector: Collector | No
     life.add("live planner", start=p.planner.start, stop=p.planner.stop)
     if p.watcher:
         life.add("config watcher", start=p.watcher.start, stop=p.watcher.stop)
+    if cfg.epp.enabled:  # grpclib and Envoy's messages only in a picker's processes
+        from gateway.epp.server import PickerServer
+
+        picker = PickerServer(gw)
+        life.add("endpoint picker", start=picker.start, stop=picker.stop)
     if collector:  # last: it freezes what startup left alive
 
         def start_gc() -> None:

@@ -46,7 +46,7 @@ def listening(cfg: GatewayConfig, host: str, port: int) -> GatewayConfig:
 
 # Sections bound to the process (listening socket, shared-state connection): a reload keeps the
 # running values and says so.
-RESTART_ONLY = ("server", "state", "telemetry", "engines")
+RESTART_ONLY = ("server", "state", "telemetry", "engines", "epp")
 
 
 async def apply_config(

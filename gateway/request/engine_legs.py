@@ -95,13 +95,25 @@ class EngineLegs:
     async def open(self, part: Part) -> OpenDecode:
         """The part's route told to the hooks (on the loop's next turn, off the critical path), then
         its legs: prefill on the P/D path, then decode up to its first token."""
+        handle = await self.prepare(part)
+        assert part.decision is not None
+        return await self._decode(part, part.decision, handle)
+
+    async def prepare(self, part: Part, *, prefill: bool = True) -> PrefillAnswer | None:
+        """Everything before the decode leg: the route told to the hooks, the request's adapter on
+        the chosen engines, and on the P/D path the prefill leg (its KV handle; None: direct, or
+        ``prefill`` false: someone else runs it). The endpoint picker (gateway/epp/) stops here:
+        Envoy opens the decode leg."""
         decision = part.decision
         assert decision is not None, "routed parts only"
         asyncio.get_running_loop().call_soon(self._routed, part)
         chosen = [decision.prefill, decision.decode] if decision.prefill is not None else [decision.decode]
         await self._adapter_on(part, [self.svc.pools.get(v) for v in chosen])  # both legs' loads at once
-        handle = await self._prefill(part, decision) if decision.path is Path.PD else None
-        return await self._decode(part, decision, handle)
+        return await self._prefill(part, decision) if decision.path is Path.PD and prefill else None
+
+    def report(self, part: Part, report: LegReport) -> None:
+        """A leg the gateway did not run itself ended (the picker's decode leg, as Envoy reported it)."""
+        self._leg_done(part, report)
 
     async def _adapter_on(self, part: Part, eps: list[Endpoint]) -> None:
         """The request's LoRA adapter loaded on ``eps`` where they lack it (``lora.dynamic_loading``;

@@ -102,7 +102,9 @@ class Cluster:
         proc.wait_http(sim.url + "/health")
         return sim
 
-    def start_gateway(self, threshold: int, env: dict[str, str] | None = None, **overrides) -> None:
+    def start_gateway(
+        self, threshold: int, env: dict[str, str] | None = None, command: tuple[str, ...] = ("serve",), **overrides
+    ) -> None:
         self.gateway_port = free_port()
         # one worker unless a test asks for more (tests/e2e/test_workers.py): most tests read state
         # that a second worker would hold apart, and this machine has few cores
@@ -129,6 +131,6 @@ class Cluster:
         path.write_text(yaml.safe_dump(cfg))
         self.config_path, self.config = path, cfg
         self.gateway = self.group.start(
-            "gateway", [sys.executable, "-m", "gateway", "serve", "--config", str(path)], env=env
+            "gateway", [sys.executable, "-m", "gateway", *command, "--config", str(path)], env=env
         )
         self.gateway.wait_http(self.url + "/ready", timeout=60)

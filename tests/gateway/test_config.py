@@ -263,7 +263,7 @@ def test_another_kind_as_the_decider_is_said_before_its_parameters():
         ),
         (
             {"volume": "loud"},
-            "volume: unknown key (known: admin, admission, auth, engines, failover, fairness, health, "
+            "volume: unknown key (known: admin, admission, auth, engines, epp, failover, fairness, health, "
             "limits, lora, models, planner, pools, routing, server, signals, state, telemetry, timeouts, tokenizer)",
         ),
     ],

@@ -136,9 +136,10 @@ def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
             pair.decode.http.close()
 
 
-def start_gateway(pair: Pair, name: str, **overrides: object) -> Gateway:
-    """The real gateway in front of the pair (``overrides`` replace top-level config sections);
-    returns once it sees both engines healthy. Stop it with ``gw.proc.stop()``."""
+def start_gateway(pair: Pair, name: str, command: tuple[str, ...] = ("serve",), **overrides: object) -> Gateway:
+    """The real gateway in front of the pair (``overrides`` replace top-level config sections;
+    ``command``: ``pdgate``'s, ``("epp", ...)`` for the endpoint picker); returns once it sees both
+    engines healthy. Stop it with ``gw.proc.stop()``."""
     port = free_port()
     server = {"host": "127.0.0.1", "workers": 1, **overrides.pop("server", {}), "port": port}
     cfg = {
@@ -155,7 +156,8 @@ def start_gateway(pair: Pair, name: str, **overrides: object) -> Gateway:
     }
     path = pair.group.log_dir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    proc = pair.group.start(name, [sys.executable, "-m", "gateway", "serve", "--config", str(path)], cwd=str(E.REPO))
+    argv = [sys.executable, "-m", "gateway", *command, "--config", str(path)]
+    proc = pair.group.start(name, argv, cwd=str(E.REPO))
     gw = Gateway(proc, port, path)
     try:
         proc.wait_http(gw.url + "/ready", timeout=90)

