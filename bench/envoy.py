@@ -26,14 +26,17 @@ def _endpoints(ports: list[int], host: str) -> list[dict[str, Any]]:
     return [{"endpoint": {"address": {"socket_address": {"address": host, "port_value": p}}}} for p in ports]
 
 
-def epp_config(listen: int, picker: int, decode: list[int], admin: int | None = None, host: str = "127.0.0.1") -> dict:
-    """The shipped config: listening on ``listen``, the picker on ``picker``, the decode engines' ports."""
+def epp_config(
+    listen: int, picker: int | list[int], decode: list[int], admin: int | None = None, host: str = "127.0.0.1"
+) -> dict:
+    """The shipped config: listening on ``listen``, the picker(s) on ``picker``, the decode engines' ports."""
     cfg: dict[str, Any] = yaml.safe_load(SHIPPED.read_text())
     res = cfg["static_resources"]
     res["listeners"][0]["address"]["socket_address"].update(address=host, port_value=listen)
     for cluster in res["clusters"]:
         if cluster["name"] == "pdgate_epp":
-            cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = _endpoints([picker], host)
+            pickers = picker if isinstance(picker, list) else [picker]
+            cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = _endpoints(pickers, host)
         elif cluster["name"] == "decode":
             cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = _endpoints(decode, host)
     if admin is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Protocol
 
 from google.protobuf.duration_pb2 import Duration
@@ -24,6 +25,10 @@ from gateway.epp.proto import envoy_subset_pb2 as pb
 log = logging.getLogger(__name__)
 
 MAX_HELD = 100_000
+
+# How a request ended, as Envoy logged it: status, the engine (``ip:port``, None: none reached), the
+# seconds to its first byte and in all (None: not logged).
+Ending = tuple[int, str | None, float | None, float | None]
 
 
 class Held(Protocol):
@@ -46,6 +51,8 @@ class Completions:
         self.reported = 0  # entries that ended a held request
         self.unmatched = 0  # entries for no held request (refused ones, another picker's, late ones)
         self.unconfirmed = 0  # held requests released without an entry
+        # where the endings of requests this picker does not hold go (gateway/epp/sharing.py)
+        self.forward: Callable[[tuple[str, *Ending]], None] | None = None
 
     def __len__(self) -> int:
         return len(self._held)
@@ -73,32 +80,38 @@ class Completions:
         exchange.unconfirmed()
 
     def report(self, entry: pb.HTTPAccessLogEntry) -> None:
-        """One access log entry: the held request it names ends."""
+        """One access log entry: the held request it names ends (or, held by another picker, it is
+        passed on)."""
         request_id = entry.request.request_headers.get("x-request-id") or entry.request.request_id
-        held = self._held.pop(request_id, None)
-        if held is None:
-            self.unmatched += 1
-            return
-        exchange, timer = held
-        timer.cancel()
         common = entry.common_properties
         upstream = None
         if common.HasField("upstream_remote_address") and common.upstream_remote_address.HasField("socket_address"):
             sock = common.upstream_remote_address.socket_address
             host = f"[{sock.address}]" if ":" in sock.address else sock.address
             upstream = f"{host}:{sock.port_value}"
-        first = (
-            _seconds(common.time_to_first_upstream_rx_byte)
-            if common.HasField("time_to_first_upstream_rx_byte")
-            else None
-        )
+        first_byte = common.time_to_first_upstream_rx_byte
+        first = _seconds(first_byte) if common.HasField("time_to_first_upstream_rx_byte") else None
         duration = _seconds(common.duration) if common.HasField("duration") else None
         status = entry.response.response_code.value if entry.response.HasField("response_code") else 0
+        ending: Ending = (status, upstream, first, duration)
+        if not self.end(request_id, ending):
+            self.unmatched += 1
+            if self.forward is not None and request_id:
+                self.forward((request_id, *ending))
+
+    def end(self, request_id: str, ending: Ending) -> bool:
+        """The held request ``request_id`` ended so; False when this picker holds no such request."""
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return False
+        exchange, timer = held
+        timer.cancel()
         self.reported += 1
         try:
-            exchange.served(status, upstream, first, duration)
+            exchange.served(*ending)
         except Exception:  # one request's bookkeeping never stops the stream of entries
             log.exception("access log entry for request %s", request_id)
+        return True
 
     def close(self) -> None:
         """Stopping: every held request released (as unconfirmed)."""

@@ -16,6 +16,7 @@ from grpclib.server import Server
 from gateway.background import STOP_BOUND_S
 from gateway.epp.completions import Completions
 from gateway.epp.service import AccessLogService, ExternalProcessor, Health
+from gateway.epp.sharing import SharedEndings
 
 if TYPE_CHECKING:
     from grpclib._typing import IServable  # the services' interface, for the annotation only
@@ -34,6 +35,8 @@ class PickerServer:
         self.host, self.port = epp.host, epp.port
         self.completions = Completions(epp.completion_timeout_s)
         self._server: Server | None = None
+        # several pickers sharing state on Redis pass each other the entries Envoy sent the wrong one
+        self.sharing = SharedEndings(gw.runtime.cfg.state, self.completions) if gw.services.shared else None
 
     def _gateway(self) -> Gateway:
         return self._gw
@@ -44,6 +47,8 @@ class PickerServer:
             AccessLogService(self.completions),
             Health(self._gateway),
         ]
+        if self.sharing is not None:
+            await self.sharing.start()
         server = Server(services)
         await server.start(self.host, self.port)
         self._server = server
@@ -58,4 +63,6 @@ class PickerServer:
                     await server.wait_closed()
             except TimeoutError:
                 log.warning("endpoint picker: streams still open after %.0f s; left behind", STOP_BOUND_S)
+        if self.sharing is not None:
+            await self.sharing.stop(bound_s=1.0)
         self.completions.close()

