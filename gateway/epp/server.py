@@ -15,6 +15,7 @@ from grpclib.server import Server
 
 from gateway.background import STOP_BOUND_S
 from gateway.epp.completions import Completions
+from gateway.epp.metrics import PickerCollector
 from gateway.epp.service import AccessLogService, ExternalProcessor, Health
 from gateway.epp.sharing import SharedEndings
 
@@ -37,6 +38,9 @@ class PickerServer:
         self._server: Server | None = None
         # several pickers sharing state on Redis pass each other the entries Envoy sent the wrong one
         self.sharing = SharedEndings(gw.runtime.cfg.state, self.completions) if gw.services.shared else None
+        self._collector = PickerCollector(self.completions, self.sharing)
+        self._registry = gw.services.metrics.registry
+        self._registry.register(self._collector)
 
     def _gateway(self) -> Gateway:
         return self._gw
@@ -66,3 +70,4 @@ class PickerServer:
         if self.sharing is not None:
             await self.sharing.stop(bound_s=1.0)
         self.completions.close()
+        self._registry.unregister(self._collector)

@@ -216,3 +216,8 @@ def test_a_request_one_picker_routed_is_ended_by_the_entry_envoy_sent_the_other(
     assert wait_for(lambda: sum(counted()) == 8, timeout=10), counted()
     assert all(n > 0 for n in counted()), counted()  # both pickers routed some
     assert held_now() == [0, 0]
+    texts = [httpx.get(p + "/metrics").text for p in pickers]
+    assert [sample(t, "pdgate_epp_held_requests") for t in texts] == [0, 0]
+    forwarded = sum(sample(t, "pdgate_epp_shared_endings_total", event="published") for t in texts)
+    applied = sum(sample(t, "pdgate_epp_shared_endings_total", event="applied") for t in texts)
+    assert forwarded == applied > 0  # every entry the wrong picker got was passed on and applied

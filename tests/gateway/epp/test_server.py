@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import yaml
 from grpclib.client import Channel, UnaryUnaryMethod
 from grpclib.health.v1 import health_pb2
+from prometheus_client import CollectorRegistry
 
 from gateway.config import EppConfig
 from gateway.epp.server import PickerServer
@@ -41,11 +42,16 @@ async def test_the_listener_serves_health_and_stops_releasing_what_it_held() -> 
     port = free_port()
     pools = SimpleNamespace(decode=[], ready=lambda: False)
     cfg = SimpleNamespace(epp=EppConfig(host="127.0.0.1", port=port, completion_timeout_s=60))
-    gw = SimpleNamespace(runtime=SimpleNamespace(cfg=cfg), services=SimpleNamespace(pools=pools, shared=None))
+    registry = CollectorRegistry()
+    metrics = SimpleNamespace(registry=registry)
+    gw = SimpleNamespace(
+        runtime=SimpleNamespace(cfg=cfg), services=SimpleNamespace(pools=pools, shared=None, metrics=metrics)
+    )
     server = PickerServer(gw)  # type: ignore[arg-type]
     await server.start()
     released = []
     server.completions.hold("r1", SimpleNamespace(held=True, unconfirmed=lambda: released.append("r1")))
+    assert registry.get_sample_value("pdgate_epp_held_requests") == 1
     try:
         channel = Channel("127.0.0.1", port)
         check = UnaryUnaryMethod(
@@ -59,3 +65,4 @@ async def test_the_listener_serves_health_and_stops_releasing_what_it_held() -> 
     finally:
         await server.stop()
     assert released == ["r1"]
+    assert registry.get_sample_value("pdgate_epp_unconfirmed_requests_total") is None  # unregistered on stop
