@@ -153,15 +153,11 @@ class PickExchange(Exchange):
         shown = {k.decode(): v.decode() for k, v in self._headers(path=self._path) if k != b"x-request-id"}
         return Picked(
             endpoints=endpoints,
-            body=body if out is req.body and not self._reserialize(req.body, body) else orjson.dumps(out),
+            # the client's bytes as sent, unless the gateway changed the body (KV handle, priority)
+            body=body if out is req.body and not self.rewritten else orjson.dumps(out),
             headers=headers,
             decision=shown,
         )
-
-    @staticmethod
-    def _reserialize(parsed: dict[str, object], raw: bytes) -> bool:
-        """The body was changed in parsing (a fairness priority put in): send the changed one."""
-        return "priority" in parsed and b'"priority"' not in raw
 
     def _within(self, decision: Decision, subset: frozenset[str] | None) -> Decision:
         """The decision with its decode engine inside the data plane's subset hint (503 if none is)."""

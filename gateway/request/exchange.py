@@ -102,6 +102,7 @@ class Exchange:
         self.who: Identity | None = None  # tenant, class, objective
         self.account: TenantAccount | None = None  # its charges to its tenant's use of each pool
         self.room: Room | None = None  # its wait for room on the engines (and TTFT objective's check)
+        self.rewritten = False  # the body was changed in parsing (the tenant's engine priority put in)
 
     # -- the request path -----------------------------------------------------------------------------
 
@@ -242,6 +243,7 @@ class Exchange:
         fair = rt.cfg.fairness
         if fair.enabled and fair.engine_priority and self.who is not None and self.who.priority:
             req.body["priority"] = self.who.priority  # continuations copy it
+            self.rewritten = True
         rec.tokenize_s = (time.perf_counter_ns() - t0) / 1e9  # the tokenizing adds to it
         return req
 
