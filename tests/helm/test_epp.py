@@ -148,3 +148,13 @@ def test_network_policies_admit_the_data_plane_in_epp_mode(tools: Tools, tmp_pat
         tools, "--set", "gateway.mode=epp", "--set", "gateway.replicas=1", "--set", "networkPolicy.enabled=true"
     )
     assert "networkPolicy.dataPlaneIngress" in err
+
+
+def test_notes_say_where_requests_go_in_epp_mode(tools: Tools, tmp_path):
+    from .test_chart import render_notes
+
+    notes = render_notes(tools, tmp_path / "envoy", values_file(tmp_path, WITH_ENVOY, "notes-envoy.yaml"))
+    assert "gateway.mode is epp" in notes
+    assert "kubectl -n llm port-forward svc/pdgate-envoy 8080:80" in notes
+    notes = render_notes(tools, tmp_path / "route", values_file(tmp_path, ROUTE, "notes-route.yaml"))
+    assert "Send them through your Gateway (HTTPRoute pdgate-gateway): its\nInferencePool is pdgate-decode." in notes
