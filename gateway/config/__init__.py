@@ -5,8 +5,9 @@ errors, so a typo fails loudly instead of being ignored). ``load_config`` turns 
 ``GatewayConfig`` or raises ``ConfigError`` whose message names the failing location.
 
 The sections live in modules of their own: ``fields`` (what every section is built on),
-``pools``, ``routing``, ``access`` (keys, tenants, the admin token), ``schema`` (``GatewayConfig``
-and the smaller sections) and ``loading`` (YAML to a validated config); ``reload`` applies edits
+``pools``, ``routing``, ``access`` (keys, tenants, the admin token), ``process`` (the sections bound
+to the process: server, engines, state, telemetry, epp), ``schema`` (``GatewayConfig`` and the
+smaller sections) and ``loading`` (YAML to a validated config); ``reload`` applies edits
 while serving and ``flags`` makes a config from ``pdgate serve``'s flags. Everything public is
 importable from here.
 """
@@ -17,6 +18,14 @@ from gateway.config.access import AdminConfig, AuthConfig, FairnessConfig, KeyEn
 from gateway.config.fields import Loc, read_file
 from gateway.config.loading import ConfigError, DuplicateKeyError, UniqueKeyLoader, load_config, parse_config
 from gateway.config.pools import DiscoveryConfig, EndpointConfig, HealthConfig, OutlierConfig, PoolConfig, PoolsConfig
+from gateway.config.process import (
+    EnginesConfig,
+    EppConfig,
+    ServerConfig,
+    StateConfig,
+    TelemetryConfig,
+    TracingConfig,
+)
 from gateway.config.routing import (
     MigrationConfig,
     PolicySpec,
@@ -30,8 +39,6 @@ from gateway.config.routing import (
 from gateway.config.schema import (
     AdapterConfig,
     AdmissionConfig,
-    EnginesConfig,
-    EppConfig,
     FailoverConfig,
     GatewayConfig,
     LimitsConfig,
@@ -40,12 +47,8 @@ from gateway.config.schema import (
     PinnedFiles,
     PlannerConfig,
     PlannerSLO,
-    ServerConfig,
-    StateConfig,
-    TelemetryConfig,
     TimeoutsConfig,
     TokenizerConfig,
-    TracingConfig,
     access_switched_off,
 )
 
