@@ -91,7 +91,7 @@ ALLOWED: dict[str, set[str]] = {
     },  # the live planner's model
     "config": {"background", "policies", "engines.discovery", "engine_model"},  # the planner's profile, checked
     # the endpoint picker: the request path up to the engine (request), its engines and errors
-    "epp": {"request", "engines.pools", "config", "context", "background", "policies", "http.errors"},
+    "epp": {"request", "engines.pools", "config", "context", "background", "policies", "http.errors", "http.auth"},
 }
 TOP_MODULES = {"background", "context", "lifecycle", "cli", "demo", "ports"}
 # The top-level packages and what each may import: a DAG with the pure policies at its bottom and

@@ -4,8 +4,9 @@ gRPC health (grpclib; one listener, ``epp.port``).
 ``ExternalProcessor.process`` reads a request's headers and body chunks as Envoy streams them
 (FULL_DUPLEX_STREAMED), bounded by ``server.max_body_bytes`` (413 past it), routes the request
 once its body is whole (gateway/epp/picking.py) and answers in the order Envoy requires
-(gateway/epp/protocol.py). Requests other than the two inference routes (``GET /v1/models``...)
-go to the decode engine with the fewest requests in flight, unchanged. A stream Envoy drops (the
+(gateway/epp/protocol.py). ``GET /v1/models`` and ``/health`` (with the client's API key
+checked) go to the decode engine with the fewest requests in flight, unchanged; any other route is
+refused (404). A stream Envoy drops (the
 client left) cancels the pick, and with it a prefill leg under way.
 
 Health answers ``liveness`` (serving while the process runs), and ``readiness``, the ext_proc
@@ -28,6 +29,7 @@ from gateway.epp import protocol
 from gateway.epp.completions import Completions
 from gateway.epp.picking import Picked, PickExchange, request_of
 from gateway.epp.proto import envoy_subset_pb2 as pb
+from gateway.http.auth import authorize
 from gateway.http.errors import APIError
 from gateway.request.protocol import too_large
 
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 EXT_PROC = "envoy.service.ext_proc.v3.ExternalProcessor"
 ACCESS_LOG = "envoy.service.accesslog.v3.AccessLogService"
 _ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+_PASSED = frozenset({"/v1/models", "/health"})  # the engine's own answer is the same as serve's
 
 ProcessStream = Stream[pb.ProcessingRequest, pb.ProcessingResponse]
 
@@ -105,7 +108,7 @@ class ExternalProcessor:
         headers = protocol.headers_of(head)
         kind = _ROUTES.get(path.partition("?")[0])
         if kind is None or method != "POST":
-            picked = self._any(subset)
+            picked = self._other_route(path.partition("?")[0], method, headers, subset)
         else:
             gw = self._gateway()
             exchange = PickExchange(
@@ -131,8 +134,24 @@ class ExternalProcessor:
         ):
             await stream.send_message(response)
 
+    def _other_route(
+        self, path: str, method: str, headers: list[tuple[bytes, bytes]], subset: frozenset[str] | None
+    ) -> Picked:
+        """A request that is not an inference one. Only what ``serve`` answers to clients goes on
+        (``GET /v1/models`` and ``/health``, with the API key ``serve`` asks for); an engine's other
+        routes (``/v1/load_lora_adapter``, ``/reset_prefix_cache``, ``/metrics``...) are not the
+        client's to reach: 404."""
+        if method != "GET" or path not in _PASSED:
+            return Picked(refusal=APIError(404, f"{method[:16]} {path[:200]}: not served here.", code="not_found"))
+        rt = self._gateway().runtime
+        try:
+            authorize(request_of(headers, method, path, b""), rt.api_keys, rt.cfg.limits.max_header_bytes)
+        except APIError as err:
+            return Picked(refusal=err)
+        return self._any(subset)
+
     def _any(self, subset: frozenset[str] | None) -> Picked:
-        """A request that is not an inference one: any usable decode engine, fewest in flight first."""
+        """Any usable decode engine, fewest in flight first."""
         pools = self._gateway().services.pools
         usable = [
             e

@@ -24,20 +24,22 @@ class Endpoint(SimpleNamespace):
     pass
 
 
-def gateway(ready: bool = True, max_body: int = 100):
+def gateway(ready: bool = True, max_body: int = 100, keys: tuple[bytes, ...] = ()):
     decode = [
         Endpoint(url="http://10.0.0.1:8000", healthy=True, ejected=False, in_flight=3),
         Endpoint(url="http://10.0.0.2:8000", healthy=True, ejected=False, in_flight=1),
         Endpoint(url="http://10.0.0.3:8000", healthy=False, ejected=False, in_flight=0),
     ]
     pools = SimpleNamespace(decode=decode, ready=lambda: ready)
-    cfg = SimpleNamespace(server=SimpleNamespace(max_body_bytes=max_body))
-    gw = SimpleNamespace(runtime=SimpleNamespace(cfg=cfg), services=SimpleNamespace(pools=pools))
+    cfg = SimpleNamespace(
+        server=SimpleNamespace(max_body_bytes=max_body), limits=SimpleNamespace(max_header_bytes=65536)
+    )
+    gw = SimpleNamespace(runtime=SimpleNamespace(cfg=cfg, api_keys=keys), services=SimpleNamespace(pools=pools))
     return lambda: gw
 
 
-def head(path: str, method: str = "POST", eos: bool = False) -> pb.ProcessingRequest:
-    pairs = [(":path", path), (":method", method), ("content-type", "application/json")]
+def head(path: str, method: str = "POST", eos: bool = False, *extra: tuple[str, str]) -> pb.ProcessingRequest:
+    pairs = [(":path", path), (":method", method), ("content-type", "application/json"), *extra]
     hv = [pb.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]
     return pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=pb.HeaderMap(headers=hv), end_of_stream=eos))
 
@@ -67,6 +69,20 @@ async def test_a_request_that_is_not_an_inference_one_goes_to_the_least_busy_usa
         o.header.key: o.header.raw_value.decode() for o in out[0].request_headers.response.header_mutation.set_headers
     }
     assert sets["x-gateway-destination-endpoint"] == "10.0.0.2:8000,10.0.0.1:8000"  # fewest in flight first
+
+
+async def test_an_engines_other_routes_are_not_the_clients_to_reach() -> None:
+    for path, method in (("/v1/load_lora_adapter", "POST"), ("/reset_prefix_cache", "POST"), ("/metrics", "GET")):
+        out = await process(gateway(), [head(path, method, eos=True)])
+        assert out[0].immediate_response.status.code == 404, path
+
+
+async def test_the_model_list_needs_the_api_key_serve_asks_for() -> None:
+    gw = gateway(keys=(b"sk-1",))
+    out = await process(gw, [head("/v1/models", "GET", True)])
+    assert out[0].immediate_response.status.code == 401
+    out = await process(gw, [head("/v1/models", "GET", True, ("authorization", "Bearer sk-1"))])
+    assert out[0].WhichOneof("response") == "request_headers"
 
 
 async def test_a_subset_hint_that_allows_no_usable_engine_is_answered_503() -> None:
