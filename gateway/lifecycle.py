@@ -38,6 +38,7 @@ class Part:
     stop: Step | None
     configure: Callable[[GatewayConfig], Awaitable[None] | None] | None
     resource: bool
+    drain: Step | None = None
 
 
 async def _run(step: Callable[..., Any], *args: Any) -> None:
@@ -62,12 +63,14 @@ class Lifecycle:
         stop: Step | None = None,
         configure: Callable[[GatewayConfig], Awaitable[None] | None] | None = None,
         resource: bool = False,
+        drain: Step | None = None,
     ) -> None:
-        """``start``/``stop``/``configure`` may be plain or async callables; ``resource``: closed
-        after every service stopped, in reverse order (``stop`` is its close)."""
+        """``start``/``stop``/``configure``/``drain`` may be plain or async callables;
+        ``resource``: closed after every service stopped, in reverse order (``stop`` is its close);
+        ``drain``: lets work in flight finish before the stop (``Lifecycle.drain``)."""
         if any(p.name == name for p in self._parts):
             raise ValueError(f"a part named {name!r} is already registered")
-        self._parts.append(Part(name, start, stop, configure, resource))
+        self._parts.append(Part(name, start, stop, configure, resource, drain))
 
     @property
     def names(self) -> list[str]:
@@ -83,6 +86,25 @@ class Lifecycle:
                 await self.stop()
                 raise
             self._started.append(part)
+
+    async def drain(self, bound_s: float) -> None:
+        """Shutting down, before ``stop``: every started part with a ``drain`` lets what it has in
+        flight finish (a part that serves other than over HTTP: uvicorn drains the HTTP side), all
+        at once, cut at ``bound_s`` (``server.shutdown_grace_s``). A part keeps serving while it
+        drains; its stop then ends what is left."""
+        draining = [p for p in self._started if p.drain is not None]
+        if draining:
+            await asyncio.gather(*(self._drain(p, bound_s) for p in draining))
+
+    async def _drain(self, part: Part, bound_s: float) -> None:
+        assert part.drain is not None
+        try:
+            async with asyncio.timeout(bound_s):
+                await _run(part.drain)
+        except TimeoutError:
+            log.warning("%s: work still in flight after %.0f s of draining; stopping it", part.name, bound_s)
+        except Exception:
+            log.exception("draining %s failed", part.name)
 
     async def stop(self) -> None:
         """Services together (each within the bound), then resources in reverse order. A part

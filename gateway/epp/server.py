@@ -1,8 +1,11 @@
 """The picker's gRPC listener as a part of the gateway's lifecycle (gateway/lifecycle.py).
 
 Added by the assembly when ``epp.enabled`` (``pdgate epp``): it starts after every other part
-(routing needs the pools, the beliefs and the tokenizers in place) and stops first, within the
-lifecycle's bound; held requests are released on the way out.
+(routing needs the pools, the beliefs and the tokenizers in place). On SIGTERM it drains first
+(``drain``, within ``server.shutdown_grace_s``): health turns NOT_SERVING so Envoy sends new
+requests to other pickers, picks still come and are answered, and the drain ends once no pick is
+under way (a prefill leg included) and Envoy has reported every request held. Only then does the
+listener close, which cancels whatever the grace period cut short; held requests left are released.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ class PickerServer:
         self.host, self.port = epp.host, epp.port
         self.completions = Completions(epp.completion_timeout_s)
         self._server: Server | None = None
+        self._ext = ExternalProcessor(self._gateway, self.completions)
+        self.draining = False
         # several pickers sharing state on Redis pass each other the entries Envoy sent the wrong one
         self.sharing = SharedEndings(gw.runtime.cfg.state, self.completions) if gw.services.shared else None
         self._collector = PickerCollector(self.completions, self.sharing)
@@ -47,9 +52,9 @@ class PickerServer:
 
     async def start(self) -> None:
         services: list[IServable] = [
-            ExternalProcessor(self._gateway, self.completions),
+            self._ext,
             AccessLogService(self.completions),
-            Health(self._gateway),
+            Health(self._gateway, lambda: self.draining),
         ]
         if self.sharing is not None:
             await self.sharing.start()
@@ -57,6 +62,18 @@ class PickerServer:
         await server.start(self.host, self.port)
         self._server = server
         log.info("endpoint picker listening on %s:%d (ext_proc, access log, health)", self.host, self.port)
+
+    async def drain(self) -> None:
+        """Not ready from now on; returns once no pick is under way and nothing is held (the
+        lifecycle cuts it at ``server.shutdown_grace_s``)."""
+        self.draining = True
+        log.info(
+            "endpoint picker draining: %d picks under way, %d requests held", self._ext.picking, len(self.completions)
+        )
+        # polled: two counts that change at many points, checked 20 times a second while stopping only
+        while self._ext.picking or len(self.completions):  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        log.info("endpoint picker drained")
 
     async def stop(self) -> None:
         server, self._server = self._server, None

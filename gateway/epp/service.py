@@ -10,7 +10,8 @@ refused (404). A stream Envoy drops (the
 client left) cancels the pick, and with it a prefill leg under way.
 
 Health answers ``liveness`` (serving while the process runs), and ``readiness``, the ext_proc
-service's name and ``""`` (serving while the decode pool can take requests, as ``GET /ready``).
+service's name and ``""`` (serving while the decode pool can take requests, as ``GET /ready``,
+and the picker is not draining).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class ExternalProcessor:
     def __init__(self, gateway: Callable[[], Gateway], completions: Completions) -> None:
         self._gateway = gateway
         self.completions = completions
+        self.picking = 0  # requests between their first message and their answer (a drain waits on them)
 
     def __mapping__(self) -> dict[str, Handler]:
         return {
@@ -95,6 +97,21 @@ class ExternalProcessor:
                 await stream.send_message(_pass(which))  # a config that sends the response path
 
     async def _answer(
+        self,
+        stream: ProcessStream,
+        head: pb.HttpHeaders,
+        subset: frozenset[str] | None,
+        body: bytes | None,
+        *,
+        trailers: bool,
+    ) -> None:
+        self.picking += 1
+        try:
+            await self._pick_and_answer(stream, head, subset, body, trailers=trailers)
+        finally:
+            self.picking -= 1
+
+    async def _pick_and_answer(
         self,
         stream: ProcessStream,
         head: pb.HttpHeaders,
@@ -201,10 +218,13 @@ class AccessLogService:
 
 
 class Health(HealthBase):
-    """gRPC health as proposal 004 asks: liveness, readiness and the ext_proc service's name."""
+    """gRPC health as proposal 004 asks: liveness, readiness and the ext_proc service's name.
+    A draining picker is not ready: Envoy's health check (the shipped config's) moves new
+    requests to the other pickers while this one finishes what it has."""
 
-    def __init__(self, gateway: Callable[[], Gateway]) -> None:
+    def __init__(self, gateway: Callable[[], Gateway], draining: Callable[[], bool] = lambda: False) -> None:
         self._gateway = gateway
+        self._draining = draining
 
     async def Check(self, stream: Stream[health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse]) -> None:
         request = await stream.recv_message()
@@ -213,7 +233,7 @@ class Health(HealthBase):
         if name == "liveness":
             serving = True
         elif name in ("readiness", EXT_PROC, ""):
-            serving = self._gateway().services.pools.ready()
+            serving = not self._draining() and self._gateway().services.pools.ready()
         else:
             raise GRPCError(Status.NOT_FOUND, f"unknown service {name[:100]!r}")
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

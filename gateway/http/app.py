@@ -69,6 +69,7 @@ def create_app(
         assembled = await assemble(cfg, version, tokenizers, opts)
         async with assembled.lifecycle:
             yield {"gw": assembled.gateway}
+            await assembled.lifecycle.drain(assembled.gateway.runtime.cfg.server.shutdown_grace_s)
 
     inference, routes = _routes(config_path, created=int(time.time()))
 

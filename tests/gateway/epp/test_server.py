@@ -4,6 +4,7 @@ bound and releases what it held."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -66,3 +67,40 @@ async def test_the_listener_serves_health_and_stops_releasing_what_it_held() -> 
         await server.stop()
     assert released == ["r1"]
     assert registry.get_sample_value("pdgate_epp_unconfirmed_requests_total") is None  # unregistered on stop
+
+
+async def test_a_draining_listener_is_not_ready_serves_on_and_ends_when_nothing_is_held() -> None:
+    port = free_port()
+    pools = SimpleNamespace(decode=[], ready=lambda: True)
+    cfg = SimpleNamespace(epp=EppConfig(host="127.0.0.1", port=port, completion_timeout_s=60))
+    metrics = SimpleNamespace(registry=CollectorRegistry())
+    gw = SimpleNamespace(
+        runtime=SimpleNamespace(cfg=cfg), services=SimpleNamespace(pools=pools, shared=None, metrics=metrics)
+    )
+    server = PickerServer(gw)  # type: ignore[arg-type]
+    await server.start()
+    served = []
+    server.completions.hold(
+        "r1", SimpleNamespace(held=True, served=lambda *a: served.append(a), unconfirmed=lambda: served.append("lost"))
+    )
+    channel = Channel("127.0.0.1", port)
+    check = UnaryUnaryMethod(
+        channel, "/grpc.health.v1.Health/Check", health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse
+    )
+    try:
+        ready = await check(health_pb2.HealthCheckRequest(service="readiness"))
+        assert ready.status == health_pb2.HealthCheckResponse.SERVING
+        draining = asyncio.create_task(server.drain())
+        await asyncio.sleep(0.2)
+        assert not draining.done()  # r1 is still held: Envoy has not reported it
+        for name in ("readiness", "envoy.service.ext_proc.v3.ExternalProcessor", ""):
+            reply = await check(health_pb2.HealthCheckRequest(service=name))
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING, name
+        live = await check(health_pb2.HealthCheckRequest(service="liveness"))
+        assert live.status == health_pb2.HealthCheckResponse.SERVING  # draining is not dead
+        assert server.completions.end("r1", (200, "10.0.0.1:8000", 0.01, 0.2))  # Envoy's entry comes
+        await asyncio.wait_for(draining, timeout=2)
+        assert served == [(200, "10.0.0.1:8000", 0.01, 0.2)]  # accounted, not released as lost
+    finally:
+        channel.close()
+        await server.stop()
