@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import heapq
 import json
 import multiprocessing
@@ -31,6 +32,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -348,7 +350,6 @@ def main(argv: list[str] | None = None) -> int:
         _plot(json.loads(Path(args.replot).read_text())["results"], Path(args.plot))
         return 0
 
-    from bench.overhead import _cpu_seconds as cpu_seconds
     from engine_model.tinymodel import build_tokenizer
     from gateway.demo import cache_dir
     from tests.procs import ProcGroup, free_port
@@ -487,16 +488,8 @@ def main(argv: list[str] | None = None) -> int:
                 pids[name] = proc.pid
         for n in (int(x) for x in args.streams.split(",")):
             for name in targets:  # one stream count at a time, targets in turn: the same machine state
-                pid = pids.get(name)
-                own = [p for p in (pid, pids.get("picker") if name == "envoy-epp" else None) if p]
-                cpu0 = sum(cpu_seconds(p) for p in own)
-                r = {"target": name, **run_load(urls[name], n, args.clients, args.ramp_s, args.tokens, args.rate)}
-                r["cores"] = _allowed_cpus(pid) if pid else _allowed_cpus(os.getpid())
-                if pid:  # the router's own CPU (all its processes; Envoy's and the picker's) per relayed event
-                    events = (n - r["errors"] - r["refused_429"]) * (args.tokens + 1)
-                    cpu = sum(cpu_seconds(p) for p in own) - cpu0
-                    r["router_cpu_us_per_chunk"] = round(cpu / max(1, events) * 1e6, 2)
-                    r["router_cpu_us_per_stream"] = round(cpu / max(1, n - r["errors"] - r["refused_429"]) * 1e6, 1)
+                load = functools.partial(run_load, urls[name], n, args.clients, args.ramp_s, args.tokens, args.rate)
+                r = _measured(name, pids, load, args.tokens)
                 print(json.dumps(r), file=sys.stderr, flush=True)
                 results.append(r)
                 time.sleep(1.0)
@@ -552,6 +545,27 @@ def _plot(results: list[dict[str, Any]], path: Path) -> None:
     s.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def _measured(name: str, pids: dict[str, int], run: Callable[[], dict], tokens: int) -> dict:
+    """One run's figures, with the router's own CPU (all its processes: Envoy's and the picker's)
+    per relayed event and per stream, and the picker's share of it."""
+    from bench.overhead import _cpu_seconds as cpu_seconds
+
+    pid = pids.get(name)
+    picker = pids.get("picker") if name == "envoy-epp" else None
+    own = [p for p in (pid, picker) if p]
+    cpu0 = [cpu_seconds(p) for p in own]
+    r = {"target": name, **run()}
+    r["cores"] = _allowed_cpus(pid) if pid else _allowed_cpus(os.getpid())
+    if pid:
+        served = max(1, r["streams"] - r["errors"] - r["refused_429"])
+        used = [cpu_seconds(p) - c for p, c in zip(own, cpu0, strict=True)]
+        r["router_cpu_us_per_chunk"] = round(sum(used) / (served * (tokens + 1)) * 1e6, 2)
+        r["router_cpu_us_per_stream"] = round(sum(used) / served * 1e6, 1)
+        if picker:
+            r["picker_cpu_us_per_stream"] = round(used[1] / served * 1e6, 1)
+    return r
 
 
 def _cpu_list(spec: str) -> set[int]:

@@ -63,23 +63,21 @@ class ExternalProcessor:
         }
 
     async def process(self, stream: ProcessStream) -> None:
+        """Read until the request is whole, answer, and close the stream. The API lets the
+        processor close once it needs no more messages; Envoy then skips the filter for the rest of
+        the request, and the stream does not stay open for as long as the answer streams."""
         head: pb.HttpHeaders | None = None
         subset: frozenset[str] | None = None
         chunks: list[bytes] = []
         size = 0
-        answered = False
         async for message in stream:
             which = message.WhichOneof("request")
-            if answered:  # after the answer only the response path could come: nothing to change
-                if which in ("response_headers", "response_body", "response_trailers"):
-                    await stream.send_message(_pass(which))
-                continue
             if which == "request_headers":
                 head = message.request_headers
                 subset = protocol.subset_hint(message)
                 if head.end_of_stream:  # no body (GET /v1/models, ...)
                     await self._answer(stream, head, subset, None, trailers=False)
-                    answered = True
+                    return
             elif which == "request_body" and head is not None:
                 chunks.append(message.request_body.body)
                 size += len(message.request_body.body)
@@ -89,12 +87,10 @@ class ExternalProcessor:
                     return
                 if message.request_body.end_of_stream:
                     await self._answer(stream, head, subset, b"".join(chunks), trailers=False)
-                    answered = True
+                    return
             elif which == "request_trailers" and head is not None:
                 await self._answer(stream, head, subset, b"".join(chunks), trailers=True)
-                answered = True
-            elif which in ("response_headers", "response_body", "response_trailers"):
-                await stream.send_message(_pass(which))  # a config that sends the response path
+                return
 
     async def _answer(
         self,
@@ -181,15 +177,6 @@ class ExternalProcessor:
             )
         usable.sort(key=lambda e: e.in_flight)
         return Picked(endpoints=[protocol.host_port(e.url) for e in usable[:3]])
-
-
-def _pass(which: str) -> pb.ProcessingResponse:
-    """An answer that changes nothing, for the response path's messages (were Envoy to send them)."""
-    if which == "response_headers":
-        return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
-    if which == "response_body":
-        return pb.ProcessingResponse(response_body=pb.BodyResponse())
-    return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
 
 class AccessLogService:
