@@ -723,6 +723,94 @@ def test_readme_covers_what_the_chart_does():
     assert not re.search(r"/(work|root)/", readme)
 
 
+def _section(text: str, heading: str) -> str:
+    """A heading's text up to the next heading of its level or above (``#`` lines in code blocks are not headings)."""
+    level = len(heading.split(" ")[0])
+    lines = text.splitlines()
+    start = lines.index(heading) + 1
+    fenced = False
+    for i, line in enumerate(lines[start:], start):
+        fenced ^= line.lstrip().startswith("```")
+        if not fenced and re.match(rf"#{{1,{level}}} ", line):
+            return "\n".join(lines[start:i])
+    return "\n".join(lines[start:])
+
+
+NOT_RUN = "#what-this-project-has-not-run-on-eks"
+
+
+def test_readme_states_each_examples_needs_and_what_is_not_run_in_one_place():
+    """Issue 33: per example the nodes, objects and add-ons, checks runnable before the install, and
+    one list of what needs a real EKS cluster that the rest of the guide points to."""
+    readme = (ROOT / "deploy" / "eks" / "README.md").read_text()
+    # one row per example values file (overlays included) in the nodes-per-example table, every cell filled
+    table = readme[readme.index("**Nodes per example.**") :].split("\n\n")[1]
+    rows: dict[str, str] = {}  # the row of each file a first cell starts with, unless it adds files (+)
+    named = set()
+    for row in table.splitlines()[2:]:
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        assert len(cells) == 5 and all(cells), row
+        files = re.findall(r"`(values-[^`]+\.yaml)`", cells[0])
+        named |= set(files)
+        if " + " not in cells[0]:
+            rows[files[0]] = row
+    examples = sorted(p.name for p in (ROOT / "deploy").glob("values-*.yaml"))
+    assert named == set(examples)
+    assert set(rows) == set(examples) - {"values-llama-3.3-70b-two-nodes.yaml"}  # that one: on top of the 70B file
+    assert "eks-pod-identity-agent" in rows["values-lora.yaml"] and "OIDC provider" in rows["values-lora.yaml"]
+    assert "s3:GetObject" in rows["values-lora.yaml"] and "pdgate-engines" in rows["values-lora.yaml"]
+    assert "staticEndpoints" in rows["values-external-engines.yaml"]
+
+    # the checks before the install name the add-ons' APIs and every Secret and claim the examples use
+    before = _section(readme, "### Before `helm install`")
+    after = _section(readme, "### After `helm install`")
+    for check in (
+        "kubectl get crd servicemonitors.monitoring.coreos.com",
+        "kubectl get apiservice v1beta1.external.metrics.k8s.io",
+        "kubectl get crd leaderworkersets.leaderworkerset.x-k8s.io",
+        "kubectl get csidriver fsx.csi.aws.com",
+        "kubectl get crd policyendpoints.networking.k8s.aws",
+        "eks-pod-identity-agent",
+    ):
+        assert check in before, check
+    secrets, claims = set(), set()
+    for path in examples:
+        values = yaml.safe_load((ROOT / "deploy" / path).read_text())
+        model, gateway = values.get("model", {}), values.get("gateway", {})
+        secrets |= {model.get("hfTokenSecret"), gateway.get("apiKeysSecret", {}).get("name")}
+        secrets |= {gateway.get("adminTokenSecret", {}).get("name")}
+        claims.add(model.get("cache", {}).get("claimName"))
+    secret_lines = [line for line in before.splitlines() if line.startswith("kubectl -n llm get secret ")]
+    for name in sorted(secrets - {None, ""}):
+        assert any(name in line.split() for line in secret_lines), name
+    for claim in sorted(claims - {None, ""}):
+        assert f"kubectl -n llm get pvc {claim}" in before, claim
+    # what can pass only after the install is marked so, and is not among the checks before it
+    assert "pdgate_pool_" in after and "pdgate_pool_" not in before
+    step2 = _section(readme, "## 2. Cluster add-ons")
+    [adapter_row] = [line for line in step2.splitlines() if "external.metrics.k8s.io/v1beta1`" in line]
+    assert adapter_row.index("After the install only") < adapter_row.index("lists `pdgate_pool_*`")
+
+    # one list of what needs a real cluster, and every other mention points to it
+    assert readme.count("## What this project has not run on EKS") == 1
+    not_run = _section(readme, "## What this project has not run on EKS")
+    for item in (
+        "NodeOverlay",
+        "LMCache 0.5.6",
+        "container registry",
+        "LeaderWorkerSet",
+        "`helm test` itself",
+        "preload Job",
+        "values-lora.yaml",
+        "values-external-engines.yaml",
+    ):
+        assert item in not_run, item
+    untried = re.compile(r"untried|not\s+run\s+on\s+hardware|no\s+build\s+was\s+run|ha(s|ve)\s+been\s+run", re.I)
+    for paragraph in re.split(r"\n\s*\n", readme.replace(not_run, "")):
+        if untried.search(paragraph):
+            assert NOT_RUN in paragraph, paragraph
+
+
 def test_leaderworkerset_pod_templates_pass_the_pod_schema(tools: Tools, tmp_path):
     """kubernetes-validate only warns on a LeaderWorkerSet: its leader and worker templates are
     checked as Pods against the Kubernetes schema instead."""

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import celpy
 import pytest
+import yaml
 
 from tests.procs import ProcGroup, free_port
 
@@ -302,3 +303,109 @@ def test_notes_say_an_internal_nlb_answers_only_inside_the_vpc(tools: Tools, tmp
     assert "internal NLB" in notes and "port-forward" in notes
     small = render_notes(tools, tmp_path / "small", ROOT / "deploy" / "values-small.yaml")
     assert "internal NLB" not in small  # a ClusterIP Service: no load balancer to speak of
+
+
+# -- where the guide's pods land: the GPU nodes' taints, the preload Job on a CPU node -------------------
+
+GUIDE = ROOT / "deploy" / "eks" / "README.md"
+MULTI = ROOT / "deploy" / "values-llama-3.1-405b-multinode.yaml"
+# The taint the guide says some clusters already have; the GPU examples tolerate it too.
+EFA_TAINT = {"key": "vpc.amazonaws.com/efa", "effect": "NoSchedule"}
+
+
+def _yaml_blocks(text: str) -> list[dict]:
+    """Every YAML document of the guide's fenced yaml blocks and bash heredocs (<<'YAML' ... YAML)."""
+    blocks = re.findall(r"```yaml\n(.*?)```", text, re.S) + re.findall(r"<<'YAML'\n(.*?)\nYAML\n", text, re.S)
+    return [d for b in blocks for d in yaml.safe_load_all(b) if isinstance(d, dict)]
+
+
+def _guide_taints() -> list[dict]:
+    """The taints the guide puts on GPU nodes: its eksctl sketch's node groups and its Karpenter NodePool."""
+    taints = []
+    for doc in _yaml_blocks(GUIDE.read_text()):
+        for group in doc.get("managedNodeGroups", []):
+            taints += group.get("taints", [])
+        if doc.get("kind") == "NodePool":
+            taints += doc["spec"]["template"]["spec"].get("taints", [])
+    return taints
+
+
+def _tolerates(tolerations: list[dict], taint: dict) -> bool:
+    """Kubernetes' rule: the effect (empty: any), the key (empty with Exists: any), the value unless Exists."""
+    for t in tolerations or []:
+        if t.get("effect") and t["effect"] != taint["effect"]:
+            continue
+        if t.get("key") and t["key"] != taint["key"]:
+            continue
+        if t.get("operator", "Equal") == "Exists" or t.get("value") == taint.get("value"):
+            return True
+    return False
+
+
+def _pod_specs(docs: list[dict]) -> dict[str, dict]:
+    """Every pod the release creates, by a readable name: Deployments, LeaderWorkerSet templates, Jobs, Pods."""
+    specs = {}
+    for d in docs:
+        kind, name = d["kind"], d["metadata"]["name"]
+        if kind in ("Deployment", "Job"):
+            specs[f"{kind}/{name}"] = d["spec"]["template"]["spec"]
+        elif kind == "LeaderWorkerSet":
+            for role in ("leaderTemplate", "workerTemplate"):
+                specs[f"{kind}/{name}/{role}"] = d["spec"]["leaderWorkerTemplate"][role]["spec"]
+        elif kind == "Pod":
+            specs[f"{kind}/{name}"] = d["spec"]
+    return specs
+
+
+@pytest.mark.parametrize(
+    "files",
+    [[BIG], [BIG, TWO], [MULTI]],
+    ids=["70b", "70b-two-nodes", "405b-multinode"],
+)
+def test_engines_tolerate_the_guides_gpu_taints_and_nothing_else_lands_there(tools: Tools, files: list[Path]):
+    guide = _guide_taints()
+    assert {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"} in guide
+    assert "`nvidia.com/gpu=true:NoSchedule`" in GUIDE.read_text()  # the prose says the same taint
+    extra = [a for f in files[1:] for a in ("-f", str(f))]
+    docs = render(tools, *extra, values=files[0])
+    specs = _pod_specs(docs)
+    engines = {k: v for k, v in specs.items() if re.search(r"/pdgate-(prefill|decode)(/|$)", k)}
+    assert len(engines) == (4 if files == [MULTI] else 2), sorted(specs)
+    for name, spec in engines.items():
+        for taint in (*guide, EFA_TAINT):
+            assert _tolerates(spec.get("tolerations"), taint), (name, taint)
+        assert spec["nodeSelector"]["node.kubernetes.io/instance-type"] == "p5.48xlarge", name
+    # the gateway, both Redis, the preload Job and the test pod stay off the tainted GPU nodes
+    others = {k: v for k, v in specs.items() if k not in engines}
+    assert {"Deployment/pdgate-gateway", "Job/pdgate-model-preload", "Pod/pdgate-preflight-test"} <= set(others)
+    for name, spec in others.items():
+        for taint in guide:
+            assert not _tolerates(spec.get("tolerations"), taint), (name, taint)
+
+
+def test_the_guides_device_plugin_values_tolerate_its_gpu_taints():
+    """Step 2: a device plugin that does not tolerate the GPU nodes' taint advertises nothing."""
+    [plugin] = [d for d in _yaml_blocks(GUIDE.read_text()) if set(d) == {"tolerations"}]
+    for taint in (*_guide_taints(), EFA_TAINT):
+        assert _tolerates(plugin["tolerations"], taint), taint
+
+
+@pytest.mark.parametrize("values", [BIG, MULTI], ids=["70b", "405b-multinode"])
+def test_the_preload_job_runs_on_a_cpu_node_with_the_engine_image(tools: Tools, values: Path):
+    """The guide (step 6, "Where the preload Job runs"): no placement, the engine image, 4 CPU / 16 GiB."""
+    docs = render(tools, values=values)
+    spec = find(docs, "Job", "pdgate-model-preload")["spec"]["template"]["spec"]
+    assert not {"nodeSelector", "tolerations", "affinity"} & set(spec)
+    [c] = spec["containers"]
+    specs = _pod_specs(docs)
+    decode = specs.get("Deployment/pdgate-decode") or specs["LeaderWorkerSet/pdgate-decode/leaderTemplate"]
+    assert c["image"] == decode["containers"][0]["image"]  # the engine image (model.preload.image empty)
+    assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
+    assert c["resources"]["requests"] == {"cpu": "4", "memory": "16Gi"}
+    guide = GUIDE.read_text()
+    section = guide[guide.index("### Where the preload Job runs") :]
+    section = section[: section.index("\n## ")]
+    assert "4 CPU / 16 GiB" in section and "security group" in section and "CPU node" in section
+    # the per-example table counts it in the CPU room of both examples that preload
+    row = next(line for line in guide.splitlines() if line.startswith(f"| `{values.name}` |"))
+    assert "the preload Job (4 CPU / 16 GiB" in row
