@@ -33,21 +33,45 @@ def _endpoints(ports: list[int], host: str) -> list[dict[str, Any]]:
 
 
 def epp_config(
-    listen: int, picker: int | list[int], decode: list[int], admin: int | None = None, host: str = "127.0.0.1"
+    listen: int,
+    picker: int | list[int],
+    decode: list[int],
+    admin: int | None = None,
+    host: str = "127.0.0.1",
+    relay: int | list[int] | None = None,
 ) -> dict:
-    """The shipped config: listening on ``listen``, the picker(s) on ``picker``, the decode engines' ports."""
+    """The shipped config: listening on ``listen``, the picker(s) on ``picker``, the decode engines'
+    ports, and the pickers' HTTP ports as the relay (``x-pdgate-relay: true``; None: that route
+    and its cluster left out)."""
     cfg: dict[str, Any] = yaml.safe_load(SHIPPED.read_text())
     res = cfg["static_resources"]
     res["listeners"][0]["address"]["socket_address"].update(address=host, port_value=listen)
+    if relay is None:
+        _drop_relay(cfg)
     for cluster in res["clusters"]:
         if cluster["name"] == "pdgate_epp":
             pickers = picker if isinstance(picker, list) else [picker]
             cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = _endpoints(pickers, host)
+        elif cluster["name"] == "pdgate_relay" and relay is not None:
+            relays = relay if isinstance(relay, list) else [relay]
+            cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = _endpoints(relays, host)
         elif cluster["name"] == "decode":
             cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = _endpoints(decode, host)
     if admin is not None:
         cfg["admin"] = {"address": {"socket_address": {"address": host, "port_value": admin}}}
     return cfg
+
+
+def _hcm(cfg: dict) -> dict:
+    return cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def _drop_relay(cfg: dict) -> None:
+    """Without the ``x-pdgate-relay`` route and its cluster."""
+    host = _hcm(cfg)["route_config"]["virtual_hosts"][0]
+    host["routes"] = [r for r in host["routes"] if r["route"]["cluster"] != "pdgate_relay"]
+    res = cfg["static_resources"]
+    res["clusters"] = [c for c in res["clusters"] if c["name"] != "pdgate_relay"]
 
 
 def plain_config(listen: int, decode: list[int], admin: int | None = None, host: str = "127.0.0.1") -> dict:

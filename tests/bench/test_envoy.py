@@ -25,18 +25,24 @@ def validate(tmp_path, cfg: dict) -> None:
 
 
 def test_the_picker_config_is_the_shipped_one_with_this_runs_addresses(tmp_path):
-    cfg = epp_config(18080, 19002, [18101, 18102], admin=19901)
+    cfg = epp_config(18080, 19002, [18101, 18102], admin=19901, relay=18000)
     shipped = yaml.safe_load(SHIPPED.read_text())
     hcm = lambda c: c["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]  # noqa: E731
-    assert hcm(cfg) == hcm(shipped)  # filters, route, access log: untouched
+    assert hcm(cfg) == hcm(shipped)  # filters, routes, access log: untouched
     assert cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] == 18080
     clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
-    ports = [
+    ports = lambda name: [  # noqa: E731
         e["endpoint"]["address"]["socket_address"]["port_value"]
-        for e in clusters["decode"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        for e in clusters[name]["load_assignment"]["endpoints"][0]["lb_endpoints"]
     ]
-    assert ports == [18101, 18102]
+    assert ports("decode") == [18101, 18102]
+    assert ports("pdgate_relay") == [18000] and ports("pdgate_epp") == [19002]
     validate(tmp_path, cfg)
+    without = epp_config(18080, 19002, [18101], relay=None)  # no relay: its route and cluster go
+    routes = hcm(without)["route_config"]["virtual_hosts"][0]["routes"]
+    assert [r["route"]["cluster"] for r in routes] == ["decode"]
+    assert "pdgate_relay" not in [c["name"] for c in without["static_resources"]["clusters"]]
+    validate(tmp_path, without)
 
 
 def test_envoy_alone_has_no_picker(tmp_path):

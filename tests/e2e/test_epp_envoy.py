@@ -55,7 +55,8 @@ def stack(tokenizer_dir, tmp_path_factory):
         )
         listen, admin = free_port(), free_port()
         path = group.log_dir / "envoy.yaml"
-        path.write_text(dump(epp_config(listen, grpc_port, [s.port for s in c.decode], admin)))
+        decode = [s.port for s in c.decode]
+        path.write_text(dump(epp_config(listen, grpc_port, decode, admin, relay=c.gateway_port)))
         envoy: Proc = group.start(
             "envoy",
             [ENVOY, "-c", str(path), "--disable-hot-restart", "--base-id", str(listen), "-l", "warning"],
@@ -165,6 +166,54 @@ def test_a_client_leaving_during_the_prefill_leg_cancels_it(stack):
         assert wait_for(lambda: held(c) == 0, timeout=5)
     finally:
         httpx.delete(faults, timeout=5)
+
+
+def _stream(url: str, headers: dict[str, str]) -> tuple[int, list[str]]:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": SHORT}], "max_tokens": 12, "stream": True}
+    try:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=30) as r:
+            return r.status_code, [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    except httpx.HTTPError:  # Envoy resets the client's stream when the engine's breaks off
+        return 200, []
+
+
+def test_a_request_sent_with_x_pdgate_relay_keeps_mid_stream_migration(stack):
+    """What Envoy's relay loses, per request: with ``x-pdgate-relay: true`` the shipped config sends
+    the request to the picker's HTTP port, pdgate's own relay, which carries a stream whose engine
+    breaks off on another engine. Without it, the same break cuts the client's stream. Envoy does
+    not report the relayed requests to the picker (the relay accounts for them itself)."""
+    c, url = stack
+
+    def unmatched() -> float:
+        text = httpx.get(c.url + "/metrics").text
+        return sample(text, "pdgate_epp_access_log_entries_total", result="unmatched")
+
+    before = unmatched()
+    for s in c.decode:
+        s.clear()
+    broken = c.decode[0]
+    httpx.put(broken.url + "/sim/faults", json={"drop": {"after_chunks": 3}}, timeout=5).raise_for_status()
+    try:
+        relayed = [_stream(url, {"x-pdgate-relay": "true"}) for _ in range(6)]
+        assert [status for status, _ in relayed] == [200] * 6
+        for _, events in relayed:  # each whole: its tokens, then [DONE], and no error event
+            assert events and events[-1] == "[DONE]" and not any('"error"' in e for e in events), events
+        assert [r["fault"] for r in broken.requests()].count("drop") >= 1  # some did break off, and migrated
+        assert sample(httpx.get(c.url + "/metrics").text, "pdgate_migrations_total", result="ok") >= 1
+        for s in c.decode:
+            s.clear()
+        cut = []
+        for _ in range(12):  # through Envoy as picked: a break on the broken engine reaches the client
+            _, events = _stream(url, {})
+            if "[DONE]" not in events:
+                cut.append(events)
+            if broken.requests():
+                break
+        assert broken.requests() and cut, "no request through Envoy met the broken engine"
+    finally:
+        httpx.delete(broken.url + "/sim/faults", timeout=5)
+    assert wait_for(lambda: held(c) == 0, timeout=10)
+    assert unmatched() == before  # Envoy logged none of the relayed requests to the picker
 
 
 def test_a_picker_told_to_stop_finishes_its_prefill_leg_and_waits_for_envoys_report(tokenizer_dir, tmp_path_factory):

@@ -82,11 +82,24 @@ def test_the_http_route_sends_the_openai_routes_to_the_pool(tools: Tools, tmp_pa
     assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
     assert route["spec"]["parentRefs"] == [{"name": "inference-gateway"}]
     assert route["spec"]["hostnames"] == ["llm.example"]
-    [rule] = route["spec"]["rules"]
+    relay, rule = route["spec"]["rules"]
     assert rule["backendRefs"] == [
         {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "pdgate-decode"}
     ]
     assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/v1/"}}]
+    # x-pdgate-relay: true goes to the gateway's own relay (its Service's HTTP port), which keeps
+    # mid-stream migration; its header match outranks the path-only rule
+    assert relay["matches"] == [
+        {
+            "path": {"type": "PathPrefix", "value": "/v1/"},
+            "headers": [{"type": "Exact", "name": "x-pdgate-relay", "value": "true"}],
+        }
+    ]
+    assert relay["backendRefs"] == [{"kind": "Service", "name": "pdgate-gateway", "port": 80}]
+    assert find(docs, "Service", "pdgate-gateway")["spec"]["ports"][0]["port"] == 80
+    off = {"gateway": {**ROUTE["gateway"], "epp": {**ROUTE["gateway"]["epp"], "relay": {"enabled": False}}}}
+    [route] = of_kind(render(tools, values=values_file(tmp_path, off, "route-off.yaml")), "HTTPRoute")
+    assert [r["backendRefs"][0]["kind"] for r in route["spec"]["rules"]] == ["InferencePool"]
 
 
 def test_the_charts_envoy_passes_envoys_validation_and_routes_to_the_pickers_address(tools: Tools, tmp_path, capsys):
@@ -95,9 +108,13 @@ def test_the_charts_envoy_passes_envoys_validation_and_routes_to_the_pickers_add
     cfg = yaml.safe_load(text)
     assert cfg["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"  # its admin can stop it
     route = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]
-    assert route["virtual_hosts"][0]["routes"][0]["route"]["cluster"] == "decode_by_address"
+    routes = route["virtual_hosts"][0]["routes"]
+    assert [r["route"]["cluster"] for r in routes] == ["pdgate_relay", "decode_by_address"]
+    assert routes[0]["match"]["headers"] == [{"name": "x-pdgate-relay", "string_match": {"exact": "true"}}]
     clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
-    assert set(clusters) == {"pdgate_epp", "decode_by_address"}
+    assert set(clusters) == {"pdgate_epp", "pdgate_relay", "decode_by_address"}
+    relay = clusters["pdgate_relay"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    assert relay["socket_address"] == {"address": "pdgate-gateway.llm.svc.cluster.local", "port_value": 80}
     picker = clusters["pdgate_epp"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
     assert picker["socket_address"] == {
         "address": "pdgate-gateway-picker.llm.svc.cluster.local",
@@ -112,6 +129,15 @@ def test_the_charts_envoy_passes_envoys_validation_and_routes_to_the_pickers_add
     path.write_text(text)
     done = subprocess.run([envoy, "--mode", "validate", "-c", str(path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_the_charts_envoy_without_the_relay_has_no_route_to_it(tools: Tools, tmp_path):
+    off = {"gateway": {**WITH_ENVOY["gateway"], "epp": {**WITH_ENVOY["gateway"]["epp"], "relay": {"enabled": False}}}}
+    docs = render(tools, values=values_file(tmp_path, off, "envoy-off.yaml"))
+    cfg = yaml.safe_load(find(docs, "ConfigMap", "pdgate-envoy")["data"]["envoy.yaml"])
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert [r["route"]["cluster"] for r in hcm["route_config"]["virtual_hosts"][0]["routes"]] == ["decode_by_address"]
+    assert {c["name"] for c in cfg["static_resources"]["clusters"]} == {"pdgate_epp", "decode_by_address"}
 
 
 @pytest.mark.parametrize(
@@ -143,7 +169,11 @@ def test_network_policies_admit_the_data_plane_in_epp_mode(tools: Tools, tmp_pat
     assert all(peer not in rule["from"] for rule in prefill)  # the data plane never reaches prefill engines
     values = {**EPP, "networkPolicy": {"enabled": True, "gatewayIngress": [peer], "dataPlaneIngress": [peer]}}
     gateway = find(render(tools, values=values_file(tmp_path, values, "np2.yaml")), "NetworkPolicy", "pdgate-gateway")
-    assert {"from": [peer], "ports": [{"port": "grpc", "protocol": "TCP"}]} in gateway["spec"]["ingress"]
+    grpc, http = {"port": "grpc", "protocol": "TCP"}, {"port": "http", "protocol": "TCP"}
+    assert {"from": [peer], "ports": [grpc, http]} in gateway["spec"]["ingress"]  # the picker, and its relay
+    values["gateway"] = {**EPP["gateway"], "epp": {"relay": {"enabled": False}}}
+    gateway = find(render(tools, values=values_file(tmp_path, values, "np3.yaml")), "NetworkPolicy", "pdgate-gateway")
+    assert {"from": [peer], "ports": [grpc]} in gateway["spec"]["ingress"]
     err = refused(
         tools, "--set", "gateway.mode=epp", "--set", "gateway.replicas=1", "--set", "networkPolicy.enabled=true"
     )

@@ -671,13 +671,29 @@ come and go, and Envoy routes to the address the picker names. */}}
 {{- $listener := index $res.listeners 0 }}
 {{- $_ := set $listener.address.socket_address "port_value" (int $g.epp.envoy.port) }}
 {{- $hcm := (index (index $listener.filter_chains 0).filters 0).typed_config }}
-{{- $route := index (index $hcm.route_config.virtual_hosts 0).routes 0 }}
+{{- $vhost := index $hcm.route_config.virtual_hosts 0 }}
+{{- $routes := list }}
+{{- range $route := $vhost.routes }}
+{{- if eq $route.route.cluster "decode" }}
 {{- $_ := set $route.route "cluster" "decode_by_address" }}
 {{- $_ := unset $route.route "retry_policy" }}{{/* one address: nothing to retry on */}}
-{{- $picker := printf "%s-picker.%s.svc.cluster.local" (include "pdgate.componentName" (list . "gateway")) .Release.Namespace }}
+{{- $routes = append $routes $route }}
+{{- else if and (eq $route.route.cluster "pdgate_relay") $g.epp.relay.enabled }}
+{{- $routes = append $routes $route }}
+{{- end }}
+{{- end }}
+{{- $_ := set $vhost "routes" $routes }}
+{{- $gateway := include "pdgate.componentName" (list . "gateway") }}
+{{- $picker := printf "%s-picker.%s.svc.cluster.local" $gateway .Release.Namespace }}
 {{- $clusters := list }}
 {{- range $c := $res.clusters }}
-{{- if eq $c.name "pdgate_epp" }}
+{{- if and (eq $c.name "pdgate_relay") $g.epp.relay.enabled }}
+{{- $_ := set $c "type" "STRICT_DNS" }}
+{{- $relay := printf "%s.%s.svc.cluster.local" $gateway $.Release.Namespace }}
+{{- $ep := dict "endpoint" (dict "address" (dict "socket_address" (dict "address" $relay "port_value" (int $g.service.port)))) }}
+{{- $_ := set $c "load_assignment" (dict "cluster_name" "pdgate_relay" "endpoints" (list (dict "lb_endpoints" (list $ep)))) }}
+{{- $clusters = append $clusters $c }}
+{{- else if eq $c.name "pdgate_epp" }}
 {{- $_ := set $c "type" "STRICT_DNS" }}
 {{- $ep := dict "endpoint" (dict "address" (dict "socket_address" (dict "address" $picker "port_value" (int $g.epp.grpcPort)))) }}
 {{- $_ := set $c "load_assignment" (dict "cluster_name" "pdgate_epp" "endpoints" (list (dict "lb_endpoints" (list $ep)))) }}
