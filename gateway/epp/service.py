@@ -101,51 +101,40 @@ class ExternalProcessor:
         *,
         trailers: bool,
     ) -> None:
-        self.picking += 1
+        self.picking += 1  # a drain waits for the picks under way
         try:
-            await self._pick_and_answer(stream, head, subset, body, trailers=trailers)
+            path = protocol.pseudo(head, ":path") or "/"
+            method = protocol.pseudo(head, ":method") or "GET"
+            headers = protocol.headers_of(head)
+            kind = _ROUTES.get(path.partition("?")[0])
+            if kind is None or method != "POST":
+                picked = self._other_route(path.partition("?")[0], method, headers, subset)
+            else:
+                gw = self._gateway()
+                exchange = PickExchange(
+                    gw.runtime,
+                    gw.services,
+                    request_of(headers, method, path, body or b""),
+                    "chat" if kind == "chat" else "completion",
+                    path.partition("?")[0],
+                    gw.runtime.cfg.epp,
+                )
+                picked = await exchange.pick(subset)
+                if exchange.held:
+                    self.completions.hold(exchange.rec.request_id, exchange)
+            if picked.refusal is not None:
+                await stream.send_message(protocol.refused(picked.refusal, picked.headers))
+                return
+            for response in protocol.picked(
+                picked.endpoints,
+                picked.body if body is not None else None,
+                set_headers=picked.headers,
+                decision=picked.decision,
+                trailers=trailers,
+            ):
+                await stream.send_message(response)
         finally:
             self.picking -= 1
-
-    async def _pick_and_answer(
-        self,
-        stream: ProcessStream,
-        head: pb.HttpHeaders,
-        subset: frozenset[str] | None,
-        body: bytes | None,
-        *,
-        trailers: bool,
-    ) -> None:
-        path = protocol.pseudo(head, ":path") or "/"
-        method = protocol.pseudo(head, ":method") or "GET"
-        headers = protocol.headers_of(head)
-        kind = _ROUTES.get(path.partition("?")[0])
-        if kind is None or method != "POST":
-            picked = self._other_route(path.partition("?")[0], method, headers, subset)
-        else:
-            gw = self._gateway()
-            exchange = PickExchange(
-                gw.runtime,
-                gw.services,
-                request_of(headers, method, path, body or b""),
-                "chat" if kind == "chat" else "completion",
-                path.partition("?")[0],
-                gw.runtime.cfg.epp,
-            )
-            picked = await exchange.pick(subset)
-            if exchange.held:
-                self.completions.hold(exchange.rec.request_id, exchange)
-        if picked.refusal is not None:
-            await stream.send_message(protocol.refused(picked.refusal, picked.headers))
-            return
-        for response in protocol.picked(
-            picked.endpoints,
-            picked.body if body is not None else None,
-            set_headers=picked.headers,
-            decision=picked.decision,
-            trailers=trailers,
-        ):
-            await stream.send_message(response)
 
     def _other_route(
         self, path: str, method: str, headers: list[tuple[bytes, bytes]], subset: frozenset[str] | None

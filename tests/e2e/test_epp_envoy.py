@@ -37,6 +37,24 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def _picker_behind_envoy(c: Cluster, decode: int, name: str, **gateway) -> str:
+    """A prefill engine, ``decode`` decode engines, ``pdgate epp`` and the shipped Envoy in front
+    (its relay route to the picker's HTTP port); returns Envoy's URL."""
+    c.prefill.append(c.start_sim("prefill"))
+    c.decode += [c.start_sim("decode") for _ in range(decode)]
+    grpc_port = free_port()
+    routing = {**STATELESS, "debug_headers": True}
+    c.start_gateway(THRESHOLD, command=("epp", "--grpc-port", str(grpc_port)), routing=routing, **gateway)
+    listen = free_port()
+    path = c.group.log_dir / f"{name}.yaml"
+    cfg = epp_config(listen, grpc_port, [s.port for s in c.decode], free_port(), relay=c.gateway_port)
+    path.write_text(dump(cfg))
+    argv = [ENVOY, "-c", str(path), "--disable-hot-restart", "--base-id", str(listen), "-l", "warning"]
+    envoy: Proc = c.group.start(name, argv)
+    assert wait_for(lambda: _listening(listen), timeout=30), envoy.log_tail()
+    return f"http://127.0.0.1:{listen}"
+
+
 @pytest.fixture(scope="module")
 def stack(tokenizer_dir, tmp_path_factory):
     if ENVOY is None:
@@ -44,25 +62,7 @@ def stack(tokenizer_dir, tmp_path_factory):
     group = ProcGroup(tmp_path_factory.mktemp("logs"))
     c = Cluster(group, tokenizer_dir)
     try:
-        c.prefill.append(c.start_sim("prefill"))
-        c.decode += [c.start_sim("decode"), c.start_sim("decode")]
-        grpc_port = free_port()
-        c.start_gateway(
-            THRESHOLD,
-            command=("epp", "--grpc-port", str(grpc_port)),
-            routing={**STATELESS, "debug_headers": True},
-            admission={"max_in_flight": 4, "queue_timeout_s": 0},
-        )
-        listen, admin = free_port(), free_port()
-        path = group.log_dir / "envoy.yaml"
-        decode = [s.port for s in c.decode]
-        path.write_text(dump(epp_config(listen, grpc_port, decode, admin, relay=c.gateway_port)))
-        envoy: Proc = group.start(
-            "envoy",
-            [ENVOY, "-c", str(path), "--disable-hot-restart", "--base-id", str(listen), "-l", "warning"],
-        )
-        assert wait_for(lambda: _listening(listen), timeout=30), envoy.log_tail()
-        yield c, f"http://127.0.0.1:{listen}"
+        yield c, _picker_behind_envoy(c, 2, "envoy", admission={"max_in_flight": 4, "queue_timeout_s": 0})
     finally:
         group.stop_all()
 
@@ -224,24 +224,11 @@ def test_a_picker_told_to_stop_finishes_its_prefill_leg_and_waits_for_envoys_rep
     group = ProcGroup(tmp_path_factory.mktemp("logs"))
     c = Cluster(group, tokenizer_dir)
     try:
-        c.prefill.append(c.start_sim("prefill"))
-        c.decode.append(c.start_sim("decode"))
-        grpc_port = free_port()
-        c.start_gateway(
-            THRESHOLD,
-            command=("epp", "--grpc-port", str(grpc_port)),
-            routing={**STATELESS, "debug_headers": True},
-            server={"shutdown_grace_s": 15},
-        )
-        listen = free_port()
-        path = group.log_dir / "envoy-drain.yaml"
-        path.write_text(dump(epp_config(listen, grpc_port, [c.decode[0].port], free_port())))
-        envoy = group.start("envoy-drain", [ENVOY, "-c", str(path), "--disable-hot-restart", "--base-id", str(listen)])
-        assert wait_for(lambda: _listening(listen), timeout=30), envoy.log_tail()
+        url = _picker_behind_envoy(c, 1, "envoy-drain", server={"shutdown_grace_s": 15})
         slow = {"slow": {"first_byte_delay": 1.5, "on": ["prefill"]}}
         httpx.put(c.prefill[0].url + "/sim/faults", json=slow, timeout=5).raise_for_status()
         with ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(chat, f"http://127.0.0.1:{listen}", LONG)
+            answer = pool.submit(chat, url, LONG)
             assert wait_for(lambda: c.prefill[0].requests(), timeout=10)  # the prefill leg is under way
             os.killpg(c.gateway.popen.pid, signal.SIGTERM)
             r = answer.result(timeout=30)
