@@ -214,6 +214,9 @@ def test_a_request_sent_with_x_pdgate_relay_keeps_mid_stream_migration(stack):
         httpx.delete(broken.url + "/sim/faults", timeout=5)
     assert wait_for(lambda: held(c) == 0, timeout=10)
     assert unmatched() == before  # Envoy logged none of the relayed requests to the picker
+    # only the OpenAI routes go to the relay: its /metrics stays off the client's side of Envoy
+    r = httpx.get(url + "/metrics", headers={"x-pdgate-relay": "true"}, timeout=10)
+    assert r.status_code == 404 and "pdgate_requests_total" not in r.text
 
 
 def test_a_picker_told_to_stop_finishes_its_prefill_leg_and_waits_for_envoys_report(tokenizer_dir, tmp_path_factory):

@@ -110,7 +110,10 @@ def test_the_charts_envoy_passes_envoys_validation_and_routes_to_the_pickers_add
     route = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]
     routes = route["virtual_hosts"][0]["routes"]
     assert [r["route"]["cluster"] for r in routes] == ["pdgate_relay", "decode_by_address"]
-    assert routes[0]["match"]["headers"] == [{"name": "x-pdgate-relay", "string_match": {"exact": "true"}}]
+    assert routes[0]["match"] == {
+        "prefix": "/v1/",  # the OpenAI routes only: not the relay's /metrics or /debug
+        "headers": [{"name": "x-pdgate-relay", "string_match": {"exact": "true"}}],
+    }
     clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
     assert set(clusters) == {"pdgate_epp", "pdgate_relay", "decode_by_address"}
     relay = clusters["pdgate_relay"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
