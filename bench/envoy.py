@@ -67,11 +67,14 @@ def _hcm(cfg: dict) -> dict:
 
 
 def _drop_relay(cfg: dict) -> None:
-    """Without the ``x-pdgate-relay`` route and its cluster."""
+    """Without the ``x-pdgate-relay`` route, its cluster and the access log's filter: a client's
+    header would otherwise keep a request the picker routed out of Envoy's report, and held."""
     host = _hcm(cfg)["route_config"]["virtual_hosts"][0]
     host["routes"] = [r for r in host["routes"] if r["route"]["cluster"] != "pdgate_relay"]
     res = cfg["static_resources"]
     res["clusters"] = [c for c in res["clusters"] if c["name"] != "pdgate_relay"]
+    for log in _hcm(cfg).get("access_log", []):  # every request is then the picker's to account for
+        log.pop("filter", None)
 
 
 def plain_config(listen: int, decode: list[int], admin: int | None = None, host: str = "127.0.0.1") -> dict:

@@ -166,6 +166,12 @@ class EppConfig(_Strict):
         description="picker: on the P/D path the picker runs the prefill leg and puts its KV handle in the "
         "body; header: it only names the prefill engine in x-prefiller-host-port (llm-d's decode sidecar)",
     )
+    close_after_answer: bool = Field(
+        True,
+        description="close each ext_proc stream once the picker has answered (Envoy then skips the "
+        "filter for the rest of the request); false keeps it open and passes the response phase through "
+        "unchanged, for a data plane that fails on a clean close (agentgateway, its issue 3436)",
+    )
     completion_timeout_s: float = Field(
         3600.0,
         gt=0,

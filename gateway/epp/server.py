@@ -3,8 +3,9 @@
 Added by the assembly when ``epp.enabled`` (``pdgate epp``): it starts after every other part
 (routing needs the pools, the beliefs and the tokenizers in place). On SIGTERM it drains first
 (``drain``, within ``server.shutdown_grace_s``): health turns NOT_SERVING so Envoy sends new
-requests to other pickers, picks still come and are answered, and the drain ends once no pick is
-under way (a prefill leg included) and Envoy has reported every request held. Only then does the
+requests to other pickers, picks still come and are answered, and the drain ends once no request
+is being read or picked (a prefill leg included), Envoy has reported every request held, and no new
+request has come for ``QUIET_S``. Only then does the
 listener close, which cancels whatever the grace period cut short; held requests left are released.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from grpclib.server import Server
@@ -28,6 +30,10 @@ if TYPE_CHECKING:
     from gateway.http.handlers import Gateway
 
 log = logging.getLogger(__name__)
+
+# A drain ends only once no ext_proc stream has begun for this long: while Envoy still sends new
+# requests here (its health check has not yet seen NOT_SERVING), closing would fail them.
+QUIET_S = 2.0
 
 
 class PickerServer:
@@ -70,10 +76,14 @@ class PickerServer:
         log.info(
             "endpoint picker draining: %d picks under way, %d requests held", self._ext.picking, len(self.completions)
         )
-        # polled: two counts that change at many points, checked 20 times a second while stopping only
-        while self._ext.picking or len(self.completions):  # noqa: ASYNC110
+        # polled: counts that change at many points, checked 20 times a second while stopping only
+        while self._ext.picking or len(self.completions) or self._recent_stream():  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         log.info("endpoint picker drained")
+
+    def _recent_stream(self) -> bool:
+        """A stream began less than ``QUIET_S`` ago: Envoy has not yet turned to the other pickers."""
+        return time.monotonic() - self._ext.last_stream_at < QUIET_S
 
     async def stop(self) -> None:
         server, self._server = self._server, None

@@ -17,6 +17,7 @@ and the picker is not draining).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -54,6 +55,7 @@ class ExternalProcessor:
         self._gateway = gateway
         self.completions = completions
         self.picking = 0  # requests between their first message and their answer (a drain waits on them)
+        self.last_stream_at = 0.0  # when the latest ext_proc stream began (time.monotonic)
 
     def __mapping__(self) -> dict[str, Handler]:
         return {
@@ -63,34 +65,51 @@ class ExternalProcessor:
         }
 
     async def process(self, stream: ProcessStream) -> None:
-        """Read until the request is whole, answer, and close the stream. The API lets the
-        processor close once it needs no more messages; Envoy then skips the filter for the rest of
-        the request, and the stream does not stay open for as long as the answer streams."""
-        head: pb.HttpHeaders | None = None
-        subset: frozenset[str] | None = None
-        chunks: list[bytes] = []
-        size = 0
-        async for message in stream:
-            which = message.WhichOneof("request")
-            if which == "request_headers":
-                head = message.request_headers
-                subset = protocol.subset_hint(message)
-                if head.end_of_stream:  # no body (GET /v1/models, ...)
-                    await self._answer(stream, head, subset, None, trailers=False)
-                    return
-            elif which == "request_body" and head is not None:
-                chunks.append(message.request_body.body)
-                size += len(message.request_body.body)
-                limit = self._gateway().runtime.cfg.server.max_body_bytes
-                if size > limit:
-                    await stream.send_message(protocol.refused(too_large(limit)))
-                    return
-                if message.request_body.end_of_stream:
-                    await self._answer(stream, head, subset, b"".join(chunks), trailers=False)
-                    return
-            elif which == "request_trailers" and head is not None:
-                await self._answer(stream, head, subset, b"".join(chunks), trailers=True)
-                return
+        """Read until the request is whole and answer. Then, with ``epp.close_after_answer`` (the
+        default), close the stream: the API lets a processor close once it needs no more messages,
+        Envoy skips the filter for the rest of the request, and the stream does not stay open for
+        as long as the answer streams. Otherwise the response phase is passed through unchanged."""
+        self.picking += 1  # from the first message: a drain waits for requests still arriving
+        self.last_stream_at = time.monotonic()
+        answered = False
+        try:
+            head: pb.HttpHeaders | None = None
+            subset: frozenset[str] | None = None
+            chunks: list[bytes] = []
+            size = 0
+            async for message in stream:
+                which = message.WhichOneof("request")
+                if which in _RESPONSE_PHASE:  # a data plane that sends it: nothing to change
+                    await stream.send_message(_pass(which))
+                    continue
+                if answered:
+                    continue
+                if which == "request_headers":
+                    head = message.request_headers
+                    subset = protocol.subset_hint(message)
+                    if head.end_of_stream:  # no body (GET /v1/models, ...)
+                        await self._answer(stream, head, subset, None, trailers=False)
+                        answered = True
+                elif which == "request_body" and head is not None:
+                    chunks.append(message.request_body.body)
+                    size += len(message.request_body.body)
+                    limit = self._gateway().runtime.cfg.server.max_body_bytes
+                    if size > limit:
+                        await stream.send_message(protocol.refused(too_large(limit)))
+                        return
+                    if message.request_body.end_of_stream:
+                        await self._answer(stream, head, subset, b"".join(chunks), trailers=False)
+                        answered = True
+                elif which == "request_trailers" and head is not None:
+                    await self._answer(stream, head, subset, b"".join(chunks), trailers=True)
+                    answered = True
+                if answered:
+                    self.picking -= 1  # picked: what follows is the answer's, not the pick's
+                    if self._gateway().runtime.cfg.epp.close_after_answer:
+                        return
+        finally:
+            if not answered:
+                self.picking -= 1
 
     async def _answer(
         self,
@@ -101,40 +120,36 @@ class ExternalProcessor:
         *,
         trailers: bool,
     ) -> None:
-        self.picking += 1  # a drain waits for the picks under way
-        try:
-            path = protocol.pseudo(head, ":path") or "/"
-            method = protocol.pseudo(head, ":method") or "GET"
-            headers = protocol.headers_of(head)
-            kind = _ROUTES.get(path.partition("?")[0])
-            if kind is None or method != "POST":
-                picked = self._other_route(path.partition("?")[0], method, headers, subset)
-            else:
-                gw = self._gateway()
-                exchange = PickExchange(
-                    gw.runtime,
-                    gw.services,
-                    request_of(headers, method, path, body or b""),
-                    "chat" if kind == "chat" else "completion",
-                    path.partition("?")[0],
-                    gw.runtime.cfg.epp,
-                )
-                picked = await exchange.pick(subset)
-                if exchange.held:
-                    self.completions.hold(exchange.rec.request_id, exchange)
-            if picked.refusal is not None:
-                await stream.send_message(protocol.refused(picked.refusal, picked.headers))
-                return
-            for response in protocol.picked(
-                picked.endpoints,
-                picked.body if body is not None else None,
-                set_headers=picked.headers,
-                decision=picked.decision,
-                trailers=trailers,
-            ):
-                await stream.send_message(response)
-        finally:
-            self.picking -= 1
+        path = protocol.pseudo(head, ":path") or "/"
+        method = protocol.pseudo(head, ":method") or "GET"
+        headers = protocol.headers_of(head)
+        kind = _ROUTES.get(path.partition("?")[0])
+        if kind is None or method != "POST":
+            picked = self._other_route(path.partition("?")[0], method, headers, subset)
+        else:
+            gw = self._gateway()
+            exchange = PickExchange(
+                gw.runtime,
+                gw.services,
+                request_of(headers, method, path, body or b""),
+                "chat" if kind == "chat" else "completion",
+                path.partition("?")[0],
+                gw.runtime.cfg.epp,
+            )
+            picked = await exchange.pick(subset)
+            if exchange.held:
+                self.completions.hold(exchange.rec.request_id, exchange)
+        if picked.refusal is not None:
+            await stream.send_message(protocol.refused(picked.refusal, picked.headers))
+            return
+        for response in protocol.picked(
+            picked.endpoints,
+            picked.body if body is not None else None,
+            set_headers=picked.headers,
+            decision=picked.decision,
+            trailers=trailers,
+        ):
+            await stream.send_message(response)
 
     def _other_route(
         self, path: str, method: str, headers: list[tuple[bytes, bytes]], subset: frozenset[str] | None
@@ -166,6 +181,18 @@ class ExternalProcessor:
             )
         usable.sort(key=lambda e: e.in_flight)
         return Picked(endpoints=[protocol.host_port(e.url) for e in usable[:3]])
+
+
+_RESPONSE_PHASE = frozenset({"response_headers", "response_body", "response_trailers"})
+
+
+def _pass(which: str) -> pb.ProcessingResponse:
+    """An answer that changes nothing, for the response phase's messages."""
+    if which == "response_headers":
+        return pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+    if which == "response_body":
+        return pb.ProcessingResponse(response_body=pb.BodyResponse())
+    return pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
 
 class AccessLogService:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -28,6 +29,7 @@ from gateway.http.errors import APIError, error_response
 from gateway.http.handlers import Gateway
 from gateway.http.reconfigure import listening, validate
 from gateway.http.server import Connections
+from gateway.lifecycle import Lifecycle
 from gateway.ops.gcpolicy import Collector
 from gateway.ops.metrics import authorize_scrape
 from gateway.request.protocol import Kind
@@ -68,8 +70,17 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Gateway]]:
         assembled = await assemble(cfg, version, tokenizers, opts)
         async with assembled.lifecycle:
-            yield {"gw": assembled.gateway}
-            await assembled.lifecycle.drain(assembled.gateway.runtime.cfg.server.shutdown_grace_s)
+            # The parts' drain starts when the server begins shutting down, beside uvicorn's grace
+            # for the HTTP connections: one grace period in all, not one after the other.
+            stopping = connections.stopping if connections is not None else asyncio.Event()
+            grace = assembled.gateway.runtime.cfg.server.shutdown_grace_s
+            drained = asyncio.create_task(_drain_once(stopping, assembled.lifecycle, grace))
+            try:
+                yield {"gw": assembled.gateway}
+                stopping.set()  # a lifespan ended without the server's shutdown (an embedding app)
+                await drained
+            finally:
+                drained.cancel()
 
     inference, routes = _routes(config_path, created=int(time.time()))
 
@@ -82,6 +93,11 @@ def create_app(
     # client chooses (POST /v1/chat/completions/ with Host: evil.example would redirect there).
     app.router.redirect_slashes = False
     return app
+
+
+async def _drain_once(stopping: asyncio.Event, lifecycle: Lifecycle, grace_s: float) -> None:
+    await stopping.wait()
+    await lifecycle.drain(grace_s)
 
 
 def _routes(config_path: str | Path | None, created: int) -> tuple[dict[str, InferenceEndpoint], list[Route]]:

@@ -106,6 +106,9 @@ class Connections:
         self.open = 0
         self.refused = 0
         self.wait_s = 0.0
+        # set when the server begins shutting down: parts that drain other than over HTTP (the
+        # endpoint picker) start then, beside the HTTP connections' grace, not after it
+        self.stopping = asyncio.Event()
         self._logged = 0.0
 
     def waited(self, seconds: float) -> None:
@@ -171,7 +174,13 @@ def make_server(
         timeout_keep_alive=cast(int, srv.keep_alive_timeout_s),  # the same: call_later's seconds
     )
     quiet_upgrades()
-    return uvicorn.Server(config)
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            connections.stopping.set()
+            await super().shutdown(sockets=sockets)
+
+    return Server(config)
 
 
 class _NoUpgradeWarnings(logging.Filter):

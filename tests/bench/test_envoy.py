@@ -42,6 +42,7 @@ def test_the_picker_config_is_the_shipped_one_with_this_runs_addresses(tmp_path)
     routes = hcm(without)["route_config"]["virtual_hosts"][0]["routes"]
     assert [r["route"]["cluster"] for r in routes] == ["decode"]
     assert "pdgate_relay" not in [c["name"] for c in without["static_resources"]["clusters"]]
+    assert [log.get("filter") for log in hcm(without)["access_log"]] == [None]  # every request reported
     validate(tmp_path, without)
 
 

@@ -683,6 +683,9 @@ come and go, and Envoy routes to the address the picker names. */}}
 {{- end }}
 {{- end }}
 {{- $_ := set $vhost "routes" $routes }}
+{{- if not $g.epp.relay.enabled }}{{/* no relay: every request is the picker's to account for */}}
+{{- range $log := $hcm.access_log }}{{ $_ := unset $log "filter" }}{{ end }}
+{{- end }}
 {{- $gateway := include "pdgate.componentName" (list . "gateway") }}
 {{- $picker := printf "%s-picker.%s.svc.cluster.local" $gateway .Release.Namespace }}
 {{- $clusters := list }}

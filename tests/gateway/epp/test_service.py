@@ -5,6 +5,8 @@ a real Envoy, real engines)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from types import SimpleNamespace
 
 import orjson
@@ -12,6 +14,7 @@ import pytest
 from grpclib import GRPCError
 from grpclib.client import StreamStreamMethod, StreamUnaryMethod, UnaryUnaryMethod
 from grpclib.const import Status
+from grpclib.exceptions import StreamTerminatedError
 from grpclib.health.v1 import health_pb2
 from grpclib.testing import ChannelFor
 
@@ -24,7 +27,7 @@ class Endpoint(SimpleNamespace):
     pass
 
 
-def gateway(ready: bool = True, max_body: int = 100, keys: tuple[bytes, ...] = ()):
+def gateway(ready: bool = True, max_body: int = 100, keys: tuple[bytes, ...] = (), close: bool = True):
     decode = [
         Endpoint(url="http://10.0.0.1:8000", healthy=True, ejected=False, in_flight=3),
         Endpoint(url="http://10.0.0.2:8000", healthy=True, ejected=False, in_flight=1),
@@ -32,7 +35,9 @@ def gateway(ready: bool = True, max_body: int = 100, keys: tuple[bytes, ...] = (
     ]
     pools = SimpleNamespace(decode=decode, ready=lambda: ready)
     cfg = SimpleNamespace(
-        server=SimpleNamespace(max_body_bytes=max_body), limits=SimpleNamespace(max_header_bytes=65536)
+        server=SimpleNamespace(max_body_bytes=max_body),
+        limits=SimpleNamespace(max_header_bytes=65536),
+        epp=SimpleNamespace(close_after_answer=close),
     )
     gw = SimpleNamespace(runtime=SimpleNamespace(cfg=cfg, api_keys=keys), services=SimpleNamespace(pools=pools))
     return lambda: gw
@@ -60,6 +65,57 @@ async def test_a_body_over_the_bound_is_refused_413_before_any_routing() -> None
     out = await process(gateway(max_body=100), [head("/v1/chat/completions"), body, body])
     assert len(out) == 1 and out[0].immediate_response.status.code == 413
     assert orjson.loads(out[0].immediate_response.body)["error"]["type"] == "invalid_request_error"
+
+
+async def test_the_stream_ends_once_answered_unless_told_to_pass_the_response_phase_through() -> None:
+    """``epp.close_after_answer``: the picker ends the stream after its answer (Envoy skips the
+    filter for the rest of the request); off, it stays open and the response phase passes unchanged
+    (a data plane that fails on a clean close). Either way nothing counts as being picked after."""
+    response_head = pb.ProcessingRequest(response_headers=pb.HttpHeaders(end_of_stream=False))
+    for close in (True, False):
+        service = ExternalProcessor(gateway(close=close), Completions(60))
+        async with ChannelFor([service]) as channel:
+            method = StreamStreamMethod(channel, f"/{EXT_PROC}/Process", pb.ProcessingRequest, pb.ProcessingResponse)
+            async with method.open() as stream:
+                await stream.send_message(head("/v1/models", "GET", eos=True))
+                answer = await stream.recv_message()
+                assert answer is not None and answer.WhichOneof("response") == "request_headers"
+                for _ in range(100):  # the handler returns (close) or waits for more (open)
+                    if not service.picking:
+                        break
+                    await asyncio.sleep(0.01)
+                if close:  # ended: a later message gets no answer (Envoy would not send one)
+                    with contextlib.suppress(StreamTerminatedError):
+                        await stream.send_message(response_head, end=True)
+                    assert await stream.recv_message() is None
+                else:
+                    await stream.send_message(response_head)
+                    passed = await stream.recv_message()
+                    assert passed == pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+                    await stream.end()
+                    assert await stream.recv_message() is None
+        assert service.picking == 0 and service.last_stream_at > 0
+
+
+async def test_a_request_still_arriving_counts_as_being_picked() -> None:
+    """A drain waits for a request whose body is still coming, not only for one being routed."""
+    service = ExternalProcessor(gateway(), Completions(60))
+    async with ChannelFor([service]) as channel:
+        method = StreamStreamMethod(channel, f"/{EXT_PROC}/Process", pb.ProcessingRequest, pb.ProcessingResponse)
+        async with method.open() as stream:
+            await stream.send_message(head("/v1/chat/completions"))
+            await stream.send_message(pb.ProcessingRequest(request_body=pb.HttpBody(body=b"{", end_of_stream=False)))
+            for _ in range(100):
+                if service.picking:
+                    break
+                await asyncio.sleep(0.01)
+            assert service.picking == 1
+            await stream.cancel()  # the client left
+    for _ in range(100):
+        if not service.picking:
+            break
+        await asyncio.sleep(0.01)
+    assert service.picking == 0
 
 
 async def test_a_request_that_is_not_an_inference_one_goes_to_the_least_busy_usable_engine() -> None:
