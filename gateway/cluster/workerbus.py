@@ -521,11 +521,14 @@ class WorkerBus:
         if when <= self._heard[sender]:
             self._drop("replayed", topic, "not newer than the last message taken from this worker")
             return
-        self._heard[sender] = when
         try:
             self._apply(sender, cbor2.loads(body))
         except Exception as err:  # validated before anything is applied; a message must not end the loop
             self._drop("invalid", topic, f"{type(err).__name__}: {err}")
+            return
+        # Only a message taken moves the sender's clock on: an invalid one stamped far ahead would
+        # otherwise make every later genuine message of that worker look replayed.
+        self._heard[sender] = when
 
     def _drop(self, reason: str, topic: bytes, detail: str) -> None:
         self.dropped[reason] += 1

@@ -188,6 +188,10 @@ async def test_a_signed_message_that_breaks_the_protocol_changes_nothing(hub) ->
             await forger.send(topic, stamp, body, _mac(hub.address.secret, topic, stamp, body))
             await until(lambda i=i: b.dropped["invalid"] == i, timeout=5, what=f"{message!r:.80} dropped")
             assert pb.others.get(D1) == 2 and ub.others["decode"] == {} and ib.match([1]) == {}, message
+        # the invalid messages, stamped an hour ahead, did not make a's own later ones look replayed
+        pa.decode[0].in_flight = 3
+        await until(lambda: pb.others.get(D1) == 3, timeout=5, what="a's next count taken")
+        assert b.dropped["replayed"] == 0
     finally:
         forger.close()
         await asyncio.gather(a.stop(), b.stop())
