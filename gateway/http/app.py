@@ -25,10 +25,10 @@ from gateway.config import GatewayConfig, PinnedFiles
 from gateway.config.reload import version_of
 from gateway.http.assembly import Options, assemble
 from gateway.http.auth import authorize, authorize_admin
+from gateway.http.connections import Connections
 from gateway.http.errors import APIError, error_response
 from gateway.http.handlers import Gateway
 from gateway.http.reconfigure import listening, validate
-from gateway.http.server import Connections
 from gateway.lifecycle import Lifecycle
 from gateway.ops.gcpolicy import Collector
 from gateway.ops.metrics import authorize_scrape

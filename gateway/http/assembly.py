@@ -34,9 +34,9 @@ from gateway.engines.upstream import Upstream, make_client, make_session
 from gateway.fairness.admission import Gate, LoopLag, SharedGate
 from gateway.fairness.fairqueue import FairQueue
 from gateway.fairness.tenants import Usage
+from gateway.http.connections import Connections
 from gateway.http.handlers import Gateway
 from gateway.http.reconfigure import apply_config, listening
-from gateway.http.server import Connections
 from gateway.lifecycle import Lifecycle
 from gateway.ops.gcpolicy import Collector
 from gateway.ops.live_planner import Demand, DemandPlanner

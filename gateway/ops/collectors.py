@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from gateway.engines.pools import Pools
     from gateway.fairness.admission import Gate, LoopLag
     from gateway.fairness.tenants import Usage
-    from gateway.http.server import Connections
+    from gateway.http.connections import Connections
     from policies.beliefs.prefix_index import PrefixStore
     from policies.beliefs.tier_audit import TierCounterCheck
 

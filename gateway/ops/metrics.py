@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from gateway.engines.discovery import SliceWatcher
     from gateway.engines.modelcheck import ServedModels
     from gateway.fairness.admission import Gate, LoopLag
-    from gateway.http.server import Connections
+    from gateway.http.connections import Connections
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)

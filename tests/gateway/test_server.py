@@ -18,7 +18,8 @@ import pytest
 import uvicorn
 
 from gateway.fairness.admission import LoopLag
-from gateway.http.server import BODY_GRACE_S, LINGER_S, SMOOTHING, Connections, Limits, guarded_protocol, quiet_upgrades
+from gateway.http.connections import SMOOTHING, Connections, Limits
+from gateway.http.server import BODY_GRACE_S, LINGER_S, guarded_protocol, quiet_upgrades
 
 LIMITS = Limits(
     max_head_bytes=4096,

@@ -246,7 +246,7 @@ def test_every_gauge_the_gateway_exports_has_a_declared_merge_rule() -> None:
 
     from gateway.fairness.admission import Gate, LoopLag
     from gateway.fairness.tenants import Usage
-    from gateway.http.server import Connections
+    from gateway.http.connections import Connections
     from gateway.ops.metrics import GatewayMetrics
     from gateway.ops.metricsmerge import DECLARED
 
