@@ -45,7 +45,7 @@ def _client(out: str, port: int, prompt: str) -> None:
         except (httpx.HTTPError, KeyError, ValueError):
             pass
         time.sleep(0.2)
-    request = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "stream": True}
+    request = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "stream": True}
     recording.set()
     try:
         with httpx.stream("POST", url + "/v1/completions", json=request, timeout=30) as r:
