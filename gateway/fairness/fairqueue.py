@@ -108,6 +108,12 @@ class FairQueue:
         group = min(self._groups, key=lambda g: self._rank(g, self._groups[g][0]))
         return self._groups[group][0]
 
+    def next_is(self, w: Waiter) -> bool:
+        """Whether ``w`` is next to take room that frees: first in line, and no waiter already
+        served (woken, not yet on the event loop) is about to take it. A periodic look that asked
+        only ``best()`` would let the second in line take the room just handed to the first."""
+        return not self._woken and self.best() is w
+
     def before(self, who: Identity | None) -> bool:
         """Whether a waiter would be served before a newcomer ``who`` (FIFO: anyone waiting, or
         served and about to take its room)."""

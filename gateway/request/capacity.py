@@ -146,7 +146,7 @@ class Room:
             w0 = time.perf_counter()
             woken = await q.wait(w, min(limit_s - waited, QUEUE_SLICE_S))
             waited += time.perf_counter() - w0
-            if woken or waited >= limit_s or q.best() is w:
+            if woken or waited >= limit_s or q.next_is(w):
                 return waited
 
     def _queue(self, phase: str, prep: Prepared) -> FairQueue:

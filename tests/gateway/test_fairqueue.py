@@ -231,3 +231,17 @@ async def test_a_served_waiter_keeps_its_turn_until_it_takes_its_room() -> None:
     assert fair.before(who("flood")) is True
     fair.requeue(f)
     assert fair.best() is f
+
+
+async def test_the_second_in_line_does_not_look_past_a_served_first() -> None:
+    """Room freed and handed to the first in line: until that waiter has run, the next one's
+    periodic look does not find itself next (it would take the room handed to the first)."""
+    usage = Usage()
+    usage.prefill_sent("flood", 1000)
+    q = FairQueue("prefill", usage, fair=True)
+    flood, calm = q.join(who("flood")), q.join(who("calm"))
+    assert q.next_is(calm) and not q.next_is(flood)
+    assert q.wake()  # calm is served; flood is now first in the line, but not next
+    assert q.best() is flood and not q.next_is(flood)
+    q.remove(calm)  # calm took its room and left
+    assert q.next_is(flood)
