@@ -248,6 +248,15 @@ class MigrationConfig(_Strict):
         "and the gateway assembles the answer (costs gateway CPU per token); false: sent "
         "as the client sent them, a failure mid-answer is retried from the start",
     )
+    non_streaming_min_tokens: int = Field(
+        64,
+        ge=0,
+        le=1 << 20,
+        description="a non-streamed request that asks for at most this many output tokens "
+        "(max_tokens, max_completion_tokens; completions default to 16) goes as sent: a failure "
+        "mid-answer regenerates at most this many tokens from the start, cheaper than the gateway "
+        "assembling every answer from its engine stream (0: every non-streamed request migrates)",
+    )
 
 
 class RoutingConfig(_Strict):

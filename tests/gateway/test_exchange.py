@@ -192,6 +192,27 @@ async def test_a_direct_stream_is_decode_backlog_until_its_first_token(h, fields
     settled(h)
 
 
+async def test_a_short_whole_answer_is_decode_backlog_until_it_comes(tokenizer_dir):
+    """Sent as a whole (routing.migration.non_streaming_min_tokens), a short answer follows its
+    first token closely: its prompt counts in the engine's backlog until the answer is in."""
+    h = make(tokenizer_dir, routing={"decider": {"name": "token_threshold", "threshold": 64}})
+    try:
+        gate = asyncio.Event()
+        for url in (D, D2):
+            h.upstream.on(url, answer(completion("x"), gate=gate))
+        prompt = "def handler(request):\n    return request.body\n" * 4  # under the threshold: direct
+        task = asyncio.create_task(h.send({"model": "tiny", "prompt": prompt, "max_tokens": 8}))
+        await until(lambda: h.upstream.calls)
+        ep = next(e for e in h.pools.decode if e.url == h.upstream.calls[0][0])
+        assert "stream" not in h.upstream.calls[0][2] and ep.backlog_tokens > 0
+        gate.set()
+        assert (await task).status == 200
+        assert ep.backlog_tokens == 0
+        settled(h)
+    finally:
+        h.close()
+
+
 async def test_a_burst_sees_a_prompt_in_flight_as_cached_and_a_failure_takes_it_back(h):
     """Tentative beliefs: while the first request's leg runs, an identical prompt counts as cached on
     its engines (a burst follows it); when that leg fails before its first token, it no longer does."""

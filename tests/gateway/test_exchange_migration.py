@@ -308,6 +308,36 @@ async def test_whole_answers_can_keep_their_engines_whole_answer(tokenizer_dir, 
         h.close()
 
 
+@pytest.mark.parametrize(
+    ("fields", "as_sent"),
+    [
+        ({"max_tokens": 64}, True),  # at most routing.migration.non_streaming_min_tokens (64)
+        ({}, True),  # a completion's default: 16
+        ({"max_tokens": 65}, False),
+        ({"max_tokens": 10, "stream": True}, False),  # streams always migrate
+    ],
+)
+async def test_a_short_whole_answer_goes_as_sent_and_a_failure_retries_it(tokenizer_dir, fields, as_sent):
+    """By default a non-streamed request of a few tokens is not assembled from an engine stream
+    (the gateway's CPU per token): a failure mid-answer regenerates it on the other engine."""
+    h = make(tokenizer_dir, routing={"decider": {"name": "token_threshold", "threshold": 64}})
+    try:
+        body = {"model": "tiny", "prompt": "Write a handler.", **fields}
+        h.upstream.on(
+            "decode", FakeResponse([b'{"choices": [{"text": "ha'], break_after=1), answer(completion("served whole"))
+        )
+        r = await h.send(body)
+        sent = h.upstream.calls[0][2]
+        assert (sent == body) is as_sent, sent
+        if as_sent:
+            assert r.status == 200 and r.json()["choices"][0]["text"] == "served whole"
+            assert r.headers["x-pdgate-failover"] == "decode_retried"
+        else:
+            assert sent["return_token_ids"] is True and sent["stream"] is True
+    finally:
+        h.close()
+
+
 @pytest.mark.parametrize("stream", [True, False])
 async def test_a_stream_broken_after_its_finish_reason_is_ended_by_the_gateway(h, tok, stream):
     """The engine died after the last token's event: nothing to migrate; the client gets the usage
