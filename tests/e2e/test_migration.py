@@ -241,3 +241,22 @@ def test_a_second_failure_after_one_migration_ends_with_the_error_event(cluster)
     assert whole_text("completion", uninterrupted).startswith(text_of("completion", events[:-2]))
     [first, second] = access_line(cluster, rid)["migrations"]
     assert first["result"] == "failed" and (second["result"], second["why"]) == ("skipped", "limit")
+
+
+def test_a_short_whole_answer_is_retried_from_the_start_not_migrated(cluster):
+    """A non-streamed request asking for at most routing.migration.non_streaming_min_tokens (64)
+    goes to its engine as sent; its engine killed mid-answer, the whole request runs again on the
+    other one, and the client gets one whole answer."""
+    route, body = request("chat", SHORT, False, max_tokens=64)  # 0.64 s of decoding; killed at ~0.25 s
+    rid = f"short-{uuid.uuid4().hex[:12]}"
+    migrated = gateway_metric(cluster, "pdgate_migrations_total", reason="disconnected", result="ok")
+    r, _, victim = kill_mid_answer(cluster, route, body, rid)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["choices"][0]["message"]["content"] and answer["usage"]["completion_tokens"] == 64
+    assert "decode_retried" in r.headers.get("x-pdgate-failover", "")
+    survivor = next(sim for sim in cluster.decode if sim is not victim)
+    [sent] = [q["body"] for q in survivor.requests() if q.get("headers", {}).get("x-request-id") == rid]
+    assert "stream" not in sent or sent["stream"] is False
+    assert "return_token_ids" not in sent
+    assert gateway_metric(cluster, "pdgate_migrations_total", reason="disconnected", result="ok") == migrated
