@@ -95,8 +95,8 @@ def test_short_prompt_goes_direct(client, prefill, decode):
     assert r.headers["x-pdgate-path"] == "direct"
     assert r.json()["choices"][0]["text"] == "hi"
     [sent] = decode.posts("/v1/completions")
-    # Migratable: the engine streams its answer with the token ids (the client gets it whole)
-    assert sent.body == {"model": "tiny", "prompt": "hello", "max_tokens": 4, **MIGRATABLE}
+    # A short whole answer (routing.migration.non_streaming_min_tokens): sent as the client sent it
+    assert sent.body == {"model": "tiny", "prompt": "hello", "max_tokens": 4}
     assert prefill.requests == []
 
 
@@ -106,7 +106,7 @@ def test_long_prompt_runs_the_nixl_handshake(client, prefill, decode):
     sent = {
         "model": "tiny",
         "prompt": LONG,
-        "max_tokens": 50,
+        "max_tokens": 100,  # past routing.migration.non_streaming_min_tokens: migratable
         "min_tokens": 5,
         "stream": False,
         "stream_options": None,
