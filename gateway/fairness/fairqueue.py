@@ -54,6 +54,7 @@ class FairQueue:
         self._count = 0
         self._seq = itertools.count()
         self._woken: set[Waiter] = set()  # served, not yet gone or back in line: still first
+        self._passed: set[Waiter] = set()  # passed the room freed last on (it could not use it)
 
     def configure(self, fair: bool, max_queued: int, max_per_tenant: int) -> None:
         self.fair, self.max_queued, self.max_per_tenant = fair, max_queued, max_per_tenant
@@ -89,6 +90,7 @@ class FairQueue:
 
     def remove(self, w: Waiter) -> None:
         self._woken.discard(w)
+        self._passed.discard(w)
         group = self._groups.get(w.group)
         if group is not None and w in group:
             group.remove(w)
@@ -140,11 +142,30 @@ class FairQueue:
 
     def wake(self) -> bool:
         """Room freed: tell the best waiter (it takes the room, or requeues). False: nobody waits."""
+        self._passed.clear()  # new room: every waiter may look at it
         w = self.pop_best()
         if w is None:
             return False
         w.fut.set_result(None)
         self._woken.add(w)
+        return True
+
+    def pass_on(self, w: Waiter) -> bool:
+        """``w`` (back in line) was served but cannot use the room (it must avoid the engine that
+        has it): the best waiter that has not passed this room on yet is told instead. Without
+        that memory, two such waiters would hand the room back and forth without end."""
+        self._passed.add(w)
+        best: tuple[tuple[float, ...], tuple[int, str], Waiter] | None = None
+        for group, line in self._groups.items():
+            head = next((x for x in line if x not in self._passed and not x.fut.done()), None)
+            if head is not None and (best is None or self._rank(group, head) < best[0]):
+                best = (self._rank(group, head), group, head)
+        if best is None:
+            return False
+        _, group, head = best
+        self.remove(head)
+        head.fut.set_result(None)
+        self._woken.add(head)
         return True
 
     async def wait(self, w: Waiter, timeout: float) -> bool:

@@ -81,13 +81,13 @@ class Room:
                         raise too_busy(adm, f"too many requests waiting for the {phase} pool") from None
                     queue = q
                 elif w.fut.done():  # it was served, but found no room: first in line again
-                    if exclude:  # the room may be on an engine it must not use: the next one looks
-                        q.wake()
                     q.requeue(w)
+                    if exclude:  # the room may be on an engine it must not use: the next one looks
+                        q.pass_on(w)
                 shed_in = (
                     self._check_objective(prep, None, queue=q, waiter=w, exclude=exclude) if sheddable else math.inf
                 )
-                waited += await self._wait_for_room(q, w, min(left, shed_in))
+                waited += await wait_for_room(q, w, min(left, shed_in))
         finally:
             if w is not None and queue is not None:
                 _leave(queue, w, routed)
@@ -137,17 +137,6 @@ class Room:
         ):
             return None, "prefill"
         return route, ""
-
-    async def _wait_for_room(self, q: FairQueue, w: Waiter, limit_s: float) -> float:
-        """Until woken (room freed), ``limit_s`` passes, or it is first in line at a look (room
-        other replicas free is not signalled); the time waited."""
-        waited = 0.0
-        while True:
-            w0 = time.perf_counter()
-            woken = await q.wait(w, min(limit_s - waited, QUEUE_SLICE_S))
-            waited += time.perf_counter() - w0
-            if woken or waited >= limit_s or q.next_is(w):
-                return waited
 
     def _queue(self, phase: str, prep: Prepared) -> FairQueue:
         return self.svc.queue(phase, prep.ctx.model)
@@ -243,6 +232,18 @@ def _verdict_view(v: Verdict | None, sheddable: bool) -> dict[str, Any]:
         "verdict": verdict_,
         "reason": f"{reason}: {v.describe()}",
     }
+
+
+async def wait_for_room(q: FairQueue, w: Waiter, limit_s: float) -> float:
+    """Until woken (room freed), ``limit_s`` passes, or it is next in line at a look (room other
+    replicas free is not signalled); the time waited."""
+    waited = 0.0
+    while True:
+        w0 = time.perf_counter()
+        woken = await q.wait(w, min(limit_s - waited, QUEUE_SLICE_S))
+        waited += time.perf_counter() - w0
+        if woken or waited >= limit_s or q.next_is(w):
+            return waited
 
 
 def _leave(queue: FairQueue, w: Waiter, routed: bool) -> None:

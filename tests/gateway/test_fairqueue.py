@@ -245,3 +245,18 @@ async def test_the_second_in_line_does_not_look_past_a_served_first() -> None:
     assert q.best() is flood and not q.next_is(flood)
     q.remove(calm)  # calm took its room and left
     assert q.next_is(flood)
+
+
+async def test_room_no_one_can_use_is_passed_on_once_around_the_line() -> None:
+    """Waiters that must avoid the engine with room (migrations' continuations) pass it on; one
+    that passed it is not told again until new room frees, so two of them cannot hand it back
+    and forth without end."""
+    q = FairQueue("decode", Usage(), fair=True)
+    a, b = q.join(who("a")), q.join(who("b"))
+    assert q.wake() and a.fut.done()  # a is told; it cannot use the room
+    q.requeue(a)
+    assert q.pass_on(a) and b.fut.done()  # b is told instead; it cannot use it either
+    q.requeue(b)
+    assert q.pass_on(b) is False  # a passed this room already: nobody is told
+    assert not a.fut.done() and not b.fut.done()
+    assert q.wake() and a.fut.done()  # new room: a looks again
