@@ -346,7 +346,11 @@ def run(
         cfg = {
             "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": 4096}],
             "pools": {"prefill": {"endpoints": sims["prefill"]}, "decode": {"endpoints": decode}},
-            "routing": {"decider": {"name": "token_threshold", "threshold": 200}, "migration": {"enabled": migration}},
+            "routing": {
+                "decider": {"name": "token_threshold", "threshold": 200},
+                # the non-streamed half migrates too (its 32 tokens would otherwise go as sent)
+                "migration": {"enabled": migration, "non_streaming_min_tokens": 0},
+            },
             "health": {"interval_s": 0.5, "timeout_s": 0.5},
             "timeouts": {"connect_s": 1, "prefill_s": 10, "decode_first_byte_s": 10, "decode_idle_s": 5},
             "server": {"host": "127.0.0.1", "port": port, "head_timeout_s": 2, "body_idle_timeout_s": 2, "workers": 1},

@@ -56,7 +56,6 @@ class Part:
     prefilled_on: Endpoint | None = None  # the prefill engine that answered, if any
     reports: list[LegReport] = field(default_factory=list)  # every engine leg attempt, as the hooks were told
     max_head_bytes: int = 0  # a migratable answer's: the largest first event its decode leg may wait for
-    short_whole: bool = False  # a whole answer of a few tokens: it follows the first token closely
 
     @property
     def ctx(self) -> RequestContext:
@@ -281,8 +280,7 @@ class EngineLegs:
     async def _decode_leg(self, part: Part, ep: Endpoint, handle: PrefillAnswer | None) -> OpenDecode:
         """A direct stream prefills its uncached tokens on the engine first: they count in its
         backlog until the first token (the cost model's queue estimate); a whole answer's first
-        token cannot be seen, so non-streamed legs count only when the answer is short (it comes
-        soon after that token: the prompt counts until it does)."""
+        token cannot be seen, so non-streamed legs do not count."""
         rec = self.rec
         await self._adapter_on(part, [ep])  # a failover's engine may lack the adapter
         path = Path.DIRECT if handle is None else Path.PD
@@ -291,7 +289,7 @@ class EngineLegs:
         tokens = part.ctx.uncached(ep.url)
         span = part.trace.leg("decode", ep.url)
         span.set("pdgate.kv_from_prefill", handle is not None)
-        ticket = ep.start_prefill(tokens if handle is None and (part.stream or part.short_whole) else 0)
+        ticket = ep.start_prefill(tokens if handle is None and part.stream else 0)
         started = time.perf_counter()
         rec.decode = ep.url
         occupancy = self._occupy(part)

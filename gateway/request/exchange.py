@@ -321,16 +321,7 @@ class Exchange:
         body, stream = migrator.engine_request()
         head = migrator.answer.max_event_bytes if migrator.answer is not None else 0
         part = Part(
-            0,
-            self.path,
-            body,
-            stream,
-            self.prep,
-            self.rec.request_id,
-            self.rec.trace,
-            decision,
-            max_head_bytes=head,
-            short_whole=not stream and migrator.unmigratable == "short_answer",
+            0, self.path, body, stream, self.prep, self.rec.request_id, self.rec.trace, decision, max_head_bytes=head
         )
         self.parts.append(part)
         return part

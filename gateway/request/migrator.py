@@ -53,14 +53,15 @@ def settle(rec: RequestRecord, svc: Services, result: str) -> None:
             svc.metrics.migration(m["reason"], result)
 
 
-def _whole_answer(req: ParsedRequest, migrates: bool, min_tokens: int) -> str | None:
+def whole_as_sent(req: ParsedRequest, migrates: bool, min_tokens: int) -> str | None:
     """Why a non-streamed request goes as sent (None: it migrates). A short answer is cheaper
-    to regenerate from the start on a failure than to assemble from an engine stream every time
-    (~40% of the gateway's CPU for a 16-token answer, docs/benchmarks.md)."""
+    to regenerate from the start on a failure (``failover.decode_retries``) than to assemble from
+    an engine stream every time (about half the gateway's CPU for a 16-token answer,
+    docs/benchmarks.md)."""
     if not migrates:
         return "non_streaming"
     budget = output_budget(req)
-    if budget is not None and budget <= min_tokens:
+    if min_tokens and budget is not None and budget <= min_tokens:
         return "short_answer"
     return None
 
@@ -96,7 +97,7 @@ class Migrator:
         migration = rt.cfg.routing.migration
         why = unmigratable(req, prompts.approximate_reason) if migration.enabled else "disabled"
         if why is None and not req.stream:
-            why = _whole_answer(req, migration.non_streaming, migration.non_streaming_min_tokens)
+            why = whole_as_sent(req, migration.non_streaming, migration.non_streaming_min_tokens)
         if why is None and migration.max_per_request > 0:
             opts = req.body.get("stream_options") or {}
             max_model_len = rt.served(req.model)[0].cfg.max_model_len  # type: ignore[index]

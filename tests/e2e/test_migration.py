@@ -247,10 +247,17 @@ def test_a_short_whole_answer_is_retried_from_the_start_not_migrated(cluster):
     """A non-streamed request asking for at most routing.migration.non_streaming_min_tokens (64)
     goes to its engine as sent; its engine killed mid-answer, the whole request runs again on the
     other one, and the client gets one whole answer."""
-    route, body = request("chat", SHORT, False, max_tokens=64)  # 0.64 s of decoding; killed at ~0.25 s
+    route, body = request("chat", SHORT, False, max_tokens=64)
     rid = f"short-{uuid.uuid4().hex[:12]}"
     migrated = gateway_metric(cluster, "pdgate_migrations_total", reason="disconnected", result="ok")
-    r, _, victim = kill_mid_answer(cluster, route, body, rid)
+    for sim in cluster.decode:  # each answer held 3 s: the kill (~0.25 s in) always comes first
+        httpx.put(sim.url + "/sim/faults", json={"slow": {"first_byte_delay": 3.0}}, timeout=5).raise_for_status()
+    try:
+        r, _, victim = kill_mid_answer(cluster, route, body, rid)
+    finally:
+        for sim in cluster.decode:
+            with contextlib.suppress(httpx.HTTPError):  # the killed one is gone
+                httpx.delete(sim.url + "/sim/faults", timeout=5)
     assert r.status_code == 200, r.text
     answer = r.json()
     assert answer["choices"][0]["message"]["content"] and answer["usage"]["completion_tokens"] == 64

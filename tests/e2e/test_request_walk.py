@@ -38,8 +38,8 @@ def test_a_request_walks_the_packages_in_the_drawn_order(tokenizer_dir, tmp_path
     group = ProcGroup(tmp_path)
     c = Cluster(group, tokenizer_dir)
     try:
-        # tokens 20 ms apart: the answer cannot all come in the first read (then nothing is left to
-        # splice), however loaded the machine is
+        # tokens 20 ms apart (0.3 s for 16): the answer does not all come in the first read, which
+        # would leave nothing to splice
         prefill, decode = c.start_sim("prefill"), c.start_sim("decode", "--decode-time-per-token", "0.02")
         out, port = tmp_path / "walk.json", free_port()
         flags = ["--prefill", prefill.url, "--decode", decode.url, "--model", "tiny"]

@@ -192,22 +192,22 @@ async def test_a_direct_stream_is_decode_backlog_until_its_first_token(h, fields
     settled(h)
 
 
-async def test_a_short_whole_answer_is_decode_backlog_until_it_comes(tokenizer_dir):
-    """Sent as a whole (routing.migration.non_streaming_min_tokens), a short answer follows its
-    first token closely: its prompt counts in the engine's backlog until the answer is in."""
+async def test_a_short_whole_answer_goes_as_sent_and_is_not_decode_backlog(tokenizer_dir):
+    """By default (routing.migration.non_streaming_min_tokens) a short non-streamed request goes to
+    its engine as sent: a whole answer, whose first token cannot be seen, so it never counts."""
     h = make(tokenizer_dir, routing={"decider": {"name": "token_threshold", "threshold": 64}})
     try:
         gate = asyncio.Event()
         for url in (D, D2):
             h.upstream.on(url, answer(completion("x"), gate=gate))
         prompt = "def handler(request):\n    return request.body\n" * 4  # under the threshold: direct
-        task = asyncio.create_task(h.send({"model": "tiny", "prompt": prompt, "max_tokens": 8}))
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8}
+        task = asyncio.create_task(h.send(body))
         await until(lambda: h.upstream.calls)
         ep = next(e for e in h.pools.decode if e.url == h.upstream.calls[0][0])
-        assert "stream" not in h.upstream.calls[0][2] and ep.backlog_tokens > 0
+        assert h.upstream.calls[0][2] == body and ep.in_flight == 1 and ep.backlog_tokens == 0
         gate.set()
         assert (await task).status == 200
-        assert ep.backlog_tokens == 0
         settled(h)
     finally:
         h.close()

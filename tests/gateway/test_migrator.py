@@ -6,11 +6,13 @@ access log and metrics say about each migration."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import orjson
 import pytest
 
+from gateway.request.migrator import whole_as_sent
 from tests.promtext import sample
 
 from .exchange_harness import D2, D, FakeResponse, make
@@ -128,3 +130,21 @@ async def test_an_answer_past_the_migration_deadline_ends_with_the_error_event(t
         settled(h)
     finally:
         h.close()
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields", "bound", "why"),
+    [
+        ("chat", {"max_completion_tokens": 10, "max_tokens": 100}, 64, "short_answer"),  # vLLM reads the former
+        ("chat", {"max_completion_tokens": 100, "max_tokens": 10}, 64, None),
+        ("chat", {"max_tokens": 64}, 64, "short_answer"),
+        ("chat", {}, 64, None),  # no bound: the context's room
+        ("completion", {}, 64, "short_answer"),  # vLLM's default for completions: 16
+        ("completion", {}, 15, None),
+        ("completion", {"max_tokens": 1}, 0, None),  # 0: every non-streamed request migrates
+    ],
+)
+def test_which_whole_answers_go_as_sent(kind, fields, bound, why):
+    req = SimpleNamespace(kind=kind, body={"model": "tiny", **fields})
+    assert whole_as_sent(req, True, bound) == why
+    assert whole_as_sent(req, False, bound) == "non_streaming"
