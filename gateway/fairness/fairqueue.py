@@ -143,29 +143,30 @@ class FairQueue:
     def wake(self) -> bool:
         """Room freed: tell the best waiter (it takes the room, or requeues). False: nobody waits."""
         self._passed.clear()  # new room: every waiter may look at it
-        w = self.pop_best()
-        if w is None:
-            return False
-        w.fut.set_result(None)
-        self._woken.add(w)
-        return True
+        return self._serve(self.pop_best())
 
     def pass_on(self, w: Waiter) -> bool:
         """``w`` (back in line) was served but cannot use the room (it must avoid the engine that
         has it): the best waiter that has not passed this room on yet is told instead. Without
         that memory, two such waiters would hand the room back and forth without end."""
         self._passed.add(w)
-        best: tuple[tuple[float, ...], tuple[int, str], Waiter] | None = None
-        for group, line in self._groups.items():
-            head = next((x for x in line if x not in self._passed and not x.fut.done()), None)
-            if head is not None and (best is None or self._rank(group, head) < best[0]):
-                best = (self._rank(group, head), group, head)
-        if best is None:
+        heads = [
+            (group, head)
+            for group, line in self._groups.items()
+            if (head := next((x for x in line if x not in self._passed and not x.fut.done()), None)) is not None
+        ]
+        if not heads:
             return False
-        _, group, head = best
+        _, head = min(heads, key=lambda gh: self._rank(*gh))
         self.remove(head)
-        head.fut.set_result(None)
-        self._woken.add(head)
+        return self._serve(head)
+
+    def _serve(self, w: Waiter | None) -> bool:
+        """``w`` is told to look for its room; it counts as first until it has run."""
+        if w is None:
+            return False
+        w.fut.set_result(None)
+        self._woken.add(w)
         return True
 
     async def wait(self, w: Waiter, timeout: float) -> bool:
