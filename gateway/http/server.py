@@ -360,7 +360,7 @@ class GuardedProtocol(asyncio.Protocol):
             or self._begun != self._answered + 1
         ):
             return None
-        self._writer = BodyWriter(self._watched.write, self._transport, lambda: self._done)
+        self._writer = BodyWriter(self._transport)
         return self._writer
 
     # -- httptools callbacks (framing only) ------------------------------------------------------------
@@ -536,6 +536,8 @@ class GuardedProtocol(asyncio.Protocol):
         meanwhile is dropped unread): closing a socket with unread bytes resets it, and the client
         would lose the answer."""
         self._done = True
+        if self._writer is not None:
+            self._writer.cut()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -12,11 +12,14 @@ uvicorn's protocol handles the bytes that start a request, and uvicorn starts th
 task right there, so the task's context (asyncio copies it at creation) holds the guard of the
 connection it serves. Nothing a client sends can point it at another connection.
 
-The writer frames each piece as an HTTP/1.1 chunk and hands it to the transport uvicorn writes
-through (the guard frames every response byte, so it still sees where the response ends); the
-response's head and last chunk still go through uvicorn's ``send``. It is offered only while the
-connection's current response is a chunked one under way, and reports a full client buffer
-(``write`` False) so the engine connection stops reading until ``drained`` calls back.
+The writer frames each piece as a whole HTTP/1.1 chunk and writes it on the socket's transport.
+The guard parses every byte uvicorn writes to see where each response ends; a whole chunk leaves
+that parser where it was (between chunks), so the writer's chunks need not pass through it (two
+Python calls and a parse less per chunk), and the response's head and last chunk still go through
+uvicorn's ``send``, which the guard does see. It is offered only while the connection's current
+response is a chunked one under way, and reports a full client buffer (``write`` False) so the
+engine connection stops reading until ``drained`` calls back. A connection the guard cuts tells
+its writer (``cut``), which writes nothing more.
 """
 
 from __future__ import annotations
@@ -46,25 +49,29 @@ def body_writer() -> BodyWriter | None:
 class BodyWriter:
     """Writes a chunked response's body pieces onto one connection (``transport.BodySink``)."""
 
-    __slots__ = ("_closed", "_transport", "_waiting", "_write")
+    __slots__ = ("_cut", "_transport", "_waiting")
 
-    def __init__(self, write: Callable[[bytes], None], transport: Any, closed: Callable[[], bool]) -> None:
-        self._write = write  # the guard's framed write (it watches every response byte)
-        self._transport = transport  # the socket's transport: its buffer size, whether it closes
-        self._closed = closed  # the guard cut the connection
+    def __init__(self, transport: Any) -> None:
+        self._transport = transport  # the socket's transport: written directly, its buffer size
+        self._cut = False  # the guard cut the connection
         self._waiting: Callable[[], None] | None = None
+
+    def cut(self) -> None:
+        """The guard cut the connection: nothing more may go out on it."""
+        self._cut = True
 
     def write(self, data: bytes) -> bool:
         if not data:
             return True
-        if self._closed() or self._transport.is_closing():
+        transport = self._transport
+        if self._cut or transport.is_closing():
             return False  # the client is gone: hold the engine back until the exchange is cancelled
-        self._write(b"%x\r\n%s\r\n" % (len(data), data))
-        size: int = self._transport.get_write_buffer_size()
+        transport.write(b"%x\r\n%s\r\n" % (len(data), data))  # a whole chunk (see the module's doc)
+        size: int = transport.get_write_buffer_size()
         return size <= HIGH_WATER
 
     def drained(self, resume: Callable[[], None]) -> None:
-        if self._closed() or self._transport.is_closing():
+        if self._cut or self._transport.is_closing():
             return  # never: the exchange is cancelled when the client's departure is noticed
         if self._transport.get_write_buffer_size() <= HIGH_WATER:
             resume()

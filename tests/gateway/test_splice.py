@@ -50,6 +50,12 @@ async def app(scope, receive, send) -> None:
         async with asyncio.timeout(10):
             await full.wait()  # the client reads: drained calls back
         seen["drained"] = True
+    elif path == "/cut":  # the client pipelines a request over the head limits: the guard cuts
+        async with asyncio.timeout(5):
+            while writer.write(b"data: tick\n\n"):  # noqa: ASYNC110 - a tick per write, not a wait
+                await asyncio.sleep(0.01)
+        seen["after_cut"] = writer.write(b"data: late\n\n")
+        return
     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
     seen[path + ":after"] = splice.body_writer()  # the response is whole: none
 
@@ -101,3 +107,20 @@ async def test_a_client_that_does_not_read_holds_the_writer_back_until_it_drains
 
 async def test_no_writer_outside_a_request_of_the_guarded_server() -> None:
     assert splice.body_writer() is None
+
+
+async def test_a_connection_the_guard_cuts_takes_no_more_from_the_writer() -> None:
+    seen.clear()
+    async with server() as (url, _):
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /cut HTTP/1.1\r\nhost: x\r\n\r\n")
+        got = await reader.readuntil(b"data: tick\n\n")
+        writer.write(b"GET /next HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 8192 + b"\r\n\r\n")
+        async with asyncio.timeout(10):
+            got += await reader.read()  # until the guard ends its side of the connection
+            while "after_cut" not in seen:  # noqa: ASYNC110 - the client keeps its side open meanwhile
+                await asyncio.sleep(0.01)
+        writer.close()
+    assert seen["after_cut"] is False
+    assert b"late" not in got and b"431" not in got  # no answer inside the stream under way
