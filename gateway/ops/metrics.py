@@ -15,6 +15,7 @@ from gateway.fairness.tenants import Usage
 from gateway.http.auth import authorize_admin
 from gateway.http.errors import APIError
 from gateway.ops import collectors
+from gateway.ops.histogram import Tally, TallyHistogram
 from gateway.ops.requestlog import RequestRecord
 from policies.base import LegReport, RequestContext
 from policies.beliefs.prefix_index import PrefixStore
@@ -128,7 +129,8 @@ class GatewayMetrics:
             buckets=_TTFT_BUCKETS,
             registry=r,
         )
-        self.itl = Histogram(
+        # observed per relayed chunk: counted per stream and added in batches (gateway/ops/histogram.py)
+        self.itl = TallyHistogram(
             "pdgate_inter_token_latency_seconds",
             "Streams: time between consecutive chunks sent to the client",
             ["model", "path"],
@@ -335,6 +337,8 @@ class GatewayMetrics:
     def record(self, rec: RequestRecord) -> None:
         """Everything one request measured, once it is over (off the relay's per-chunk path)."""
         model, path = rec.model, rec.path
+        if rec.itl is not None:  # the stream's last gaps
+            rec.itl.flush()
         self._child(self.requests, model, path, str(rec.status)).inc()
         self._child(self.duration, model, path).observe(rec.e2e_s)
         if rec.admitted:
@@ -374,9 +378,10 @@ class GatewayMetrics:
         """One prefill leg ended (a migration's continuation's too, as it ends)."""
         self._child(self.prefill_leg, model, outcome).observe(seconds)
 
-    def itl_for(self, model: str, path: str) -> Any:
-        """The inter-token histogram a stream observes chunk by chunk (nothing kept per chunk)."""
-        return self._child(self.itl, model, path)
+    def itl_for(self, model: str, path: str) -> Tally:
+        """A stream's own inter-token tally, added to the histogram in batches and at its end
+        (``record``)."""
+        return self.itl.tally(model, path)
 
     def failover_child(self, event: str, cause: str) -> Any:
         return self._child(self.failovers, event, cause)

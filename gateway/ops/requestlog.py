@@ -25,7 +25,11 @@ _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 
 class Observer(Protocol):
+    """A stream's inter-token gaps (gateway/ops/histogram.py's ``Tally``)."""
+
     def observe(self, amount: float) -> None: ...
+
+    def flush(self) -> None: ...
 
 
 @dataclass(slots=True)
