@@ -58,8 +58,14 @@ class Row:
 
 def _cpu_seconds(pid: int) -> float:
     """CPU time of ``pid`` and its live descendants (a gateway's worker processes)."""
+    return sum(cpu_split(pid))
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of ``pid`` and its live descendants."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    user, system = int(fields[11]) / tick, int(fields[12]) / tick
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             children = Path(f"/proc/{pid}/task/{tid}/children").read_text().split()
@@ -67,8 +73,9 @@ def _cpu_seconds(pid: int) -> float:
             continue
         for child in children:
             with contextlib.suppress(OSError):  # it just exited
-                total += _cpu_seconds(int(child))
-    return total
+                u, s = cpu_split(int(child))
+                user, system = user + u, system + s
+    return user, system
 
 
 async def _one(session: aiohttp.ClientSession, url: str, body: bytes) -> tuple[float, float]:

@@ -339,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         "--gateway-cores", default="", help="CPU list for each gateway under test (taskset -c), e.g. 2,3"
     )
     parser.add_argument("--load-cores", default="", help="CPU list for the backend and the load generators")
+    parser.add_argument(
+        "--baseline", default=None, help="targets baseline, baseline-nomig: pdgate from this checkout (before/after)"
+    )
     parser.add_argument("--out", default="docs/benchmarks/streams.json")
     parser.add_argument("--plot", default="docs/benchmarks/streams.png")
     parser.add_argument("--replot", metavar="JSON", help="only draw --plot from an earlier run's --out")
@@ -384,8 +387,9 @@ def main(argv: list[str] | None = None) -> int:
         urls: dict[str, str] = {"backend": backend_url}
         pids: dict[str, int] = {}
         for name in targets:
-            if name.startswith("pdgate"):
+            if name.startswith(("pdgate", "baseline")):
                 workers = int(name.removeprefix("pdgate-w")) if name.startswith("pdgate-w") else 1
+                checkout = args.baseline if name.startswith("baseline") else None
                 port = free_port()
                 cfg = {
                     "server": {
@@ -400,11 +404,13 @@ def main(argv: list[str] | None = None) -> int:
                     "telemetry": {"access_log": False},
                     "admission": {"max_loop_lag_ms": args.max_loop_lag_ms},
                     # pdgate-nomig: mid-stream migration off, every event relayed unread
-                    "routing": {"migration": {"enabled": name != "pdgate-nomig"}},
+                    "routing": {"migration": {"enabled": not name.endswith("-nomig")}},
                 }
                 (logs / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
                 proc = group.start(
-                    name, [*pin, sys.executable, "-m", "gateway", "serve", "--config", str(logs / f"{name}.yaml")]
+                    name,
+                    [*pin, sys.executable, "-m", "gateway", "serve", "--config", str(logs / f"{name}.yaml")],
+                    **({"env": {"PYTHONPATH": str(Path(checkout).resolve())}, "cwd": checkout} if checkout else {}),
                 )
                 proc.wait_http(f"http://127.0.0.1:{port}/ready", timeout=60)
                 time.sleep(2.0)  # every worker up
@@ -526,18 +532,23 @@ def _plot(results: list[dict[str, Any]], path: Path) -> None:
 def _measured(name: str, pids: dict[str, int], run: Callable[[], dict], tokens: int) -> dict:
     """One run's figures, with the router's own CPU (all its processes: Envoy's and the picker's)
     per relayed event and per stream, and the picker's share of it."""
-    from bench.overhead import _cpu_seconds as cpu_seconds
+    from bench.overhead import cpu_split
 
     pid = pids.get(name)
     picker = pids.get("picker") if name == "envoy-epp" else None
     own = [p for p in (pid, picker) if p]
-    cpu0 = [cpu_seconds(p) for p in own]
+    cpu0 = [cpu_split(p) for p in own]
     r = {"target": name, **run()}
     r["cores"] = _allowed_cpus(pid) if pid else _allowed_cpus(os.getpid())
     if pid:
         served = max(1, r["streams"] - r["errors"] - r["refused_429"])
-        used = [cpu_seconds(p) - c for p, c in zip(own, cpu0, strict=True)]
-        r["router_cpu_us_per_chunk"] = round(sum(used) / (served * (tokens + 1)) * 1e6, 2)
+        split = [tuple(b - a for a, b in zip(c, cpu_split(p), strict=True)) for p, c in zip(own, cpu0, strict=True)]
+        used = [u + s for u, s in split]
+        per_chunk = 1e6 / (served * (tokens + 1))
+        r["router_cpu_us_per_chunk"] = round(sum(used) * per_chunk, 2)
+        # user (the process's own code) and system (the kernel's, mostly socket reads and writes)
+        r["router_user_us_per_chunk"] = round(sum(u for u, _ in split) * per_chunk, 2)
+        r["router_system_us_per_chunk"] = round(sum(s for _, s in split) * per_chunk, 2)
         r["router_cpu_us_per_stream"] = round(sum(used) / served * 1e6, 1)
         if picker:
             r["picker_cpu_us_per_stream"] = round(used[1] / served * 1e6, 1)
