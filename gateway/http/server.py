@@ -202,6 +202,7 @@ class _Watched:
 
     def close(self) -> None:
         if not self._guard._done:
+            self._guard._flush_head()  # a response cut short after its head: the head still goes
             self._transport.close()
 
     def pause_reading(self) -> None:
@@ -276,6 +277,8 @@ class GuardedProtocol(asyncio.Protocol):
         self._head_only = False  # the response just begun answers a HEAD: its head is all of it
         self._chunked = False  # the response being written is framed in chunks
         self._writer: BodyWriter | None = None  # the relay's direct body writer (gateway/http/splice.py)
+        self._head_now = False  # the write being framed completed a response head
+        self._held_head: bytes | None = None  # that head, until the body's first bytes join it
         self._watched: _Watched | None = None  # the transport uvicorn's protocol writes through
 
     # -- asyncio.Protocol ------------------------------------------------------------------------------
@@ -360,6 +363,7 @@ class GuardedProtocol(asyncio.Protocol):
             or self._begun != self._answered + 1
         ):
             return None
+        self._flush_head()  # its chunks go straight to the transport: after the head
         self._writer = BodyWriter(self._transport)
         return self._writer
 
@@ -474,6 +478,16 @@ class GuardedProtocol(asyncio.Protocol):
             end = data.find(b"\r\n\r\n")
             if end >= 0:
                 data = data[: end + 2] + b"connection: close\r\n" + data[end + 2 :]
+        if self._held_head is not None:
+            data, self._held_head = self._held_head + data, None
+        if self._head_now:
+            self._head_now = False
+            if self._responses is not None and self._begun > self._answered:
+                # uvicorn writes a head alone, then the body: held until the body's first bytes
+                # (the same task step, as a rule), it leaves in one write system call with them
+                self._held_head = bytes(data)
+                self._loop.call_soon(self._flush_head)
+                return
         self._transport.write(data)
         if self._close_after and self._answered == self._begun:
             self._cut()  # written whole: close
@@ -486,6 +500,7 @@ class GuardedProtocol(asyncio.Protocol):
         if self._interim:
             return
         self._begun += 1
+        self._head_now = True
         head_only = self._heads.popleft() if self._heads else False
         # answered before the request's body arrived: what is left of it is nobody's
         early = self._in_body and self._begun == self._requests
@@ -501,6 +516,12 @@ class GuardedProtocol(asyncio.Protocol):
         self._writer = None
         self._head_only = False  # whole by its own framing (a 204, a HEAD answered with length 0)
         self._answered += 1
+
+    def _flush_head(self) -> None:
+        """A held head goes out (no body bytes came in its task step, or the connection closes)."""
+        held, self._held_head = self._held_head, None
+        if held is not None and self._transport is not None and not self._transport.is_closing():
+            self._transport.write(held)
 
     def _unwatch(self) -> None:
         self._responses = None
@@ -535,6 +556,7 @@ class GuardedProtocol(asyncio.Protocol):
         """Write ``answer``, if any, and close. The close lingers (``LINGER_S``, what arrives
         meanwhile is dropped unread): closing a socket with unread bytes resets it, and the client
         would lose the answer."""
+        self._flush_head()
         self._done = True
         if self._writer is not None:
             self._writer.cut()

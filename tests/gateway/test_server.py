@@ -76,14 +76,18 @@ async def app(scope, receive, send) -> None:
 
 
 @contextlib.asynccontextmanager
-async def server(limits: Limits = LIMITS) -> AsyncIterator[tuple[int, Connections]]:
+async def server(limits: Limits = LIMITS, writes: list[bytes] | None = None) -> AsyncIterator[tuple[int, Connections]]:
+    """The guarded server; with ``writes``, every write onto a client's socket is noted there."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     connections = Connections(limits.max_connections)
+    protocol = guarded_protocol(limits, connections)
+    if writes is not None:
+        protocol = _counting(protocol, writes)
     # as gateway/http/server.py's make_server: no WebSockets, uvicorn's upgrade warnings dropped
     config = uvicorn.Config(
         app,
-        http=guarded_protocol(limits, connections),
+        http=protocol,
         lifespan="off",
         log_level="warning",
         timeout_keep_alive=KEEP_ALIVE_S,
@@ -100,6 +104,28 @@ async def server(limits: Limits = LIMITS) -> AsyncIterator[tuple[int, Connection
     finally:
         srv.should_exit = True
         await asyncio.wait_for(task, 10)
+
+
+class _NotedWrites:
+    """A socket's transport whose writes are noted (each is one ``write`` system call)."""
+
+    def __init__(self, transport, writes: list[bytes]) -> None:
+        self._transport, self._writes = transport, writes
+
+    def write(self, data) -> None:
+        self._writes.append(bytes(data))
+        self._transport.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+
+def _counting(protocol: type, writes: list[bytes]) -> type:
+    class Counting(protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(_NotedWrites(transport, writes))
+
+    return Counting
 
 
 async def read_all(reader: asyncio.StreamReader) -> bytes:
@@ -442,3 +468,21 @@ async def test_an_upgrade_request_is_answered_as_http_and_closes_the_connection(
             await all_gone(connections)
             writer.close()
         assert not [r for r in caplog.records if r.name.startswith("uvicorn")]
+
+
+async def test_a_whole_answer_leaves_in_one_write_and_a_streams_head_does_not_wait_for_its_body():
+    writes: list[bytes] = []
+    async with server(writes=writes) as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /early HTTP/1.1\r\nhost: x\r\n\r\n")
+        async with asyncio.timeout(5):
+            await reader.readuntil(b"early")
+        assert len(writes) == 1 and writes[0].startswith(b"HTTP/1.1 200") and writes[0].endswith(b"early")
+        writes.clear()
+        writer.write(b"GET /stream HTTP/1.1\r\nhost: x\r\n\r\n")  # its first chunk comes 0.1 s later
+        async with asyncio.timeout(5):
+            head = await reader.readuntil(b"\r\n\r\n")
+            await reader.readuntil(b"0\r\n\r\n")
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 200") and writes[0] == head  # the head went out alone, at once
+    assert b"chunk 0" in writes[1] and b"chunk 19" in b"".join(writes)
