@@ -18,13 +18,16 @@ import math
 import os
 import time
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
+
+# The library's own ``le`` formatting; it has no type hints, so it is given one here.
+_go_float: Callable[[float], str] = floatToGoString
 
 FLUSH_EVERY = 64  # gaps a tally holds before they join the shared counts
 
@@ -99,7 +102,7 @@ class TallyHistogram(Collector):
             bounds.append(math.inf)
         self._name, self._doc, self._labelnames = name, documentation, tuple(labelnames)
         self._bounds = tuple(bounds)
-        self._les = tuple(floatToGoString(b) for b in bounds)
+        self._les = tuple(_go_float(b) for b in bounds)
         self._children: dict[tuple[str, ...], Counts] = {}
         if registry is not None:
             registry.register(self)
