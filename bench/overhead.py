@@ -121,6 +121,16 @@ QUESTION = "What is disaggregated prefill?"
 FILLER = "The prefill pool reads the whole prompt once and hands its KV cache to a decode engine. "
 
 
+def _has_workers(checkout: str | None) -> bool:
+    """Whether a checkout's config takes ``server.workers``. A baseline that does must be given
+    the same count as this checkout's gateway: left out, it would run one worker per core (the
+    default), two processes against one, and the comparison would measure that instead."""
+    if checkout is None:
+        return True
+    root = Path(checkout)
+    return (root / "gateway" / "cluster" / "workers.py").exists() or (root / "gateway" / "workers.py").exists()
+
+
 def _body(stream: bool, prompt_chars: int = 0) -> bytes:
     content = QUESTION
     if prompt_chars > len(QUESTION):
@@ -221,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901 - over the limit b
                     "host": "127.0.0.1",
                     "port": gw_port,
                     "log_level": "warning",
-                    # this checkout's gateways only: a baseline may predate the key
-                    **({"workers": workers_of.get(name, 1)} if checkout is None else {}),
+                    # a baseline that predates worker processes has no such key
+                    **({"workers": workers_of.get(name, 1)} if _has_workers(checkout) else {}),
                 },
                 "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": 8192}],
                 "pools": {
