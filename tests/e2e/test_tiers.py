@@ -177,7 +177,11 @@ def test_an_engine_whose_hit_counters_show_no_tier_loads_has_its_tiers_distruste
         assert _ask(untiered, prompt).headers["x-pdgate-path"] == "pd"
     for i in range(8):  # the decode engine's GPU beliefs fill: the oldest go down to its L1
         _ask(untiered, _prompt(f"filler {i}", repeat=40))
-    assert wait_for(lambda: plan(untiered, spare)["tiers"][d.url].get("l1", 0) > THRESHOLD, timeout=10)
+
+    def in_l1() -> bool:
+        return plan(untiered, spare)["tiers"][d.url].get("l1", 0) > THRESHOLD
+
+    assert wait_for(in_l1, timeout=30), plan(untiered, spare)["tiers"]
     assert plan(untiered, spare)["reason"] == "prefix_in_tier"  # believed: the engine would load it
     for prompt in (a, b):  # sent direct to load from L1; the engine has no L1 and recomputes them
         assert _ask(untiered, prompt).headers["x-pdgate-path"] == "direct"
