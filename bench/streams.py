@@ -315,7 +315,7 @@ def run_load(url: str, n: int, clients: int, ramp_s: float, tokens: int, rate: f
 # ------------------------------------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="mode")
     be = sub.add_parser("backend", help="run the lean streaming backend only")
@@ -328,11 +328,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ramp-s", type=float, default=5.0, help="streams open over this long")
     parser.add_argument("--clients", type=int, default=2, help="load generator processes")
     parser.add_argument("--targets", default="backend,pdgate,pdgate-w2,vllm-router")
+    from gateway.config.schema import AdmissionConfig  # here: the backend's processes import this module
+
+    adm = AdmissionConfig()  # the gateway's own defaults, as a user gets them
     parser.add_argument(
         "--max-loop-lag-ms",
         type=float,
-        default=50.0,
+        default=adm.max_loop_lag_ms,
         help="pdgate's admission.max_loop_lag_ms (0: never shed; 429s count as errors)",
+    )
+    parser.add_argument(
+        "--overload-hold-s",
+        type=float,
+        default=adm.overload_hold_s,
+        help="pdgate's admission.overload_hold_s: how long the bound may be passed before 429s",
     )
     parser.add_argument("--vllm-router", default=None, help="an existing vllm-router binary")
     parser.add_argument(
@@ -345,7 +354,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="docs/benchmarks/streams.json")
     parser.add_argument("--plot", default="docs/benchmarks/streams.png")
     parser.add_argument("--replot", metavar="JSON", help="only draw --plot from an earlier run's --out")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.mode == "backend":
         backend(args.port, args.rate, args.tokens)
         return 0
@@ -402,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                     "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": 8192}],
                     "pools": {"prefill": {"endpoints": []}, "decode": {"endpoints": [backend_url]}},
                     "telemetry": {"access_log": False},
-                    "admission": {"max_loop_lag_ms": args.max_loop_lag_ms},
+                    "admission": _admission(args),
                     # pdgate-nomig: mid-stream migration off, every event relayed unread
                     "routing": {"migration": {"enabled": not name.endswith("-nomig")}},
                 }
@@ -426,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
                         "models": [{"name": MODEL, "tokenizer": str(tokenizer), "max_model_len": 8192}],
                         "pools": {"prefill": {"endpoints": []}, "decode": {"endpoints": [backend_url]}},
                         "telemetry": {"access_log": False},
-                        "admission": {"max_loop_lag_ms": args.max_loop_lag_ms},
+                        "admission": _admission(args),
                     }
                     picker, grpc = envoy.start_picker(group, "picker", cfg, logs, pin)
                     pids["picker"] = picker.pid
@@ -482,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         "cores": {"gateways": args.gateway_cores or "all", "backend_and_load": args.load_cores or "all"},
         "rate_tokens_per_s": args.rate,
         "pdgate_max_loop_lag_ms": args.max_loop_lag_ms,
+        "pdgate_overload_hold_s": args.overload_hold_s,
         "tokens": args.tokens,
         "ramp_s": args.ramp_s,
         "clients": args.clients,
@@ -503,6 +517,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         _plot(results, Path(args.plot))
     return 0
+
+
+def _admission(args: argparse.Namespace) -> dict[str, float]:
+    """pdgate's admission section, written out (a baseline checkout may have other defaults)."""
+    return {"max_loop_lag_ms": args.max_loop_lag_ms, "overload_hold_s": args.overload_hold_s}
 
 
 def _plot(results: list[dict[str, Any]], path: Path) -> None:

@@ -8,7 +8,8 @@ import sys
 
 import yaml
 
-from bench.streams import MODEL, _allowed_cpus, _cpu_list, run_load
+from bench.streams import MODEL, _admission, _allowed_cpus, _cpu_list, _parser, run_load
+from gateway.config.schema import AdmissionConfig
 from tests.procs import ProcGroup, free_port
 
 
@@ -46,3 +47,15 @@ def test_core_lists_read_as_taskset_writes_them() -> None:
     assert _cpu_list("0-3,6") == {0, 1, 2, 3, 6}
     assert _cpu_list("5") == {5}
     assert _cpu_list(_allowed_cpus(os.getpid())) == os.sched_getaffinity(0)
+
+
+def test_the_gateway_under_test_gets_the_admission_a_user_gets_unless_asked() -> None:
+    """The overload bound and its hold decide how many streams are served and how late: by default
+    the run measures the gateway's own defaults, and either can be set for an A/B."""
+    defaults = AdmissionConfig()
+    assert _admission(_parser().parse_args([])) == {
+        "max_loop_lag_ms": defaults.max_loop_lag_ms,
+        "overload_hold_s": defaults.overload_hold_s,
+    }
+    asked = _admission(_parser().parse_args(["--overload-hold-s", "0", "--max-loop-lag-ms", "50"]))
+    assert asked == {"max_loop_lag_ms": 50.0, "overload_hold_s": 0.0}
