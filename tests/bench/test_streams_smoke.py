@@ -8,7 +8,7 @@ import sys
 
 import yaml
 
-from bench.streams import MODEL, _admission, _allowed_cpus, _cpu_list, _parser, run_load
+from bench.streams import MODEL, _admission, _allowed_cpus, _cpu_list, _parser, _workers, run_load
 from gateway.config.schema import AdmissionConfig
 from tests.procs import ProcGroup, free_port
 
@@ -59,3 +59,13 @@ def test_the_gateway_under_test_gets_the_admission_a_user_gets_unless_asked() ->
     }
     asked = _admission(_parser().parse_args(["--overload-hold-s", "0", "--max-loop-lag-ms", "50"]))
     assert asked == {"max_loop_lag_ms": 50.0, "overload_hold_s": 0.0}
+
+
+def test_targets_name_their_worker_count_with_migration_on_or_off() -> None:
+    assert [_workers(t) for t in ("pdgate", "pdgate-nomig", "pdgate-w4", "pdgate-w8-nomig", "baseline")] == [
+        1,
+        1,
+        4,
+        8,
+        1,
+    ]
