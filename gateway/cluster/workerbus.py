@@ -14,7 +14,9 @@ messages on the other (``WorkerBus``). What travels:
 - **tenant use** (fair queueing, gateway/fairness/tenants.py), with the in-flight counts (without Redis):
   each worker orders its queues by every worker's use.
 - **metrics**: ``/metrics`` on any worker asks the others for their exposition and merges it
-  (gateway/ops/metricsmerge.py), so a scrape sees the whole gateway.
+  (gateway/ops/metricsmerge.py), so a scrape sees the whole gateway. The answers go to every
+  worker, each keeping every sibling's newest (``latest_metrics``): a sibling late for one scrape
+  counts with the newest figures any earlier scrape got, whichever worker served it.
 
 Messages are one CBOR frame after a topic naming the sender; a worker subscribes to the other
 workers' topics only. PUB/SUB drops when a reader is far behind (``_HWM``): learning is a
@@ -247,10 +249,6 @@ def _topic(worker: int) -> bytes:
     return b"w%03d" % worker
 
 
-def _reply_topic(worker: int) -> bytes:
-    return b"r%03d" % worker
-
-
 class _Invalid(ValueError):
     """An authentic message that breaks the protocol."""
 
@@ -353,12 +351,13 @@ class WorkerBus:
         self._asks = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._metrics_text: Callable[[], bytes] = lambda: b""
+        # Each sibling's newest exposition, whoever asked for it: answers go to every worker, so a
+        # scrape that a sibling misses counts it with the newest figures any scrape saw (summed
+        # counters must never go down, whichever worker serves the next scrape).
+        self.latest_metrics: dict[int, bytes] = {}
         siblings = [w for w in range(workers) if w != worker]
-        # The topics a sibling sends on (to all; to this worker only), and who sent each.
-        self._senders = {
-            **{_topic(w): w for w in siblings},
-            **{_reply_topic(worker) + b"<" + _topic(w): w for w in siblings},
-        }
+        # The topic each sibling sends on (every message goes to every worker), and who sent it.
+        self._senders = {_topic(w): w for w in siblings}
         self._stamp = 0  # the last stamp this worker sent
         self._heard: dict[int, int] = {}  # sibling -> the last stamp taken from it
         self.dropped = dict.fromkeys(DROP_REASONS, 0)  # messages dropped, by reason (exported)
@@ -383,7 +382,6 @@ class WorkerBus:
         for other in range(self.workers):
             if other != self.worker:
                 self._sub.setsockopt(zmq.SUBSCRIBE, _topic(other))
-        self._sub.setsockopt(zmq.SUBSCRIBE, _reply_topic(self.worker))  # metrics answers for this worker only
         self._tasks = [asyncio.create_task(self._receive(), name="bus-receive")]
         if self.share_routing:
             self._tasks.append(asyncio.create_task(self._sync(), name="bus-sync"))
@@ -456,10 +454,10 @@ class WorkerBus:
 
     # -- the wire ----------------------------------------------------------------------------------
 
-    def _send(self, message: list[Any], to: int | None = None) -> None:
+    def _send(self, message: list[Any]) -> None:
         if self._pub is None:
             return
-        topic = _topic(self.worker) if to is None else _reply_topic(to) + b"<" + _topic(self.worker)
+        topic = _topic(self.worker)
         self._stamp = max(time.monotonic_ns(), self._stamp + 1)  # rising, also within one nanosecond
         stamp = self._stamp.to_bytes(8, "big")
         body = cbor2.dumps(message)
@@ -564,14 +562,17 @@ class WorkerBus:
                 self._uses[sender] = (self._clock(), use)
         elif kind == "metrics?" and n == 2:
             ask = _int(msg[1], 0, (1 << 63) - 1, "metrics ask")
-            self._send(["metrics!", sender, ask, self._metrics_text()], to=sender)
+            self._send(["metrics!", sender, ask, self._metrics_text()])  # to all: see latest_metrics
         elif kind == "metrics!" and n == 4:
-            _int(msg[1], self.worker, self.worker, "metrics asker")
+            asker = _int(msg[1], 0, self.workers - 1, "metrics asker")
+            if asker == sender:
+                raise _Invalid("metrics: an answer to its own sender")
             ask = _int(msg[2], 0, (1 << 63) - 1, "metrics ask")
             text = msg[3]
             if type(text) is not bytes:
                 raise _Invalid("metrics: not bytes")
-            if ask in self._metric_asks:
+            self.latest_metrics[sender] = text
+            if asker == self.worker and ask in self._metric_asks:
                 done, answers = self._metric_asks[ask]
                 answers[sender] = text
                 if not done.done():

@@ -24,7 +24,6 @@ class Gateway:
     def __init__(self, runtime: Runtime, services: Services) -> None:
         self.runtime = runtime
         self.services = services
-        self._last_metrics: dict[int, bytes] = {}  # each other worker's last exposition
 
     def exchange(self, request: Request, kind: Kind, path: str) -> Exchange:
         return Exchange(self.runtime, self.services, request, kind, path)
@@ -35,12 +34,13 @@ class Gateway:
         if bus is None:
             return own
         others = await bus.others_metrics()
-        self._last_metrics.update(others)
-        # A worker that does not answer in time (busy, dead, restarting) counts with its last
-        # answer's counters, not its gauges (gateway/ops/metricsmerge.py). (A restarted worker's counters
-        # do start over.) Fewer reporting than configured: a worker is stuck or restarting.
+        # A worker that does not answer in time (busy, dead, restarting) counts with the newest
+        # answer any scrape got from it (the bus keeps them, whichever worker asked): its counters,
+        # not its gauges (gateway/ops/metricsmerge.py). (A restarted worker's counters do start
+        # over.) Fewer reporting than configured: a worker is stuck or restarting.
         texts = [own, *(others[w] for w in sorted(others))]
-        stale = [self._last_metrics[w] for w in sorted(self._last_metrics) if w not in others and w != bus.worker]
+        latest = bus.latest_metrics
+        stale = [latest[w] for w in sorted(latest) if w not in others and w != bus.worker]
         workers = (
             b"# HELP pdgate_workers Worker processes of this gateway: configured, and reporting in this scrape\n"
             b"# TYPE pdgate_workers gauge\n"

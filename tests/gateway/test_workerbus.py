@@ -96,7 +96,7 @@ async def test_forged_and_garbage_messages_change_no_count_and_are_logged_once(h
             # the new format with a made-up signature, unknown senders, garbage
             await forger.send(b"w000", stamp, inflight({D1: 1000}), bad_mac)
             await forger.send(b"w0007", stamp, inflight({D1: 1000}), bad_mac)  # passes the w000 prefix filter
-            await forger.send(b"r001<w000", stamp, cbor2.dumps(["metrics!", 1, 1, b"pdgate_fake 1\n"]), bad_mac)
+            await forger.send(b"w000", stamp, cbor2.dumps(["metrics!", 1, 1, b"pdgate_fake 1\n"]), bad_mac)
             await forger.send(b"w000", b"\xff" * 7, b"not cbor", b"x")
             await forger.send(b"w000")
         await asyncio.sleep(0.5)
@@ -104,6 +104,7 @@ async def test_forged_and_garbage_messages_change_no_count_and_are_logged_once(h
         assert pb.others.get(D1) == 2 and ub.of("occupancy", "calm") == 100  # still the truth
         assert ib.match([1, 2, 3]) == {}  # no forged lesson
         assert await b.others_metrics(timeout_s=2.0) == {0: b"# worker 0\n"}  # no forged answer either
+        assert b.latest_metrics == {0: b"# worker 0\n"}
         pa.decode[0].in_flight = 3  # the real worker is still heard (no stamp from the future took its place)
         await until(lambda: pb.others.get(D1) == 3, timeout=5)
         assert b.dropped["forged"] >= 300 * 6 and b.dropped["replayed"] == b.dropped["invalid"] == 0

@@ -129,16 +129,17 @@ def hub():
 
 
 async def buses(
-    hub: Hub, share_routing: bool = True, usages: list | None = None
+    hub: Hub, share_routing: bool = True, usages: list | None = None, texts: list | None = None
 ) -> list[tuple[WorkerBus, Pools, PrefixIndex]]:
     made = []
-    for w in range(2):
+    n = len(texts) if texts else 2
+    for w in range(n):
         pools = Pools([], ["http://d1", "http://d2"])
         index = PrefixIndex()
         bus = WorkerBus(
-            hub.address, w, 2, pools, index, share_routing=share_routing, usage=usages[w] if usages else None
+            hub.address, w, n, pools, index, share_routing=share_routing, usage=usages[w] if usages else None
         )
-        await bus.start(lambda w=w: exposition(w + 1, 1, 0, 1, 0))
+        await bus.start(texts[w] if texts else lambda w=w: exposition(w + 1, 1, 0, 1, 0))
         made.append((bus, pools, index))
     await asyncio.sleep(0.3)  # subscriptions reach the hub (ZMQ's slow joiner)
     return made
@@ -211,6 +212,37 @@ async def test_a_worker_gathers_the_others_metrics(hub) -> None:
         assert asyncio.get_running_loop().time() - started < 1.0
     finally:
         await a.stop()
+
+
+async def test_a_worker_late_for_a_scrape_counts_with_the_newest_answer_any_scrape_got(hub) -> None:
+    """Scrapes land on any worker. The one serving counts a sibling that does not answer in time
+    with the newest figures any earlier scrape got from it, not with its own older copy: a summed
+    counter that went down would read as a reset to Prometheus (rates spike)."""
+    from types import SimpleNamespace
+
+    from gateway.http.handlers import Gateway
+
+    done = {0: 1, 1: 1, 2: 10}
+    texts = [lambda w=w: exposition(done[w], 1, 0, 1, 0) for w in range(3)]
+    made = await buses(hub, share_routing=False, texts=texts)
+    gateways = [
+        Gateway(None, SimpleNamespace(metrics=SimpleNamespace(render=t), bus=b))
+        for t, (b, _, _) in zip(texts, made, strict=True)
+    ]
+
+    async def total(serving: int) -> float:
+        return sample((await gateways[serving].metrics()).decode(), "pdgate_requests_total", status="200")
+
+    try:
+        assert await total(0) == 12  # worker 0 serves: worker 2 answers 10
+        done[2] = 100
+        assert await total(1) == 102  # worker 1 serves: worker 2 answers 100 (to every worker)
+        latest = made[0][0].latest_metrics
+        assert await until(lambda: sample(latest.get(2, b"").decode(), "pdgate_requests_total", status="200") == 100)
+        await made[2][0].stop()  # worker 2 stops answering
+        assert await total(0) >= 102  # worker 0 counts it with 100, the newest any scrape got
+    finally:
+        await asyncio.gather(made[0][0].stop(), made[1][0].stop())
 
 
 def test_a_containers_cpu_quota_caps_the_default_worker_count(tmp_path) -> None:
