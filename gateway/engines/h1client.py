@@ -84,6 +84,8 @@ class _Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._deadline: float | None = None
+        self._exchanges = 0  # sent on it so far: a sink's late drain call belongs to one of them
+        self._paused = False  # reading held back (a slow reader, a full sink): see ``resume``
         self._reset()
 
     def _reset(self) -> None:
@@ -102,12 +104,13 @@ class _Connection(asyncio.Protocol):
         self.spliced_at = 0.0  # when the last body bytes went into the sink
         self._held: list[bytes] = []  # spliced body pieces of the read under way, written as one
         self._waiter: asyncio.Future[None] | None = None
-        self._paused = False
 
     # ---- exchange
     def send(self, data: bytes) -> None:
         assert self.transport is not None
+        self.resume()  # (the pool resumes what it takes back: this is for any other way in)
         self._reset()
+        self._exchanges += 1
         self.busy = True
         self.transport.write(data)
 
@@ -149,10 +152,14 @@ class _Connection(asyncio.Protocol):
         data = body[0] if len(body) == 1 else b"".join(body)
         self.body = []
         self.buffered = 0
+        self.resume()
+        return data
+
+    def resume(self) -> None:
+        """Read the socket again if it was held back (for a slow reader or a full sink)."""
         if self._paused and self.transport is not None:
             self._paused = False
             self.transport.resume_reading()
-        return data
 
     def close(self) -> None:
         self.busy = False
@@ -276,12 +283,15 @@ class _Connection(asyncio.Protocol):
         if not sink.write(body) and not self._paused and self.transport is not None:
             self._paused = True  # the client reads slower than the engine writes: hold the engine back
             self.transport.pause_reading()
-            sink.drained(self._sink_drained)
+            exchange = self._exchanges
+            sink.drained(lambda: self._sink_drained(exchange))
 
-    def _sink_drained(self) -> None:
-        if self._paused and not self.closed and self.transport is not None:
-            self._paused = False
-            self.transport.resume_reading()
+    def _sink_drained(self, exchange: int) -> None:
+        """The sink of ``exchange`` drained. Its answer may have ended meanwhile (its last bytes
+        came in the read that filled the sink) and the connection carry another exchange now,
+        whose own holding back is not this sink's to end."""
+        if exchange == self._exchanges and not self.closed:
+            self.resume()
 
     def on_message_complete(self) -> None:
         if self.head and not self.done:
@@ -485,6 +495,7 @@ class Pool:
         return conn
 
     def put(self, conn: _Connection) -> None:
+        conn.resume()  # held back for its last reader, it must read again: the next answer, or an EOF
         conn.busy = False
         conn.idle_since = self.loop.time()
         self._idle.append(conn)

@@ -12,7 +12,7 @@ import uvloop
 
 from gateway.engines import h1client, transport
 from gateway.engines.h1client import H1Client, Pool
-from tests.gateway.test_transport import Exchange, Server, ok, post
+from tests.gateway.test_transport import Exchange, Server, Sink, ok, post
 
 
 @pytest.fixture(scope="module", params=["asyncio", "uvloop"])
@@ -70,6 +70,42 @@ async def test_a_slow_reader_pauses_the_socket_and_loses_nothing():
         assert got == body
         resp.release()
         assert server.connections == 1
+        client.close()
+
+
+async def test_a_connection_held_back_for_a_full_client_reads_again_once_pooled():
+    """The engine's last bytes came in the read that filled the client's buffer: the answer is
+    whole, so the connection goes back to the pool while held back for that client. The next
+    request on it must be read at once, not wait for a drain that may never come (the first
+    client is slow or gone): it used to wait out its first-byte timeout (600 s by default)."""
+    go_on = asyncio.Event()
+    answered = 0
+
+    async def handler(ex: Exchange) -> None:
+        nonlocal answered
+        answered += 1
+        if answered > 1:
+            await ex.answer(ok(b"next"))
+            return
+        await ex.answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await go_on.wait()
+        await ex.answer(b"7\r\ndata: 1\r\n7\r\ndata: 2\r\n0\r\n\r\n")  # the rest and the end, in one write
+
+    async with Server(handler) as server:
+        client = H1Client()
+        resp = await post(client, server, transport.Timeouts(connect=5, idle=10))
+        sink = Sink(room=1)  # full after its first write, never drained
+        task = asyncio.ensure_future(resp.splice(sink))
+        await asyncio.sleep(0.02)
+        go_on.set()
+        await asyncio.wait_for(task, 5)  # whole: the splice is over though the sink is full
+        assert b"".join(sink.got) == b"data: 1data: 2" and sink.resume is not None
+        resp.release()
+        again = await post(client, server, transport.Timeouts(connect=5, first=3))
+        assert await asyncio.wait_for(again.read(), 3) == b"next"
+        again.release()
+        assert server.connections == 1  # the same connection, reused
+        sink.release()  # the first client drains at last: nothing changes for the connection
         client.close()
 
 
