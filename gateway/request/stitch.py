@@ -45,13 +45,16 @@ class Events:
     """Complete server-sent events out of bytes as they arrive: an event may span reads and a read
     may hold several. ``limit`` bounds the bytes one event may take while incomplete."""
 
-    __slots__ = ("_buf", "_limit")
+    __slots__ = ("_buf", "_limit", "oversized")
 
     def __init__(self, limit: int) -> None:
         self._buf = b""
         self._limit = limit
+        self.oversized: Broken | None = None
 
     def feed(self, data: bytes) -> list[bytes]:
+        """The events ``data`` completes. An incomplete one past ``limit`` ends the stream:
+        ``oversized`` (the whole events before it are still returned, for the client to have)."""
         buf = self._buf + data if self._buf else data
         if buf.endswith(b"\n\n") and buf.count(b"\n\n") == 1:  # the usual read: one whole event
             self._buf = b""
@@ -59,7 +62,8 @@ class Events:
         parts = buf.split(b"\n\n")
         self._buf = parts.pop()
         if len(self._buf) > self._limit:
-            raise Broken("bad_event", f"an engine stream event is over {self._limit} bytes")
+            self._buf = b""
+            self.oversized = Broken("bad_event", f"an engine stream event is over {self._limit} bytes")
         return [p for p in parts if p.strip()]
 
     def rest(self) -> bytes:
@@ -139,6 +143,9 @@ class Answer:
             except (Broken, Diverged) as err:
                 self.failure = err
                 return b"".join(parts)
+        if self._events.oversized is not None:  # after the whole events before it
+            self.failure = self._events.oversized
+            return b"".join(parts)
         out = parts[0] if len(parts) == 1 else b"".join(parts)
         if self.unresumable == "no_token_ids" and self.stream and not self.part:
             # An engine that sends no token ids (vLLM before 0.10.2): this answer cannot be
@@ -224,12 +231,18 @@ class Answer:
             return _sse(out)
         c = choices[0]
         fr = c.get("finish_reason")
-        text = self._reproduced(c.get("text") or "")
+        engine_text = c.get("text") or ""
+        text = self._reproduced(engine_text)
         ids = self._reproduced_ids(c["token_ids"]) if self._took(c, text) else None
         if fr is not None and (self._skip_text or self._skip_ids):
             raise Diverged("the continuation ended before it reproduced what the client has")
         self._observe(obj)
-        if not self.stream or (not text and fr is None and not (self.wants_ids and ids) and "usage" not in obj):
+        # An event whose text the client already has says nothing new, its continuous usage included
+        # (the next event's counts cover it): kept, it would repeat a count the client was sent.
+        reproduced = bool(engine_text) and not text
+        if not self.stream or (
+            not text and fr is None and not (self.wants_ids and ids) and ("usage" not in obj or reproduced)
+        ):
             return b""
         shown_ids = ids if self.wants_ids else None
         if self.kind == "chat":

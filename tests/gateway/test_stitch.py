@@ -141,9 +141,22 @@ def test_a_stream_that_ends_before_done_is_broken():
 
 def test_an_event_is_bounded():
     events = Events(limit=100)
-    assert events.feed(b"data: {}\n\ndata: {") == [b"data: {}"]
-    with pytest.raises(Broken):
-        events.feed(b"x" * 200)
+    assert events.feed(b"data: {}\n\ndata: {") == [b"data: {}"] and events.oversized is None
+    assert events.feed(b"x" * 200) == []
+    assert events.oversized is not None and events.oversized.cause == "bad_event"
+
+
+def test_an_event_over_the_bound_breaks_the_stream_after_the_whole_ones_before_it():
+    """Raised inside the engine connection's callback (the splice), an oversized event used to
+    end the read with a transport error logged as fatal and count as a disconnect: it is a
+    failure like any broken event (``failure``), and the client still gets what came before it."""
+    a = answer(limit=300)
+    events = CHAT_WITH_IDS.split(b"\n\n")
+    out = a.feed(b"\n\n".join(events[:2]) + b"\n\ndata: {" + b"x" * 400)
+    assert out.count(b"data: ") == 2 and b" IPv" in out
+    with pytest.raises(Broken) as err:
+        a.check()
+    assert err.value.cause == "bad_event"
 
 
 def test_a_continuation_reads_as_the_client_answer():
@@ -169,3 +182,45 @@ def test_a_continuation_reads_as_the_client_answer():
     }
     assert sent[-1]["system_fingerprint"] == "vllm-0.32.0-747d385c"
     assert a.output_tokens == 5 and list(a.ids) == [1337, 747, 1217, 1217, 1217]
+
+
+def _with_continuous_usage(raw: bytes, prompt: int) -> bytes:
+    """vLLM's stream_options.continuous_usage_stats: every event carries the usage so far."""
+    out, n = [], 0
+    for event in raw.split(b"\n\n"):
+        if not event.startswith(b"data: {"):
+            out += [event] if event else []
+            continue
+        obj = orjson.loads(event[6:])
+        if obj.get("choices") and (obj["choices"][0].get("token_ids") or obj["choices"][0].get("text")):
+            n += 1
+        obj["usage"] = {"prompt_tokens": prompt, "total_tokens": prompt + n, "completion_tokens": n}
+        out.append(b"data: " + orjson.dumps(obj))
+    return b"\n\n".join(out) + b"\n\n"
+
+
+@pytest.mark.parametrize("continuous", [False, True])
+def test_a_continuations_reproduced_text_is_dropped_with_continuous_usage_too(continuous):
+    """The continuation's event that only reproduces text the client has says nothing new: with
+    continuous usage it used to go out as an empty chunk repeating a count already sent."""
+    a = Answer(
+        "chat",
+        stream=True,
+        wants_ids=False,
+        usage=True,
+        continuous=continuous,
+        prompt=CHAT_PROMPT,
+        max_event_bytes=1 << 20,
+    )
+    first = _with_continuous_usage(CHAT_WITH_IDS, len(CHAT_PROMPT)) if continuous else CHAT_WITH_IDS
+    a.feed(b"\n\n".join(first.split(b"\n\n")[:3]) + b"\n\n")
+    a.resume(1, "****************")
+    rest = COMPLETION_WITH_IDS.replace(b'"text":"thon"', b'"text":"****************"')
+    if continuous:
+        rest = _with_continuous_usage(rest, len(CHAT_PROMPT) + 1)
+    sent = [orjson.loads(e[6:]) for e in a.feed(rest).split(b"\n\n") if e.startswith(b"data: {")]
+    contents = [c["delta"]["content"] for e in sent for c in e["choices"]]
+    assert contents == ["open", "open", "open"]  # as without continuous usage: no empty repeat
+    if continuous:
+        counts = [e["usage"]["completion_tokens"] for e in sent]
+        assert counts == sorted(set(counts))  # rising, never a count sent twice
