@@ -22,6 +22,11 @@ from gateway.ops.tracing import NO_TRACE, RequestTrace
 
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+# An SSE event starts after a blank line; JSON text never holds a raw newline, so a model's own
+# "data: " in its text is not one. Pieces follow the engine's reads: a boundary may straddle two.
+_EVENT, _DONE_EVENT = b"\n\ndata: ", b"\n\ndata: [DONE]"
+_TAIL = len(_DONE_EVENT) - 1  # bytes of the last piece kept to find a straddling boundary
+_BLANK = b"\n\n"  # a piece ended with its event: the next starts after a blank line
 
 
 class Observer(Protocol):
@@ -70,6 +75,7 @@ class RequestRecord:
     itl: Observer | None = None
     last_token_at: float = 0.0
     token_events: int = 0
+    sse_tail: bytes = _BLANK  # the stream's last bytes sent (its start counts as after a blank line)
     # A stream that broke off after its 200 went out: the status of the error event the client got
     # instead of the rest (``status`` stays what the client's HTTP response said).
     error_status: int | None = None
@@ -87,8 +93,17 @@ class RequestRecord:
     def sent_chunk(self, chunk: bytes) -> None:
         """A stream chunk went to the client (the relay's only per-chunk bookkeeping). Chunks with
         no token (the usage chunk, ``[DONE]``) do not count as tokens for TTFT or ITL."""
-        events = chunk.count(b"data: ")
-        empty = chunk.count(b"data: [DONE]")
+        tail = self.sse_tail
+        if tail is _BLANK and chunk.startswith(b"data: "):  # the usual piece: whole events
+            events = 1 + chunk.count(_EVENT)
+            empty = chunk.startswith(b"data: [DONE]") + chunk.count(_DONE_EVENT)
+        else:
+            events = chunk.count(_EVENT) + (tail[-7:] + chunk[:7]).count(_EVENT)
+            empty = chunk.count(_DONE_EVENT) + (tail + chunk[:_TAIL]).count(_DONE_EVENT)
+        if chunk.endswith(b"\n\n"):
+            self.sse_tail = _BLANK
+        else:
+            self.sse_tail = chunk[-_TAIL:] if len(chunk) >= _TAIL else (tail + chunk)[-_TAIL:]
         if b'"completion_tokens"' in chunk:  # the usage chunk (stream_options.include_usage)
             found = _COMPLETION_TOKENS.findall(chunk)
             if found:
@@ -96,7 +111,8 @@ class RequestRecord:
             if (cached := _CACHED_TOKENS.search(chunk)) is not None:
                 self.cached_tokens = int(cached.group(1))
             empty += chunk.count(b'"choices":[]') + chunk.count(b'"choices": []')
-        if events <= empty:
+        if events <= empty:  # (more: an event the last piece began, counted there, was [DONE])
+            self.token_events = max(0, self.token_events + events - empty)
             return
         self.token_events += events - empty
         now = time.perf_counter()

@@ -241,6 +241,21 @@ def test_itl_counts_gaps_between_token_chunks_only():
     assert rec.output_tokens == 3 and rec.ttft_s is not None
 
 
+def test_token_events_are_counted_by_event_boundaries_however_the_reads_split():
+    """Spliced pieces follow the engine's reads: a boundary split between two pieces still counts
+    once, and a model writing "data: " in its text adds no event (without a usage chunk the
+    count is the output token estimate)."""
+    events = b"".join(sse(chunk(text))[: -len(b"data: [DONE]\n\n")] for text in ("a", "data: b", "c"))
+    whole = events + b"data: [DONE]\n\n"
+    for cut in range(1, len(whole)):
+        rec = RequestRecord("r", "completion")
+        rec.sent_chunk(whole[:cut])
+        rec.sent_chunk(whole[cut:])
+        assert rec.token_events == 3, cut
+        rec.finish(200)
+        assert rec.output_tokens == 3
+
+
 def test_pool_signals_drop_stale_engine_reports_and_removed_endpoints():
     pools = Pools(["http://p:1"], ["http://d:1", "http://d:2"], stats_max_age_s=5.0)
     metrics = GatewayMetrics(pools)
