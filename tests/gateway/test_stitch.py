@@ -23,14 +23,20 @@ CHAT_PROMPT = [1, 31, 95, 1516, 95, 33, 202, 285, 79, 337, 1418, 2, 202, 31, 95,
 
 
 def answer(
-    kind: str = "chat", *, stream: bool = True, wants_ids: bool = False, prompt=CHAT_PROMPT, limit: int = 1 << 20
+    kind: str = "chat",
+    *,
+    stream: bool = True,
+    wants_ids: bool = False,
+    prompt=CHAT_PROMPT,
+    limit: int = 1 << 20,
+    continuous: bool = False,
 ) -> Answer:
     return Answer(
-        kind,
+        kind,  # type: ignore[arg-type]
         stream=stream,
         wants_ids=wants_ids,
         usage=True,
-        continuous=False,  # type: ignore[arg-type]
+        continuous=continuous,
         prompt=prompt,
         max_event_bytes=limit,
     )
@@ -203,15 +209,7 @@ def _with_continuous_usage(raw: bytes, prompt: int) -> bytes:
 def test_a_continuations_reproduced_text_is_dropped_with_continuous_usage_too(continuous):
     """The continuation's event that only reproduces text the client has says nothing new: with
     continuous usage it used to go out as an empty chunk repeating a count already sent."""
-    a = Answer(
-        "chat",
-        stream=True,
-        wants_ids=False,
-        usage=True,
-        continuous=continuous,
-        prompt=CHAT_PROMPT,
-        max_event_bytes=1 << 20,
-    )
+    a = answer(continuous=continuous)
     first = _with_continuous_usage(CHAT_WITH_IDS, len(CHAT_PROMPT)) if continuous else CHAT_WITH_IDS
     a.feed(b"\n\n".join(first.split(b"\n\n")[:3]) + b"\n\n")
     a.resume(1, "****************")
