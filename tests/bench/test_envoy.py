@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from bench.envoy import SHIPPED, binary, dump, epp_config, plain_config, start_envoy, start_picker
-from bench.streams import MODEL, run_load
+from bench.streams_load import MODEL, run_load
 from tests.procs import ProcGroup, free_port
 
 

@@ -8,7 +8,8 @@ import sys
 
 import yaml
 
-from bench.streams import MODEL, _admission, _allowed_cpus, _cpu_list, _parser, _workers, run_load
+from bench.streams import _admission, _allowed_cpus, _cpu_list, _parser, _workers
+from bench.streams_load import MODEL, run_load
 from gateway.config.schema import AdmissionConfig
 from tests.procs import ProcGroup, free_port
 
