@@ -20,14 +20,12 @@ the interface's ``ClientError`` subclasses.
 from __future__ import annotations
 
 import asyncio
-import socket
 import ssl
 from collections import deque
 from collections.abc import Mapping
-from typing import cast
 from urllib.parse import urlsplit
 
-import httptools
+from gateway.engines.h1connection import Connection
 
 # The interface's names, raised and taken here; importable from this module as before.
 from gateway.engines.transport import (
@@ -59,245 +57,6 @@ __all__ = [
     "Timeouts",
 ]
 
-# Past this many unread body bytes, stop reading the socket until the reader catches up.
-READ_HIGH_WATER = 1 << 18
-# Raw bytes a head may take beyond ``max_head_bytes`` before it is complete: the status line and
-# whitespace the parser trims, which the fields' count leaves out.
-HEAD_SLACK = 1 << 12
-
-
-class _Connection(asyncio.Protocol):
-    """One keep-alive connection; carries one exchange at a time."""
-
-    def __init__(self, pool: Pool) -> None:
-        self._pool = pool
-        self._loop = pool.loop
-        self._max_head = pool.max_head_bytes
-        self._max_headers = pool.max_headers
-        self._parser = httptools.HttpResponseParser(self)
-        self.transport: asyncio.Transport | None = None
-        self.closed = False
-        self.busy = False  # an exchange is under way (a response is expected or being read)
-        self.idle_since = 0.0
-        # One timer per exchange, re-armed only when it fires early: a stream's every chunk is a
-        # wait with a fresh idle deadline, and a timer per wait would cost more than the chunk.
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0.0
-        self._deadline: float | None = None
-        self._exchanges = 0  # sent on it so far: a sink's late drain call belongs to one of them
-        self._paused = False  # reading held back (a slow reader, a full sink): see ``resume``
-        self._reset()
-
-    def _reset(self) -> None:
-        self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.head_bytes = 0  # header fields' size as the limit counts it (name + value + 4)
-        self.head_raw = 0  # bytes received while the head was incomplete
-        self.head = False  # status line and headers parsed
-        self.done = False  # the whole message parsed
-        self.keep_alive = False
-        self.until_close = False  # the body ends when the connection does
-        self.error: ClientError | None = None
-        self.body: list[bytes] = []
-        self.buffered = 0
-        self.sink: BodySink | None = None  # splicing: body bytes go straight there, nobody is woken
-        self.spliced_at = 0.0  # when the last body bytes went into the sink
-        self._held: list[bytes] = []  # spliced body pieces of the read under way, written as one
-        self._waiter: asyncio.Future[None] | None = None
-
-    # ---- exchange
-    def send(self, data: bytes) -> None:
-        assert self.transport is not None
-        self.resume()  # (the pool resumes what it takes back: this is for any other way in)
-        self._reset()
-        self._exchanges += 1
-        self.busy = True
-        self.transport.write(data)
-
-    async def wait(self, deadline: float | None) -> None:
-        """Until the parser makes progress or the connection ends; TimeoutError at ``deadline``."""
-        self._deadline = deadline
-        if deadline is not None and (self._timer is None or self._timer_at > deadline):
-            self._arm(deadline)
-        waiter = self._waiter = self._loop.create_future()
-        try:
-            await waiter
-        finally:
-            self._waiter = None
-
-    def _arm(self, when: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = self._loop.call_at(when, self._on_timer)
-        self._timer_at = when
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        waiter, deadline = self._waiter, self._deadline
-        if waiter is None or waiter.done() or deadline is None:
-            return  # nobody waiting: the next wait arms a timer again
-        if self._loop.time() >= deadline:
-            waiter.set_exception(TimeoutError())
-        else:
-            self._arm(deadline)
-
-    def stop_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def take(self) -> bytes:
-        """Every body byte buffered so far."""
-        body = self.body
-        data = body[0] if len(body) == 1 else b"".join(body)
-        self.body = []
-        self.buffered = 0
-        self.resume()
-        return data
-
-    def resume(self) -> None:
-        """Read the socket again if it was held back (for a slow reader or a full sink)."""
-        if self._paused and self.transport is not None:
-            self._paused = False
-            self.transport.resume_reading()
-
-    def close(self) -> None:
-        self.busy = False
-        self.stop_timer()
-        if not self.closed:
-            self.closed = True
-            if self.transport is not None:
-                self.transport.close()
-            self._pool.forget(self)
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    # ---- asyncio.Protocol
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # asyncio's signature names the base class; a stream connection's transport is a Transport
-        # (uvloop's implements its methods without subclassing it: no isinstance check)
-        self.transport = cast(asyncio.Transport, transport)
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def data_received(self, data: bytes) -> None:
-        if not self.busy or self.done:  # nothing asked for this: the connection cannot be trusted
-            self.error = self.error or ProtocolError("unexpected data from the engine")
-            self.close()
-            self._wake()
-            return
-        try:
-            self._parser.feed_data(data)
-            if self._held:
-                self._pass_held()
-            if not self.head:  # httptools holds a partial header in memory: bound what it may hold
-                self.head_raw += len(data)
-                if self.head_raw > self._max_head + HEAD_SLACK:
-                    raise HeadTooLarge(f"response head over {self._max_head} bytes")
-        except httptools.HttpParserError as err:  # a callback's own error comes as the context
-            if self._held:  # what parsed before the error still goes on
-                self._pass_held()
-            cause = err.__context__
-            self.error = cause if isinstance(cause, ClientError) else ProtocolError(f"invalid HTTP response: {err}")
-            self.close()
-        except ClientError as err:
-            self.error = err
-            self.close()
-        else:
-            sink = self.sink
-            if sink is not None and not self.done and not sink.stopped:
-                return  # spliced: the waiter only wants the end, an error, a stop or its timer
-            if self.buffered > READ_HIGH_WATER and not self._paused and self.transport is not None:
-                self._paused = True
-                self.transport.pause_reading()
-        self._wake()
-
-    def eof_received(self) -> bool:
-        return False  # close the transport; connection_lost ends the exchange
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.busy and not self.done:
-            if self.head and self.until_close and exc is None:
-                self.done = True
-            elif self.error is None:
-                self.error = ServerDisconnected("the engine closed the connection mid-response")
-        self.closed = True
-        self._pool.forget(self)
-        self._wake()
-
-    # ---- httptools callbacks
-    def on_message_begin(self) -> None:
-        if self.done:  # a second response nobody asked for: never reuse this connection
-            self.keep_alive = False
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if not self.done:
-            headers = self.headers
-            headers.append((name.lower(), value))
-            self.head_bytes += len(name) + len(value) + 4
-            if self.head_bytes > self._max_head:
-                raise HeadTooLarge(f"response head over {self._max_head} bytes")
-            if len(headers) > self._max_headers:
-                raise HeadTooLarge(f"response head with over {self._max_headers} headers")
-
-    def on_headers_complete(self) -> None:
-        if self.done:
-            return
-        status = self._parser.get_status_code()
-        if status < 200:  # informational (100 Continue): the real response follows
-            self.headers = []
-            self.head_bytes = self.head_raw = 0
-            return
-        self.status = status
-        framed = any(n in (b"content-length", b"transfer-encoding") for n, _ in self.headers)
-        self.until_close = not framed and status not in (204, 304)
-        self.head = True
-
-    def on_body(self, body: bytes) -> None:
-        if self.done:
-            return
-        sink = self.sink
-        if sink is None:
-            self.body.append(body)
-            self.buffered += len(body)
-            return
-        if sink.stopped:  # the relay wants no more: what follows is dropped, the connection closed
-            return
-        self._held.append(body)  # the read's other pieces may follow: one write for all of them
-
-    def _pass_held(self) -> None:
-        """The spliced pieces of one read into the sink in one write: events that arrive together
-        (an engine answering several streams writes them back to back) cost one client write
-        system call, not one each."""
-        held = self._held
-        body = held[0] if len(held) == 1 else b"".join(held)
-        held.clear()
-        sink = self.sink
-        if sink is None or sink.stopped:
-            return
-        self.spliced_at = self._loop.time()
-        if not sink.write(body) and not self._paused and self.transport is not None:
-            self._paused = True  # the client reads slower than the engine writes: hold the engine back
-            self.transport.pause_reading()
-            exchange = self._exchanges
-            sink.drained(lambda: self._sink_drained(exchange))
-
-    def _sink_drained(self, exchange: int) -> None:
-        """The sink of ``exchange`` drained. Its answer may have ended meanwhile (its last bytes
-        came in the read that filled the sink) and the connection carry another exchange now,
-        whose own holding back is not this sink's to end."""
-        if exchange == self._exchanges and not self.closed:
-            self.resume()
-
-    def on_message_complete(self) -> None:
-        if self.head and not self.done:
-            self.done = True
-            self.keep_alive = self._parser.should_keep_alive()
-
 
 class Response:
     """An engine's response: status and headers are in, the body is read with ``read_some`` or
@@ -309,9 +68,9 @@ class Response:
     __slots__ = ("_conn", "_deadline", "_first", "_idle", "_pool", "_total", "status")
 
     def __init__(
-        self, conn: _Connection, pool: Pool, deadline: float | None, idle: float | None, first: float | None = None
+        self, conn: Connection, pool: Pool, deadline: float | None, idle: float | None, first: float | None = None
     ) -> None:
-        self._conn: _Connection | None = conn
+        self._conn: Connection | None = conn
         self._pool = pool
         self._total = deadline
         self._first = first
@@ -417,7 +176,7 @@ class Response:
             await self._wait(conn)
         self.status = conn.status
 
-    async def _wait(self, conn: _Connection) -> None:
+    async def _wait(self, conn: Connection) -> None:
         """Until the connection has news or the nearest deadline passes (FirstTimeout when it was
         the first-token one)."""
         try:
@@ -459,11 +218,11 @@ class Pool:
         self.max_headers = max_headers
         self.host_header = parts.netloc.rpartition("@")[2].encode("idna")
         self.keepalive_s = keepalive_s
-        self._idle: deque[_Connection] = deque()  # oldest first
-        self._all: set[_Connection] = set()
+        self._idle: deque[Connection] = deque()  # oldest first
+        self._all: set[Connection] = set()
         self._pruner: asyncio.TimerHandle | None = None
 
-    def idle_connection(self) -> _Connection | None:
+    def idle_connection(self) -> Connection | None:
         """A warm idle connection, if there is one."""
         idle = self._idle
         if idle:
@@ -475,7 +234,7 @@ class Pool:
                 conn.close()
         return None
 
-    async def connection(self, timeout: float) -> _Connection:
+    async def connection(self, timeout: float) -> Connection:
         """A warm idle connection, else a new one."""
         conn = self.idle_connection()
         if conn is not None:
@@ -483,7 +242,7 @@ class Pool:
         try:
             async with asyncio.timeout(timeout):
                 _, conn = await self.loop.create_connection(
-                    lambda: _Connection(self),
+                    lambda: Connection(self),
                     self.host,
                     self.port,
                     ssl=self.ssl,
@@ -494,7 +253,7 @@ class Pool:
         self._all.add(conn)
         return conn
 
-    def put(self, conn: _Connection) -> None:
+    def put(self, conn: Connection) -> None:
         conn.resume()  # held back for its last reader, it must read again: the next answer, or an EOF
         conn.busy = False
         conn.idle_since = self.loop.time()
@@ -502,7 +261,7 @@ class Pool:
         if self._pruner is None:
             self._pruner = self.loop.call_at(conn.idle_since + self.keepalive_s, self._prune)
 
-    def forget(self, conn: _Connection) -> None:
+    def forget(self, conn: Connection) -> None:
         self._all.discard(conn)
         if conn in self._idle:
             self._idle.remove(conn)

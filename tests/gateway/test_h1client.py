@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 import uvloop
 
-from gateway.engines import h1client, transport
+from gateway.engines import h1client, h1connection, transport
 from gateway.engines.h1client import H1Client, Pool
 from tests.gateway.test_transport import Exchange, Server, Sink, ok, post
 
@@ -56,7 +56,7 @@ async def test_any_unasked_byte_on_an_idle_connection_retires_it():
 
 async def test_a_slow_reader_pauses_the_socket_and_loses_nothing():
     """Past READ_HIGH_WATER unread bytes the connection stops reading until the reader catches up."""
-    body = bytes(range(256)) * (3 * h1client.READ_HIGH_WATER // 256)
+    body = bytes(range(256)) * (3 * h1connection.READ_HIGH_WATER // 256)
 
     async def handler(ex: Exchange) -> None:
         await ex.answer(ok(body))
@@ -65,7 +65,7 @@ async def test_a_slow_reader_pauses_the_socket_and_loses_nothing():
         client = H1Client()
         resp = await post(client, server)
         await asyncio.sleep(0.2)  # the engine sends it all; the client holds at most ~the high water
-        assert resp._conn.buffered <= h1client.READ_HIGH_WATER + (1 << 18)  # + one socket read
+        assert resp._conn.buffered <= h1connection.READ_HIGH_WATER + (1 << 18)  # + one socket read
         got = await resp.read()
         assert got == body
         resp.release()
