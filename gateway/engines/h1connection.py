@@ -76,8 +76,7 @@ class Connection(asyncio.Protocol):
     # ---- exchange
     def send(self, data: bytes) -> None:
         assert self.transport is not None
-        self.resume()  # (the pool resumes what it takes back: this is for any other way in)
-        self._reset()
+        self._reset()  # (held back for a last reader? the pool resumed it when it took it back)
         self._exchanges += 1
         self.busy = True
         self.transport.write(data)

@@ -26,6 +26,7 @@ _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 # "data: " in its text is not one. Pieces follow the engine's reads: a boundary may straddle two.
 _EVENT, _DONE_EVENT = b"\n\ndata: ", b"\n\ndata: [DONE]"
 _TAIL = len(_DONE_EVENT) - 1  # bytes of the last piece kept to find a straddling boundary
+_EVENT_TAIL = len(_EVENT) - 1
 _BLANK = b"\n\n"  # a piece ended with its event: the next starts after a blank line
 
 
@@ -98,7 +99,7 @@ class RequestRecord:
             events = 1 + chunk.count(_EVENT)
             empty = chunk.startswith(b"data: [DONE]") + chunk.count(_DONE_EVENT)
         else:
-            events = chunk.count(_EVENT) + (tail[-7:] + chunk[:7]).count(_EVENT)
+            events = chunk.count(_EVENT) + (tail[-_EVENT_TAIL:] + chunk[:_EVENT_TAIL]).count(_EVENT)
             empty = chunk.count(_DONE_EVENT) + (tail + chunk[:_TAIL]).count(_DONE_EVENT)
         if chunk.endswith(b"\n\n"):
             self.sse_tail = _BLANK
