@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.background import STOP_BOUND_S, stop_tasks
+from gateway.engines import sse
 from gateway.engines.pools import Endpoint
 from gateway.engines.transport import ClientError
 from gateway.engines.transport import EngineResponse as Response  # what every transport returns
@@ -198,22 +199,23 @@ async def _read_head(resp: Response, stream: bool, max_head_bytes: int = 0) -> b
     return head
 
 
-def _events(head: bytes) -> list[bytes]:
-    return [e for e in (part.strip() for part in head.split(b"\n\n")) if e]
-
-
 def _before_token(head: bytes) -> bool:
-    """No whole event yet but chat role chunks (``"delta":{"role":...}``): the first token (or a
-    failure) is still to come."""
-    whole = head.split(b"\n\n")[:-1]  # the last piece is an event still arriving, or nothing
-    return all(b'"delta":{"role"' in e for e in whole if e.strip())
+    """No whole event yet but chat role chunks (``"delta":{"role":...}``) and comments: the first
+    token (or a failure) is still to come."""
+    return all(b'"delta":{"role"' in e for e in sse.events(head))
 
 
 def _error_first(head: bytes) -> bool:
-    for event in _events(head):
-        if event.startswith(b'data: {"error"'):
+    """The first event after any role chunk (the last one perhaps still arriving) is an error."""
+    if b"\r" in head:
+        head = sse.normalize(head)
+    for event in head.split(b"\n\n"):
+        payload = sse.data(event.strip())
+        if payload is None:  # a comment, or nothing
+            continue
+        if payload.startswith(b'{"error"'):
             return True
-        if b'"delta":{"role"' not in event:
+        if b'"delta":{"role"' not in payload:
             return False
     return False
 

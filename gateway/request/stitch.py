@@ -22,6 +22,7 @@ from typing import Any
 
 import orjson
 
+from gateway.engines import sse
 from gateway.request.protocol import Kind
 
 DONE = b"data: [DONE]\n\n"
@@ -45,20 +46,29 @@ class Events:
     """Complete server-sent events out of bytes as they arrive: an event may span reads and a read
     may hold several. ``limit`` bounds the bytes one event may take while incomplete."""
 
-    __slots__ = ("_buf", "_limit", "oversized")
+    __slots__ = ("_buf", "_cr", "_limit", "oversized")
 
     def __init__(self, limit: int) -> None:
         self._buf = b""
+        self._cr = False
         self._limit = limit
         self.oversized: Broken | None = None
 
     def feed(self, data: bytes) -> list[bytes]:
-        """The events ``data`` completes. An incomplete one past ``limit`` ends the stream:
-        ``oversized`` (the whole events before it are still returned, for the client to have)."""
+        """The events ``data`` completes (LF line ends: see gateway/engines/sse.py). An incomplete
+        one past ``limit`` ends the stream: ``oversized`` (the whole events before it are still
+        returned, for the client to have)."""
         buf = self._buf + data if self._buf else data
-        if buf.endswith(b"\n\n") and buf.count(b"\n\n") == 1:  # the usual read: one whole event
-            self._buf = b""
+        if buf.endswith(b"\n\n") and buf.count(b"\n\n") == 1 and not self._cr:
+            self._buf = b""  # the usual read: one whole event (a CRLF one never ends so)
             return [buf[:-2]]
+        if self._cr:  # the last read ended in CR, made LF: an LF now is the rest of its CRLF
+            self._cr = False
+            if data.startswith(b"\n"):
+                buf = self._buf + data[1:]
+        if b"\r" in buf:  # CRLF or CR line ends (a hop in front of the engine): made LF
+            self._cr = buf.endswith(b"\r")
+            buf = sse.normalize(buf)
         parts = buf.split(b"\n\n")
         self._buf = parts.pop()
         if len(self._buf) > self._limit:
@@ -133,8 +143,8 @@ class Answer:
         what the events before it make is still returned, and ``failure`` holds the error: the
         caller sends the bytes, then raises it (``check``), so nothing recorded as sent is lost."""
         if self._raw:  # nothing left to read or rewrite: the engine's bytes as they come
-            self._last = (self._last + data)[-len(DONE) :]
-            self.done = self._last == DONE
+            self._last = last = (self._last + data)[-len(DONE) - 2 :]
+            self.done = last.endswith(DONE) or (b"\r" in last and sse.normalize(last).endswith(DONE))
             return data
         parts = []
         for event in self._events.feed(data):
@@ -152,7 +162,7 @@ class Answer:
             # continued, so the rest is relayed as it comes, at no cost per event.
             self._raw = True
             rest = self._events.rest()
-            self._last = rest[-len(DONE) :]
+            self._last = rest[-len(DONE) - 2 :]
             out += rest
         return out
 
@@ -168,7 +178,19 @@ class Answer:
             raise Broken("ended", "the decode engine's stream ended before the answer was complete")
 
     def _event(self, event: bytes) -> bytes:
-        payload = event[6:] if event.startswith(b"data: ") else event.removeprefix(b"data:").strip()
+        if event.startswith(b"data: "):  # vLLM's framing: one data line, read as it comes
+            try:
+                return self._payload(event[6:])
+            except Broken as err:
+                if err.cause != "bad_event" or b"\n" not in event:
+                    raise
+            # more lines than one (fields, comments, data continued): read by the rules below
+        payload = sse.data(event)
+        if payload is None:  # a comment (a proxy's keep-alive) or an event without data: nothing to say
+            return b""
+        return self._payload(payload)
+
+    def _payload(self, payload: bytes) -> bytes:
         if payload == b"[DONE]":
             self.done = True
             return DONE if self.stream else b""

@@ -66,6 +66,49 @@ def test_the_client_gets_the_bytes_the_engine_sends_without_token_ids(size, kind
     assert a.done and a.output_tokens == 4 and not a.prompt_mismatch and a.prompt_confirmed
 
 
+def _reframed(stream: bytes, eol: bytes, keepalive: bool, fields: bool = False) -> bytes:
+    """``stream`` as an HTTP hop in front of the engine may pass it on: ``eol`` line ends, a
+    ``: keep-alive`` comment before every event, ``data:`` without its space; or (``fields``)
+    vLLM's data lines followed by an ``id`` field and a comment."""
+    events = [e for e in stream.split(b"\n\n") if e]
+    out = []
+    for i, e in enumerate(events):
+        e = e + b"%sid: %d%s: t" % (eol, i, eol) if fields else e.replace(b"data: ", b"data:", 1)
+        out.append((b": keep-alive" + eol + eol if keepalive else b"") + e + eol + eol)
+    return b"".join(out)
+
+
+@pytest.mark.parametrize("size", [1, 7, 100, 100_000])  # a CRLF split between reads included
+@pytest.mark.parametrize(
+    ("eol", "keepalive", "fields"),
+    [
+        (b"\r\n", False, False),
+        (b"\r", False, False),
+        (b"\n", True, False),
+        (b"\r\n", True, False),
+        (b"\n", False, True),
+    ],
+)
+def test_line_ends_and_comments_a_proxy_adds_do_not_break_the_stream(size, eol, keepalive, fields):
+    """vLLM frames events as ``data: ...`` and LF; another framing the SSE rules allow is read by
+    those rules, not taken for a broken stream (which would migrate it or end it with an error)."""
+    a = answer()
+    sent = b"".join(a.feed(chunk) for chunk in reads(_reframed(CHAT_WITH_IDS, eol, keepalive, fields), size))
+    a.check()
+    a.ended()
+    assert sent == CHAT_WITHOUT.replace(_id(CHAT_WITHOUT), _id(CHAT_WITH_IDS))  # vLLM's own framing
+    assert a.done and a.output_tokens == 4 and a.prompt_confirmed
+
+
+@pytest.mark.parametrize("eol", [b"\n", b"\r\n"])
+def test_a_stream_relayed_raw_still_sees_its_done_in_another_framing(eol):
+    a = answer("completion", prompt=[285, 79, 337, 1418])
+    raw = COMPLETION_WITHOUT.replace(b"\n", eol)
+    assert b"".join(a.feed(c) for c in reads(raw, 5)).replace(b"\r\n", b"\n") == COMPLETION_WITHOUT
+    a.ended()
+    assert a.unresumable == "no_token_ids" and a.done
+
+
 def test_a_client_that_asked_for_token_ids_gets_the_engines_bytes():
     a = answer(wants_ids=True)
     assert b"".join(a.feed(c) for c in reads(CHAT_WITH_IDS, 64)) == CHAT_WITH_IDS

@@ -1,0 +1,40 @@
+"""Server-sent events as engines frame them, by the WHATWG rules, where the gateway reads them.
+
+vLLM writes every event as ``data: <json>`` and a blank line, and the readers' fast paths take
+that shape as it comes. Anything else an HTTP hop in front of an engine may make of a stream is
+read by the general rules rather than failing the stream: lines ending in CRLF or CR, comment
+lines (``: keep-alive``, which some proxies inject), ``data:`` without its space, an event's data
+over several ``data`` lines (joined by ``\\n``), and fields the gateway has no use for
+(``event``, ``id``, ``retry``).
+"""
+
+from __future__ import annotations
+
+
+def normalize(buf: bytes) -> bytes:
+    """``buf`` with its CRLF and CR line ends made LF (only needed where ``b"\\r" in buf``; a
+    ``\\r`` that ends a read may be half of a CRLF: keep it back until the next read)."""
+    return buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+
+
+def data(event: bytes) -> bytes | None:
+    """The data of one event (its lines LF-separated, no blank line); None for an event that
+    carries none (comments only, or other fields only)."""
+    if event.startswith(b"data: ") and b"\n" not in event:  # vLLM's, all of them
+        return event[6:]
+    lines = []
+    for line in event.split(b"\n"):
+        if not line or line.startswith(b":"):
+            continue
+        name, _, value = line.partition(b":")
+        if name == b"data":
+            lines.append(value[1:] if value.startswith(b" ") else value)
+    return b"\n".join(lines) if lines else None
+
+
+def events(buf: bytes) -> list[bytes]:
+    """The whole events in ``buf`` (read from a stream's start) that carry data, as they came;
+    the last piece, an event still arriving, is left out when ``buf`` does not end a blank line."""
+    if b"\r" in buf:
+        buf = normalize(buf[:-1] if buf.endswith(b"\r") else buf)
+    return [e for e in buf.split(b"\n\n")[:-1] if data(e) is not None]

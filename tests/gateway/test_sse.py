@@ -1,0 +1,35 @@
+"""Engine streams' event framing (gateway/engines/sse.py), by the WHATWG server-sent events rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.engines import sse
+
+
+@pytest.mark.parametrize(
+    ("event", "data"),
+    [
+        (b'data: {"a":1}', b'{"a":1}'),  # vLLM's
+        (b'data:{"a":1}', b'{"a":1}'),  # no space after the colon
+        (b"data:  two spaces", b" two spaces"),  # only one space goes
+        (b": keep-alive", None),  # a comment
+        (b": ping\ndata: [DONE]", b"[DONE]"),
+        (b"event: message\nid: 7\nretry: 100\ndata: x", b"x"),  # fields without use here
+        (b"data: a\ndata: b", b"a\nb"),  # data over several lines
+        (b"data", b""),  # a field name alone: empty data
+        (b"id: 1", None),
+    ],
+)
+def test_an_events_data(event, data):
+    assert sse.data(event) == data
+
+
+def test_line_ends_are_made_lf():
+    assert sse.normalize(b"data: a\r\n\r\ndata: b\r\rdata: c\n\n") == b"data: a\n\ndata: b\n\ndata: c\n\n"
+
+
+def test_whole_events_with_data_in_any_framing():
+    assert sse.events(b": hi\n\ndata: 1\n\ndata: 2") == [b"data: 1"]  # the last is still arriving
+    assert sse.events(b"data: 1\r\n\r\n: ka\r\n\r\ndata: 2\r\n\r") == [b"data: 1"]  # half a CRLF: not whole
+    assert sse.events(b"data: 1\r\n\r\ndata: 2\r\n\r\n") == [b"data: 1", b"data: 2"]
