@@ -124,7 +124,7 @@ def _serve_file(args: argparse.Namespace) -> int:
     from gateway.config.reload import read_snapshot
     from gateway.http.app import create_app
     from gateway.http.reconfigure import validate
-    from gateway.http.server import make_server
+    from gateway.http.uvicorn_server import make_server
     from gateway.ops.gcpolicy import Collector
 
     try:  # the config and the files it names, read once: every worker starts from this version

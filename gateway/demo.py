@@ -150,7 +150,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from gateway.config import parse_config
     from gateway.config.reload import version_of
     from gateway.http.app import create_app
-    from gateway.http.server import make_server
+    from gateway.http.uvicorn_server import make_server
     from gateway.ops.requestlog import LineWriter
 
     def _exit(signum: int, frame: object) -> None:

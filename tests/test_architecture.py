@@ -72,7 +72,7 @@ ALLOWED: dict[str, set[str]] = {
         "ops.gcpolicy",
         "ops.requestlog",
         "http.app",
-        "http.server",
+        "http.uvicorn_server",
         "(top).cli",
     },  # http and cli: the supervisor starts the app
     "ops": {

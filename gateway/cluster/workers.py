@@ -382,7 +382,7 @@ def run_worker(
     ``spec.config`` from its first request and reporting each config it applies on ``reports``."""
     from gateway.cli import load_tokenizers
     from gateway.http.app import create_app
-    from gateway.http.server import make_server
+    from gateway.http.uvicorn_server import make_server
     from gateway.ops.gcpolicy import Collector
     from gateway.ops.requestlog import LineWriter
 

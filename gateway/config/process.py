@@ -29,6 +29,12 @@ class ServerConfig(_Strict):
     body_idle_timeout_s: float = Field(
         15.0, gt=0, description="longest wait for the next bytes of a request body; else 408"
     )
+    client_stall_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="a client that leaves its answer unread this long (the gateway's send buffer for "
+        "it full the whole time) is disconnected, and its engine request aborted",
+    )
     keep_alive_timeout_s: float = Field(
         5.0,
         gt=0,

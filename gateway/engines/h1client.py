@@ -116,7 +116,9 @@ class Response:
     async def splice(self, sink: BodySink) -> None:
         """Every remaining body byte into ``sink``, written from the parser's callback as it
         arrives: no wake-up, buffer or await per piece (the relay's cost per streamed chunk).
-        The idle bound counts from the last bytes in; it is checked when the one timer fires."""
+        The idle bound counts from the last bytes in, or from when a full sink let reading resume:
+        while the sink holds the engine back, the engine cannot send and its silence is the
+        client's (as with ``read_some``, whose idle bound runs only while a reader waits)."""
         conn = self._conn
         assert conn is not None, "response already released"
         while conn.body:  # what came before (and while the sink was full): in order, first
@@ -131,7 +133,7 @@ class Response:
             while not conn.done and not sink.stopped:
                 if conn.error is not None:
                     raise conn.error
-                idle = self._idle
+                idle = None if conn.held_back else self._idle
                 deadline = self._deadline
                 if idle is not None:
                     idle_end = conn.spliced_at + idle
@@ -141,10 +143,11 @@ class Response:
                 except TimeoutError:
                     now = loop.time()
                     if (self._deadline is not None and now >= self._deadline) or (
-                        idle is not None and now >= conn.spliced_at + idle
+                        idle is not None and not conn.held_back and now >= conn.spliced_at + idle
                     ):
                         raise
-                    # bytes came meanwhile (without waking this wait): the idle bound moves on
+                    # bytes came meanwhile (without waking this wait), or the sink filled up:
+                    # the idle bound moves on, or waits for the resume
             if conn.error is not None and not sink.stopped:  # a stopped sink knows why it stopped
                 raise conn.error
         finally:

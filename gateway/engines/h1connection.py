@@ -122,6 +122,11 @@ class Connection(asyncio.Protocol):
         self.resume()
         return data
 
+    @property
+    def held_back(self) -> bool:
+        """Reading is paused (for a slow reader or a full sink): the engine cannot send."""
+        return self._paused
+
     def resume(self) -> None:
         """Read the socket again if it was held back (for a slow reader or a full sink)."""
         if self._paused and self.transport is not None:
@@ -259,6 +264,9 @@ class Connection(asyncio.Protocol):
         whose own holding back is not this sink's to end."""
         if exchange == self._exchanges and not self.closed:
             self.resume()
+            if self.sink is not None:  # the engine could not send while held back: its idle clock
+                self.spliced_at = self._loop.time()  # starts again now, and the waiter re-arms it
+                self._wake()
 
     def on_message_complete(self) -> None:
         if self.head and not self.done:

@@ -35,6 +35,9 @@ uvicorn writes (through ``_Watched``, a transport wrapper; a second httptools pa
 - between requests, uvicorn's keep-alive timer (``server.keep_alive_timeout_s``) holds: bytes can
   no longer arrive after an answer without starting the next request's head, which the head
   timer bounds.
+- an answer the client leaves unread (the transport's buffer above its high-water mark) for
+  ``stall_timeout_s`` gets the connection reset: a stream nobody reads would hold an engine
+  request and an admission slot for good.
 - an upgrade request is answered as plain HTTP (the gateway serves no WebSockets: uvicorn's
   upgrade would hand the socket to another protocol behind the guard's back, and the connection
   would never leave the count), what follows it is dropped, and the connection closes after it.
@@ -53,15 +56,12 @@ import logging
 import socket
 import struct
 from collections import deque
-from collections.abc import Callable
 from typing import Any, cast
 
 import httptools
 import orjson
-import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.config import GatewayConfig
 from gateway.http.connections import Connections, Limits
 from gateway.http.splice import CONNECTION, BodyWriter
 
@@ -79,75 +79,6 @@ _REASONS = {
     431: "Request Header Fields Too Large",
     503: "Service Unavailable",
 }
-
-
-def make_server(
-    cfg: GatewayConfig,
-    build_app: Callable[[Connections], Any],
-    *,
-    host: str,
-    port: int,
-    log_level: str,
-    max_connections: int | None = None,
-) -> uvicorn.Server:
-    """The uvicorn server for ``cfg``, behind the guard; ``build_app`` gets the connection count
-    (for /metrics). ``max_connections``: this process's share of ``server.max_connections``."""
-    cap = cfg.server.max_connections if max_connections is None else max_connections
-    srv = cfg.server
-    limits = Limits(
-        max_head_bytes=cfg.limits.max_header_bytes,
-        max_headers=cfg.limits.max_headers,
-        head_timeout_s=srv.head_timeout_s,
-        max_connections=cap,
-        body_timeout_s=srv.body_timeout_s,
-        body_idle_timeout_s=srv.body_idle_timeout_s,
-    )
-    connections = Connections(limits.max_connections)
-    # No proxy-headers middleware: nothing reads the client address, and it wraps every request.
-    # No WebSockets (ws="none"): the gateway serves none, and uvicorn's upgrade hands the socket to
-    # another protocol behind the guard's back (its connection would never leave the count).
-    config = uvicorn.Config(
-        build_app(connections),
-        host=host,
-        port=port,
-        loop="uvloop",
-        http=guarded_protocol(limits, connections),
-        ws="none",
-        access_log=False,
-        proxy_headers=False,
-        log_level=log_level,
-        server_header=False,
-        # uvicorn annotates it int, but only hands it to asyncio.wait_for: seconds, fractions work
-        timeout_graceful_shutdown=cast(int, srv.shutdown_grace_s),
-        timeout_keep_alive=cast(int, srv.keep_alive_timeout_s),  # the same: call_later's seconds
-    )
-    quiet_upgrades()
-
-    class Server(uvicorn.Server):
-        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-            connections.stopping.set()
-            await super().shutdown(sockets=sockets)
-
-    return Server(config)
-
-
-class _NoUpgradeWarnings(logging.Filter):
-    """uvicorn logs two WARNINGs for every upgrade request it answers as plain HTTP (one of them
-    advising to install a WebSocket library): a line pair any client could have written at will."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (isinstance(record.msg, str) and record.msg.startswith(_UPGRADE_WARNINGS))
-
-
-_UPGRADE_WARNINGS = ("Unsupported upgrade request", "No supported WebSocket library detected")
-
-
-def quiet_upgrades() -> None:
-    """Drop uvicorn's upgrade warnings (idempotent): the guard closes such connections after their
-    answer, which is all there is to say."""
-    logger = logging.getLogger("uvicorn.error")
-    if not any(isinstance(f, _NoUpgradeWarnings) for f in logger.filters):
-        logger.addFilter(_NoUpgradeWarnings())
 
 
 def guarded_protocol(limits: Limits, connections: Connections | None = None) -> type[asyncio.Protocol]:
@@ -261,6 +192,7 @@ class GuardedProtocol(asyncio.Protocol):
         self._requests = 0  # heads completed on this connection
         self._rejection: tuple[int, str, str] | None = None
         self._timer: asyncio.TimerHandle | None = None  # the head's, then the body's (one at a time)
+        self._stall: asyncio.TimerHandle | None = None  # the answer's buffer is full: the client's deadline
         self._socket: Any = None
         # the body phase: from the end of a head to the end of its message
         self._in_body = False
@@ -335,6 +267,9 @@ class GuardedProtocol(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
         if self._entered:
             self._entered = False
             self.CONNECTIONS.leave()
@@ -343,8 +278,13 @@ class GuardedProtocol(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self._entered:
             self._inner.pause_writing()
+            if self._stall is None and not self._done:
+                self._stall = self._loop.call_later(self.LIMITS.stall_timeout_s, self._stalled)
 
     def resume_writing(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
         if self._entered:
             self._inner.resume_writing()
             if self._writer is not None:
@@ -544,6 +484,28 @@ class GuardedProtocol(asyncio.Protocol):
             self._refuse(
                 408, f"The request head did not arrive within {self.LIMITS.head_timeout_s:g} s.", "request_timeout"
             )
+
+    def _stalled(self) -> None:
+        """The client left its answer unread (the transport's buffer above its high-water mark)
+        for ``stall_timeout_s``: the stream holds an engine request, an admission slot and the
+        buffer for nobody. Dropped at once (what is buffered would never be read); uvicorn's
+        protocol sees the connection lost, the request's task the client gone, and the engine's
+        request is aborted as for any client that leaves."""
+        self._stall = None
+        transport = self._transport
+        if self._done or transport is None or transport.is_closing():
+            return
+        self.CONNECTIONS.stalled_out()
+        self._done = True
+        if self._writer is not None:
+            self._writer.cut()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._socket is not None:  # a reset: else the kernel would go on offering the client its buffer
+            with contextlib.suppress(OSError):
+                self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        transport.abort()
 
     def _refuse(self, status: int, message: str, code: str, *, answer: bool | None = None) -> None:
         """Answer (``answer``; by default on a connection that has not carried a request yet) and

@@ -311,7 +311,13 @@ class AdmissionCollector:
                 "pdgate_http_connections_refused", "Connections refused at server.max_connections"
             )
             refused.add_metric([], self._connections.refused)
-            yield from (open_, refused)
+            stalled = CounterMetricFamily(
+                "pdgate_http_connections_stalled",
+                "Client connections closed because the client left its answer unread for "
+                "server.client_stall_timeout_s (their engine requests aborted)",
+            )
+            stalled.add_metric([], self._connections.stalled)
+            yield from (open_, refused, stalled)
 
 
 class BusCollector:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
 import threading
@@ -19,7 +20,8 @@ import uvicorn
 
 from gateway.fairness.admission import LoopLag
 from gateway.http.connections import SMOOTHING, Connections, Limits
-from gateway.http.server import BODY_GRACE_S, LINGER_S, guarded_protocol, quiet_upgrades
+from gateway.http.server import BODY_GRACE_S, LINGER_S, guarded_protocol
+from gateway.http.uvicorn_server import quiet_upgrades
 
 LIMITS = Limits(
     max_head_bytes=4096,
@@ -28,8 +30,11 @@ LIMITS = Limits(
     max_connections=8,
     body_timeout_s=3.0,
     body_idle_timeout_s=0.5,
+    stall_timeout_s=0.5,
 )
 KEEP_ALIVE_S = 1.0
+FLOOD = 64 << 20  # /flood's answer: more than any socket buffers between it and the client hold
+flooded: list[int] = []  # what each /flood answer wrote before it ended
 LATE_S = 2.0  # /hang answers this late: past the guard's body idle bound (0.5 s + the grace), within its linger
 
 
@@ -47,7 +52,8 @@ async def respond(send, status: int, body: bytes) -> None:
 async def app(scope, receive, send) -> None:
     """``/early``: 200 without reading the body; ``/denied``: 401 without reading it (an auth
     failure); ``/hang``: neither reads nor answers for ``LATE_S``; ``/slowread``: reads after 2 s;
-    ``/stream``: 20 chunks over 2 s; anything else: reads the body and says its length."""
+    ``/stream``: 20 chunks over 2 s; ``/flood``: ``FLOOD`` bytes as fast as the client takes them;
+    anything else: reads the body and says its length."""
     if scope["type"] != "http":
         return
     path = scope["path"]
@@ -63,6 +69,14 @@ async def app(scope, receive, send) -> None:
         for i in range(20):
             await asyncio.sleep(0.1)
             await send({"type": "http.response.body", "body": b"chunk %d\n" % i, "more_body": True})
+        return await send({"type": "http.response.body", "body": b""})
+    if path == "/flood":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        piece, sent = b"x" * (1 << 16), 0
+        while sent < FLOOD:  # uvicorn's send waits while the client's buffer is full
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+            sent += len(piece)
+        flooded.append(sent)
         return await send({"type": "http.response.body", "body": b""})
     if path == "/slowread":
         await asyncio.sleep(2.0)
@@ -84,7 +98,7 @@ async def server(limits: Limits = LIMITS, writes: list[bytes] | None = None) -> 
     protocol = guarded_protocol(limits, connections)
     if writes is not None:
         protocol = _counting(protocol, writes)
-    # as gateway/http/server.py's make_server: no WebSockets, uvicorn's upgrade warnings dropped
+    # as gateway/http/uvicorn_server.py's make_server: no WebSockets, uvicorn's upgrade warnings dropped
     config = uvicorn.Config(
         app,
         http=protocol,
@@ -486,3 +500,56 @@ async def test_a_whole_answer_leaves_in_one_write_and_a_streams_head_does_not_wa
         writer.close()
     assert head.startswith(b"HTTP/1.1 200") and writes[0] == head  # the head went out alone, at once
     assert b"chunk 0" in writes[1] and b"chunk 19" in b"".join(writes)
+
+
+async def _flood(port: int, read_every_s: float | None) -> tuple[int, float, bool]:
+    """GET /flood through a small receive window, reading (all that is there) every
+    ``read_every_s`` or, with None, not at all: the bytes got, the seconds it took, and whether
+    the answer was whole."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    started, got, whole = loop.time(), 0, False
+    try:
+        await loop.sock_sendall(sock, b"GET /flood HTTP/1.1\r\nHost: a\r\n\r\n")
+        async with asyncio.timeout(30):
+            while True:
+                await asyncio.sleep(read_every_s if read_every_s is not None else 5.0)
+                try:
+                    while True:  # what has arrived, without waiting
+                        more = sock.recv(1 << 20)
+                        if not more:
+                            return got, loop.time() - started, whole
+                        got += len(more)
+                        whole = whole or more.endswith(b"\r\n0\r\n\r\n")
+                except BlockingIOError:
+                    pass
+                except ConnectionResetError:
+                    return got, loop.time() - started, whole
+    finally:
+        sock.close()
+
+
+async def test_a_client_that_leaves_its_answer_unread_is_disconnected_and_the_app_told():
+    """A stream nobody reads holds an engine request and an admission slot: past
+    ``stall_timeout_s`` with its buffer full the guard drops the connection, and the app's
+    sends stop waiting (uvicorn's protocol sees the connection lost)."""
+    flooded.clear()
+    async with server() as (port, connections):
+        got, took, whole = await _flood(port, None)
+        assert not whole and got < FLOOD // 4
+        assert took < 15
+        assert connections.stalled == 1
+        async with asyncio.timeout(10):
+            while not flooded:  # noqa: ASYNC110 - the app's loop ends once its sends stop waiting
+                await asyncio.sleep(0.05)
+
+
+async def test_a_slow_reader_that_keeps_reading_is_not_disconnected():
+    """Reading in bursts, each well within the stall bound, the whole answer arrives."""
+    async with server(dataclasses.replace(LIMITS, stall_timeout_s=2.0)) as (port, connections):
+        got, _, whole = await _flood(port, 0.02)
+        assert whole and got > FLOOD
+        assert connections.stalled == 0

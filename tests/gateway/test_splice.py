@@ -16,7 +16,8 @@ import uvicorn
 
 from gateway.http import splice
 from gateway.http.connections import Connections, Limits
-from gateway.http.server import guarded_protocol, quiet_upgrades
+from gateway.http.server import guarded_protocol
+from gateway.http.uvicorn_server import quiet_upgrades
 
 LIMITS = Limits(max_head_bytes=4096, max_headers=20, head_timeout_s=2.0, max_connections=8)
 seen: dict[str, Any] = {}

@@ -1070,3 +1070,35 @@ async def test_splice_returns_when_the_sink_stops_and_reads_no_further(make: Mak
         await asyncio.sleep(0.05)
         assert b"".join(sink.got) == b"ok-1bad-2"  # nothing after the stop reaches the sink
         resp.close()
+
+
+async def test_splice_idle_bound_does_not_count_while_the_sink_holds_the_engine_back(make: Make):
+    """A client that reads slowly is not the engine falling silent: while the sink is full the
+    engine is held back (it cannot send), so the idle bound restarts when reading resumes, and it
+    still bounds the engine's own silence after that."""
+    more = asyncio.Event()
+
+    async def handler(ex: Exchange) -> None:
+        await ex.answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await asyncio.sleep(0.1)  # the first piece after the splice began: it fills the sink
+        await ex.answer(b"1\r\na\r\n")
+        await more.wait()
+        await ex.answer(b"1\r\nb\r\n")
+        await ex.reader.read()  # then silent
+
+    async with Server(handler) as server:
+        resp = await post(make(), server, Timeouts(connect=5, idle=0.3))
+        sink = Sink(room=1)  # full after the first piece
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(resp.splice(sink))
+        await asyncio.sleep(0.9)  # held back for well past the idle bound
+        assert not task.done(), "a slow reader counted as engine silence"
+        assert sink.got == [b"a"] and sink.resume is not None
+        resumed = loop.time()
+        sink.release()
+        more.set()
+        with pytest.raises(TimeoutError):  # the engine's own silence after the resume is bounded
+            await asyncio.wait_for(task, 5)
+        assert b"".join(sink.got) == b"ab"
+        assert loop.time() - resumed >= 0.25
+        resp.close()
