@@ -496,16 +496,21 @@ class GuardedProtocol(asyncio.Protocol):
         if self._done or transport is None or transport.is_closing():
             return
         self.CONNECTIONS.stalled_out()
+        self._end()
+        if self._socket is not None:  # a reset: else the kernel would go on offering the client its buffer
+            with contextlib.suppress(OSError):
+                self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        transport.abort()
+
+    def _end(self) -> None:
+        """Nothing more goes to uvicorn's protocol or comes from it or the relay's writer; the
+        head or body timer stops."""
         self._done = True
         if self._writer is not None:
             self._writer.cut()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._socket is not None:  # a reset: else the kernel would go on offering the client its buffer
-            with contextlib.suppress(OSError):
-                self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        transport.abort()
 
     def _refuse(self, status: int, message: str, code: str, *, answer: bool | None = None) -> None:
         """Answer (``answer``; by default on a connection that has not carried a request yet) and
@@ -519,12 +524,7 @@ class GuardedProtocol(asyncio.Protocol):
         meanwhile is dropped unread): closing a socket with unread bytes resets it, and the client
         would lose the answer."""
         self._flush_head()
-        self._done = True
-        if self._writer is not None:
-            self._writer.cut()
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._end()
         transport = self._transport
         if transport is None or transport.is_closing():
             return
