@@ -32,8 +32,8 @@ class ServerConfig(_Strict):
     client_stall_timeout_s: float = Field(
         300.0,
         gt=0,
-        description="a client that leaves its answer unread this long (the gateway's send buffer for "
-        "it full the whole time) is disconnected, and its engine request aborted",
+        description="a client that takes none of the bytes waiting for it this long (its send buffer "
+        "full, or its close waiting on them) is disconnected, and its engine request aborted",
     )
     keep_alive_timeout_s: float = Field(
         5.0,

@@ -20,8 +20,10 @@ def normalize(buf: bytes) -> bytes:
 def data(event: bytes) -> bytes | None:
     """The data of one event (its lines LF-separated, no blank line); None for an event that
     carries none (comments only, or other fields only)."""
-    if event.startswith(b"data: ") and b"\n" not in event:  # vLLM's, all of them
+    if event.startswith(b"data: ") and b"\n" not in event and b"\r" not in event:  # vLLM's, all of them
         return event[6:]
+    if b"\r" in event:  # line ends mixed within one event
+        event = normalize(event)
     lines = []
     for line in event.split(b"\n"):
         if not line or line.startswith(b":"):

@@ -22,7 +22,7 @@ class Limits:
     max_connections: int = 10000
     body_timeout_s: float = 60.0  # the whole body, from the end of the head
     body_idle_timeout_s: float = 15.0  # the longest gap between a body's bytes
-    stall_timeout_s: float = 300.0  # the longest a client may leave its answer unread (its buffer full)
+    stall_timeout_s: float = 300.0  # the longest a client may take none of the bytes waiting for it
 
 
 class Connections:
@@ -37,7 +37,7 @@ class Connections:
         self.limit = limit
         self.open = 0
         self.refused = 0
-        self.stalled = 0  # closed because the client left its answer unread (``Limits.stall_timeout_s``)
+        self.stalled = 0  # reset: the client took nothing for ``Limits.stall_timeout_s``
         self.wait_s = 0.0
         # set when the server begins shutting down: parts that drain other than over HTTP (the
         # endpoint picker) start then, beside the HTTP connections' grace, not after it
@@ -68,8 +68,8 @@ class Connections:
         if now - self._stall_logged >= 10.0:
             self._stall_logged = now
             log.warning(
-                "a client left its answer unread past server.client_stall_timeout_s: closed, its engine "
-                "request aborted (%d so far)",
+                "a client took none of its answer for server.client_stall_timeout_s: connection reset, its "
+                "engine request aborted (%d so far)",
                 self.stalled,
             )
 

@@ -35,9 +35,10 @@ uvicorn writes (through ``_Watched``, a transport wrapper; a second httptools pa
 - between requests, uvicorn's keep-alive timer (``server.keep_alive_timeout_s``) holds: bytes can
   no longer arrive after an answer without starting the next request's head, which the head
   timer bounds.
-- an answer the client leaves unread (the transport's buffer above its high-water mark) for
-  ``stall_timeout_s`` gets the connection reset: a stream nobody reads would hold an engine
-  request and an admission slot for good.
+- bytes waiting for a client (the transport's buffer above its high-water mark, or a close
+  waiting for it to empty) of which the client takes none for ``stall_timeout_s`` get the
+  connection reset: a stream nobody reads would hold an engine request and an admission slot
+  for good.
 - an upgrade request is answered as plain HTTP (the gateway serves no WebSockets: uvicorn's
   upgrade would hand the socket to another protocol behind the guard's back, and the connection
   would never leave the count), what follows it is dropped, and the connection closes after it.
@@ -73,6 +74,7 @@ CLOSE_AFTER = frozenset({401, 403, 408, 413})  # answers after which the connect
 _TCP_INFO: int | None = getattr(socket, "TCP_INFO", None)  # Linux
 _TCP_INFO_LEN = 104
 _LAST_DATA_RECV = 52  # struct tcp_info's tcpi_last_data_recv (u32, ms), linux/tcp.h
+_BYTES_ACKED, _ACKED_LEN = 120, 128  # its tcpi_bytes_acked (u64, Linux 4.1+)
 _REASONS = {
     400: "Bad Request",
     408: "Request Timeout",
@@ -135,6 +137,8 @@ class _Watched:
         if not self._guard._done:
             self._guard._flush_head()  # a response cut short after its head: the head still goes
             self._transport.close()
+            if self._transport.get_write_buffer_size():  # the close waits for the client to read them
+                self._guard._watch_stall()
 
     def pause_reading(self) -> None:
         if not self._guard._done:  # a cut connection drains what still comes, until it closes
@@ -192,7 +196,8 @@ class GuardedProtocol(asyncio.Protocol):
         self._requests = 0  # heads completed on this connection
         self._rejection: tuple[int, str, str] | None = None
         self._timer: asyncio.TimerHandle | None = None  # the head's, then the body's (one at a time)
-        self._stall: asyncio.TimerHandle | None = None  # the answer's buffer is full: the client's deadline
+        self._stall: asyncio.TimerHandle | None = None  # bytes wait for the client: its deadline to take some
+        self._stall_taken = 0  # what the client had taken when that timer was armed (``_taken``)
         self._socket: Any = None
         # the body phase: from the end of a head to the end of its message
         self._in_body = False
@@ -276,14 +281,14 @@ class GuardedProtocol(asyncio.Protocol):
             self._inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
+        self._watch_stall()
         if self._entered:
             self._inner.pause_writing()
-            if self._stall is None and not self._done:
-                self._stall = self._loop.call_later(self.LIMITS.stall_timeout_s, self._stalled)
 
     def resume_writing(self) -> None:
-        if self._stall is not None:
-            self._stall.cancel()
+        transport = self._transport
+        if self._stall is not None and transport is not None and not transport.is_closing():
+            self._stall.cancel()  # (a closing connection keeps its deadline to be read whole)
             self._stall = None
         if self._entered:
             self._inner.resume_writing()
@@ -485,15 +490,39 @@ class GuardedProtocol(asyncio.Protocol):
                 408, f"The request head did not arrive within {self.LIMITS.head_timeout_s:g} s.", "request_timeout"
             )
 
+    def _watch_stall(self) -> None:
+        """Bytes wait for the client (a full buffer, or a close that waits for the buffer to
+        empty): from now on the client must take some every ``stall_timeout_s``."""
+        if self._stall is None and self._transport is not None:
+            self._stall_taken = self._taken(self._transport)
+            self._stall = self._loop.call_later(self.LIMITS.stall_timeout_s, self._stalled)
+
+    def _taken(self, transport: asyncio.Transport) -> int:
+        """A count that grows as the client takes bytes: those it acknowledged (the kernel's
+        TCP_INFO; the transport's own buffer only shrinks once the kernel's is half empty, which
+        a slow reader may take minutes to do), else minus the transport's buffer."""
+        if _TCP_INFO is not None and self._socket is not None:
+            with contextlib.suppress(OSError):
+                info = self._socket.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _ACKED_LEN)
+                if len(info) >= _ACKED_LEN:
+                    return int(struct.unpack_from("Q", info, _BYTES_ACKED)[0])
+        return -transport.get_write_buffer_size()
+
     def _stalled(self) -> None:
-        """The client left its answer unread (the transport's buffer above its high-water mark)
-        for ``stall_timeout_s``: the stream holds an engine request, an admission slot and the
-        buffer for nobody. Dropped at once (what is buffered would never be read); uvicorn's
-        protocol sees the connection lost, the request's task the client gone, and the engine's
-        request is aborted as for any client that leaves."""
+        """The client took none of the bytes waiting for it in ``stall_timeout_s``: the stream
+        holds an engine request, an admission slot and the buffer for nobody (a cut or closing
+        connection, its slot and the close itself). Reset at once (what is buffered would never
+        be read); uvicorn's protocol sees the connection lost, the request's task the client
+        gone, and the engine's request is aborted as for any client that leaves. A client that
+        took some, however slowly, gets another period."""
         self._stall = None
         transport = self._transport
-        if self._done or transport is None or transport.is_closing():
+        if transport is None:
+            return
+        if transport.get_write_buffer_size() == 0 and not transport.is_closing():
+            return  # nothing waits any more
+        if self._taken(transport) > self._stall_taken:  # the client took some: another period
+            self._watch_stall()
             return
         self.CONNECTIONS.stalled_out()
         self._end()
@@ -538,3 +567,5 @@ class GuardedProtocol(asyncio.Protocol):
             self._loop.call_later(LINGER_S, transport.close)
         else:
             transport.close()
+        if transport.get_write_buffer_size():  # the close waits for the client to read them
+            self._watch_stall()

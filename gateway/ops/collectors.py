@@ -313,7 +313,7 @@ class AdmissionCollector:
             refused.add_metric([], self._connections.refused)
             stalled = CounterMetricFamily(
                 "pdgate_http_connections_stalled",
-                "Client connections closed because the client left its answer unread for "
+                "Client connections reset because the client took none of the bytes waiting for it for "
                 "server.client_stall_timeout_s (their engine requests aborted)",
             )
             stalled.add_metric([], self._connections.stalled)

@@ -182,7 +182,7 @@ class Answer:
             try:
                 return self._payload(event[6:])
             except Broken as err:
-                if err.cause != "bad_event" or b"\n" not in event:
+                if err.cause != "bad_event" or (b"\n" not in event and b"\r" not in event):
                     raise
             # more lines than one (fields, comments, data continued): read by the rules below
         payload = sse.data(event)

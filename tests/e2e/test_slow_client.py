@@ -142,7 +142,7 @@ def test_a_client_that_stops_reading_is_disconnected_and_its_slot_freed(cluster)
     assert wait_for(lambda: metric("pdgate_admission_in_flight") == 0, timeout=5)
     # (the engine's request, if still running, is aborted as for any client that leaves:
     # tests/e2e/test_splice.py; here the engine is fast enough to have finished into the buffers)
-    assert not [r for sim in cluster.decode for r in sim.requests() if r["status"] == "running"]
+    assert wait_for(lambda: not [r for sim in cluster.decode for r in sim.requests() if r["status"] == "running"])
     # the gateway serves on as before
     ok = httpx.post(cluster.url + "/v1/chat/completions", json={**body, "max_tokens": 5}, timeout=30)
     assert ok.status_code == 200 and ok.text.rstrip().endswith("data: [DONE]")

@@ -33,8 +33,9 @@ LIMITS = Limits(
     stall_timeout_s=0.5,
 )
 KEEP_ALIVE_S = 1.0
-FLOOD = 64 << 20  # /flood's answer: more than any socket buffers between it and the client hold
+FLOOD = 16 << 20  # /flood's answer: more than any socket buffers between it and the client hold
 flooded: list[int] = []  # what each /flood answer wrote before it ended
+BIG = 4 << 20
 LATE_S = 2.0  # /hang answers this late: past the guard's body idle bound (0.5 s + the grace), within its linger
 
 
@@ -53,6 +54,7 @@ async def app(scope, receive, send) -> None:
     """``/early``: 200 without reading the body; ``/denied``: 401 without reading it (an auth
     failure); ``/hang``: neither reads nor answers for ``LATE_S``; ``/slowread``: reads after 2 s;
     ``/stream``: 20 chunks over 2 s; ``/flood``: ``FLOOD`` bytes as fast as the client takes them;
+    ``/big``: a whole ``BIG``-byte answer in one write;
     anything else: reads the body and says its length."""
     if scope["type"] != "http":
         return
@@ -78,6 +80,8 @@ async def app(scope, receive, send) -> None:
             sent += len(piece)
         flooded.append(sent)
         return await send({"type": "http.response.body", "body": b""})
+    if path == "/big":
+        return await respond(send, 200, b"b" * BIG)
     if path == "/slowread":
         await asyncio.sleep(2.0)
     body = b""
@@ -502,10 +506,12 @@ async def test_a_whole_answer_leaves_in_one_write_and_a_streams_head_does_not_wa
     assert b"chunk 0" in writes[1] and b"chunk 19" in b"".join(writes)
 
 
-async def _flood(port: int, read_every_s: float | None) -> tuple[int, float, bool]:
-    """GET /flood through a small receive window, reading (all that is there) every
-    ``read_every_s`` or, with None, not at all: the bytes got, the seconds it took, and whether
-    the answer was whole."""
+async def _flood(
+    port: int, read_every_s: float | None, *, path: bytes = b"/flood", read_max: int = 1 << 20, then: bytes = b""
+) -> tuple[int, float, bool]:
+    """GET ``path`` through a small receive window, reading (up to ``read_max`` of what is
+    there) every ``read_every_s`` or, with None, not at all (after sending ``then``): the bytes
+    got, the seconds it took, and whether the answer was whole."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setblocking(False)
@@ -513,20 +519,27 @@ async def _flood(port: int, read_every_s: float | None) -> tuple[int, float, boo
     await loop.sock_connect(sock, ("127.0.0.1", port))
     started, got, whole = loop.time(), 0, False
     try:
-        await loop.sock_sendall(sock, b"GET /flood HTTP/1.1\r\nHost: a\r\n\r\n")
+        await loop.sock_sendall(sock, b"GET %s HTTP/1.1\r\nHost: a\r\n\r\n" % path)
+        if then:
+            await asyncio.sleep(0.2)  # the answer under way, its buffer full
+            await loop.sock_sendall(sock, then)
         async with asyncio.timeout(30):
             while True:
                 await asyncio.sleep(read_every_s if read_every_s is not None else 5.0)
                 try:
-                    while True:  # what has arrived, without waiting
-                        more = sock.recv(1 << 20)
+                    took = 0
+                    while took < read_max:  # what has arrived, without waiting
+                        more = sock.recv(min(1 << 20, read_max - took))
                         if not more:
                             return got, loop.time() - started, whole
                         got += len(more)
-                        whole = whole or more.endswith(b"\r\n0\r\n\r\n")
+                        took += len(more)
+                        whole = whole or more.endswith(b"\r\n0\r\n\r\n") or got >= BIG + 40
                 except BlockingIOError:
                     pass
                 except ConnectionResetError:
+                    return got, loop.time() - started, whole
+                if whole and path == b"/big":
                     return got, loop.time() - started, whole
     finally:
         sock.close()
@@ -553,3 +566,26 @@ async def test_a_slow_reader_that_keeps_reading_is_not_disconnected():
         got, _, whole = await _flood(port, 0.02)
         assert whole and got > FLOOD
         assert connections.stalled == 0
+
+
+async def test_a_big_whole_answer_read_slowly_is_not_cut_while_the_client_takes_some():
+    """A 4 MiB answer leaves in one write and stays above the high-water mark for seconds at
+    256 KiB per 0.1 s: the bound is about a client taking nothing, not about a full buffer."""
+    async with server(dataclasses.replace(LIMITS, stall_timeout_s=0.3)) as (port, connections):
+        _, took, whole = await _flood(port, 0.1, path=b"/big", read_max=256 << 10)
+        assert whole and took > 0.6  # several stall periods long
+        assert connections.stalled == 0
+
+
+async def test_a_connection_the_guard_cut_is_still_reset_when_its_client_reads_nothing():
+    """Bytes after a stream's request that are not HTTP make the guard cut the connection (no
+    answer of its own, the stream's head is out); its close then waits for a buffer the client
+    never reads: the stall bound ends it, and the app's sends stop waiting."""
+    flooded.clear()
+    async with server() as (port, connections):
+        _, took, whole = await _flood(port, None, then=b"\x00not http\r\n\r\n")
+        assert not whole and took < 15
+        assert connections.stalled == 1
+        async with asyncio.timeout(10):
+            while not flooded:  # noqa: ASYNC110 - the app's loop ends once its sends stop waiting
+                await asyncio.sleep(0.05)

@@ -19,6 +19,8 @@ from gateway.engines import sse
         (b"data: a\ndata: b", b"a\nb"),  # data over several lines
         (b"data", b""),  # a field name alone: empty data
         (b"id: 1", None),
+        (b': ping\rdata: {"a":1}', b'{"a":1}'),  # line ends mixed within one event
+        (b'data: {"a":1}\rid: 1', b'{"a":1}'),
     ],
 )
 def test_an_events_data(event, data):

@@ -100,6 +100,15 @@ def test_line_ends_and_comments_a_proxy_adds_do_not_break_the_stream(size, eol, 
     assert a.done and a.output_tokens == 4 and a.prompt_confirmed
 
 
+def test_an_event_whose_lines_end_otherwise_than_its_blank_line_is_read_whole():
+    """A read of one event that ends in LF LF (the fast path's shape) whose own lines end in CR."""
+    a = answer(wants_ids=True)
+    events = [e for e in CHAT_WITH_IDS.split(b"\n\n") if e]
+    sent = b"".join(a.feed(b": ping\r" + e + b"\rid: 1\n\n") for e in events)
+    a.check()
+    assert sent == CHAT_WITH_IDS and a.done
+
+
 @pytest.mark.parametrize("eol", [b"\n", b"\r\n"])
 def test_a_stream_relayed_raw_still_sees_its_done_in_another_framing(eol):
     a = answer("completion", prompt=[285, 79, 337, 1418])

@@ -1097,8 +1097,8 @@ async def test_splice_idle_bound_does_not_count_while_the_sink_holds_the_engine_
         resumed = loop.time()
         sink.release()
         more.set()
-        with pytest.raises(TimeoutError):  # the engine's own silence after the resume is bounded
-            await asyncio.wait_for(task, 5)
+        await asyncio.wait({task}, timeout=5)  # the engine's own silence after the resume is bounded
+        assert task.done() and isinstance(task.exception(), TimeoutError)
         assert b"".join(sink.got) == b"ab"
-        assert loop.time() - resumed >= 0.25
+        assert 0.25 <= loop.time() - resumed < 4
         resp.close()
