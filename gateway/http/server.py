@@ -56,6 +56,7 @@ import contextlib
 import logging
 import socket
 import struct
+import sys
 from collections import deque
 from typing import Any, cast
 
@@ -71,7 +72,7 @@ log = logging.getLogger(__name__)
 LINGER_S = 1.0  # how long a cut connection stays open for the client to read the answer
 BODY_GRACE_S = 1.0  # the guard's body bounds trail the app's (gateway/request/exchange.py): its 408 comes first
 CLOSE_AFTER = frozenset({401, 403, 408, 413})  # answers after which the connection is closed
-_TCP_INFO: int | None = getattr(socket, "TCP_INFO", None)  # Linux
+_TCP_INFO: int | None = getattr(socket, "TCP_INFO", None) if sys.platform == "linux" else None  # (its layout)
 _TCP_INFO_LEN = 104
 _LAST_DATA_RECV = 52  # struct tcp_info's tcpi_last_data_recv (u32, ms), linux/tcp.h
 _BYTES_ACKED, _ACKED_LEN = 120, 128  # its tcpi_bytes_acked (u64, Linux 4.1+)
@@ -137,8 +138,7 @@ class _Watched:
         if not self._guard._done:
             self._guard._flush_head()  # a response cut short after its head: the head still goes
             self._transport.close()
-            if self._transport.get_write_buffer_size():  # the close waits for the client to read them
-                self._guard._watch_stall()
+            self._guard._closing_with_bytes()
 
     def pause_reading(self) -> None:
         if not self._guard._done:  # a cut connection drains what still comes, until it closes
@@ -198,6 +198,8 @@ class GuardedProtocol(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None  # the head's, then the body's (one at a time)
         self._stall: asyncio.TimerHandle | None = None  # bytes wait for the client: its deadline to take some
         self._stall_taken = 0  # what the client had taken when that timer was armed (``_taken``)
+        self._ending = False  # the client sent its FIN, or the connection is being closed: no resume cancels it
+        self._lost = False
         self._socket: Any = None
         # the body phase: from the end of a head to the end of its message
         self._in_body = False
@@ -266,9 +268,11 @@ class GuardedProtocol(asyncio.Protocol):
     def eof_received(self) -> bool | None:
         if self._entered:
             self._inner.eof_received()  # uvicorn's returns None: the transport closes itself
+        self._closing_with_bytes()  # ... once its buffer is read: a deadline for that
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -286,9 +290,8 @@ class GuardedProtocol(asyncio.Protocol):
             self._inner.pause_writing()
 
     def resume_writing(self) -> None:
-        transport = self._transport
-        if self._stall is not None and transport is not None and not transport.is_closing():
-            self._stall.cancel()  # (a closing connection keeps its deadline to be read whole)
+        if self._stall is not None and not self._ending:  # (a closing one keeps its deadline)
+            self._stall.cancel()
             self._stall = None
         if self._entered:
             self._inner.resume_writing()
@@ -490,10 +493,17 @@ class GuardedProtocol(asyncio.Protocol):
                 408, f"The request head did not arrive within {self.LIMITS.head_timeout_s:g} s.", "request_timeout"
             )
 
+    def _closing_with_bytes(self) -> None:
+        """The connection closes (cut, closed, its client's FIN) once the client has read what
+        waits for it: until it is lost, only the stall bound ends it."""
+        self._ending = True
+        if self._transport is not None and self._transport.get_write_buffer_size():
+            self._watch_stall()
+
     def _watch_stall(self) -> None:
         """Bytes wait for the client (a full buffer, or a close that waits for the buffer to
         empty): from now on the client must take some every ``stall_timeout_s``."""
-        if self._stall is None and self._transport is not None:
+        if self._stall is None and self._transport is not None and not self._lost:
             self._stall_taken = self._taken(self._transport)
             self._stall = self._loop.call_later(self.LIMITS.stall_timeout_s, self._stalled)
 
@@ -567,5 +577,4 @@ class GuardedProtocol(asyncio.Protocol):
             self._loop.call_later(LINGER_S, transport.close)
         else:
             transport.close()
-        if transport.get_write_buffer_size():  # the close waits for the client to read them
-            self._watch_stall()
+        self._closing_with_bytes()
