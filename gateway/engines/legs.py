@@ -202,17 +202,12 @@ async def _read_head(resp: Response, stream: bool, max_head_bytes: int = 0) -> b
 def _before_token(head: bytes) -> bool:
     """No whole event yet but chat role chunks (``"delta":{"role":...}``) and comments: the first
     token (or a failure) is still to come."""
-    return all(b'"delta":{"role"' in e for e in sse.events(head))
+    return all(b'"delta":{"role"' in p for p in sse.payloads(head))
 
 
 def _error_first(head: bytes) -> bool:
     """The first event after any role chunk (the last one perhaps still arriving) is an error."""
-    if b"\r" in head:
-        head = sse.normalize(head)
-    for event in head.split(b"\n\n"):
-        payload = sse.data(event.strip())
-        if payload is None:  # a comment, or nothing
-            continue
+    for payload in sse.payloads(head, arriving=True):
         if payload.startswith(b'{"error"'):
             return True
         if b'"delta":{"role"' not in payload:

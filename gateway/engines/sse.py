@@ -12,8 +12,9 @@ from __future__ import annotations
 
 
 def normalize(buf: bytes) -> bytes:
-    """``buf`` with its CRLF and CR line ends made LF (only needed where ``b"\\r" in buf``; a
-    ``\\r`` that ends a read may be half of a CRLF: keep it back until the next read)."""
+    """``buf`` with its CRLF and CR line ends made LF (only needed where ``b"\\r" in buf``). A
+    ``\\r`` that ends a read may be half of a CRLF: a reader of pieces drops the LF that may begin
+    the next one (gateway/request/stitch.py's ``Events``)."""
     return buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
 
 
@@ -34,9 +35,13 @@ def data(event: bytes) -> bytes | None:
     return b"\n".join(lines) if lines else None
 
 
-def events(buf: bytes) -> list[bytes]:
-    """The whole events in ``buf`` (read from a stream's start) that carry data, as they came;
-    the last piece, an event still arriving, is left out when ``buf`` does not end a blank line."""
+def payloads(buf: bytes, *, arriving: bool = False) -> list[bytes]:
+    """The data of each whole event in ``buf`` (read from a stream's start) that carries data;
+    with ``arriving``, also of the last one, still arriving. (A CR ending ``buf`` after a line
+    end makes a blank line whatever follows it: such an event is whole.)"""
     if b"\r" in buf:
-        buf = normalize(buf[:-1] if buf.endswith(b"\r") else buf)
-    return [e for e in buf.split(b"\n\n")[:-1] if data(e) is not None]
+        buf = normalize(buf)
+    parts = buf.split(b"\n\n")
+    if not arriving:
+        parts.pop()
+    return [p for p in map(data, parts) if p is not None]

@@ -31,7 +31,8 @@ def test_line_ends_are_made_lf():
     assert sse.normalize(b"data: a\r\n\r\ndata: b\r\rdata: c\n\n") == b"data: a\n\ndata: b\n\ndata: c\n\n"
 
 
-def test_whole_events_with_data_in_any_framing():
-    assert sse.events(b": hi\n\ndata: 1\n\ndata: 2") == [b"data: 1"]  # the last is still arriving
-    assert sse.events(b"data: 1\r\n\r\n: ka\r\n\r\ndata: 2\r\n\r") == [b"data: 1"]  # half a CRLF: not whole
-    assert sse.events(b"data: 1\r\n\r\ndata: 2\r\n\r\n") == [b"data: 1", b"data: 2"]
+def test_the_data_of_whole_events_in_any_framing():
+    assert sse.payloads(b": hi\n\ndata: 1\n\ndata: 2") == [b"1"]  # the last is still arriving
+    assert sse.payloads(b": hi\n\ndata: 1\n\ndata: 2", arriving=True) == [b"1", b"2"]
+    assert sse.payloads(b"data: 1\r\n\r\n: ka\r\n\r\ndata: 2\r\n") == [b"1"]  # one line end: not whole
+    assert sse.payloads(b"data: 1\r\n\r\ndata: 2\r\n\r") == [b"1", b"2"]  # CR after a line end: a blank line
