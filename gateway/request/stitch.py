@@ -11,7 +11,9 @@ part's id, object, creation time and model, chat deltas for a chat client, usage
 original prompt and the tokens of every part, and none of the text the client already has (the
 continuation reproduces it first; it is checked, then dropped).
 
-Only the events of migratable requests are parsed; every other answer is relayed byte for byte.
+Only the events of migratable requests are read; every other answer is relayed byte for byte. Of
+those, the token events of the first part that have the shape of one parsed before them are read
+from their bytes (gateway/request/token_shape.py), the rest parsed.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ import orjson
 
 from gateway.engines import sse
 from gateway.request.protocol import Kind
+from gateway.request.token_shape import TokenShape
 
 DONE = b"data: [DONE]\n\n"
 TAIL_CHARS = 4096  # of the text sent to a streaming client, what a resume check compares
+LEARN_EVENTS = 8  # token events of a part looked at for its shape (gateway/request/token_shape.py)
 
 
 class Broken(Exception):
@@ -76,6 +80,11 @@ class Events:
             self.oversized = Broken("bad_event", f"an engine stream event is over {self._limit} bytes")
         return [p for p in parts if p.strip()]
 
+    @property
+    def idle(self) -> bool:
+        """Nothing held: the next read starts an event."""
+        return not self._buf and not self._cr
+
     def rest(self) -> bytes:
         """What is held of an incomplete event, given up (the reader stops splitting)."""
         rest, self._buf = self._buf, b""
@@ -102,6 +111,7 @@ class Answer:
         continuous: bool,
         prompt: Sequence[int],
         max_event_bytes: int,
+        shapes: bool = True,
     ) -> None:
         self.kind: Kind = kind
         self.stream = stream  # the client streams
@@ -135,6 +145,8 @@ class Answer:
         self._raw = False
         self._last = b""  # relayed raw: the last bytes, where [DONE] shows
         self.failure: Broken | Diverged | None = None  # what ended the last feed (see ``check``)
+        self._shape: TokenShape | None = None  # the part's token events, read without JSON
+        self._learn = LEARN_EVENTS if shapes else 0  # parsed token events left to learn it from
 
     # -- reading the engine ---------------------------------------------------------------------------
 
@@ -146,6 +158,11 @@ class Answer:
             self._last = last = (self._last + data)[-len(DONE) - 2 :]
             self.done = last.endswith(DONE) or (b"\r" in last and sse.normalize(last).endswith(DONE))
             return data
+        shape = self._shape
+        if shape is not None and self.finish is None and self._events.idle and data.endswith(b"\n\n"):
+            read = shape.read(data, len(data) - 2)  # the usual read: one token event of the shape
+            if read is not None:
+                return self._shaped(data, read)
         parts = []
         for event in self._events.feed(data):
             try:
@@ -177,7 +194,24 @@ class Answer:
         if not self.done:
             raise Broken("ended", "the decode engine's stream ended before the answer was complete")
 
+    def _shaped(self, event: bytes, read: tuple[str, int, int]) -> bytes:
+        """A token event of the learnt shape: what the parsed path would have made of it."""
+        text, token, cut = read
+        self.ids.append(token)
+        if text:
+            self._sent(text)
+        if not self.stream:
+            return b""
+        if self.wants_ids:
+            return event if event.endswith(b"\n\n") else event + b"\n\n"
+        return event[:cut] + self._shape.stripped  # type: ignore[union-attr]
+
     def _event(self, event: bytes) -> bytes:
+        shape = self._shape
+        if shape is not None and self.finish is None:
+            read = shape.read(event, len(event))
+            if read is not None:
+                return self._shaped(event, read)
         if event.startswith(b"data: "):  # vLLM's framing: one data line, read as it comes
             try:
                 return self._payload(event[6:])
@@ -227,6 +261,9 @@ class Answer:
                 text = c.get("text") or ""
                 if c.get("prompt_token_ids") is not None:  # completions: the first token chunk carries it
                     changed |= self._engine_prompt(c, c)
+            if self._learn and self._shape is None and self.part == 0:
+                self._learn -= 1
+                self._shape = TokenShape.learn(self.kind, obj, raw)
             if self._took(c, text) and not self.wants_ids:
                 c["token_ids"] = None
                 changed = True
@@ -288,7 +325,12 @@ class Answer:
         ids, fr = choice.get("token_ids"), choice.get("finish_reason")
         has_ids = ids.__class__ is list
         if has_ids:
-            self.ids.extend(ids)  # type: ignore[arg-type]
+            kept = len(self.ids)
+            try:
+                self.ids.extend(ids)  # type: ignore[arg-type]
+            except (OverflowError, TypeError):  # not token ids (a float, a negative, over 2**32)
+                del self.ids[kept:]
+                raise Broken("bad_event", "the decode engine sent a token id that is not one") from None
         elif text or fr is not None:
             self.unresumable = self.unresumable or "no_token_ids"
         if text:
@@ -409,6 +451,8 @@ class Answer:
             self._pieces = [text[: len(text) - len(overlap)]]
             self.text_len -= len(overlap)
         self.finish = None
+        self._shape = None  # a continuation's events are rewritten, not of the first part's shape
+        self._learn = 0
         self._events = Events(self.max_event_bytes)
         self._usage_seen = None
 
