@@ -29,6 +29,7 @@ from gateway.request.protocol import Kind
 from gateway.request.token_shape import TokenShape
 
 DONE = b"data: [DONE]\n\n"
+_NOT_OPENAI = "the decode engine sent an event not of the OpenAI shape"
 TAIL_CHARS = 4096  # of the text sent to a streaming client, what a resume check compares
 LEARN_EVENTS = 8  # token events of a part looked at for its shape (gateway/request/token_shape.py)
 
@@ -240,7 +241,10 @@ class Answer:
             raise Broken("error_event", f"the decode engine reported an error: {str(message)[:200]}")
         if self.finish is not None and obj.get("choices"):
             raise Broken("bad_event", "the decode engine sent tokens after its finish reason")
-        return self._first(obj, payload) if self.part == 0 else self._continued(obj)
+        try:
+            return self._first(obj, payload) if self.part == 0 else self._continued(obj)
+        except (AttributeError, TypeError, KeyError, ValueError):  # choices not a list of objects, ...
+            raise Broken("bad_event", _NOT_OPENAI) from None
 
     def _first(self, obj: dict[str, Any], raw: bytes) -> bytes:
         """An event of the request's own stream: recorded, the ids stripped if not asked for."""
@@ -255,10 +259,14 @@ class Answer:
             if self.kind == "chat":
                 delta = c.get("delta") or {}
                 text = delta.get("content") or ""
+                if text.__class__ is not str:  # before anything is recorded of the event
+                    raise Broken("bad_event", _NOT_OPENAI)
                 if len(delta) != 1 or "content" not in delta:  # the role chunk, or parsers' fields
                     self._parsed(delta)
             else:
                 text = c.get("text") or ""
+                if text.__class__ is not str:
+                    raise Broken("bad_event", _NOT_OPENAI)
                 if c.get("prompt_token_ids") is not None:  # completions: the first token chunk carries it
                     changed |= self._engine_prompt(c, c)
             if self._learn and self._shape is None and self.part == 0:
@@ -291,6 +299,8 @@ class Answer:
         c = choices[0]
         fr = c.get("finish_reason")
         engine_text = c.get("text") or ""
+        if engine_text.__class__ is not str:
+            raise Broken("bad_event", _NOT_OPENAI)
         text = self._reproduced(engine_text)
         ids = self._reproduced_ids(c["token_ids"]) if self._took(c, text) else None
         if fr is not None and (self._skip_text or self._skip_ids):
@@ -402,7 +412,8 @@ class Answer:
     def _usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         """A continuation's usage as the client's: the original prompt, every part's tokens."""
         out = dict(usage)
-        completion = self._base + int(usage.get("completion_tokens") or 0)
+        completion = usage.get("completion_tokens")
+        completion = self._base + (completion if completion.__class__ is int else 0)
         out["prompt_tokens"] = self.prompt_tokens
         out["completion_tokens"] = completion
         out["total_tokens"] = self.prompt_tokens + completion

@@ -274,3 +274,52 @@ def test_a_continuations_reproduced_text_is_dropped_with_continuous_usage_too(co
     if continuous:
         counts = [e["usage"]["completion_tokens"] for e in sent]
         assert counts == sorted(set(counts))  # rising, never a count sent twice
+
+
+_CHUNK = b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":%s%s}\n\n'
+_NOT_OPENAI = [
+    (b"[1]", b""),
+    (b'["x"]', b""),
+    (b"[[]]", b""),
+    (b'"str"', b""),
+    (b"5", b""),
+    (b'{"a":1}', b""),
+    (b'[{"delta":"str","text":"str"}]', b""),
+    (b'[{"delta":["x"],"text":["x"]}]', b""),
+    (b'[{"delta":{"content":5},"text":5,"token_ids":[9]}]', b""),
+    (b'[{"delta":{"content":["x"]},"text":["x"],"token_ids":[9]}]', b""),
+    (b'[{"delta":{"content":"a"},"text":"a","token_ids":[1.5]}]', b""),
+    (b'[{"delta":{"content":"a"},"text":"a","token_ids":[8,null]}]', b""),
+    (b'[{"delta":{"content":"a"},"text":"a","token_ids":[8,-1]}]', b""),
+    (b"[]", b',"usage":5'),
+    (b"[]", b',"usage":{"completion_tokens":"x","prompt_tokens_details":5}'),
+    (b"[]", b',"prompt_token_ids":5'),
+]
+
+
+@pytest.mark.parametrize(("choices", "extra"), _NOT_OPENAI)
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("client_streams", [True, False])
+@pytest.mark.parametrize("part", [0, 1])
+def test_json_not_of_the_openai_shape_is_a_bad_event_that_records_nothing(choices, extra, kind, client_streams, part):
+    """Whatever JSON an engine sends, the relay reads it or breaks the stream (a migration, or an
+    error event); nothing else is raised, and a broken event leaves no id or text behind."""
+    a = answer(kind, stream=client_streams, prompt=[1])
+    good = b'[{"index":0,"delta":{"content":"a"},"text":"a","finish_reason":null,"token_ids":[7]}]'
+    a.feed(_CHUNK % (good, b""))
+    a.check()
+    if part:
+        a.resume(1, "")
+    before = (a.ids.tolist(), a.text_len, a.tail(a.tail_chars))
+    a.feed(_CHUNK % (choices, extra))
+    try:
+        a.check()
+    except Broken as err:
+        assert err.cause == "bad_event"
+        assert (a.ids.tolist(), a.text_len, a.tail(a.tail_chars)) == before
+        return
+    last = b'[{"index":0,"delta":{"content":""},"text":"","finish_reason":"stop","token_ids":[2]}]'
+    a.feed(_CHUNK % (last, b"") + b"data: [DONE]\n\n")
+    a.check()
+    a.ended()
+    assert a.done and (a.whole() if not client_streams else a.close())
