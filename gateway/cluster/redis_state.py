@@ -30,9 +30,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -55,6 +56,19 @@ def _key(h: BlockHash) -> str:
     return h.hex() if isinstance(h, bytes) else format(h, "x")
 
 
+def _numbers(row: dict[str, str]) -> Iterator[tuple[str, float]]:
+    """A hash's fields whose values read as finite numbers. Other replicas (another version of the
+    gateway), or a person, write these hashes too: a value this one cannot read is skipped, so it
+    neither fails a lookup or a sync nor leaves one half applied."""
+    for name, value in row.items():
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(x):  # inf or nan would void an endpoint, or poison a sum, for good
+            yield name, x
+
+
 def leading_runs(
     rows: Iterable[dict[str, str]], oldest: float, resets: dict[str, float] | None = None
 ) -> dict[str, int]:
@@ -65,7 +79,7 @@ def leading_runs(
     resets = resets or {}
     n = 0
     for row in rows:
-        holders = {url for url, ts in row.items() if float(ts) >= oldest and float(ts) > resets.get(url, 0.0)}
+        holders = {url for url, ts in _numbers(row) if ts >= oldest and ts > resets.get(url, 0.0)}
         if alive is None:
             alive = holders
         else:
@@ -109,6 +123,9 @@ class RedisState:
             socket_connect_timeout=cfg.timeout_s,
             health_check_interval=0,
             decode_responses=True,
+            # bytes that are not UTF-8 (written by anyone) read as U+FFFD, a value _numbers skips,
+            # instead of a UnicodeDecodeError failing the whole lookup (and the request with it)
+            encoding_errors="replace",
         )
         self._p = cfg.key_prefix
         self.status = StateStatus("redis", healthy=False, last_error="not connected yet")
@@ -238,14 +255,15 @@ class RedisState:
             self._failed(err)
             return
         self._ok()
-        for url, until in resets.items():
-            if float(until) > self._resets.get(url, 0.0):
-                self._resets[url] = float(until)
+        for url, until in _numbers(resets):
+            if until > self._resets.get(url, 0.0):
+                self._resets[url] = until
         step = 2 if self._usage is not None else 1
         total: dict[str, int] = {}
         for row in rows[::step]:
-            for url, n in row.items():
-                total[url] = total.get(url, 0) + int(n)
+            for url, n in _numbers(row):
+                if n.is_integer():  # a count; anything else is not one this replica can use
+                    total[url] = total.get(url, 0) + int(n)
         self._pools.others = total
         if self._usage is not None:
             self._usage.others = _others_usage(rows[1::2])
@@ -305,9 +323,9 @@ def _others_usage(rows: list[dict[str, str]]) -> dict[str, dict[str, float]]:
     phases = {p[0]: p for p in Usage.PHASES}  # first letters: p, d, g, o
     theirs: dict[str, dict[str, float]] = {p: {} for p in Usage.PHASES}
     for row in rows:
-        for name, v in row.items():
+        for name, v in _numbers(row):
             phase, _, tenant = name.partition("|")
             if phase in phases:
                 t = theirs[phases[phase]]
-                t[tenant] = t.get(tenant, 0.0) + float(v)
+                t[tenant] = t.get(tenant, 0.0) + v
     return theirs

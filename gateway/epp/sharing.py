@@ -101,12 +101,14 @@ class SharedEndings:
     def _apply(self, data: Any) -> None:
         try:
             origin, request_id, status, upstream, first, duration = orjson.loads(data)
+            # read inside the try: raising in the subscriber would end it for good, and every later ending with it
+            ending: Ending = (int(status), upstream, first, duration)
         except (orjson.JSONDecodeError, TypeError, ValueError):
-            return  # not ours: another writer on the channel
+            return  # not ours (another writer on the channel), or malformed (another version): skipped
         if origin == self.replica:
             return
         self.received += 1
-        if self.completions.end(str(request_id), (int(status), upstream, first, duration)):
+        if self.completions.end(str(request_id), ending):
             self.applied += 1
 
     def _failed(self, what: str, err: BaseException) -> None:

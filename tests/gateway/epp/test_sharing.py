@@ -7,7 +7,9 @@ import asyncio
 import socket
 import uuid
 
+import orjson
 import pytest
+import redis.asyncio as aioredis
 
 from gateway.config import StateConfig
 from gateway.epp.completions import Completions
@@ -73,3 +75,28 @@ async def test_an_entry_sent_to_the_other_picker_ends_the_request_where_it_is_he
     finally:
         await asyncio.wait_for(asyncio.gather(a.stop(bound_s=2), b.stop(bound_s=2)), 5)
     assert a_done.forward is None  # stopped: nothing is published any more
+
+
+async def test_a_malformed_ending_is_skipped_and_the_next_one_still_applied() -> None:
+    if not await asyncio.to_thread(_redis_answers):
+        pytest.skip("no Redis answers on 127.0.0.1:6379 (start redis-server; .ci/run does)")
+    cfg = StateConfig(backend="redis", url="redis://127.0.0.1:6379/0", key_prefix=f"pdgate-test-{uuid.uuid4().hex}")
+    done = Completions(60)
+    a = SharedEndings(cfg, done)
+    other = aioredis.Redis.from_url(cfg.url)  # another picker (another version of it) on the channel
+    await a.start()
+    try:
+        await asyncio.wait_for(a.subscribed.wait(), 5)
+        held = Held()
+        done.hold("r-held", held)
+        await other.publish(a.channel, orjson.dumps(["other", "r-x", "abc", "10.0.0.2:8000", 0.1, 0.2]))
+        await other.publish(a.channel, orjson.dumps(["other", "r-held", 200, "10.0.0.2:8000", 0.1, 0.2]))
+        for _ in range(100):
+            if held.ended is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert held.ended == (200, "10.0.0.2:8000", 0.1, 0.2)
+        assert a.applied == 1 and all(not t.done() for t in a._tasks)
+    finally:
+        await asyncio.wait_for(a.stop(bound_s=2), 5)
+        await other.aclose()
