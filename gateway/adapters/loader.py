@@ -209,10 +209,13 @@ class AdapterLoader:
 
 
 def _message(text: str) -> str:
-    """vLLM's error message out of its JSON error body, or the text as it is."""
+    """vLLM's error message out of its JSON error body (``{"error": {"message": ...}}``, or a bare
+    ``{"error": "..."}``), else the text as it is. Any body shape gives a message: an exception
+    here would fail the request with 500 instead of the 503 a failed load is."""
     try:
         data = orjson.loads(text)
-        msg = data.get("error", {}).get("message") if isinstance(data, dict) else None
-        return msg if isinstance(msg, str) else text
     except ValueError:
         return text
+    err = data.get("error") if isinstance(data, dict) else None
+    msg = err.get("message") if isinstance(err, dict) else err
+    return msg if isinstance(msg, str) and msg else text

@@ -209,18 +209,25 @@ def max_model_len_of(urls: list[str], model: str, timeout_s: float = PROBE_TIMEO
         try:
             r = httpx.get(f"{url}/v1/models", timeout=timeout_s)
             r.raise_for_status()
-            served = {m.get("id"): m for m in r.json().get("data", []) if isinstance(m, dict)}
+            body = r.json()
         except httpx.TransportError:
             seen.append(f"{url} unreachable")
             continue
-        except (httpx.HTTPError, ValueError, AttributeError) as err:
+        except (httpx.HTTPError, ValueError) as err:
             seen.append(f"{url}: {type(err).__name__}")
             continue
+        # Valid JSON is not yet a model list: check its shape before reading it, so a wrongly
+        # typed answer ({"data": null}, an id that is a list) is one more engine that did not tell.
+        listed = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(listed, list):
+            seen.append(f"{url}: not a model list")
+            continue
+        served = {m["id"]: m for m in listed if isinstance(m, dict) and isinstance(m.get("id"), str)}
         if model not in served:
-            seen.append(f"{url} serves {sorted(str(k) for k in served)}")
+            seen.append(f"{url} serves {sorted(served)}")
             continue
         length = served[model].get("max_model_len")
-        if isinstance(length, int) and length > 0:
+        if isinstance(length, int) and not isinstance(length, bool) and length > 0:
             return length
         seen.append(f"{url} does not say its max_model_len")
     raise FlagError(

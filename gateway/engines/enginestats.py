@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 
@@ -55,20 +56,30 @@ LORA_DECLARED = "# TYPE " + LORA_INFO  # vLLM declares the gauge only with LoRA 
 CACHED_BY_SOURCE = ("vllm:prompt_tokens_cached_by_source_total", "vllm:prompt_tokens_cached_by_source")
 MAX_PAGE_BYTES = 8 << 20
 
-_BLOCK_SIZE = re.compile(r'[{,]block_size="(\d+)"')
+# Integer labels are at most 18 digits: a longer one does not match (is not read) rather than
+# outgrowing int64 or raising past int()'s 4300-digit limit.
+_BLOCK_SIZE = re.compile(r'[{,]block_size="(\d{1,18})"')
 _PREFIX_CACHING = re.compile(r'enable_prefix_caching="(\w+)"')
-_GPU_BLOCKS = re.compile(r'[{,]num_gpu_blocks="(\d+)"')
-_CPU_BLOCKS = re.compile(r'[{,]num_cpu_blocks="(\d+)"')
+_GPU_BLOCKS = re.compile(r'[{,]num_gpu_blocks="(\d{1,18})"')
+_CPU_BLOCKS = re.compile(r'[{,]num_cpu_blocks="(\d{1,18})"')
 _SOURCE = re.compile(r'[{,]source="(\w+)"')
-_MAX_LORA = re.compile(r'[{,]max_lora="(\d+)"')
+_MAX_LORA = re.compile(r'[{,]max_lora="(\d{1,18})"')
 _RUNNING_LORAS = re.compile(r'[{,]running_lora_adapters="([^"]*)"')
 
 
 def _value(line: str) -> float | None:
+    """A sample's value; None (the sample is not read) when it is not a finite number: NaN and
+    +-Inf are legal in the text format, but no count, usage or time."""
     try:
-        return float(line.rsplit(" ", 1)[1])
+        v = float(line.rsplit(" ", 1)[1])
     except (IndexError, ValueError):
         return None
+    return v if math.isfinite(v) else None
+
+
+def _count(total: float) -> int:
+    """A summed request count; finite samples can still sum past a float's range, read as absent."""
+    return int(total) if math.isfinite(total) else 0
 
 
 def parse_stats(text: str, at: float) -> EngineStats | None:
@@ -84,8 +95,8 @@ def parse_stats(text: str, at: float) -> EngineStats | None:
     if not page.seen:
         return None
     return EngineStats(
-        int(page.running),
-        int(page.waiting),
+        _count(page.running),
+        _count(page.waiting),
         page.kv,
         page.block_size,
         at,

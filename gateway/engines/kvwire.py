@@ -72,6 +72,9 @@ _Name = Annotated[str, _Meta(max_length=64)]
 _RawEvent = Annotated[dict[str, msgspec.Raw], _Meta(max_length=32)] | Annotated[list[msgspec.Raw], _Meta(max_length=16)]
 _RawBatch = Annotated[list[msgspec.Raw], _Meta(max_length=8)] | Annotated[dict[str, msgspec.Raw], _Meta(max_length=8)]
 _Dec = msgspec.msgpack.Decoder
+# What msgspec raises for a malformed payload: msgspec.DecodeError, or RecursionError for containers
+# nested past the interpreter's limit (~1000 levels; skipping a msgspec.Raw recurses as well).
+_MALFORMED = (msgspec.DecodeError, RecursionError)
 _batch_dec, _ts_dec, _name_dec = _Dec(_RawBatch), _Dec(float | None), _Dec(_Name | None)
 _int_dec, _hash_dec = _Dec(int | None), _Dec(_Hash | None)
 
@@ -81,7 +84,7 @@ def _field(decoder: msgspec.msgpack.Decoder[Any], raw: msgspec.Raw | None, name:
         return None
     try:
         return decoder.decode(raw)
-    except msgspec.DecodeError as err:
+    except _MALFORMED as err:
         raise DecodeError(f"{name}: {err}") from None
 
 
@@ -108,7 +111,7 @@ class BatchDecoder:
         """``(ts, events)`` of one payload (unknown event types left out); DecodeError otherwise."""
         try:
             outline = _batch_dec.decode(payload)
-        except msgspec.DecodeError as err:
+        except _MALFORMED as err:
             raise DecodeError(str(err)) from None
         ts_raw: msgspec.Raw | None
         if isinstance(outline, list) and len(outline) >= 2:

@@ -17,6 +17,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from gateway.background import STOP_BOUND_S, stop_tasks
 from gateway.engines import sse
 from gateway.engines.pools import Endpoint
@@ -108,7 +110,25 @@ async def prefill(
             ),
             reached=True,
         )
+    if not _sendable(params):
+        raise LegFailed(
+            EngineError(
+                502, "The prefill engine returned kv_transfer_params that cannot be sent on.", code="engine_error"
+            ),
+            reached=True,
+        )
     return PrefillAnswer(params, _prefill_cached(params, data))
+
+
+def _sendable(params: dict[str, Any]) -> bool:
+    """Whether the decode leg (and a release) can carry ``params``: orjson reads JSON nested up to
+    1024 levels but writes only 254, and a handle too deep to send on is the prefill engine's fault,
+    not a 400 for the client's request (Upstream.post). Checked at the depth the decode body holds it."""
+    try:
+        orjson.dumps({"kv_transfer_params": params})
+    except orjson.JSONEncodeError:
+        return False
+    return True
 
 
 def _prefill_cached(params: dict[str, Any], data: dict[str, Any]) -> int | None:
@@ -231,8 +251,11 @@ class KVReleaser:
                         ep, "/v1/completions", release_body(model, kv_params), f"{request_id}-release", leg="decode"
                     )
                     resp.close()
-            except (EngineError, TimeoutError, ClientError):
-                pass  # the 400 we expect is an EngineError: the rejection did its work
+            except (APIError, TimeoutError, ClientError):
+                # the 400 we expect is an EngineError: the rejection did its work; any other APIError
+                # (a body Upstream.post cannot send) only leaves the blocks to their lease, and a
+                # background task's exception would go unretrieved
+                pass
 
         task = asyncio.get_running_loop().create_task(release())
         self._tasks.add(task)

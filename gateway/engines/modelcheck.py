@@ -45,7 +45,9 @@ class ServedModels:
             self.refresh_s = refresh_s
 
     async def check(self, ep: Endpoint) -> None:
-        """Ask ``ep`` what it serves; on failure what it said before stays (or stays unknown)."""
+        """Ask ``ep`` what it serves; on failure, or an answer that is not a model list, what it
+        said before stays (or stays unknown). Never raises for what the engine sent: it is asked
+        on the way up (``HealthChecker`` on_up), where an error would keep the engine down."""
         try:
             async with self._session.get(ep.url + "/v1/models", timeout=self._timeout) as resp:
                 if resp.status != 200:
@@ -54,7 +56,13 @@ class ServedModels:
         except (aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError) as err:
             log.debug("GET %s/v1/models failed: %s", ep.url, type(err).__name__)
             return
-        cards = [m for m in data.get("data", ()) if isinstance(m, dict)] if isinstance(data, dict) else []
+        listed = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(listed, list):
+            # Valid JSON, but not a model list ({"data": null}, a bare list...): as unreadable as a
+            # failed answer, not "serves nothing"; raising here would keep the engine from coming up.
+            log.debug("GET %s/v1/models failed: not a model list", ep.url)
+            return
+        cards = [m for m in listed if isinstance(m, dict)]  # a card that is not an object names nothing
         names = frozenset(n for m in cards if isinstance(n := m.get("id"), str))
         self._pools.set_served(ep, names, _adapters(cards))
         self._log_change(ep)

@@ -20,8 +20,11 @@ import orjson
 
 from gateway.ops.tracing import NO_TRACE, RequestTrace
 
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
-_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+# A count is a plain integer of at most 18 digits (not followed by more digits, a fraction or an
+# exponent): the relay passes the engine's bytes on unparsed, and a longer number is left unread
+# rather than raising past int()'s 4300-digit limit in the splice callback.
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,18})(?![\d.eE])')
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d{1,18})(?![\d.eE])')
 # An SSE event starts after a blank line; JSON text never holds a raw newline, so a model's own
 # "data: " in its text is not one. Pieces follow the engine's reads: a boundary may straddle two.
 _EVENT, _DONE_EVENT = b"\n\ndata: ", b"\n\ndata: [DONE]"

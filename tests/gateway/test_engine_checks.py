@@ -5,6 +5,7 @@ probed (a reloaded interval applies at once). Real HTTP on loopback; the engines
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import time
 
@@ -34,6 +35,7 @@ class Engine:
         self.models = ["tiny"]
         self.healthy = True
         self.health_checks = 0
+        self.body: bytes | None = None  # /v1/models answers this instead of a list of self.models
 
     async def serve(self) -> str:
         async def health(request: web.Request) -> web.Response:
@@ -45,7 +47,9 @@ class Engine:
 
         async def models(request: web.Request) -> web.Response:
             return web.Response(
-                body=orjson.dumps({"object": "list", "data": [{"id": m} for m in self.models]}),
+                body=self.body
+                if self.body is not None
+                else orjson.dumps({"object": "list", "data": [{"id": m} for m in self.models]}),
                 content_type="application/json",
             )
 
@@ -133,6 +137,76 @@ async def test_served_models_are_compared_with_the_configured_names(engine, capl
         ("decode", ["big"], ["tiny"]),
     ]
     assert sum("does not serve big" in r.message for r in caplog.records) == 2
+
+
+# Valid JSON that is not a model list: the engine's served models cannot be read from it.
+NOT_A_MODEL_LIST = [
+    b'{"object":"list","data":null}',
+    b'{"data":5}',
+    b'{"data":"tiny"}',
+    b'{"data":{"id":"tiny"}}',
+    b'{"object":"list"}',
+    b'[{"id":"tiny"}]',
+    b"null",
+]
+
+
+@pytest.mark.parametrize("body", NOT_A_MODEL_LIST)
+async def test_an_engine_whose_model_list_is_wrongly_typed_still_comes_up(engine, body, caplog):
+    """As an engine that does not answer /v1/models: up, its served models unknown (not "none")."""
+    engine.body = body
+    pools = Pools([], [engine.url])
+    async with aiohttp.ClientSession() as session:
+        models = ServedModels(pools, session, ["tiny"])
+
+        async def on_up(ep, recovering: bool) -> None:
+            await models.check(ep)
+
+        health = HealthChecker(pools, session, HealthConfig(failures_to_mark_down=1), on_up=on_up)
+        ep = pools.decode[0]
+        try:
+            with caplog.at_level(logging.DEBUG, logger="gateway.engines.modelcheck"):
+                await health.start()  # gateway startup
+                await models.check_all()  # a reload
+            assert ep.healthy and pools.ready()
+            assert ep.served_models is None and models.status()["unchecked"] == [engine.url]
+            assert any("not a model list" in r.message for r in caplog.records)
+            engine.body = None
+            await models.check(ep)
+            assert ep.served_models == frozenset({"tiny"})
+            engine.body = body
+            await models.check(ep)
+            assert ep.served_models == frozenset({"tiny"})  # what it said before stays
+        finally:
+            await health.stop()
+
+
+@pytest.mark.parametrize(
+    ("body", "served"),
+    [
+        (b'{"data":[5,"tiny",null,["tiny"]]}', frozenset()),
+        (b'{"data":[{"id":["tiny"]},{"id":5},{"id":null},{"id":{"tiny":1}}]}', frozenset()),
+        (b'{"data":[7,{"id":["x"]},{"id":"tiny","root":5,"parent":null}]}', frozenset({"tiny"})),
+    ],
+)
+async def test_wrongly_typed_model_cards_name_nothing_and_the_engine_comes_up(engine, body, served):
+    engine.body = body
+    pools = Pools([], [engine.url])
+    async with aiohttp.ClientSession() as session:
+        models = ServedModels(pools, session, ["tiny"])
+
+        async def on_up(ep, recovering: bool) -> None:
+            await models.check(ep)
+
+        health = HealthChecker(pools, session, HealthConfig(failures_to_mark_down=1), on_up=on_up)
+        ep = pools.decode[0]
+        try:
+            await health.start()
+            await models.check_all()
+        finally:
+            await health.stop()
+    assert ep.healthy and pools.ready()
+    assert ep.served_models == served and ep.adapters == {}
 
 
 async def test_a_reloaded_health_interval_applies_at_once(engine):

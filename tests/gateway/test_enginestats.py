@@ -1,6 +1,10 @@
 from __future__ import annotations
 
-from gateway.engines.enginestats import parse_stats
+import pytest
+
+from gateway.config import SignalsConfig
+from gateway.engines.enginestats import StatsScraper, parse_stats
+from gateway.engines.pools import Pools
 
 V1_PAGE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -110,3 +114,82 @@ def test_lora_slots_and_active_adapters_come_from_the_newest_lora_requests_info_
     declared = V1_PAGE + "# HELP vllm:lora_requests_info Running stats on lora requests.\n"
     declared += "# TYPE vllm:lora_requests_info gauge\n"  # LoRA on, no step run yet: no sample
     assert parse_stats(declared, at=0.0).lora and parse_stats(declared, at=0.0).lora_slots is None
+
+
+# Legal sample values in the Prometheus text format that are no usable count, usage or time, and
+# numbers too long for a float (they read as +Inf).
+UNUSABLE = [*("NaN", "+Inf", "-Inf", "1e999"), pytest.param("9" * 5000, id="5000-digits")]
+
+
+def _with_unusable(bad: str) -> str:
+    """V1_PAGE, plus a third engine core and the run's signals all reporting ``bad``."""
+    return V1_PAGE + (
+        f'vllm:num_requests_running{{engine="2",model_name="m"}} {bad}\n'
+        f'vllm:num_requests_waiting{{engine="2",model_name="m"}} {bad}\n'
+        f'vllm:kv_cache_usage_perc{{engine="2",model_name="m"}} {bad}\n'
+        f"process_start_time_seconds {bad}\n"
+        f'vllm:request_success_total{{engine="0",finished_reason="stop",model_name="m"}} {bad}\n'
+        f'vllm:prompt_tokens_cached_by_source_total{{engine="0",model_name="m",source="device"}} {bad}\n'
+    )
+
+
+@pytest.mark.parametrize("bad", UNUSABLE)
+def test_a_sample_that_is_no_finite_number_is_ignored_and_the_rest_of_the_page_read(bad):
+    st = parse_stats(_with_unusable(bad), at=1.0)
+    assert st is not None
+    assert (st.running, st.waiting, st.kv_usage, st.block_size, st.prefix_caching) == (5, 4, 0.5, 128, True)
+    assert (st.started_at, st.served, st.cached_by_source) == (None, None, None)  # as if not reported
+    assert parse_stats(f"vllm:num_requests_running {bad}\n", at=0.0) is None  # nothing usable: no stats
+
+
+def test_request_counts_summing_past_a_floats_range_are_read_as_absent():
+    page = 'vllm:num_requests_running{engine="0"} 1.7e308\nvllm:num_requests_running{engine="1"} 1.7e308\n'
+    st = parse_stats(page + "vllm:num_requests_waiting 2.0\nvllm:kv_cache_usage_perc 0.5\n", at=0.0)
+    assert st is not None and (st.running, st.waiting, st.kv_usage) == (0, 2, 0.5)
+
+
+@pytest.mark.parametrize("label", ["block_size", "num_gpu_blocks", "num_cpu_blocks", "max_lora"])
+def test_an_integer_label_too_long_to_read_is_ignored_and_the_rest_of_the_page_read(label):
+    labels = {"block_size": "16", "num_gpu_blocks": "8192", "num_cpu_blocks": "64", "max_lora": "2"}
+    labels[label] = "1" * 5000
+    page = (
+        "vllm:num_requests_running 3.0\nvllm:kv_cache_usage_perc 0.25\n"
+        f'vllm:cache_config_info{{block_size="{labels["block_size"]}",enable_prefix_caching="True",'
+        f'num_cpu_blocks="{labels["num_cpu_blocks"]}",num_gpu_blocks="{labels["num_gpu_blocks"]}"}} 1.0\n'
+        f'vllm:lora_requests_info{{max_lora="{labels["max_lora"]}",running_lora_adapters="a"}} 1.7e9\n'
+    )
+    st = parse_stats(page, at=0.0)
+    assert st is not None and (st.running, st.kv_usage, st.prefix_caching) == (3, 0.25, True)
+    got = {"block_size": st.block_size, "num_gpu_blocks": st.gpu_blocks, "num_cpu_blocks": st.cpu_blocks}
+    got["max_lora"] = st.lora_slots
+    assert got == {**{k: int(v) for k, v in labels.items() if k != label}, label: None}
+
+
+class _Page:
+    """An aiohttp response (and session) that answers ``body``."""
+
+    status = 200
+
+    def __init__(self, body: bytes) -> None:
+        self.body, self.content = body, self
+
+    def get(self, url: str, timeout: object = None) -> _Page:
+        return self
+
+    async def read(self, n: int) -> bytes:
+        return self.body
+
+    async def __aenter__(self) -> _Page:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+@pytest.mark.parametrize("bad", UNUSABLE)
+async def test_a_scrape_with_unusable_samples_reports_the_engines_other_stats(bad):
+    pools = Pools([], ["http://e:1"])
+    ep = pools.decode[0]
+    scraper = StatsScraper(pools, _Page(_with_unusable(bad).encode()), SignalsConfig())  # type: ignore[arg-type]
+    assert await scraper.scrape(ep)
+    assert ep.stats is not None and (ep.stats.running, ep.stats.waiting, ep.stats.kv_usage) == (5, 4, 0.5)

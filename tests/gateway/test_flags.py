@@ -91,6 +91,35 @@ def test_no_engine_telling_the_context_length_is_one_line(capsys):
 
 
 @pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (b'{"object":"list","data":null}', "http://d1:8000: not a model list"),
+        (b'{"data":5}', "http://d1:8000: not a model list"),
+        (b'{"data":"m"}', "http://d1:8000: not a model list"),
+        (b'{"data":{"id":"m","max_model_len":8}}', "http://d1:8000: not a model list"),
+        (b'[{"id":"m","max_model_len":8}]', "http://d1:8000: not a model list"),
+        (b"null", "http://d1:8000: not a model list"),
+        (b'{"data":[{"id":["m"],"max_model_len":8}]}', "http://d1:8000 serves []"),
+        (b'{"data":[{"id":{"m":1}},{"id":null},5,"m"]}', "http://d1:8000 serves []"),
+        (b'{"data":[{"id":"m","max_model_len":true}]}', "http://d1:8000 does not say its max_model_len"),
+    ],
+)
+@respx.mock
+def test_a_wrongly_typed_model_list_is_an_engine_that_did_not_tell(capsys, body, says):
+    """Valid JSON of the wrong shape: the next engine is asked, and if none tells, one line."""
+    respx.get("http://d1:8000/v1/models").mock(return_value=httpx.Response(200, content=body))
+    respx.get("http://d2:8000/v1/models").mock(
+        return_value=httpx.Response(200, json={"data": [{"id": "m", "max_model_len": 32768}]})
+    )
+    cfg = printed(capsys, "--decode", "http://d1:8000", "--decode", "http://d2:8000", "--model", "m")
+    assert cfg["models"][0]["max_model_len"] == 32768
+    assert main(["serve", "--decode", "http://d1:8000", "--model", "m"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert says in err and "pass --max-model-len" in err, err
+
+
+@pytest.mark.parametrize(
     ("argv", "says"),
     [
         (["--decode", "ftp://d:1", "--model", "m"], "--decode: endpoint 'ftp://d:1' must be an http(s) URL"),

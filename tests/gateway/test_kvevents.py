@@ -601,6 +601,44 @@ async def test_a_refused_batch_drops_the_engines_entries(ctx: zmq.asyncio.Contex
         await engine.close()
 
 
+DEEP = msgspec.Raw(b"\x91" * 5000 + b"\xc0")  # [[[...[nil]...]]] 5000 deep: past the interpreter's recursion limit
+
+
+def test_nesting_past_the_recursion_limit_is_a_decode_error() -> None:
+    """msgspec raises RecursionError for such nesting, even in a field left raw: a malformed
+    batch like any other, not an exception the subscriber does not expect."""
+    dec = BatchDecoder(tokens_per_block=4)
+    for payload in [
+        DEEP,  # the whole payload
+        msgspec.msgpack.encode([DEEP, []]),  # ts
+        msgspec.msgpack.encode([1.0, [{"type": "Unknown", "x": DEEP}]]),  # a field of an unknown event
+        msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [1], "extra_keys": DEEP}]]),
+    ]:
+        with pytest.raises(DecodeError):
+            dec.decode(payload)
+
+
+async def test_a_deeply_nested_batch_is_refused_and_the_feed_goes_on(
+    ctx: zmq.asyncio.Context, ports: tuple[int, int]
+) -> None:
+    engine, sub, index = await connected_pair(ctx, ports)
+    try:
+        await engine.publish(stored([1, 2]))
+        await until(lambda: index.match([1, 2]) == {URL: 2})
+        replays = list(engine.replay_requests)  # the connect's
+        bad = msgspec.msgpack.encode([1.0, [{"type": "BlockRemoved", "block_hashes": [1]}, {"type": "X", "x": DEEP}]])
+        await engine.pub.send_multipart([TOPIC.encode(), (1).to_bytes(8, "big"), bad])
+        engine.seq = 2
+        await until(lambda: sub.counters.decode_errors == 1)
+        assert index.stats().precise == 0  # refused: its removals may be lost, so the entries go
+        await engine.publish(stored([3]))
+        await until(lambda: index.match([3]) == {URL: 1})
+        assert sub.counters.gaps == 0 and engine.replay_requests == replays  # its number counts as seen
+    finally:
+        await sub.stop()
+        await engine.close()
+
+
 async def test_a_large_batch_is_applied_in_slices(
     ctx: zmq.asyncio.Context, ports: tuple[int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:

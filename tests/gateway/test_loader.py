@@ -30,6 +30,7 @@ class Engine:
         self.load_calls = 0
         self.delay = 0.0
         self.fail: tuple[int, str] | None = None
+        self.fail_body: bytes | None = None  # an error answer's body as it is (status from ``fail``)
 
     async def serve(self) -> str:
         async def load(request: web.Request) -> web.Response:
@@ -39,7 +40,8 @@ class Engine:
             if self.fail is not None:
                 status, message = self.fail
                 error = {"error": {"message": message, "type": "NotFoundError", "param": None, "code": status}}
-                return web.Response(status=status, body=orjson.dumps(error), content_type="application/json")
+                raw = self.fail_body if self.fail_body is not None else orjson.dumps(error)
+                return web.Response(status=status, body=raw, content_type="application/json")
             if body["lora_name"] in self.loaded:
                 msg = f"The lora adapter '{body['lora_name']}' has already been loaded."
                 return web.json_response(
@@ -103,6 +105,27 @@ async def test_a_load_that_fails_is_a_clear_error_and_the_next_request_tries_aga
     engine.fail = None
     await loader.ensure([ep], A)
     assert engine.loaded == {"adpA": "/adapters/adpA"}
+
+
+@pytest.mark.parametrize(
+    ("body", "shown"),
+    [
+        (b'{"error":"engine out of LoRA slots"}', "engine out of LoRA slots"),  # a bare string
+        (b'{"error":null}', '{"error":null}'),  # no message: the body as it is
+        (b'{"error":{"message":5}}', '{"error":{"message":5}}'),
+        (b"[1]", "[1]"),
+        (b'{"detail":"Internal Server Error"}', "Internal Server Error"),
+    ],
+)
+async def test_a_failed_load_with_any_error_body_is_a_clear_error(setup, body, shown):
+    """Whatever the engine's error body, the request gets AdapterUnavailable (its 503), never another
+    exception (a 500)."""
+    engine, pools, session = setup
+    engine.fail, engine.fail_body = (500, ""), body
+    loader = _loader(pools, session)
+    with pytest.raises(AdapterUnavailable, match=r"could not be loaded .*\(HTTP 500\)") as info:
+        await loader.ensure([pools.decode[0]], A)
+    assert shown in str(info.value) and loader.loads["failed"] == 1
 
 
 async def test_a_request_waits_no_longer_than_the_load_timeout(setup):

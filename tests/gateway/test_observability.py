@@ -256,6 +256,34 @@ def test_token_events_are_counted_by_event_boundaries_however_the_reads_split():
         assert rec.output_tokens == 3
 
 
+@pytest.mark.parametrize(
+    "count", [b"NaN", b"Infinity", b"-Infinity", b"1e999", pytest.param(b"9" * 5000, id="5000-digits")]
+)
+def test_a_usage_count_that_is_no_readable_integer_is_left_unset_and_the_stream_relayed(count):
+    """The byte-for-byte relay never parses the engine's JSON: a count it cannot read (NaN, an
+    exponent, more digits than int() takes) is not counted, and the stream still goes out whole."""
+    from gateway.request.answer_relay import Outcome, _Relayed
+
+    usage = b'"usage":{"prompt_tokens":2,"completion_tokens":%b,"prompt_tokens_details":{"cached_tokens":%b}}'
+    usage %= (count, count)
+    events = [
+        sse(chunk("a"))[: -len(b"data: [DONE]\n\n")],
+        b'data: {"id":"x","choices":[],' + usage + b"}\n\n",
+        b"data: [DONE]\n\n",
+    ]
+    got: list[bytes] = []
+    writer = type("W", (), {"drained": None, "write": staticmethod(lambda data: got.append(data) or True)})()
+    rec, outcome = RequestRecord("r", "completion"), Outcome()
+    sink = _Relayed(writer, rec, outcome)  # type: ignore[arg-type]
+    for event in events:
+        assert sink.write(event)
+    assert got == events and outcome.answered
+    assert rec.output_tokens is None and rec.cached_tokens is None and rec.token_events == 1
+    whole = RequestRecord("r", "completion")
+    whole.sent_body(b'{"id":"x","choices":[{"text":"a"}],' + usage + b"}")
+    assert whole.output_tokens is None and whole.cached_tokens is None
+
+
 def test_pool_signals_drop_stale_engine_reports_and_removed_endpoints():
     pools = Pools(["http://p:1"], ["http://d:1", "http://d:2"], stats_max_age_s=5.0)
     metrics = GatewayMetrics(pools)
