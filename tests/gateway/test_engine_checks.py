@@ -5,6 +5,7 @@ probed (a reloaded interval applies at once). Real HTTP on loopback; the engines
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
@@ -151,10 +152,9 @@ NOT_A_MODEL_LIST = [
 ]
 
 
-@pytest.mark.parametrize("body", NOT_A_MODEL_LIST)
-async def test_an_engine_whose_model_list_is_wrongly_typed_still_comes_up(engine, body, caplog):
-    """As an engine that does not answer /v1/models: up, its served models unknown (not "none")."""
-    engine.body = body
+@contextlib.asynccontextmanager
+async def _checked_on_up(engine):
+    """Pools with ``engine``, whose served models are asked as it comes up (as the gateway does)."""
     pools = Pools([], [engine.url])
     async with aiohttp.ClientSession() as session:
         models = ServedModels(pools, session, ["tiny"])
@@ -163,22 +163,30 @@ async def test_an_engine_whose_model_list_is_wrongly_typed_still_comes_up(engine
             await models.check(ep)
 
         health = HealthChecker(pools, session, HealthConfig(failures_to_mark_down=1), on_up=on_up)
-        ep = pools.decode[0]
         try:
-            with caplog.at_level(logging.DEBUG, logger="gateway.engines.modelcheck"):
-                await health.start()  # gateway startup
-                await models.check_all()  # a reload
-            assert ep.healthy and pools.ready()
-            assert ep.served_models is None and models.status()["unchecked"] == [engine.url]
-            assert any("not a model list" in r.message for r in caplog.records)
-            engine.body = None
-            await models.check(ep)
-            assert ep.served_models == frozenset({"tiny"})
-            engine.body = body
-            await models.check(ep)
-            assert ep.served_models == frozenset({"tiny"})  # what it said before stays
+            yield pools, models, health
         finally:
             await health.stop()
+
+
+@pytest.mark.parametrize("body", NOT_A_MODEL_LIST)
+async def test_an_engine_whose_model_list_is_wrongly_typed_still_comes_up(engine, body, caplog):
+    """As an engine that does not answer /v1/models: up, its served models unknown (not "none")."""
+    engine.body = body
+    async with _checked_on_up(engine) as (pools, models, health):
+        ep = pools.decode[0]
+        with caplog.at_level(logging.DEBUG, logger="gateway.engines.modelcheck"):
+            await health.start()  # gateway startup
+            await models.check_all()  # a reload
+        assert ep.healthy and pools.ready()
+        assert ep.served_models is None and models.status()["unchecked"] == [engine.url]
+        assert any("not a model list" in r.message for r in caplog.records)
+        engine.body = None
+        await models.check(ep)
+        assert ep.served_models == frozenset({"tiny"})
+        engine.body = body
+        await models.check(ep)
+        assert ep.served_models == frozenset({"tiny"})  # what it said before stays
 
 
 @pytest.mark.parametrize(
@@ -191,20 +199,10 @@ async def test_an_engine_whose_model_list_is_wrongly_typed_still_comes_up(engine
 )
 async def test_wrongly_typed_model_cards_name_nothing_and_the_engine_comes_up(engine, body, served):
     engine.body = body
-    pools = Pools([], [engine.url])
-    async with aiohttp.ClientSession() as session:
-        models = ServedModels(pools, session, ["tiny"])
-
-        async def on_up(ep, recovering: bool) -> None:
-            await models.check(ep)
-
-        health = HealthChecker(pools, session, HealthConfig(failures_to_mark_down=1), on_up=on_up)
+    async with _checked_on_up(engine) as (pools, models, health):
         ep = pools.decode[0]
-        try:
-            await health.start()
-            await models.check_all()
-        finally:
-            await health.stop()
+        await health.start()
+        await models.check_all()
     assert ep.healthy and pools.ready()
     assert ep.served_models == served and ep.adapters == {}
 
