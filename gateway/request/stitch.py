@@ -159,15 +159,18 @@ class Answer:
             self._last = last = (self._last + data)[-len(DONE) - 2 :]
             self.done = last.endswith(DONE) or (b"\r" in last and sse.normalize(last).endswith(DONE))
             return data
-        shape = self._shape
+        shape, tried = self._shape, False
         if shape is not None and self.finish is None and self._events.idle and data.endswith(b"\n\n"):
             read = shape.read(data, len(data) - 2)  # the usual read: one token event of the shape
             if read is not None:
                 return self._shaped(data, read)
+            tried = True
+        events = self._events.feed(data)
+        try_shape = not tried or len(events) != 1  # the one event of the read is not of the shape
         parts = []
-        for event in self._events.feed(data):
+        for event in events:
             try:
-                parts.append(self._event(event))
+                parts.append(self._event(event, try_shape))
             except (Broken, Diverged) as err:
                 self.failure = err
                 return b"".join(parts)
@@ -207,8 +210,8 @@ class Answer:
             return event if event.endswith(b"\n\n") else event + b"\n\n"
         return event[:cut] + self._shape.stripped  # type: ignore[union-attr]
 
-    def _event(self, event: bytes) -> bytes:
-        shape = self._shape
+    def _event(self, event: bytes, try_shape: bool) -> bytes:
+        shape = self._shape if try_shape else None
         if shape is not None and self.finish is None:
             read = shape.read(event, len(event))
             if read is not None:
@@ -272,14 +275,18 @@ class Answer:
             if self._learn and self._shape is None and self.part == 0:
                 self._learn -= 1
                 self._shape = TokenShape.learn(self.kind, obj, raw)
-            if self._took(c, text) and not self.wants_ids:
+            ids = c.get("token_ids")
+            if ids.__class__ is list and not self.wants_ids:
                 c["token_ids"] = None
                 changed = True
+        # What goes out is made before the event's tokens are recorded: JSON that orjson reads but
+        # cannot write (nested past 254 levels) then fails the event with nothing of it kept.
+        out = b"data: " + (orjson.dumps(obj) if changed else raw) + b"\n\n" if self.stream else b""
+        if choices:
+            self._took(c, text, ids)
         if len(obj) > 5:  # beyond id, object, created, model, choices: usage and the like
             self._observe(obj)
-        if not self.stream:
-            return b""
-        return b"data: " + (orjson.dumps(obj) if changed else raw) + b"\n\n"
+        return out
 
     def _continued(self, obj: dict[str, Any]) -> bytes:
         """An event of a continuation (a completions stream), rewritten as the client's."""
@@ -301,14 +308,23 @@ class Answer:
         engine_text = c.get("text") or ""
         if engine_text.__class__ is not str:
             raise Broken("bad_event", _NOT_OPENAI)
+        if obj.get("usage") is not None and obj["usage"].__class__ is not dict:
+            raise Broken("bad_event", _NOT_OPENAI)
         text = self._reproduced(engine_text)
-        ids = self._reproduced_ids(c["token_ids"]) if self._took(c, text) else None
+        engine_ids = c.get("token_ids")
+        ids = self._reproduced_ids(engine_ids) if engine_ids.__class__ is list else None
         if fr is not None and (self._skip_text or self._skip_ids):
             raise Diverged("the continuation ended before it reproduced what the client has")
+        event = self._rewritten(obj, c, text, ids, reproduced=bool(engine_text) and not text)
+        self._took(c, text, engine_ids)  # once what goes out is made (see _first)
         self._observe(obj)
+        return event
+
+    def _rewritten(self, obj: dict[str, Any], c: dict[str, Any], text: str, ids: Any, reproduced: bool) -> bytes:
+        """A continuation's token event as the client's (nothing when it says nothing new)."""
+        fr = c.get("finish_reason")
         # An event whose text the client already has says nothing new, its continuous usage included
         # (the next event's counts cover it): kept, it would repeat a count the client was sent.
-        reproduced = bool(engine_text) and not text
         if not self.stream or (
             not text and fr is None and not (self.wants_ids and ids) and ("usage" not in obj or reproduced)
         ):
@@ -321,7 +337,7 @@ class Answer:
             choice["token_ids"] = shown_ids
         else:
             choice = {**c, "text": text, "prompt_token_ids": None, "token_ids": shown_ids}
-        out = {**head, "choices": [choice]}
+        out = {**(self._head or {}), "choices": [choice]}
         if obj.get("usage") is not None:
             out["usage"] = self._usage(obj["usage"])
             if self.kind == "chat":
@@ -330,14 +346,13 @@ class Answer:
             out["system_fingerprint"] = obj["system_fingerprint"]
         return _sse(out)
 
-    def _took(self, choice: dict[str, Any], text: str) -> bool:
-        """A token event: its ids (True when it has them), the text it sends, its finish."""
-        ids, fr = choice.get("token_ids"), choice.get("finish_reason")
-        has_ids = ids.__class__ is list
-        if has_ids:
+    def _took(self, choice: dict[str, Any], text: str, ids: Any) -> None:
+        """A token event: its ids (the engine's ``token_ids``), the text it sends, its finish."""
+        fr = choice.get("finish_reason")
+        if ids.__class__ is list:
             kept = len(self.ids)
             try:
-                self.ids.extend(ids)  # type: ignore[arg-type]
+                self.ids.extend(ids)
             except (OverflowError, TypeError):  # not token ids (a float, a negative, over 2**32)
                 del self.ids[kept:]
                 raise Broken("bad_event", "the decode engine sent a token id that is not one") from None
@@ -347,7 +362,6 @@ class Answer:
             self._sent(text)
         if fr is not None:
             self.finish = (fr, choice.get("stop_reason"))
-        return has_ids
 
     # -- what the client has ---------------------------------------------------------------------------
 

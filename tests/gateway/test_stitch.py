@@ -323,3 +323,30 @@ def test_json_not_of_the_openai_shape_is_a_bad_event_that_records_nothing(choice
     a.check()
     a.ended()
     assert a.done and (a.whole() if not client_streams else a.close())
+
+
+_DEEP = b"[" * 300 + b"]" * 300  # JSON orjson reads (1,024 levels) but cannot write (254)
+
+
+@pytest.mark.parametrize(
+    ("part", "bad"),
+    [
+        (0, b'[{"index":0,"text":"XYZ","logprobs":null,"finish_reason":null,"token_ids":[9],"x":%s}]' % _DEEP),
+        (1, b'[{"index":0,"text":"XYZ","logprobs":null,"finish_reason":null,"token_ids":[9],"x":%s}]' % _DEEP),
+        # a continuation's usage is rewritten (the first part's goes as the engine sent it)
+        (1, b'[{"index":0,"text":"XYZ","logprobs":null,"finish_reason":null,"token_ids":[9]}],"usage":"bogus"'),
+    ],
+)
+def test_an_event_that_cannot_be_sent_on_records_nothing_of_its_tokens(part, bad):
+    """What goes to the client is made before the event's tokens are recorded: an event that fails
+    there leaves no id or text behind, which a continuation would otherwise resume after."""
+    a = answer("completion", prompt=[1])
+    a.feed(_CHUNK % (b'[{"index":0,"text":"hi","logprobs":null,"finish_reason":null,"token_ids":[7]}]', b""))
+    a.check()
+    if part:
+        a.resume(1, "")
+    a.feed(_CHUNK % (bad, b""))
+    with pytest.raises(Broken) as err:
+        a.check()
+    assert err.value.cause == "bad_event"
+    assert (a.ids.tolist(), a.text_len, a.tail(a.tail_chars), a.finish) == ([7], 2, "hi", None)
