@@ -14,7 +14,7 @@ from __future__ import annotations
 def normalize(buf: bytes) -> bytes:
     """``buf`` with its CRLF and CR line ends made LF (only needed where ``b"\\r" in buf``). A
     ``\\r`` that ends a read may be half of a CRLF: a reader of pieces drops the LF that may begin
-    the next one (gateway/request/stitch.py's ``Events``)."""
+    the next one (``Events``)."""
     return buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
 
 
@@ -45,3 +45,49 @@ def payloads(buf: bytes, *, arriving: bool = False) -> list[bytes]:
     if not arriving:
         parts.pop()
     return [p for p in map(data, parts) if p is not None]
+
+
+class Events:
+    """Complete server-sent events out of bytes as they arrive: an event may span reads and a read
+    may hold several (the migratable relay's reader, gateway/request/stitch.py). ``limit`` bounds
+    the bytes one event may take while incomplete."""
+
+    __slots__ = ("_buf", "_cr", "_limit", "oversized")
+
+    def __init__(self, limit: int) -> None:
+        self._buf = b""
+        self._cr = False
+        self._limit = limit
+        self.oversized = False  # an incomplete event went past ``limit``: the stream is broken
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The events ``data`` completes (LF line ends, as ``normalize`` makes them). An incomplete
+        one past ``limit`` ends the stream: ``oversized`` (the whole events before it are still
+        returned, for the client to have)."""
+        buf = self._buf + data if self._buf else data
+        if buf.endswith(b"\n\n") and buf.count(b"\n\n") == 1 and not self._cr:
+            self._buf = b""  # the usual read: one whole event (a CRLF one never ends so)
+            return [buf[:-2]]
+        if self._cr:  # the last read ended in CR, made LF: an LF now is the rest of its CRLF
+            self._cr = False
+            if data.startswith(b"\n"):
+                buf = self._buf + data[1:]
+        if b"\r" in buf:  # CRLF or CR line ends (a hop in front of the engine): made LF
+            self._cr = buf.endswith(b"\r")
+            buf = normalize(buf)
+        parts = buf.split(b"\n\n")
+        self._buf = parts.pop()
+        if len(self._buf) > self._limit:
+            self._buf = b""
+            self.oversized = True
+        return [p for p in parts if p.strip()]
+
+    @property
+    def idle(self) -> bool:
+        """Nothing held: the next read starts an event."""
+        return not self._buf and not self._cr
+
+    def rest(self) -> bytes:
+        """What is held of an incomplete event, given up (the reader stops splitting)."""
+        rest, self._buf = self._buf, b""
+        return rest

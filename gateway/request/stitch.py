@@ -47,51 +47,6 @@ class Diverged(Exception):
     """A continuation's first text is not the text the client already has (sampling differed)."""
 
 
-class Events:
-    """Complete server-sent events out of bytes as they arrive: an event may span reads and a read
-    may hold several. ``limit`` bounds the bytes one event may take while incomplete."""
-
-    __slots__ = ("_buf", "_cr", "_limit", "oversized")
-
-    def __init__(self, limit: int) -> None:
-        self._buf = b""
-        self._cr = False
-        self._limit = limit
-        self.oversized: Broken | None = None
-
-    def feed(self, data: bytes) -> list[bytes]:
-        """The events ``data`` completes (LF line ends: see gateway/engines/sse.py). An incomplete
-        one past ``limit`` ends the stream: ``oversized`` (the whole events before it are still
-        returned, for the client to have)."""
-        buf = self._buf + data if self._buf else data
-        if buf.endswith(b"\n\n") and buf.count(b"\n\n") == 1 and not self._cr:
-            self._buf = b""  # the usual read: one whole event (a CRLF one never ends so)
-            return [buf[:-2]]
-        if self._cr:  # the last read ended in CR, made LF: an LF now is the rest of its CRLF
-            self._cr = False
-            if data.startswith(b"\n"):
-                buf = self._buf + data[1:]
-        if b"\r" in buf:  # CRLF or CR line ends (a hop in front of the engine): made LF
-            self._cr = buf.endswith(b"\r")
-            buf = sse.normalize(buf)
-        parts = buf.split(b"\n\n")
-        self._buf = parts.pop()
-        if len(self._buf) > self._limit:
-            self._buf = b""
-            self.oversized = Broken("bad_event", f"an engine stream event is over {self._limit} bytes")
-        return [p for p in parts if p.strip()]
-
-    @property
-    def idle(self) -> bool:
-        """Nothing held: the next read starts an event."""
-        return not self._buf and not self._cr
-
-    def rest(self) -> bytes:
-        """What is held of an incomplete event, given up (the reader stops splitting)."""
-        rest, self._buf = self._buf, b""
-        return rest
-
-
 class Answer:
     """What the client of one migratable request has been sent, and the rewriting of the engine
     events that make it.
@@ -142,7 +97,7 @@ class Answer:
         self._skip_text = ""  # text the current part must reproduce first (the client has it)
         self._skip_ids: list[int] = []  # ... and token ids, for a client that asked for them
         self.max_event_bytes = max_event_bytes
-        self._events = Events(max_event_bytes)
+        self._events = sse.Events(max_event_bytes)
         self._raw = False
         self._last = b""  # relayed raw: the last bytes, where [DONE] shows
         self.failure: Broken | Diverged | None = None  # what ended the last feed (see ``check``)
@@ -174,8 +129,8 @@ class Answer:
             except (Broken, Diverged) as err:
                 self.failure = err
                 return b"".join(parts)
-        if self._events.oversized is not None:  # after the whole events before it
-            self.failure = self._events.oversized
+        if self._events.oversized:  # after the whole events before it
+            self.failure = Broken("bad_event", f"an engine stream event is over {self.max_event_bytes} bytes")
             return b"".join(parts)
         out = parts[0] if len(parts) == 1 else b"".join(parts)
         if self.unresumable == "no_token_ids" and self.stream and not self.part:
@@ -478,7 +433,7 @@ class Answer:
         self.finish = None
         self._shape = None  # a continuation's events are rewritten, not of the first part's shape
         self._learn = 0
-        self._events = Events(self.max_event_bytes)
+        self._events = sse.Events(self.max_event_bytes)
         self._usage_seen = None
 
     def _reproduced(self, text: str) -> str:

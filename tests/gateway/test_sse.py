@@ -36,3 +36,10 @@ def test_the_data_of_whole_events_in_any_framing():
     assert sse.payloads(b": hi\n\ndata: 1\n\ndata: 2", arriving=True) == [b"1", b"2"]
     assert sse.payloads(b"data: 1\r\n\r\n: ka\r\n\r\ndata: 2\r\n") == [b"1"]  # one line end: not whole
     assert sse.payloads(b"data: 1\r\n\r\ndata: 2\r\n\r") == [b"1", b"2"]  # CR after a line end: a blank line
+
+
+def test_an_event_is_bounded_while_incomplete():
+    events = sse.Events(limit=100)
+    assert events.feed(b"data: {}\n\ndata: {") == [b"data: {}"] and not events.oversized
+    assert events.feed(b"x" * 200) == []
+    assert events.oversized

@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from gateway.request.stitch import Answer, Broken, Events
+from gateway.request.stitch import Answer, Broken
 
 STREAMS = Path(__file__).parent / "vllm_streams"  # captured from vLLM 0.32.0 (see its README)
 
@@ -30,6 +30,7 @@ def answer(
     prompt=CHAT_PROMPT,
     limit: int = 1 << 20,
     continuous: bool = False,
+    shapes: bool = True,
 ) -> Answer:
     return Answer(
         kind,  # type: ignore[arg-type]
@@ -39,6 +40,7 @@ def answer(
         continuous=continuous,
         prompt=prompt,
         max_event_bytes=limit,
+        shapes=shapes,
     )
 
 
@@ -198,10 +200,13 @@ def test_a_stream_that_ends_before_done_is_broken():
 
 
 def test_an_event_is_bounded():
-    events = Events(limit=100)
-    assert events.feed(b"data: {}\n\ndata: {") == [b"data: {}"] and events.oversized is None
-    assert events.feed(b"x" * 200) == []
-    assert events.oversized is not None and events.oversized.cause == "bad_event"
+    a = answer(limit=100)
+    a.feed(b"data: {}\n\ndata: {")
+    a.check()
+    a.feed(b"x" * 200)
+    with pytest.raises(Broken) as err:
+        a.check()
+    assert err.value.cause == "bad_event"
 
 
 def test_an_event_over_the_bound_breaks_the_stream_after_the_whole_ones_before_it():

@@ -14,6 +14,7 @@ import pytest
 
 from gateway.request.stitch import Answer, Broken, Diverged
 from gateway.request.token_shape import TokenShape
+from tests.gateway.test_stitch import answer as stitched
 
 STREAMS = Path(__file__).parent / "vllm_streams"  # captured from vLLM 0.32.0 (see its README)
 CHAT = (STREAMS / "chat-token-ids.sse").read_bytes()
@@ -51,16 +52,7 @@ def stream(kind: str, texts: list[str], ids: list[list[int]] | None = None) -> b
 
 
 def answer(kind: str, shapes: bool, *, stream: bool = True, wants_ids: bool = False) -> Answer:
-    return Answer(
-        kind,  # type: ignore[arg-type]
-        stream=stream,
-        wants_ids=wants_ids,
-        usage=True,
-        continuous=False,
-        prompt=PROMPTS[kind],
-        max_event_bytes=1 << 20,
-        shapes=shapes,
-    )
+    return stitched(kind, stream=stream, wants_ids=wants_ids, prompt=PROMPTS[kind], shapes=shapes)
 
 
 def run(a: Answer, reads: list[bytes]) -> tuple[list[bytes], str | None]:
